@@ -1,0 +1,3 @@
+from execserver.cli import main
+
+main()

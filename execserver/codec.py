@@ -1,0 +1,212 @@
+"""Bytes <-> JSON-RPC messages, in one place for every transport.
+
+- :class:`LineFramer` cuts a newline-delimited byte stream into lines. It
+  keeps partial lines as a list of pieces and joins them once, so a large
+  message arriving in many small reads costs linear time (Twisted's
+  ``LineReceiver`` re-concatenates its whole buffer on every read, which is
+  quadratic for multi-megabyte lines). An over-long line is reported as soon
+  as it crosses the limit and then skipped up to its newline; the stream
+  stays usable.
+- :func:`decode_message` turns one message's bytes into a typed incoming
+  message or raises :class:`FramingError` carrying the JSON-RPC error to
+  send back (with ``"id": null`` unless an id could be read).
+- :func:`decode_params` decodes a request's params into its wire type.
+- :func:`encode` renders any wire value; output never carries ``"jsonrpc"``.
+"""
+
+from __future__ import annotations
+
+from typing import Final, TypeVar
+
+import attrs
+import msgspec
+
+from execserver import protocol
+from execserver.errors import RpcError
+
+T = TypeVar("T")
+
+
+class Oversized:
+    """Marker yielded by :class:`LineFramer` for a line longer than the limit."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OVERSIZED"
+
+
+OVERSIZED: Final = Oversized()
+
+
+class LineFramer:
+    """Incremental NDJSON splitter.
+
+    :meth:`feed` returns, in stream order, each complete non-blank line
+    (without its ``\\n`` or a trailing ``\\r``) or :data:`OVERSIZED` once for
+    every line whose length exceeds ``max_line_bytes``.
+    """
+
+    __slots__ = ("_discarding", "_max", "_pending", "_pieces")
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self._max = max_line_bytes
+        self._pieces: list[bytes] = []
+        self._pending = 0
+        self._discarding = False
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of an incomplete line held in memory."""
+        return self._pending
+
+    def feed(self, data: bytes) -> list[bytes | Oversized]:
+        out: list[bytes | Oversized] = []
+        start = 0
+        size = len(data)
+        find = data.find
+        while start < size:
+            nl = find(b"\n", start)
+            if nl < 0:
+                break
+            if self._discarding:
+                self._discarding = False
+            else:
+                if self._pieces:
+                    self._pieces.append(data[start:nl])
+                    line = b"".join(self._pieces)
+                    self._pieces = []
+                    self._pending = 0
+                else:
+                    line = data[start:nl]
+                self._emit(line, out)
+            start = nl + 1
+        if start < size and not self._discarding:
+            rest = data[start:] if start else data
+            self._pending += len(rest)
+            if self._pending > self._max:
+                out.append(OVERSIZED)
+                self._pieces = []
+                self._pending = 0
+                self._discarding = True
+            else:
+                self._pieces.append(rest)
+        return out
+
+    def finish(self) -> list[bytes | Oversized]:
+        """End of stream: a final line without a newline still counts."""
+        out: list[bytes | Oversized] = []
+        if self._pieces and not self._discarding:
+            self._emit(b"".join(self._pieces), out)
+        self._pieces = []
+        self._pending = 0
+        self._discarding = False
+        return out
+
+    def _emit(self, line: bytes, out: list[bytes | Oversized]) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if len(line) > self._max:
+            out.append(OVERSIZED)
+        elif line and not line.isspace():
+            out.append(line)
+
+
+# --- incoming messages --------------------------------------------------------
+
+
+@attrs.frozen
+class IncomingRequest:
+    id: protocol.RequestId
+    method: str
+    params: msgspec.Raw | None
+
+
+@attrs.frozen
+class IncomingNotification:
+    method: str
+    params: msgspec.Raw | None
+
+
+@attrs.frozen
+class IncomingResponse:
+    """A response or error sent by the client: always a protocol violation here."""
+
+    id: protocol.RequestId | None
+    is_error: bool
+
+
+Incoming = IncomingRequest | IncomingNotification | IncomingResponse
+
+
+class FramingError(Exception):
+    """A message that cannot be interpreted; ``error`` is what to answer."""
+
+    def __init__(self, error: RpcError, request_id: protocol.RequestId | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.request_id = request_id
+
+
+class _Envelope(msgspec.Struct):
+    id: int | str | msgspec.UnsetType | None = msgspec.UNSET
+    method: str | msgspec.UnsetType = msgspec.UNSET
+    params: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    result: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    error: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    jsonrpc: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_envelope_decoder: Final = msgspec.json.Decoder(_Envelope)
+_any_decoder: Final = msgspec.json.Decoder()
+
+
+def decode_message(data: bytes | str) -> Incoming:
+    """Classify one JSON-RPC message the way the reference does."""
+    try:
+        env = _envelope_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise FramingError(RpcError.invalid_request(f"invalid JSON-RPC message: {exc}")) from None
+    except msgspec.DecodeError as exc:
+        raise FramingError(RpcError(protocol.PARSE_ERROR, f"parse error: {exc}")) from None
+
+    has_id = env.id is not msgspec.UNSET
+    msg_id = env.id if isinstance(env.id, int | str) else None
+    if isinstance(env.method, str):
+        params = env.params if isinstance(env.params, msgspec.Raw) else None
+        if not has_id:
+            return IncomingNotification(env.method, params)
+        if msg_id is None:
+            raise FramingError(
+                RpcError.invalid_request(
+                    "invalid JSON-RPC message: request id must be an integer or a string"
+                )
+            )
+        return IncomingRequest(msg_id, env.method, params)
+    if has_id and env.result is not msgspec.UNSET:
+        return IncomingResponse(msg_id, is_error=False)
+    if has_id and env.error is not msgspec.UNSET:
+        return IncomingResponse(msg_id, is_error=True)
+    raise FramingError(
+        RpcError.invalid_request(
+            "invalid JSON-RPC message: expected a request, a notification or a response"
+        ),
+        msg_id,
+    )
+
+
+def decode_params(raw: msgspec.Raw | None, params_type: type[T]) -> T:
+    """Decode request params; a mismatch is ``-32602`` naming the field."""
+    try:
+        return msgspec.json.decode(raw if raw is not None else b"null", type=params_type)
+    except msgspec.DecodeError as exc:
+        raise RpcError.invalid_params(str(exc)) from None
+
+
+_encoder: Final = msgspec.json.Encoder()
+encode: Final = _encoder.encode
+
+
+def encode_line(value: object) -> bytes:
+    """Encode one message followed by ``\\n``."""
+    return _encoder.encode(value) + b"\n"

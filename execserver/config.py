@@ -1,0 +1,27 @@
+"""Server settings, with the defaults documented in extensions.md §5."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+
+MiB: Final = 1024 * 1024
+
+
+@attrs.frozen
+class ServerConfig:
+    #: Output kept per process for ``process/read`` (oldest chunks dropped first).
+    retained_output_bytes: int = 1 * MiB
+    #: How long an exited process id stays reserved and readable.
+    exit_retention_ms: int = 30_000
+    #: SIGTERM -> SIGKILL escalation delay for terminate, disconnect and shutdown.
+    terminate_grace_ms: int = 2_000
+    #: Running processes per session; a start beyond it is refused.
+    max_processes: int = 1024
+    #: Largest accepted line (stdio) or message (WebSocket).
+    max_message_bytes: int = 128 * MiB
+    #: Unsent output per connection above which child pipes stop being read.
+    output_high_water_bytes: int = 2 * MiB
+    #: Bytes of pending stdin per process above which ``process/write`` is refused.
+    max_stdin_buffer_bytes: int = 16 * MiB

@@ -1,0 +1,313 @@
+"""The transport-agnostic JSON-RPC dispatcher.
+
+A :class:`Dispatcher` is shared by every listener; each transport connection
+gets a :class:`Connection` from :meth:`Dispatcher.connect` and hands it one
+message's bytes at a time. The connection decodes the envelope, routes by
+method (unknown method -> ``-32600``, bad params -> ``-32602`` before any
+state check, as the reference does), gates on the handshake, runs the
+handler and writes the response by id. Handlers may return a value or a
+Deferred, so requests on one connection run concurrently and responses go
+out in completion order.
+
+The dispatcher knows nothing of sockets or pipes: a transport implements
+:class:`Outbound` (write one encoded message, close) and calls
+:meth:`Connection.message_received`, :meth:`Connection.oversized_message`
+and :meth:`Connection.shutdown`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from execserver import __version__, codec
+from execserver import protocol as p
+from execserver.config import ServerConfig
+from execserver.errors import RpcError
+from execserver.session import Session
+from execserver.spawn import Spawner
+
+log = Logger()
+
+
+class Outbound(Protocol):
+    """What a transport offers the dispatcher."""
+
+    def write_message(self, data: bytes) -> None:
+        """Send one encoded JSON-RPC message (the transport adds framing)."""
+
+    def close_connection(self) -> None:
+        """Close the connection (after flushing what was written)."""
+
+
+Handler = Callable[["Connection", Any], Any]
+
+
+@attrs.frozen
+class Route:
+    params_type: type[Any]
+    handler: Handler
+    #: Handshake family named in "client must ... before using X methods";
+    #: None for methods usable before the handshake completes.
+    family: str | None
+
+
+@attrs.define
+class Stats:
+    """Counters for /metrics."""
+
+    connections_opened: int = 0
+    connections_active: int = 0
+    requests: Counter[tuple[str, str]] = attrs.Factory(Counter)
+    output_bytes: Counter[str] = attrs.Factory(Counter)
+    processes_started: int = 0
+    processes_exited: int = 0
+
+
+class Dispatcher:
+    """Method table and shared state for all connections of one server."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: IReactorTime,
+        spawner: Spawner,
+        capabilities: tuple[str, ...] = (),
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.spawner = spawner
+        self.capabilities = list(capabilities)
+        self.stats = Stats()
+        self.connections: set[Connection] = set()
+        self.routes: dict[str, Route] = {}
+        self.add_route(p.INITIALIZE, p.InitializeParams, _initialize, family=None)
+        self.add_route(p.PROCESS_START, p.ExecParams, lambda c, a: c.session.start(a))
+        self.add_route(p.PROCESS_READ, p.ReadParams, lambda c, a: c.session.read(a))
+        self.add_route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: c.session.write(a))
+        self.add_route(p.PROCESS_TERMINATE, p.TerminateParams, lambda c, a: c.session.terminate(a))
+
+    def add_route(
+        self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"
+    ) -> None:
+        self.routes[method] = Route(params_type, handler, family)
+
+    def connect(self, outbound: Outbound, label: str = "connection") -> Connection:
+        conn = Connection(self, outbound, label)
+        self.connections.add(conn)
+        self.stats.connections_opened += 1
+        self.stats.connections_active += 1
+        return conn
+
+    def _forget(self, conn: Connection) -> None:
+        if conn in self.connections:
+            self.connections.discard(conn)
+            self.stats.connections_active -= 1
+
+    def shutdown(self) -> Deferred[None]:
+        """Shut every connection down (terminating all processes)."""
+        waits = [conn.shutdown() for conn in list(self.connections)]
+        return DeferredList(waits).addCallback(lambda _: None)
+
+
+def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:
+    if conn.initialize_requested:
+        raise RpcError.invalid_request("initialize may only be sent once per connection")
+    conn.initialize_requested = True
+    conn.client_name = params.client_name
+    return p.InitializeResponse(
+        protocol_version=p.PROTOCOL_VERSION,
+        session_id=conn.session.session_id,
+        server_info=p.ServerInfo(p.SERVER_NAME, __version__),
+        capabilities=conn.dispatcher.capabilities,
+    )
+
+
+class Connection:
+    """The JSON-RPC endpoint of one transport connection and its session."""
+
+    def __init__(self, dispatcher: Dispatcher, outbound: Outbound, label: str) -> None:
+        self.dispatcher = dispatcher
+        self.outbound = outbound
+        self.label = label
+        self.initialize_requested = False
+        self.initialized = False
+        self.client_name: str | None = None
+        self.session = Session(
+            dispatcher.config,
+            dispatcher.clock,
+            dispatcher.spawner,
+            self.send,
+            stats=dispatcher.stats,
+        )
+        self._open = True
+        self._in_flight = 0
+        self._idle_waiters: list[Deferred[None]] = []
+        self._shutdown: Deferred[None] | None = None
+
+    # --- incoming ---------------------------------------------------------------
+
+    def message_received(self, data: bytes | str) -> None:
+        """Handle one complete message (one line, one frame)."""
+        if not self._open:
+            return
+        try:
+            incoming = codec.decode_message(data)
+        except codec.FramingError as exc:
+            self._count("<invalid>", "error")
+            self._send_error(exc.request_id, exc.error)
+            return
+        if isinstance(incoming, codec.IncomingRequest):
+            self._handle_request(incoming)
+        elif isinstance(incoming, codec.IncomingNotification):
+            self._handle_notification(incoming)
+        else:
+            kind = "error" if incoming.is_error else "response"
+            self._violation(f"unexpected client {kind} for request id {incoming.id!r}")
+
+    def oversized_message(self) -> None:
+        """The transport dropped a message larger than ``max_message_bytes``."""
+        if not self._open:
+            return
+        self._count("<invalid>", "error")
+        limit = self.dispatcher.config.max_message_bytes
+        self._send_error(
+            None,
+            RpcError.invalid_request(
+                f"message exceeds the maximum size of {limit} bytes (--max-message-bytes)"
+            ),
+        )
+
+    def _handle_notification(self, note: codec.IncomingNotification) -> None:
+        if note.method != p.INITIALIZED:
+            self._violation(f"unexpected notification method: {note.method}")
+            return
+        if not self.initialize_requested:
+            self._violation("received `initialized` notification before `initialize`")
+            return
+        self.initialized = True
+
+    def _handle_request(self, req: codec.IncomingRequest) -> None:
+        route = self.dispatcher.routes.get(req.method)
+        if route is None:
+            self._count("<unknown>", "error")
+            self._send_error(req.id, RpcError.invalid_request(f"unknown method: {req.method}"))
+            return
+        try:
+            params = codec.decode_params(req.params, route.params_type)
+            if route.family is not None:
+                self._require_handshake(route.family)
+            result = route.handler(self, params)
+        except RpcError as exc:
+            self._count(req.method, "error")
+            self._send_error(req.id, exc)
+            return
+        except Exception:
+            self._internal_error(req, Failure())
+            return
+        if isinstance(result, Deferred):
+            self._in_flight += 1
+            result.addCallbacks(
+                self._deferred_result,
+                self._deferred_failure,
+                callbackArgs=(req,),
+                errbackArgs=(req,),
+            ).addErrback(lambda f: log.failure("sending a response failed", f))
+        else:
+            self._count(req.method, "ok")
+            self.send(p.Response(req.id, result))
+
+    def _deferred_result(self, result: object, req: codec.IncomingRequest) -> None:
+        self._count(req.method, "ok")
+        self.send(p.Response(req.id, result))
+        self._request_done()
+
+    def _deferred_failure(self, failure: Failure, req: codec.IncomingRequest) -> None:
+        if isinstance(failure.value, RpcError):
+            self._count(req.method, "error")
+            self._send_error(req.id, failure.value)
+        else:
+            self._internal_error(req, failure)
+        self._request_done()
+
+    def _internal_error(self, req: codec.IncomingRequest, failure: Failure) -> None:
+        self._count(req.method, "error")
+        log.failure("unexpected error handling {method}", failure, method=req.method)
+        self._send_error(req.id, RpcError.internal(f"internal error: {failure.getErrorMessage()}"))
+
+    def _request_done(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def _require_handshake(self, family: str) -> None:
+        if not self.initialize_requested:
+            raise RpcError.invalid_request(
+                f"client must call initialize before using {family} methods"
+            )
+        if not self.initialized:
+            raise RpcError.invalid_request(
+                f"client must send initialized before using {family} methods"
+            )
+
+    def _violation(self, reason: str) -> None:
+        log.warn("closing {label} after protocol error: {reason}", label=self.label, reason=reason)
+        self._count("<violation>", "error")
+        self.outbound.close_connection()
+        # Like the reference, stop processing this connection's messages.
+        self._open = False
+
+    def _count(self, method: str, outcome: str) -> None:
+        self.dispatcher.stats.requests[(method, outcome)] += 1
+
+    # --- outgoing ---------------------------------------------------------------
+
+    def send(self, message: object) -> None:
+        if self._open:
+            self.outbound.write_message(codec.encode(message))
+
+    def _send_error(self, request_id: p.RequestId | None, error: RpcError) -> None:
+        self.send(p.ErrorResponse(request_id, error.to_wire()))
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def when_idle(self) -> Deferred[None]:
+        """Fires once every request received so far has been answered."""
+        if self._in_flight == 0:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._idle_waiters.append(d)
+        return d
+
+    def shutdown(self) -> Deferred[None]:
+        """Terminate the session's processes, then answer what is in flight.
+
+        Idempotent; the returned Deferred fires when every process is closed
+        and every request has been answered.
+        """
+        if self._shutdown is None:
+            d = self.session.shutdown()
+            d.addCallback(lambda _: self.when_idle())
+            d.addBoth(self._finished)
+            self._shutdown = d
+        result: Deferred[None] = Deferred()
+        self._shutdown.addBoth(lambda r: (result.callback(None), r)[1])
+        return result
+
+    def _finished(self, result: object) -> None:
+        if isinstance(result, Failure):
+            log.failure("session shutdown failed", result)
+        self.dispatcher._forget(self)
+
+    def transport_closed(self) -> None:
+        """The transport is gone: nothing more can be sent."""
+        self._open = False

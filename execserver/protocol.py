@@ -1,0 +1,200 @@
+"""Wire types of the exec-server protocol, declared once for server and client.
+
+Every request's params, every result and every notification is a msgspec
+``Struct`` whose field names are rendered in camelCase, matching the
+reference implementation (``codex-exec-server``) byte for byte. ``bytes``
+fields travel as standard base64 strings, which msgspec encodes and decodes
+in C.
+
+Baseline fields come first, in the reference's order; fields this server
+adds (see ``extensions.md``) follow and are omitted when unset, so a
+baseline client sees exactly the baseline shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = "exec-server.v0"
+SERVER_NAME = "exec-server"
+
+# Method names.
+INITIALIZE = "initialize"
+INITIALIZED = "initialized"
+PROCESS_START = "process/start"
+PROCESS_READ = "process/read"
+PROCESS_WRITE = "process/write"
+PROCESS_TERMINATE = "process/terminate"
+PROCESS_OUTPUT = "process/output"
+PROCESS_EXITED = "process/exited"
+PROCESS_CLOSED = "process/closed"
+FS_READ_FILE = "fs/readFile"
+FS_WRITE_FILE = "fs/writeFile"
+FS_CREATE_DIRECTORY = "fs/createDirectory"
+FS_GET_METADATA = "fs/getMetadata"
+FS_READ_DIRECTORY = "fs/readDirectory"
+FS_REMOVE = "fs/remove"
+FS_COPY = "fs/copy"
+
+# JSON-RPC error codes used by the reference.
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+RequestId = int | str
+OutputStream = Literal["stdout", "stderr", "pty"]
+
+
+class _Wire(msgspec.Struct, rename="camel"):
+    """Base for request params: camelCase on the wire, unknown fields ignored."""
+
+
+class _Out(msgspec.Struct, rename="camel", omit_defaults=True):
+    """Base for results and notifications whose extension fields are omitted when unset."""
+
+
+# --- initialize -------------------------------------------------------------
+
+
+class InitializeParams(_Wire):
+    client_name: str
+
+
+class ServerInfo(_Out):
+    name: str
+    version: str
+
+
+class InitializeResponse(msgspec.Struct, rename="camel"):
+    protocol_version: str
+    session_id: str
+    server_info: ServerInfo
+    capabilities: list[str]
+
+
+# --- process/start ----------------------------------------------------------
+
+
+class SandboxConfig(_Wire):
+    mode: Literal["none", "hostDefault"]
+
+
+class ExecParams(_Wire):
+    process_id: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    tty: bool
+    arg0: str | None = None
+    sandbox: SandboxConfig | None = None
+
+
+class ExecResponse(_Wire):
+    process_id: str
+
+
+# --- process/read -----------------------------------------------------------
+
+
+class ReadParams(_Wire):
+    process_id: str
+    after_seq: NonNegative | None = None
+    max_bytes: NonNegative | None = None
+    wait_ms: NonNegative | None = None
+
+
+class ProcessOutputChunk(msgspec.Struct, rename="camel"):
+    seq: int
+    stream: OutputStream
+    chunk: bytes
+
+
+class ReadResponse(msgspec.Struct, rename="camel"):
+    chunks: list[ProcessOutputChunk]
+    next_seq: int
+    exited: bool
+    exit_code: int | None
+    # Extensions: msgspec never encodes UNSET fields, so baseline clients see
+    # exactly the reference's four fields (including ``"exitCode": null``).
+    closed: bool | msgspec.UnsetType = msgspec.UNSET
+    signal: str | msgspec.UnsetType = msgspec.UNSET
+
+
+# --- process/write, process/terminate ---------------------------------------
+
+
+class WriteParams(_Wire):
+    process_id: str
+    chunk: bytes
+
+
+class WriteResponse(_Wire):
+    accepted: bool
+
+
+class TerminateParams(_Wire):
+    process_id: str
+
+
+class TerminateResponse(_Wire):
+    running: bool
+
+
+# --- notifications ----------------------------------------------------------
+
+
+class OutputNotification(msgspec.Struct, rename="camel"):
+    process_id: str
+    stream: OutputStream
+    chunk: bytes
+    seq: int
+
+
+class ExitedNotification(msgspec.Struct, rename="camel"):
+    process_id: str
+    exit_code: int
+    signal: str | msgspec.UnsetType = msgspec.UNSET
+    seq: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class ClosedNotification(msgspec.Struct, rename="camel"):
+    process_id: str
+    seq: int
+
+
+# --- JSON-RPC envelopes -----------------------------------------------------
+
+
+class ErrorObject(msgspec.Struct, omit_defaults=True):
+    code: int
+    message: str
+    data: Any = None
+
+
+class Request(msgspec.Struct, omit_defaults=True):
+    id: RequestId
+    method: str
+    params: Any = None
+
+
+class Notification(msgspec.Struct, omit_defaults=True):
+    method: str
+    params: Any = None
+
+
+class Response(msgspec.Struct):
+    id: RequestId
+    result: Any
+
+
+class ErrorResponse(msgspec.Struct):
+    id: RequestId | None
+    error: ErrorObject
+
+
+class Empty(msgspec.Struct):
+    """An empty JSON object, ``{}``."""

@@ -1,0 +1,228 @@
+"""Options and service composition: the ``twistd exec-server`` plugin and the CLI.
+
+``makeService`` is the composition root: it is the only place (with
+``cli.main``) that imports the global reactor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import resource
+from typing import Any
+
+import attrs
+from twisted.application.service import IServiceCollection, MultiService, Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorCore
+from twisted.python import usage
+
+from execserver import __version__
+from execserver.config import ServerConfig
+from execserver.dispatcher import Dispatcher
+from execserver.spawn import PosixSpawner, seal_inherited_fds
+
+DEFAULT_LISTEN_URL = "stdio://"
+
+
+@attrs.frozen
+class StdioAddress:
+    def __str__(self) -> str:
+        return DEFAULT_LISTEN_URL
+
+
+@attrs.frozen
+class WebSocketAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+
+ListenAddress = StdioAddress | WebSocketAddress
+
+
+class ListenUrlError(ValueError):
+    pass
+
+
+def parse_listen_url(url: str) -> ListenAddress:
+    """Parse a ``--listen`` URL with the reference's rules and messages."""
+    if url == DEFAULT_LISTEN_URL:
+        return StdioAddress()
+    if url.startswith("ws://"):
+        address = _parse_socket_address(url[len("ws://") :])
+        if address is None:
+            raise ListenUrlError(f"invalid websocket --listen URL `{url}`; expected `ws://IP:PORT`")
+        return address
+    raise ListenUrlError(f"unsupported --listen URL `{url}`; expected `stdio://` or `ws://IP:PORT`")
+
+
+def _parse_socket_address(text: str) -> WebSocketAddress | None:
+    # Rust's SocketAddr syntax: "1.2.3.4:80" or "[::1]:80"; no host names.
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isascii() or not port_text.isdigit():
+        return None
+    port = int(port_text)
+    if port > 65535 or (len(port_text) > 1 and port_text.startswith("0")):
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return WebSocketAddress(str(ipaddress.IPv6Address(host[1:-1])), port)
+        except ValueError:
+            return None
+    try:
+        return WebSocketAddress(str(ipaddress.IPv4Address(host)), port)
+    except ValueError:
+        return None
+
+
+def _positive(name: str) -> Any:
+    def convert(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise usage.UsageError(f"--{name} takes a whole number, got `{value}`") from None
+        if number < 0:
+            raise usage.UsageError(f"--{name} must not be negative, got `{value}`")
+        return number
+
+    return convert
+
+
+_DEFAULTS = ServerConfig()
+
+
+class Options(usage.Options):
+    synopsis = "[--listen URL]... [options]"
+    longdesc = (
+        "Serve the exec-server JSON-RPC protocol: start and steer processes and "
+        "touch files for a client. --listen is repeatable; the default is stdio://."
+    )
+    optParameters = [
+        [
+            "retained-output-bytes",
+            None,
+            _DEFAULTS.retained_output_bytes,
+            "Output retained per process for process/read (oldest dropped first).",
+            _positive("retained-output-bytes"),
+        ],
+        [
+            "exit-retention-ms",
+            None,
+            _DEFAULTS.exit_retention_ms,
+            "How long an exited process id stays reserved and readable.",
+            _positive("exit-retention-ms"),
+        ],
+        [
+            "terminate-grace-ms",
+            None,
+            _DEFAULTS.terminate_grace_ms,
+            "Delay between SIGTERM and SIGKILL when terminating a process group.",
+            _positive("terminate-grace-ms"),
+        ],
+        [
+            "max-processes",
+            None,
+            _DEFAULTS.max_processes,
+            "Running processes allowed per session.",
+            _positive("max-processes"),
+        ],
+        [
+            "max-message-bytes",
+            None,
+            _DEFAULTS.max_message_bytes,
+            "Largest accepted JSON-RPC line or WebSocket message.",
+            _positive("max-message-bytes"),
+        ],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["listen"] = []
+
+    def opt_listen(self, url: str) -> None:
+        """Listen on URL: stdio:// or ws://IP:PORT (repeatable)."""
+        try:
+            address = parse_listen_url(url)
+        except ListenUrlError as exc:
+            raise usage.UsageError(str(exc)) from None
+        self["listen"].append(address)
+
+    def opt_version(self) -> None:
+        """Print the version and exit."""
+        print(f"exec-server {__version__}")
+        raise SystemExit(0)
+
+    def postOptions(self) -> None:
+        if not self["listen"]:
+            self["listen"] = [StdioAddress()]
+        stdio = [a for a in self["listen"] if isinstance(a, StdioAddress)]
+        if len(stdio) > 1:
+            raise usage.UsageError("stdio:// can be listened on only once")
+        if self["max-message-bytes"] < 1024:
+            raise usage.UsageError("--max-message-bytes must be at least 1024")
+        if self["max-processes"] < 1:
+            raise usage.UsageError("--max-processes must be at least 1")
+
+    def config(self) -> ServerConfig:
+        return ServerConfig(
+            retained_output_bytes=self["retained-output-bytes"],
+            exit_retention_ms=self["exit-retention-ms"],
+            terminate_grace_ms=self["terminate-grace-ms"],
+            max_processes=self["max-processes"],
+            max_message_bytes=self["max-message-bytes"],
+        )
+
+
+class ExecServerService(MultiService):
+    """Owns the dispatcher; stopping it terminates every session's processes."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+
+    def stopService(self) -> Deferred[None]:
+        d: Deferred[Any] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        # Stop listeners first (no new sessions), then end every session.
+        await super().stopService()
+        await self.dispatcher.shutdown()
+
+
+def raise_fd_limit() -> None:
+    """Use the hard RLIMIT_NOFILE: every child costs the server 2-3 descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
+    from execserver.transports.stdio import StdioService
+
+    seal_inherited_fds()
+    raise_fd_limit()
+    dispatcher = Dispatcher(options.config(), reactor, PosixSpawner(reactor))  # type: ignore[arg-type]
+    root = ExecServerService(dispatcher)
+    for address in options["listen"]:
+        child: Service
+        if isinstance(address, StdioAddress):
+            child = StdioService(dispatcher, reactor)
+        else:
+            from execserver.transports.websocket import WebSocketService
+
+            child = WebSocketService(dispatcher, reactor, address)
+        child.setServiceParent(root)
+    return root
+
+
+def makeService(options: Options) -> IServiceCollection:
+    from twisted.internet import reactor
+
+    return build_service(options, reactor)  # type: ignore[arg-type]

@@ -1,0 +1,338 @@
+"""A session: one client's process namespace and the process/* methods.
+
+The session validates requests, starts processes through a
+:class:`~execserver.spawn.Spawner`, keeps the id -> process registry (ids stay
+reserved after exit for ``exit_retention_ms``), answers reads from retained
+output (long-polling on output or exit), and emits ``process/output``,
+``process/exited`` and ``process/closed`` through a ``send`` callable. It is
+also the flow-control producer of its connection: when the transport's
+outgoing buffer is full, every child's output pipe stops being read.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from execserver import protocol as p
+from execserver.config import ServerConfig
+from execserver.errors import RpcError
+from execserver.processes import ManagedProcess
+from execserver.spawn import ProcessSpec, Spawner
+
+log = Logger()
+
+Send = Callable[[object], None]
+
+
+def _validate_text(field: str, value: str) -> None:
+    if "\0" in value:
+        raise RpcError.invalid_params(f"{field} must not contain NUL characters")
+
+
+def _pending_write_bytes(writer: Any) -> int:
+    """Bytes a Twisted FileDescriptor has buffered but not yet written."""
+    try:
+        return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen)
+    except AttributeError:
+        return 0
+
+
+@implementer(IPushProducer)
+class Session:
+    """Process registry and process/* handlers of one client session."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: IReactorTime,
+        spawner: Spawner,
+        send: Send,
+        session_id: str | None = None,
+        stats: Any = None,
+    ) -> None:
+        self.config = config
+        self.session_id = session_id or secrets.token_urlsafe(24)
+        self._clock = clock
+        self._spawner = spawner
+        self._send = send
+        self.processes: dict[str, ManagedProcess] = {}
+        self._expiry: dict[str, IDelayedCall] = {}
+        self._paused = False
+        self._closing = False
+        self.started_count = 0
+        #: Server-wide counters (``dispatcher.Stats``) or None.
+        self.stats = stats
+
+    # --- process/start ----------------------------------------------------------
+
+    def start(self, params: p.ExecParams) -> p.ExecResponse:
+        if not params.argv:
+            raise RpcError.invalid_params("argv must not be empty")
+        if params.sandbox is not None and params.sandbox.mode == "hostDefault":
+            raise RpcError.invalid_request(
+                "sandbox mode `hostDefault` is not supported by exec-server yet"
+            )
+        if not os.path.isabs(params.cwd):
+            raise RpcError.invalid_params(f"cwd must be an absolute path, got `{params.cwd}`")
+        for arg in params.argv:
+            _validate_text("argv", arg)
+        _validate_text("cwd", params.cwd)
+        for key, value in params.env.items():
+            _validate_text("env", key)
+            _validate_text("env", value)
+            if not key or "=" in key:
+                raise RpcError.invalid_params(f"invalid environment variable name `{key}`")
+        if params.arg0 is not None:
+            _validate_text("arg0", params.arg0)
+        if self._closing:
+            raise RpcError.invalid_request("session is shutting down")
+        process_id = params.process_id
+        if process_id in self.processes:
+            raise RpcError.invalid_request(f"process {process_id} already exists")
+        running = self.running_count()
+        if running >= self.config.max_processes:
+            raise RpcError.invalid_request(
+                f"too many running processes: this session already runs {running}, "
+                f"the limit set by --max-processes is {self.config.max_processes}"
+            )
+        spec = ProcessSpec(
+            argv=tuple(params.argv),
+            cwd=params.cwd,
+            env=dict(params.env),
+            tty=params.tty,
+            arg0=params.arg0,
+        )
+        return p.ExecResponse(self.spawn(process_id, spec).process_id)
+
+    def spawn(self, process_id: str, spec: ProcessSpec) -> ManagedProcess:
+        """Start a validated spec under ``process_id`` (raises SpawnError)."""
+        proc = ManagedProcess(
+            process_id,
+            spec.tty,
+            self.config.retained_output_bytes,
+            self,
+            self._clock,
+            argv=spec.argv,
+        )
+        # Reserve the id before spawning: the spawn may deliver events at once.
+        self.processes[process_id] = proc
+        try:
+            transport = self._spawner.spawn(proc, spec)
+        except BaseException:
+            if self.processes.get(process_id) is proc:
+                del self.processes[process_id]
+            raise
+        proc.stdin_open = (spec.tty or spec.pipe_stdin) and not proc.closed
+        self.started_count += 1
+        if self.stats is not None:
+            self.stats.processes_started += 1
+        if self._paused and not proc.closed:
+            transport.pauseProducing()
+        return proc
+
+    def running_count(self) -> int:
+        return sum(1 for proc in self.processes.values() if not proc.exited)
+
+    def lookup(self, process_id: str) -> ManagedProcess:
+        proc = self.processes.get(process_id)
+        if proc is None:
+            raise RpcError.invalid_request(f"unknown process id {process_id}")
+        return proc
+
+    # --- process/read -----------------------------------------------------------
+
+    def read(self, params: p.ReadParams) -> p.ReadResponse | Deferred[p.ReadResponse]:
+        proc = self.lookup(params.process_id)
+        response = self._read_now(proc, params)
+        wait_ms = params.wait_ms or 0
+        if response.chunks or proc.exited or wait_ms <= 0:
+            return response
+        deadline = self._clock.seconds() + wait_ms / 1000.0
+        return self._long_poll(proc, params, deadline)
+
+    def _long_poll(
+        self, proc: ManagedProcess, params: p.ReadParams, deadline: float
+    ) -> Deferred[p.ReadResponse]:
+        result: Deferred[p.ReadResponse] = Deferred()
+        timer: IDelayedCall | None = None
+
+        def check(_: object = None) -> None:
+            nonlocal timer
+            if result.called:
+                return
+            response = self._read_now(proc, params)
+            now = self._clock.seconds()
+            if response.chunks or proc.exited or now >= deadline:
+                if timer is not None and timer.active():
+                    timer.cancel()
+                result.callback(response)
+                return
+            proc.wait_for_change().addCallback(check)
+
+        def expire() -> None:
+            nonlocal timer
+            timer = None
+            if not result.called:
+                result.callback(self._read_now(proc, params))
+
+        timer = self._clock.callLater(max(0.0, deadline - self._clock.seconds()), expire)
+        proc.wait_for_change().addCallback(check)
+        return result
+
+    def _read_now(self, proc: ManagedProcess, params: p.ReadParams) -> p.ReadResponse:
+        read = proc.output.read(params.after_seq or 0, params.max_bytes)
+        response = p.ReadResponse(
+            chunks=[p.ProcessOutputChunk(c.seq, c.stream, c.data) for c in read.chunks],
+            next_seq=read.next_seq,
+            exited=proc.exited,
+            exit_code=proc.exit_code,
+            closed=proc.closed,
+        )
+        if proc.signal is not None:
+            response.signal = proc.signal
+        return response
+
+    # --- process/write ----------------------------------------------------------
+
+    def write(self, params: p.WriteParams) -> p.WriteResponse:
+        proc = self.lookup(params.process_id)
+        transport = proc.transport
+        if not proc.stdin_open or transport is None:
+            if proc.tty:
+                raise RpcError.internal(
+                    f"failed to write to process stdin: process {params.process_id} has exited"
+                )
+            raise RpcError.invalid_request(f"stdin is closed for process {params.process_id}")
+        writer = transport if proc.tty else transport.pipes.get(0)
+        pending = _pending_write_bytes(writer)
+        if pending + len(params.chunk) > self.config.max_stdin_buffer_bytes:
+            raise RpcError.invalid_request(
+                f"stdin of process {params.process_id} is not being read: "
+                f"{pending} bytes are already waiting "
+                f"(limit {self.config.max_stdin_buffer_bytes}); retry later"
+            )
+        if params.chunk:
+            transport.write(params.chunk)
+        return p.WriteResponse(accepted=True)
+
+    # --- process/terminate ------------------------------------------------------
+
+    def terminate(self, params: p.TerminateParams) -> p.TerminateResponse:
+        proc = self.processes.get(params.process_id)
+        if proc is None:
+            return p.TerminateResponse(running=False)
+        running = not proc.exited
+        # Kill the group even after the leader exited: members left behind may
+        # still hold its output open.
+        proc.terminate(self.config.terminate_grace_ms / 1000.0)
+        return p.TerminateResponse(running=running)
+
+    # --- notifications from ManagedProcess --------------------------------------
+
+    def process_output(
+        self, proc: ManagedProcess, stream: p.OutputStream, data: bytes, seq: int
+    ) -> None:
+        if self.stats is not None:
+            self.stats.output_bytes[stream] += len(data)
+        self._send(
+            p.Notification(
+                p.PROCESS_OUTPUT, p.OutputNotification(proc.process_id, stream, data, seq)
+            )
+        )
+
+    def process_exited(self, proc: ManagedProcess) -> None:
+        if self.stats is not None:
+            self.stats.processes_exited += 1
+        params = p.ExitedNotification(
+            proc.process_id, proc.exit_code if proc.exit_code is not None else -1
+        )
+        if proc.signal is not None:
+            params.signal = proc.signal
+        self._send(p.Notification(p.PROCESS_EXITED, params))
+
+    def process_closed(self, proc: ManagedProcess) -> None:
+        self._send(
+            p.Notification(
+                p.PROCESS_CLOSED, p.ClosedNotification(proc.process_id, proc.output.next_seq - 1)
+            )
+        )
+        if self._closing:
+            return
+        delay = self.config.exit_retention_ms / 1000.0
+        self._expiry[proc.process_id] = self._clock.callLater(delay, self._expire, proc)
+        self._evict_retired_beyond_limit()
+
+    def _expire(self, proc: ManagedProcess) -> None:
+        self._expiry.pop(proc.process_id, None)
+        if self.processes.get(proc.process_id) is proc:
+            del self.processes[proc.process_id]
+
+    def _evict_retired_beyond_limit(self) -> None:
+        # Closed processes waiting out their retention are capped at
+        # max_processes per session so memory stays bounded under churn; the
+        # oldest are released early.
+        excess = len(self._expiry) - self.config.max_processes
+        for process_id in list(self._expiry)[: max(0, excess)]:
+            timer = self._expiry.pop(process_id)
+            if timer.active():
+                timer.cancel()
+            self.processes.pop(process_id, None)
+
+    # --- flow control (IPushProducer) -------------------------------------------
+
+    def pauseProducing(self) -> None:
+        if self._paused:
+            return
+        self._paused = True
+        for proc in self.processes.values():
+            if not proc.closed and proc.transport is not None:
+                proc.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        for proc in self.processes.values():
+            if not proc.closed and proc.transport is not None:
+                proc.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.shutdown()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # --- shutdown ---------------------------------------------------------------
+
+    def shutdown(self, grace_ms: int | None = None) -> Deferred[None]:
+        """Terminate every process (whole groups) and fire when all are closed.
+
+        Pending long-poll reads are answered when their process exits. Output
+        keeps being read (and sent while the transport is up) until each
+        process is closed.
+        """
+        grace = (self.config.terminate_grace_ms if grace_ms is None else grace_ms) / 1000.0
+        self._closing = True
+        self.resumeProducing()
+        waits = []
+        for proc in list(self.processes.values()):
+            if not proc.closed:
+                proc.terminate(grace)
+                waits.append(proc.when_closed())
+        for timer in self._expiry.values():
+            if timer.active():
+                timer.cancel()
+        self._expiry.clear()
+        if not waits:
+            return succeed(None)
+        done: Deferred[None] = DeferredList(waits).addCallback(lambda _: None)
+        return done

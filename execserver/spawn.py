@@ -1,0 +1,416 @@
+"""Starting child processes: fast, in their own session, with big reads.
+
+Twisted's ``reactor.spawnProcess`` machinery is kept (its ``Process`` and
+``PTYProcess`` transports, pipes, readers and SIGCHLD reaping) but the
+moment of creation is ours, because the stock paths cost too much here
+(``shared/notes/twisted-pitfalls.md``):
+
+- Twisted uses ``posix_spawnp`` only without a working directory and never
+  for PTYs; otherwise it forks and closes every fd from Python (~6 ms a
+  spawn). We always ``posix_spawn``: the working directory is entered around
+  the call (the reactor thread is the only one that spawns, and no code in
+  this server resolves relative paths), ``setsid`` gives every child its own
+  session and process group (so one ``killpg`` reaches the whole tree), and a
+  PTY becomes the child's controlling terminal by being opened after
+  ``setsid``.
+- Twisted scans every open fd on each spawn (~9 ms with 1,000 children). All
+  our descriptors are close-on-exec (Python's default; :func:`seal_inherited_fds`
+  marks the ones the server inherited), so the child gets exactly fds 0-2.
+- Twisted reads child output 8 KiB at a time, a quarter of pipe speed; our
+  readers read :data:`READ_SIZE` bytes per wakeup.
+
+The executable is looked up in the *child's* ``PATH`` (or ``/bin:/usr/bin``
+when it has none), relative to its working directory, as the reference's
+Rust ``Command`` does; failures are reported as :class:`SpawnError` before
+any process exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import stat
+import struct
+import termios
+from typing import Any, Final, Protocol
+
+import attrs
+from twisted.internet import process as _twisted_process
+from twisted.internet.interfaces import IProcessProtocol, IReactorCore
+from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
+
+from execserver.errors import RpcError
+
+READ_SIZE: Final = 256 * 1024
+# Glibc's default search path when PATH is unset, as execvp uses.
+DEFAULT_PATH: Final = "/bin:/usr/bin"
+# Bytes read synchronously from a stream when its process exits, so that all
+# output written before the exit precedes the exit notification. Bounded so a
+# grandchild that keeps writing cannot stall the reactor.
+EXIT_DRAIN_LIMIT: Final = 8 * 1024 * 1024
+
+
+@attrs.frozen
+class ProcessSpec:
+    """A fully validated request to start one process."""
+
+    argv: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    tty: bool
+    arg0: str | None = None
+    pipe_stdin: bool = False
+    rows: int = 24
+    cols: int = 80
+
+
+class SpawnError(RpcError):
+    """The process could not be started. ``-32603`` with ``data.kind``/``data.errno``."""
+
+    def __init__(self, kind: str, err: int, message: str) -> None:
+        super().__init__(-32603, message, {"kind": kind, "errno": err})
+        self.kind = kind
+        self.errno = err
+
+
+def _os_message(err: int) -> str:
+    return f"{os.strerror(err)} (os error {err})"
+
+
+_EXEC_KINDS: Final = {
+    errno.ENOENT: "spawnNotFound",
+    errno.EACCES: "spawnPermissionDenied",
+    errno.EPERM: "spawnPermissionDenied",
+    errno.ENOEXEC: "spawnExecFormatError",
+    errno.E2BIG: "spawnArgumentListTooLong",
+    errno.ENOTDIR: "spawnNotFound",
+    errno.ELOOP: "spawnNotFound",
+    errno.EISDIR: "spawnPermissionDenied",
+}
+_CWD_KINDS: Final = {
+    errno.ENOENT: "cwdNotFound",
+    errno.ENOTDIR: "cwdNotADirectory",
+    errno.EACCES: "cwdPermissionDenied",
+    errno.EPERM: "cwdPermissionDenied",
+    errno.ELOOP: "cwdNotFound",
+}
+
+
+def _exec_error(program: str, err: int) -> SpawnError:
+    return SpawnError(
+        _EXEC_KINDS.get(err, "spawnFailed"),
+        err,
+        f"failed to start `{program}`: {_os_message(err)}",
+    )
+
+
+def resolve_executable(program: str, env: dict[str, str], cwd: str) -> str:
+    """Find what ``execvp(program)`` would run with ``env``'s PATH from ``cwd``."""
+    if "/" in program:
+        candidate = os.path.join(cwd, program)
+        _check_executable(program, candidate)
+        return candidate
+    denied: int | None = None
+    for entry in env.get("PATH", DEFAULT_PATH).split(":"):
+        candidate = os.path.join(cwd, entry, program)
+        try:
+            _check_executable(program, candidate)
+        except SpawnError as exc:
+            if exc.errno in (errno.EACCES, errno.EISDIR):
+                denied = exc.errno
+            continue
+        return candidate
+    raise _exec_error(program, denied if denied is not None else errno.ENOENT)
+
+
+def _check_executable(program: str, path: str) -> None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise _exec_error(program, exc.errno or errno.ENOENT) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _exec_error(program, errno.EISDIR)
+    if not os.access(path, os.X_OK):
+        raise _exec_error(program, errno.EACCES)
+
+
+def seal_inherited_fds() -> None:
+    """Mark every fd above 2 close-on-exec, so no child inherits the server's.
+
+    Descriptors Python opens are close-on-exec already; this catches those the
+    server was started with. Called once at startup.
+    """
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
+
+
+_devnull_fd: int | None = None
+
+
+def _devnull() -> int:
+    global _devnull_fd
+    if _devnull_fd is None:
+        _devnull_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return _devnull_fd
+
+
+def _ignored_signals() -> list[int]:
+    # Python ignores SIGPIPE (and a parent may have ignored others); children
+    # must start with default dispositions or `yes | head` never ends.
+    return [
+        sig
+        for sig in range(1, signal.NSIG)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) == signal.SIG_IGN
+    ]
+
+
+def _posix_spawn_in(
+    cwd: str,
+    executable: str,
+    args: list[str],
+    env: dict[str, str],
+    file_actions: list[tuple[Any, ...]],
+) -> int:
+    try:
+        here = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        here = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            os.chdir(cwd)
+        except OSError as exc:
+            err = exc.errno or errno.EIO
+            raise SpawnError(
+                _CWD_KINDS.get(err, "cwdUnusable"),
+                err,
+                f"cannot use cwd `{cwd}`: {_os_message(err)}",
+            ) from None
+        try:
+            return os.posix_spawn(
+                executable,
+                args,
+                env,
+                file_actions=file_actions,
+                setsid=True,
+                setsigdef=_ignored_signals(),
+                setsigmask=(),
+            )
+        except OSError as exc:
+            raise _exec_error(args[0] if args else executable, exc.errno or errno.EIO) from None
+    finally:
+        os.fchdir(here)
+        os.close(here)
+
+
+def _read_into(fd: int, deliver: Any) -> object:
+    """One read for a reactor reader: None to go on, a reason when the stream ended."""
+    try:
+        data = os.read(fd, READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:
+        # EIO: the PTY's slave side is closed and drained.
+        return CONNECTION_LOST
+    if not data:
+        return CONNECTION_DONE
+    deliver(data)
+    return None
+
+
+def _drain(fd: int, deliver: Any) -> None:
+    budget = EXIT_DRAIN_LIMIT
+    while budget > 0:
+        try:
+            data = os.read(fd, READ_SIZE)
+        except OSError:
+            return
+        if not data:
+            return
+        budget -= len(data)
+        deliver(data)
+
+
+class _ChunkReader(_twisted_process.ProcessReader):
+    def doRead(self) -> object:
+        return _read_into(self.fd, self.dataReceived)
+
+    def drain(self) -> None:
+        if self.connected and not self.disconnecting:
+            _drain(self.fd, self.dataReceived)
+
+
+class PipeProcess(_twisted_process.Process):  # type: ignore[misc]
+    """Twisted's pipe ``Process``, created by ``posix_spawn`` in its own session."""
+
+    processReaderFactory = _ChunkReader
+
+    def __init__(
+        self,
+        reactor: IReactorCore,
+        spec: ProcessSpec,
+        executable: str,
+        proto: IProcessProtocol,
+    ) -> None:
+        self._spec = spec
+        child_fds: dict[int, int | str] = {
+            0: "w" if spec.pipe_stdin else _devnull(),
+            1: "r",
+            2: "r",
+        }
+        super().__init__(
+            reactor,
+            executable,
+            [spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]],
+            spec.env,
+            None,
+            proto,
+            childFDs=child_fds,
+        )
+
+    def _trySpawnInsteadOfFork(
+        self,
+        path: object,
+        uid: object,
+        gid: object,
+        executable: str,
+        args: list[str],
+        environment: dict[str, str],
+        kwargs: dict[str, Any],
+    ) -> bool:
+        fdmap: dict[int, int] = kwargs["fdmap"]
+        actions = _twisted_process._getFileActions(
+            [(fd, True) for fd in set(fdmap.values())],
+            fdmap,
+            doClose=os.POSIX_SPAWN_CLOSE,
+            doDup2=os.POSIX_SPAWN_DUP2,
+        )
+        self.pid = _posix_spawn_in(self._spec.cwd, executable, args, environment, actions)
+        self.status = -1
+        return True
+
+    def drain_output(self) -> None:
+        for pipe in list(self.pipes.values()):
+            if isinstance(pipe, _ChunkReader):
+                pipe.drain()
+
+
+class PtyProcess(_twisted_process.PTYProcess):  # type: ignore[misc]
+    """Twisted's ``PTYProcess``, created by ``posix_spawn``; the PTY is its controlling tty."""
+
+    def __init__(
+        self,
+        reactor: IReactorCore,
+        spec: ProcessSpec,
+        executable: str,
+        proto: IProcessProtocol,
+    ) -> None:
+        self._spec = spec
+        master, slave = os.openpty()
+        try:
+            set_window_size(master, spec.rows, spec.cols)
+            super().__init__(
+                reactor,
+                executable,
+                [spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]],
+                spec.env,
+                None,
+                proto,
+                usePTY=(master, slave, os.ttyname(slave)),
+            )
+        except BaseException:
+            for fd in (master, slave):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+
+    def _trySpawnInsteadOfFork(
+        self,
+        path: object,
+        uid: object,
+        gid: object,
+        executable: str,
+        args: list[str],
+        environment: dict[str, str],
+        kwargs: dict[str, Any],
+    ) -> bool:
+        slave_name = os.ttyname(kwargs["slavefd"])
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_OPEN, 0, slave_name, os.O_RDWR, 0),
+            (os.POSIX_SPAWN_DUP2, 0, 1),
+            (os.POSIX_SPAWN_DUP2, 0, 2),
+        ]
+        self.pid = _posix_spawn_in(self._spec.cwd, executable, args, environment, actions)
+        self.status = -1
+        return True
+
+    def doRead(self) -> object:
+        return _read_into(self.fd, self._deliver)
+
+    def _deliver(self, data: bytes) -> None:
+        self.proto.childDataReceived(1, data)
+
+    def drain_output(self) -> None:
+        if self.connected and not self.disconnecting:
+            _drain(self.fd, self._deliver)
+
+
+def set_window_size(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+class Spawner(Protocol):
+    """What the supervisor needs to start a process (faked in unit tests)."""
+
+    def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> Any:
+        """Start ``spec`` connected to ``proto``; return its transport or raise SpawnError."""
+
+
+@attrs.define
+class PosixSpawner:
+    """The production :class:`Spawner`."""
+
+    reactor: IReactorCore
+
+    def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> Any:
+        executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
+        factory = PtyProcess if spec.tty else PipeProcess
+        try:
+            return factory(self.reactor, spec, executable, proto)
+        except ValueError as exc:
+            # posix_spawn's own validation (e.g. an environment name containing "=").
+            raise RpcError.invalid_params(str(exc)) from None
+
+
+def kill_group(pid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group led by ``pid``; False if it is gone."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+__all__ = [
+    "READ_SIZE",
+    "PipeProcess",
+    "PosixSpawner",
+    "ProcessSpec",
+    "PtyProcess",
+    "SpawnError",
+    "Spawner",
+    "kill_group",
+    "resolve_executable",
+    "seal_inherited_fds",
+    "set_window_size",
+]

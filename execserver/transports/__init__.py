@@ -1,0 +1,1 @@
+"""Transports: they frame bytes and hand whole messages to the dispatcher."""

@@ -1,0 +1,141 @@
+"""Newline-delimited JSON-RPC over the server's own stdin and stdout."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore
+from twisted.internet.protocol import Protocol
+from twisted.internet.stdio import StandardIO
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from execserver.codec import OVERSIZED, LineFramer, Oversized
+from execserver.dispatcher import Connection, Dispatcher
+
+log = Logger()
+
+
+def set_high_water(transport: Any, limit: int) -> None:
+    """Make the transport pause its producer once ``limit`` bytes are unsent.
+
+    Twisted's FileDescriptor pauses a streaming producer above ``bufferSize``
+    (64 KiB by default, less than one output notification) and resumes it
+    once its buffer is empty.
+    """
+    target = getattr(transport, "_writer", None) or transport
+    if hasattr(target, "bufferSize"):
+        target.bufferSize = limit
+
+
+@implementer(IHalfCloseableProtocol)
+class LineProtocol(Protocol):
+    """NDJSON framing in front of a dispatcher :class:`Connection`.
+
+    Used for the server's stdio, and usable over any byte stream.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, label: str = "stdio") -> None:
+        self._dispatcher = dispatcher
+        self._label = label
+        self._framer = LineFramer(dispatcher.config.max_message_bytes)
+        self.connection: Connection | None = None
+        self._finishing = False
+        self.on_closed: Callable[[], None] | None = None
+
+    def connectionMade(self) -> None:
+        self.connection = self._dispatcher.connect(self, self._label)
+        set_high_water(self.transport, self._dispatcher.config.output_high_water_bytes)
+        self.transport.registerProducer(self.connection.session, True)
+
+    def dataReceived(self, data: bytes) -> None:
+        self._deliver(self._framer.feed(data))
+
+    def _deliver(self, items: list[bytes | Oversized]) -> None:
+        conn = self.connection
+        assert conn is not None
+        for item in items:
+            if item is OVERSIZED:
+                conn.oversized_message()
+            else:
+                assert isinstance(item, bytes)
+                conn.message_received(item)
+
+    # --- Outbound -----------------------------------------------------------------
+
+    def write_message(self, data: bytes) -> None:
+        self.transport.writeSequence((data, b"\n"))
+
+    def close_connection(self) -> None:
+        self._finish()
+
+    # --- end of input / output ----------------------------------------------------
+
+    def readConnectionLost(self) -> None:
+        # Input is over: answer what was received, stop every process, flush
+        # and close.
+        self._deliver(self._framer.finish())
+        self._finish()
+
+    def writeConnectionLost(self) -> None:
+        # Nobody reads our output any more: behave as a disconnect.
+        if self.connection is not None:
+            self.connection.transport_closed()
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._finishing or self.connection is None:
+            return
+        self._finishing = True
+        d = self.connection.shutdown()
+
+        def close(_: object) -> None:
+            self.transport.unregisterProducer()
+            self.transport.loseConnection()
+
+        d.addBoth(close)
+        d.addErrback(lambda f: log.failure("closing {label} failed", f, label=self._label))
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        conn = self.connection
+        if conn is None:
+            return
+        conn.transport_closed()
+        d = conn.shutdown()
+        if self.on_closed is not None:
+            callback = self.on_closed
+            d.addBoth(lambda _: callback())
+
+
+class StdioService(Service):
+    """Serves one connection on the process's stdin/stdout.
+
+    stdout is reserved for protocol messages: fd 1 is moved to a private
+    descriptor and replaced by stderr, so any stray write to ``sys.stdout``
+    or fd 1 (a log line, a library's print) lands on stderr instead of
+    corrupting the JSON stream. When the connection ends, the server stops.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, reactor: IReactorCore) -> None:
+        self._dispatcher = dispatcher
+        self._reactor = reactor
+        self._protocol_out = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        self.protocol: LineProtocol | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        proto = LineProtocol(self._dispatcher, "stdio")
+        proto.on_closed = self._connection_ended
+        self.protocol = proto
+        StandardIO(proto, stdin=0, stdout=self._protocol_out, reactor=self._reactor)
+
+    def _connection_ended(self) -> None:
+        if self._reactor.running:
+            self._reactor.stop()
