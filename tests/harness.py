@@ -1,0 +1,303 @@
+"""Integration-test harness: the real server as a subprocess over real stdio.
+
+``ServerProcess.start()`` runs ``python -m execserver`` from this working tree
+(``PYTHONPATH`` points at the repository) and speaks NDJSON to it. Every wait
+has a timeout; :meth:`ServerProcess.stop` always leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from twisted.internet import reactor as _reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+reactor: Any = _reactor
+
+DEFAULT_TIMEOUT = 10.0
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
+    env.pop("COVERAGE_PROCESS_START", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def child_env() -> dict[str, str]:
+    """An environment for processes the server starts."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+class RpcFailure(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error.get('code')}: {error.get('message')}")
+        self.code: int = error["code"]
+        self.message: str = error["message"]
+        self.data: Any = error.get("data")
+
+
+def with_timeout(d: Deferred[Any], seconds: float, what: str) -> Deferred[Any]:
+    def on_timeout(result: Any, timeout: float) -> Any:
+        if isinstance(result, Failure):
+            result.trap(Exception)
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+    return d.addTimeout(seconds, reactor, onTimeoutCancel=on_timeout)
+
+
+class ServerProcess(ProcessProtocol):
+    """A running ``exec-server`` child and a minimal JSON-RPC client for it."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.stderr = b""
+        self.raw_lines: list[bytes] = []
+        self.messages: list[dict[str, Any]] = []
+        self.notifications: list[dict[str, Any]] = []
+        self.pending: dict[Any, Deferred[dict[str, Any]]] = {}
+        self.watchers: list[tuple[Callable[[dict[str, Any]], bool], Deferred[Any]]] = []
+        self.next_id = 1
+        self.ended: Deferred[Any] = Deferred()
+        self.exit_code: int | None = None
+        self.stdout_closed: Deferred[None] = Deferred()
+        self.pid: int | None = None
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proto = cls()
+        transport = reactor.spawnProcess(
+            proto,
+            sys.executable,
+            [sys.executable, "-m", "execserver", *args],
+            env=server_env(env),
+            path=str(REPO_ROOT),
+        )
+        proto.pid = transport.pid
+        return proto
+
+    def connectionMade(self) -> None:
+        pass
+
+    def outReceived(self, data: bytes) -> None:
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if not line:
+                continue
+            self.raw_lines.append(line)
+            message = json.loads(line)
+            self.messages.append(message)
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        if "id" in message and ("result" in message or "error" in message):
+            d = self.pending.pop(message["id"], None)
+            if d is not None:
+                d.callback(message)
+        else:
+            self.notifications.append(message)
+        for watcher in list(self.watchers):
+            predicate, d = watcher
+            if not d.called and predicate(message):
+                self.watchers.remove(watcher)
+                d.callback(message)
+
+    def errReceived(self, data: bytes) -> None:
+        self.stderr += data
+
+    def outConnectionLost(self) -> None:
+        self.stdout_closed.callback(None)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.exit_code = getattr(reason.value, "exitCode", None)
+        for d in list(self.pending.values()):
+            if not d.called:
+                d.errback(ConnectionError("server exited"))
+        self.pending.clear()
+        self.ended.callback(self.exit_code)
+
+    async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
+        """Close stdin and wait for exit; kill it if it does not exit in time."""
+        if not self.ended.called:
+            self.transport.closeStdin()  # type: ignore[union-attr]
+            try:
+                await with_timeout(self._ended_copy(), timeout, "server exit")
+            except TimeoutError:
+                self.kill()
+                await with_timeout(self._ended_copy(), timeout, "server exit after SIGKILL")
+                raise
+        return self.exit_code
+
+    def kill(self, sig: str = "KILL") -> None:
+        try:
+            self.transport.signalProcess(sig)  # type: ignore[union-attr]
+        except ProcessExitedAlready:
+            pass
+
+    def _ended_copy(self) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        if self.ended.called:
+            d.callback(self.exit_code)
+        else:
+            self.ended.addBoth(lambda r: (d.callback(r), r)[1])
+        return d
+
+    # --- protocol -------------------------------------------------------------------
+
+    def send_raw(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.send_raw(json.dumps(message).encode() + b"\n")
+
+    def notify(self, method: str, params: Any = None) -> None:
+        message: dict[str, Any] = {"method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+
+    async def request(
+        self, method: str, params: Any = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> dict[str, Any]:
+        """Send a request and return the whole response message."""
+        request_id = self.next_id
+        self.next_id += 1
+        d: Deferred[dict[str, Any]] = Deferred()
+        self.pending[request_id] = d
+        message: dict[str, Any] = {"id": request_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+        result: dict[str, Any] = await with_timeout(d, timeout, f"response to {method}")
+        return result
+
+    async def call(self, method: str, params: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+        """Send a request and return its result, raising RpcFailure on an error."""
+        response = await self.request(method, params, timeout)
+        if "error" in response:
+            raise RpcFailure(response["error"])
+        return response["result"]
+
+    async def handshake(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.call("initialize", {"clientName": "test"})
+        self.notify("initialized", {})
+        return result
+
+    async def wait_for(
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float = DEFAULT_TIMEOUT,
+        what: str = "a message",
+        include_past: bool = True,
+    ) -> dict[str, Any]:
+        if include_past:
+            for message in self.messages:
+                if predicate(message):
+                    return message
+        d: Deferred[dict[str, Any]] = Deferred()
+        self.watchers.append((predicate, d))
+        result: dict[str, Any] = await with_timeout(d, timeout, what)
+        return result
+
+    async def wait_notification(
+        self, method: str, process_id: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> dict[str, Any]:
+        def match(m: dict[str, Any]) -> bool:
+            return m.get("method") == method and (
+                process_id is None or m.get("params", {}).get("processId") == process_id
+            )
+
+        message = await self.wait_for(match, timeout, f"{method} for {process_id}")
+        params: dict[str, Any] = message["params"]
+        return params
+
+    async def start_process(
+        self,
+        process_id: str,
+        argv: list[str],
+        tty: bool = False,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> Any:
+        params: dict[str, Any] = {
+            "processId": process_id,
+            "argv": argv,
+            "cwd": cwd or str(REPO_ROOT),
+            "env": child_env() if env is None else env,
+            "tty": tty,
+            "arg0": None,
+        }
+        params.update(extra)
+        return await self.call("process/start", params)
+
+    def output_of(self, process_id: str, stream: str | None = None) -> bytes:
+        """Concatenated process/output bytes received so far, in seq order."""
+        chunks = [
+            m["params"]
+            for m in self.notifications
+            if m.get("method") == "process/output"
+            and m["params"]["processId"] == process_id
+            and (stream is None or m["params"]["stream"] == stream)
+        ]
+        chunks.sort(key=lambda c: c["seq"])
+        return b"".join(unb64(c["chunk"]) for c in chunks)
+
+    async def wait_closed(self, process_id: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        await self.wait_notification("process/closed", process_id, timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (via /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
