@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     from execserver.service import build_service
 
     try:
-        service = build_service(options, reactor)  # type: ignore[arg-type]
+        service = build_service(options, reactor)
         service.startService()
     except Exception as exc:
         print(f"exec-server: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
-    reactor.run()  # type: ignore[attr-defined]
+    reactor.run()
     raise SystemExit(getattr(service, "exit_code", 0))
 
 

@@ -300,7 +300,12 @@ class Connection:
             d.addBoth(self._finished)
             self._shutdown = d
         result: Deferred[None] = Deferred()
-        self._shutdown.addBoth(lambda r: (result.callback(None), r)[1])
+
+        def forward(outcome: object) -> object:
+            result.callback(None)
+            return outcome
+
+        self._shutdown.addBoth(forward)
         return result
 
     def _finished(self, result: object) -> None:

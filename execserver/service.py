@@ -225,4 +225,4 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
 def makeService(options: Options) -> IServiceCollection:
     from twisted.internet import reactor
 
-    return build_service(options, reactor)  # type: ignore[arg-type]
+    return build_service(options, reactor)

@@ -204,7 +204,7 @@ class Session:
 
     def write(self, params: p.WriteParams) -> p.WriteResponse:
         proc = self.lookup(params.process_id)
-        transport = proc.transport
+        transport: Any = proc.transport
         if not proc.stdin_open or transport is None:
             if proc.tty:
                 raise RpcError.internal(
@@ -293,16 +293,18 @@ class Session:
             return
         self._paused = True
         for proc in self.processes.values():
-            if not proc.closed and proc.transport is not None:
-                proc.transport.pauseProducing()
+            transport: Any = proc.transport
+            if not proc.closed and transport is not None:
+                transport.pauseProducing()
 
     def resumeProducing(self) -> None:
         if not self._paused:
             return
         self._paused = False
         for proc in self.processes.values():
-            if not proc.closed and proc.transport is not None:
-                proc.transport.resumeProducing()
+            transport: Any = proc.transport
+            if not proc.closed and transport is not None:
+                transport.resumeProducing()
 
     def stopProducing(self) -> None:
         self.shutdown()

@@ -248,7 +248,7 @@ class _ChunkReader(_twisted_process.ProcessReader):
             _drain(self.fd, self.dataReceived)
 
 
-class PipeProcess(_twisted_process.Process):  # type: ignore[misc]
+class PipeProcess(_twisted_process.Process):
     """Twisted's pipe ``Process``, created by ``posix_spawn`` in its own session."""
 
     processReaderFactory = _ChunkReader
@@ -303,7 +303,7 @@ class PipeProcess(_twisted_process.Process):  # type: ignore[misc]
                 pipe.drain()
 
 
-class PtyProcess(_twisted_process.PTYProcess):  # type: ignore[misc]
+class PtyProcess(_twisted_process.PTYProcess):
     """Twisted's ``PTYProcess``, created by ``posix_spawn``; the PTY is its controlling tty."""
 
     def __init__(
@@ -348,7 +348,10 @@ class PtyProcess(_twisted_process.PTYProcess):  # type: ignore[misc]
             (os.POSIX_SPAWN_DUP2, 0, 1),
             (os.POSIX_SPAWN_DUP2, 0, 2),
         ]
-        self.pid = _posix_spawn_in(self._spec.cwd, executable, args, environment, actions)
+        # Twisted declares PTYProcess.pid as None at class level.
+        self.pid = _posix_spawn_in(  # type: ignore[assignment]
+            self._spec.cwd, executable, args, environment, actions
+        )
         self.status = -1
         return True
 
@@ -356,7 +359,9 @@ class PtyProcess(_twisted_process.PTYProcess):  # type: ignore[misc]
         return _read_into(self.fd, self._deliver)
 
     def _deliver(self, data: bytes) -> None:
-        self.proto.childDataReceived(1, data)
+        proto = self.proto
+        assert proto is not None
+        proto.childDataReceived(1, data)
 
     def drain_output(self) -> None:
         if self.connected and not self.disconnecting:

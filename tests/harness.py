@@ -8,6 +8,7 @@ has a timeout; :meth:`ServerProcess.stop` always leaves no process behind.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import sys
@@ -154,17 +155,20 @@ class ServerProcess(ProcessProtocol):
         return self.exit_code
 
     def kill(self, sig: str = "KILL") -> None:
-        try:
+        with contextlib.suppress(ProcessExitedAlready):
             self.transport.signalProcess(sig)  # type: ignore[union-attr]
-        except ProcessExitedAlready:
-            pass
 
     def _ended_copy(self) -> Deferred[Any]:
         d: Deferred[Any] = Deferred()
         if self.ended.called:
             d.callback(self.exit_code)
         else:
-            self.ended.addBoth(lambda r: (d.callback(r), r)[1])
+
+            def forward(outcome: Any) -> Any:
+                d.callback(outcome)
+                return outcome
+
+            self.ended.addBoth(forward)
         return d
 
     # --- protocol -------------------------------------------------------------------

@@ -48,10 +48,14 @@ class LineProtocol(Protocol):
         self._finishing = False
         self.on_closed: Callable[[], None] | None = None
 
+    @property
+    def _transport(self) -> Any:
+        return self.transport
+
     def connectionMade(self) -> None:
         self.connection = self._dispatcher.connect(self, self._label)
         set_high_water(self.transport, self._dispatcher.config.output_high_water_bytes)
-        self.transport.registerProducer(self.connection.session, True)
+        self._transport.registerProducer(self.connection.session, True)
 
     def dataReceived(self, data: bytes) -> None:
         self._deliver(self._framer.feed(data))
@@ -69,7 +73,7 @@ class LineProtocol(Protocol):
     # --- Outbound -----------------------------------------------------------------
 
     def write_message(self, data: bytes) -> None:
-        self.transport.writeSequence((data, b"\n"))
+        self._transport.writeSequence((data, b"\n"))
 
     def close_connection(self) -> None:
         self._finish()
@@ -95,8 +99,8 @@ class LineProtocol(Protocol):
         d = self.connection.shutdown()
 
         def close(_: object) -> None:
-            self.transport.unregisterProducer()
-            self.transport.loseConnection()
+            self._transport.unregisterProducer()
+            self._transport.loseConnection()
 
         d.addBoth(close)
         d.addErrback(lambda f: log.failure("closing {label} failed", f, label=self._label))
@@ -134,7 +138,10 @@ class StdioService(Service):
         proto = LineProtocol(self._dispatcher, "stdio")
         proto.on_closed = self._connection_ended
         self.protocol = proto
-        StandardIO(proto, stdin=0, stdout=self._protocol_out, reactor=self._reactor)
+        # (mypy sees the Windows StandardIO signature.)
+        StandardIO(  # type: ignore[call-arg]
+            proto, stdin=0, stdout=self._protocol_out, reactor=self._reactor
+        )
 
     def _connection_ended(self) -> None:
         if self._reactor.running:
