@@ -30,6 +30,11 @@ PROCESS_TERMINATE = "process/terminate"
 PROCESS_OUTPUT = "process/output"
 PROCESS_EXITED = "process/exited"
 PROCESS_CLOSED = "process/closed"
+PROCESS_SIGNAL = "process/signal"
+PROCESS_CLOSE_STDIN = "process/closeStdin"
+PROCESS_RESIZE = "process/resize"
+PROCESS_WAIT = "process/wait"
+PROCESS_LIST = "process/list"
 FS_READ_FILE = "fs/readFile"
 FS_WRITE_FILE = "fs/writeFile"
 FS_CREATE_DIRECTORY = "fs/createDirectory"
@@ -45,6 +50,9 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: A terminal dimension: TIOCSWINSZ stores rows and columns as unsigned shorts.
+WindowDimension = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+TimedOut = Literal["wall", "idle"]
 RequestId = int | str
 OutputStream = Literal["stdout", "stderr", "pty"]
 
@@ -83,6 +91,11 @@ class SandboxConfig(_Wire):
     mode: Literal["none", "hostDefault"]
 
 
+class TerminalSize(_Wire):
+    rows: WindowDimension
+    cols: WindowDimension
+
+
 class ExecParams(_Wire):
     process_id: str
     argv: list[str]
@@ -91,6 +104,12 @@ class ExecParams(_Wire):
     tty: bool
     arg0: str | None = None
     sandbox: SandboxConfig | None = None
+    # Extensions (extensions.md §2); each default is the baseline behaviour.
+    pipe_stdin: bool = False
+    size: TerminalSize | None = None
+    #: 0 or absent: no limit.
+    timeout_ms: NonNegative | None = None
+    idle_timeout_ms: NonNegative | None = None
 
 
 class ExecResponse(_Wire):
@@ -122,6 +141,7 @@ class ReadResponse(msgspec.Struct, rename="camel"):
     # exactly the reference's four fields (including ``"exitCode": null``).
     closed: bool | msgspec.UnsetType = msgspec.UNSET
     signal: str | msgspec.UnsetType = msgspec.UNSET
+    timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/write, process/terminate ---------------------------------------
@@ -138,6 +158,8 @@ class WriteResponse(_Wire):
 
 class TerminateParams(_Wire):
     process_id: str
+    #: SIGTERM -> SIGKILL delay; absent: --terminate-grace-ms; 0: SIGKILL at once.
+    grace_ms: NonNegative | None = None
 
 
 class TerminateResponse(_Wire):
@@ -159,11 +181,69 @@ class ExitedNotification(msgspec.Struct, rename="camel"):
     exit_code: int
     signal: str | msgspec.UnsetType = msgspec.UNSET
     seq: int | msgspec.UnsetType = msgspec.UNSET
+    timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
 
 
 class ClosedNotification(msgspec.Struct, rename="camel"):
     process_id: str
     seq: int
+
+
+# --- process control extensions (extensions.md §4) --------------------------
+
+
+class SignalParams(_Wire):
+    process_id: str
+    #: A name ("SIGINT" or "INT") or a number.
+    signal: int | str
+
+
+class SignalResponse(_Wire):
+    delivered: bool
+
+
+class CloseStdinParams(_Wire):
+    process_id: str
+
+
+class CloseStdinResponse(_Wire):
+    closed: bool
+
+
+class ResizeParams(_Wire):
+    process_id: str
+    rows: WindowDimension
+    cols: WindowDimension
+
+
+class WaitParams(_Wire):
+    process_id: str
+    #: Absent: wait until the process exits; 0: answer at once.
+    timeout_ms: NonNegative | None = None
+
+
+class WaitResponse(msgspec.Struct, rename="camel"):
+    exited: bool
+    exit_code: int | None
+    signal: str | msgspec.UnsetType = msgspec.UNSET
+    timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
+
+
+class ListParams(_Wire):
+    pass
+
+
+class ListedProcess(msgspec.Struct, rename="camel"):
+    process_id: str
+    pid: int | None
+    argv: list[str]
+    tty: bool
+    running: bool
+    exit_code: int | None
+
+
+class ListResponse(msgspec.Struct, rename="camel"):
+    processes: list[ListedProcess]
 
 
 # --- JSON-RPC envelopes -----------------------------------------------------
