@@ -84,7 +84,10 @@ class LineFramer:
         if start < size and not self._discarding:
             rest = data[start:] if start else data
             self._pending += len(rest)
-            if self._pending > self._max:
+            # One byte of slack: a line of exactly the limit may be followed by
+            # the CR of its CRLF, which _emit strips. Without it, whether such a
+            # line is accepted would depend on where the reads happen to split.
+            if self._pending > self._max + 1:
                 out.append(OVERSIZED)
                 self._pieces = []
                 self._pending = 0
