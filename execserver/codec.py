@@ -38,6 +38,8 @@ class Oversized:
 
 OVERSIZED: Final = Oversized()
 
+_JSON_WHITESPACE: Final = b" \t\r\n"
+
 
 class LineFramer:
     """Incremental NDJSON splitter.
@@ -111,7 +113,10 @@ class LineFramer:
             line = line[:-1]
         if len(line) > self._max:
             out.append(OVERSIZED)
-        elif line and not line.isspace():
+        elif line.strip(_JSON_WHITESPACE):
+            # Only JSON whitespace makes an empty message; bytes.isspace() also
+            # accepts \x0b and \x0c, which must be answered as a parse error,
+            # not dropped silently.
             out.append(line)
 
 
