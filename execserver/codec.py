@@ -174,6 +174,15 @@ def decode_message(data: bytes | str) -> Incoming:
     try:
         env = _envelope_decoder.decode(data)
     except msgspec.ValidationError as exc:
+        # msgspec checks types while it parses, so malformed JSON whose first
+        # token already has the wrong type ("[", "1 2") lands here too. Decoding
+        # as Raw validates the syntax without building Python objects.
+        try:
+            msgspec.json.decode(data, type=msgspec.Raw)
+        except msgspec.DecodeError as parse_exc:
+            raise FramingError(
+                RpcError(protocol.PARSE_ERROR, f"parse error: {parse_exc}")
+            ) from None
         raise FramingError(RpcError.invalid_request(f"invalid JSON-RPC message: {exc}")) from None
     except msgspec.DecodeError as exc:
         raise FramingError(RpcError(protocol.PARSE_ERROR, f"parse error: {exc}")) from None
