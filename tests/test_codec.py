@@ -16,7 +16,7 @@ from execserver import protocol as p
 from execserver.codec import OVERSIZED, LineFramer, Oversized
 from execserver.errors import RpcError
 
-# --- LineFramer -----------------------------------------------------------------------------
+# --- LineFramer -------------------------------------------------------------------------------
 
 JSON_BLANK = b" \t\r"
 
