@@ -1,0 +1,410 @@
+"""Integration tests of the real server over stdio: process trees, shutdown paths,
+flow control with a stalled client, binary fidelity and hostile input.
+
+Bounds stated here:
+- a terminated process tree is gone from /proc within TREE_GONE_BOUND seconds
+  (the server's default grace is 2 s; ``sleep`` dies at the SIGTERM);
+- while the client reads nothing, the server's RSS stays below its idle RSS
+  plus STALL_RSS_BOUND.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import psutil
+import pytest
+import pytest_twisted
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from twisted.internet import task
+from twisted.internet.defer import Deferred
+
+from tests.harness import (
+    REPO_ROOT,
+    ServerProcess,
+    b64,
+    child_env,
+    descendants,
+    pid_alive,
+    reactor,
+    with_timeout,
+)
+from tests.raw_server import RawServer
+
+TREE_GONE_BOUND = 5.0
+MiB = 1024 * 1024
+STALL_RSS_BOUND = 64 * MiB
+GIB = 1 << 30
+
+
+@asynccontextmanager
+async def serving(*args: str) -> AsyncIterator[ServerProcess]:
+    server = ServerProcess.start(*args)
+    try:
+        await server.handshake()
+        yield server
+    finally:
+        await server.stop()
+
+
+async def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``condition`` every 20 ms; returns the seconds it took."""
+    start = time.monotonic()
+
+    async def loop() -> None:
+        while not condition():
+            await task.deferLater(reactor, 0.02)
+
+    await with_timeout(Deferred.fromCoroutine(loop()), timeout, what)
+    return time.monotonic() - start
+
+
+def sleeps_under(pid: int) -> list[int]:
+    found = []
+    for child in descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if argv[:2] == [b"sleep", b"300"] and pid_alive(child):
+            found.append(child)
+    return found
+
+
+async def start_tree(server: ServerProcess, process_id: str = "tree") -> list[int]:
+    """Start ``sh -c 'sleep 300 & sleep 300'``; return the pids of its two sleeps."""
+    assert server.pid is not None
+    server_pid = server.pid
+    known = set(sleeps_under(server_pid))
+    await server.start_process(process_id, ["sh", "-c", "sleep 300 & sleep 300"])
+
+    def new_sleeps() -> list[int]:
+        return [pid for pid in sleeps_under(server_pid) if pid not in known]
+
+    await poll_until(lambda: len(new_sleeps()) == 2, 10, "both sleeps to start")
+    pids = new_sleeps()
+    assert len(pids) == 2
+    return pids
+
+
+# --- process trees ----------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_terminate_kills_the_whole_process_tree() -> None:
+    async with serving() as server:
+        pids = await start_tree(server)
+        result = await server.call("process/terminate", {"processId": "tree"})
+        assert result == {"running": True}
+        took = await poll_until(
+            lambda: not any(pid_alive(pid) for pid in pids), TREE_GONE_BOUND, "the tree to die"
+        )
+        assert took < TREE_GONE_BOUND
+        await server.wait_notification("process/exited", "tree")
+
+
+@pytest_twisted.ensureDeferred
+async def test_stdin_eof_answers_terminates_every_tree_and_exits_zero() -> None:
+    server = ServerProcess.start()
+    try:
+        await server.handshake()
+        pids = await start_tree(server, "t1")
+        pids += await start_tree(server, "t2")
+        assert len(pids) == 4
+        # A request in flight when input ends is still answered.
+        server.send({"id": "last", "method": "process/read", "params": {"processId": "t1"}})
+        server.transport.closeStdin()  # type: ignore[union-attr]
+        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        assert code == 0
+        assert any(m.get("id") == "last" for m in server.messages)
+        assert not any(pid_alive(pid) for pid in pids)
+        assert server.pid is not None
+        assert descendants(server.pid) == []
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_to_the_server_leaves_no_process_behind() -> None:
+    server = ServerProcess.start()
+    try:
+        await server.handshake()
+        pids = await start_tree(server)
+        server.kill("TERM")
+        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        assert code == 0
+        assert not any(pid_alive(pid) for pid in pids)
+    finally:
+        await server.stop()
+
+
+# --- flow control -----------------------------------------------------------------------------
+
+
+class _Envelope(msgspec.Struct):
+    method: str | None = None
+    id: int | str | None = None
+    params: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    result: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    error: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class _Output(msgspec.Struct, rename="camel"):
+    process_id: str
+    stream: str
+    chunk: bytes
+    seq: int
+
+
+def zeros_digest(size: int) -> str:
+    digest = hashlib.sha256()
+    block = bytes(MiB)
+    for _ in range(size // MiB):
+        digest.update(block)
+    digest.update(bytes(size % MiB))
+    return digest.hexdigest()
+
+
+def rss(pid: int) -> int:
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def test_stalled_client_bounds_server_memory_then_gets_every_byte_in_order() -> None:
+    server = RawServer()
+    try:
+        server.handshake()
+        idle = rss(server.pid)
+        server.call(
+            "process/start",
+            {
+                "processId": "gib",
+                "argv": ["head", "-c", str(GIB), "/dev/zero"],
+                "cwd": str(REPO_ROOT),
+                "env": child_env(),
+                "tty": False,
+                "arg0": None,
+            },
+        )
+        # Read nothing for three seconds while the child tries to write 1 GiB.
+        stall_peak = idle
+        stall_end = time.monotonic() + 3.0
+        while time.monotonic() < stall_end:
+            stall_peak = max(stall_peak, rss(server.pid))
+            time.sleep(0.05)
+        head = [
+            p
+            for p in descendants(server.pid)
+            if pid_alive(p) and psutil.Process(p).name() == "head"
+        ]
+        assert head, "the child must be blocked on its pipe, not finished"
+        assert stall_peak < idle + STALL_RSS_BOUND, (
+            f"RSS grew from {idle / MiB:.1f} MiB to {stall_peak / MiB:.1f} MiB while stalled"
+        )
+
+        envelope = msgspec.json.Decoder(_Envelope).decode
+        output = msgspec.json.Decoder(_Output).decode
+        digest = hashlib.sha256()
+        received = 0
+        next_seq = 1
+        exit_code = None
+        drain_peak = 0
+        lines = 0
+        closed = False
+        deadline = time.monotonic() + 120
+        while not closed:
+            assert time.monotonic() < deadline, "draining 1 GiB took over 120 s"
+            line = server.read_line(timeout=30)
+            message = envelope(line)
+            if message.method == "process/output":
+                assert isinstance(message.params, msgspec.Raw)
+                note = output(message.params)
+                assert note.seq == next_seq, "chunks must arrive in seq order, none missing"
+                next_seq += 1
+                digest.update(note.chunk)
+                received += len(note.chunk)
+            elif message.method == "process/exited":
+                assert isinstance(message.params, msgspec.Raw)
+                exit_code = json.loads(bytes(message.params))["exitCode"]
+            elif message.method == "process/closed":
+                closed = True
+            lines += 1
+            if lines % 256 == 0:
+                drain_peak = max(drain_peak, rss(server.pid))
+        assert exit_code == 0
+        assert received == GIB
+        assert digest.hexdigest() == zeros_digest(GIB)
+        print(
+            f"\nflow control: idle RSS {idle / MiB:.1f} MiB, stalled peak "
+            f"{stall_peak / MiB:.1f} MiB, draining peak {drain_peak / MiB:.1f} MiB, "
+            f"{next_seq - 1} chunks"
+        )
+    finally:
+        assert server.stop() == 0
+
+
+# --- binary fidelity --------------------------------------------------------------------------
+
+EVERY_BYTE = bytes(range(256))
+
+PIPE_WRITER = (
+    "import sys; b = bytes(range(256)); "
+    "sys.stdout.buffer.write(b * 4); sys.stdout.flush(); "
+    "sys.stderr.buffer.write(b[::-1]); sys.stderr.flush()"
+)
+
+PTY_ECHO = """
+import os, sys, tty
+tty.setraw(0)
+os.write(1, b"ready\\n")
+data = b""
+while len(data) < 256:
+    data += os.read(0, 256 - len(data))
+os.write(1, b"hex:" + data.hex().encode() + b"\\n")
+os.write(1, data)
+os.write(1, b"\\ndone\\n")
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_byte_value_survives_pipe_output() -> None:
+    async with serving() as server:
+        await server.start_process("bytes", [sys.executable, "-c", PIPE_WRITER])
+        await server.wait_closed("bytes")
+        assert server.output_of("bytes", "stdout") == EVERY_BYTE * 4
+        assert server.output_of("bytes", "stderr") == EVERY_BYTE[::-1]
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_byte_value_survives_a_raw_pty_both_ways() -> None:
+    async with serving() as server:
+        await server.start_process("pty", [sys.executable, "-c", PTY_ECHO], tty=True)
+        await server.wait_for(
+            lambda _: b"ready\n" in server.output_of("pty"), what="the pty child in raw mode"
+        )
+        result = await server.call("process/write", {"processId": "pty", "chunk": b64(EVERY_BYTE)})
+        assert result == {"accepted": True}
+        await server.wait_closed("pty")
+        out = server.output_of("pty")
+        assert b"hex:" + EVERY_BYTE.hex().encode() + b"\n" in out
+        assert out.endswith(b"hex:" + EVERY_BYTE.hex().encode() + b"\n" + EVERY_BYTE + b"\ndone\n")
+
+
+# --- hostile input ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def garbage_server() -> Iterator[RawServer]:
+    server = RawServer("--max-message-bytes", "65536")
+    try:
+        server.handshake()
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def _is_a_message(line: bytes) -> bool:
+    """A line the server may legitimately treat as a message (not garbage)."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict) and bool({"id", "method", "result", "error"} & set(value))
+
+
+garbage_lines = st.one_of(
+    st.binary(min_size=1, max_size=300),
+    st.text(min_size=1, max_size=100).map(str.encode),
+    st.recursive(
+        st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | st.text(),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+        max_leaves=8,
+    ).map(lambda v: json.dumps(v).encode()),
+    st.sampled_from(
+        [
+            b'{"id":1,"method":"initialize"',
+            b'{"method":',
+            b'[{"id":1,"method":"x"}]',
+            b"\x00",
+            b"\xef\xbb\xbf{}",
+            b"\x0c",
+            b'"\\ud800"',
+        ]
+    ),
+)
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=garbage_lines)
+def test_garbage_lines_get_exactly_one_error_with_null_id(
+    garbage_server: RawServer, garbage: bytes
+) -> None:
+    line = garbage.replace(b"\n", b"")
+    assume(line.rstrip(b"\r").strip(b" \t\r"))
+    assume(not _is_a_message(line.rstrip(b"\r")))
+    server = garbage_server
+    sentinel = f"sentinel-{time.monotonic_ns()}"
+    server.send_raw(
+        line + b"\n" + json.dumps({"id": sentinel, "method": "no/such"}).encode() + b"\n"
+    )
+    replies = []
+    while True:
+        message = server.read_message(timeout=10)
+        if message.get("id") == sentinel:
+            assert message["error"] == {"code": -32600, "message": "unknown method: no/such"}
+            break
+        replies.append(message)
+    assert len(replies) == 1, replies
+    [reply] = replies
+    assert reply["id"] is None
+    assert reply["error"]["code"] in (-32700, -32600)
+    assert server.proc.poll() is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_oversized_line_gets_one_error_and_the_connection_stays_usable() -> None:
+    async with serving("--max-message-bytes", "1024") as server:
+        before = len(server.messages)
+        # One line of 3 MiB, written in pieces.
+        for _ in range(3):
+            server.send_raw(b"x" * MiB)
+        server.send_raw(b"\n")
+        result = await server.call("process/terminate", {"processId": "nobody"})
+        assert result == {"running": False}
+        errors = [m for m in server.messages[before:] if "error" in m]
+        assert len(errors) == 1
+        assert errors[0]["id"] is None
+        assert errors[0]["error"]["code"] == -32600
+        assert "1024" in errors[0]["error"]["message"]
+        # A line of exactly the limit is still accepted.
+        line = b'{"id":"fits","method":"process/terminate","params":{"processId":"x"}}'
+        padded = line[:-1] + b" " * (1024 - len(line)) + b"}"
+        assert len(padded) == 1024
+        server.send_raw(padded + b"\n")
+        fits = await server.wait_for(lambda m: m.get("id") == "fits", what="the at-limit line")
+        assert fits["result"] == {"running": False}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_two_second_long_poll_does_not_delay_the_next_request() -> None:
+    async with serving() as server:
+        await server.start_process("quiet", ["sleep", "30"])
+        read: Deferred[Any] = Deferred.fromCoroutine(
+            server.request("process/read", {"processId": "quiet", "afterSeq": 0, "waitMs": 2000})
+        )
+        started = time.monotonic()
+        assert await server.call("process/read", {"processId": "quiet"}, timeout=1.5)
+        assert not read.called
+        response = await read
+        assert time.monotonic() - started >= 1.0
+        assert response["result"]["chunks"] == []
+        order = [m.get("id") for m in server.messages if "id" in m]
+        assert order.index(response["id"]) == len(order) - 1
