@@ -24,16 +24,19 @@ _decode = msgspec.json.Decoder().decode
 
 
 class RawServer:
-    def __init__(self, *args: str) -> None:
+    def __init__(
+        self, *args: str, command: list[str] | None = None, cwd: str | None = None
+    ) -> None:
+        """Run ``python -m execserver ARGS`` (or ``command``), working tree first on PYTHONPATH."""
         # Closed with the RawServer; a context manager cannot span its life.
         self.stderr_file = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "execserver", *args],
+            command or [sys.executable, "-m", "execserver", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr_file,
             env=server_env(),
-            cwd=str(REPO_ROOT),
+            cwd=cwd or str(REPO_ROOT),
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin = self.proc.stdin
