@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import re
 import resource
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from twisted.application.service import IServiceCollection, MultiService, Service
@@ -22,7 +23,13 @@ from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
 from execserver.spawn import PosixSpawner, seal_inherited_fds
 
+if TYPE_CHECKING:
+    from execserver.transports.websocket import WebSocketSettings
+
 DEFAULT_LISTEN_URL = "stdio://"
+DEFAULT_PING_INTERVAL_MS = 20_000
+DEFAULT_PING_TIMEOUT_MS = 20_000
+_ORIGIN_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 
 
 @attrs.frozen
@@ -137,11 +144,42 @@ class Options(usage.Options):
             "Largest accepted JSON-RPC line or WebSocket message.",
             _positive("max-message-bytes"),
         ],
+        [
+            "max-read-file-bytes",
+            None,
+            _DEFAULTS.max_read_file_bytes,
+            "Largest file fs/readFile returns; a larger one is refused with an error.",
+            _positive("max-read-file-bytes"),
+        ],
+        [
+            "ping-interval-ms",
+            None,
+            DEFAULT_PING_INTERVAL_MS,
+            "WebSocket: ping every client this often; 0 disables pings (and dead-peer detection).",
+            _positive("ping-interval-ms"),
+        ],
+        [
+            "ping-timeout-ms",
+            None,
+            DEFAULT_PING_TIMEOUT_MS,
+            "WebSocket: drop a client (terminating its processes) whose pong is this late.",
+            _positive("ping-timeout-ms"),
+        ],
     ]
 
     def __init__(self) -> None:
         super().__init__()
         self["listen"] = []
+        self["allow-origin"] = []
+
+    def opt_allow_origin(self, origin: str) -> None:
+        """WebSocket: admit pages from this browser Origin, e.g. http://localhost:3000 (repeatable; any other Origin gets 403)."""  # noqa: E501
+        if origin != "null" and not _ORIGIN_RE.fullmatch(origin.rstrip("/")):
+            raise usage.UsageError(
+                f"--allow-origin takes an origin like `https://example.com:8443` "
+                f"(scheme://host[:port]) or `null`, got `{origin}`"
+            )
+        self["allow-origin"].append(origin)
 
     def opt_listen(self, url: str) -> None:
         """Listen on URL: stdio:// or ws://IP:PORT (repeatable)."""
@@ -166,6 +204,18 @@ class Options(usage.Options):
             raise usage.UsageError("--max-message-bytes must be at least 1024")
         if self["max-processes"] < 1:
             raise usage.UsageError("--max-processes must be at least 1")
+        if self["ping-interval-ms"] and not self["ping-timeout-ms"]:
+            raise usage.UsageError("--ping-timeout-ms must be positive while pings are enabled")
+
+    def websocket_settings(self) -> WebSocketSettings:
+        from execserver.transports.websocket import WebSocketSettings
+
+        return WebSocketSettings(
+            max_message_bytes=self["max-message-bytes"],
+            ping_interval=self["ping-interval-ms"] / 1000.0,
+            ping_timeout=self["ping-timeout-ms"] / 1000.0,
+            allowed_origins=frozenset(self["allow-origin"]),
+        )
 
     def config(self) -> ServerConfig:
         return ServerConfig(
@@ -174,6 +224,7 @@ class Options(usage.Options):
             terminate_grace_ms=self["terminate-grace-ms"],
             max_processes=self["max-processes"],
             max_message_bytes=self["max-message-bytes"],
+            max_read_file_bytes=self["max-read-file-bytes"],
         )
 
 
@@ -217,7 +268,12 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
         else:
             from execserver.transports.websocket import WebSocketService
 
-            child = WebSocketService(dispatcher, reactor, address)
+            child = WebSocketService(
+                dispatcher,
+                reactor,  # type: ignore[arg-type]
+                address,
+                options.websocket_settings(),
+            )
         child.setServiceParent(root)
     return root
 

@@ -1,0 +1,125 @@
+"""Prometheus text exposition (format 0.0.4) of a dispatcher's state.
+
+Rendered on demand from :class:`~execserver.dispatcher.Stats` counters and a
+walk over the live sessions, so nothing is kept twice. The format is small
+enough that a client library (and its global registry) would cost more than
+these few lines; label values are escaped as the format requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final
+
+from execserver import __version__
+
+if TYPE_CHECKING:
+    from execserver.dispatcher import Dispatcher
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+Sample = tuple[dict[str, str], float | int]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _family(name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        if labels:
+            rendered = ",".join(f'{key}="{_escape(val)}"' for key, val in sorted(labels.items()))
+            lines.append(f"{name}{{{rendered}}} {value}")
+        else:
+            lines.append(f"{name} {value}")
+    return lines
+
+
+def render(dispatcher: Dispatcher) -> bytes:
+    """The current metrics of ``dispatcher`` as a Prometheus text page."""
+    stats = dispatcher.stats
+    running = 0
+    registered = 0
+    retained = 0
+    for conn in list(dispatcher.connections):
+        for proc in conn.session.processes.values():
+            registered += 1
+            if not proc.exited:
+                running += 1
+            retained += proc.output.retained_bytes
+
+    lines: list[str] = []
+    lines += _family(
+        "exec_server_info",
+        "gauge",
+        "Server version.",
+        [({"version": __version__}, 1)],
+    )
+    lines += _family(
+        "exec_server_connections_opened_total",
+        "counter",
+        "Client connections accepted (stdio and WebSocket).",
+        [({}, stats.connections_opened)],
+    )
+    lines += _family(
+        "exec_server_connections",
+        "gauge",
+        "Client connections currently open.",
+        [({}, stats.connections_active)],
+    )
+    lines += _family(
+        "exec_server_sessions",
+        "gauge",
+        "Sessions alive (including ones still terminating their processes).",
+        [({}, len(dispatcher.connections))],
+    )
+    lines += _family(
+        "exec_server_processes_running",
+        "gauge",
+        "Processes started and not yet exited.",
+        [({}, running)],
+    )
+    lines += _family(
+        "exec_server_processes_registered",
+        "gauge",
+        "Process ids held by sessions (running, or exited and still retained).",
+        [({}, registered)],
+    )
+    lines += _family(
+        "exec_server_processes_started_total",
+        "counter",
+        "Processes started.",
+        [({}, stats.processes_started)],
+    )
+    lines += _family(
+        "exec_server_processes_exited_total",
+        "counter",
+        "Processes whose exit was reported.",
+        [({}, stats.processes_exited)],
+    )
+    lines += _family(
+        "exec_server_retained_output_bytes",
+        "gauge",
+        "Output bytes retained for process/read across all sessions.",
+        [({}, retained)],
+    )
+    streams = dict.fromkeys(("stdout", "stderr", "pty"), 0)
+    streams.update(stats.output_bytes)
+    lines += _family(
+        "exec_server_output_bytes_total",
+        "counter",
+        "Process output bytes read, by stream.",
+        [({"stream": stream}, count) for stream, count in sorted(streams.items())],
+    )
+    lines += _family(
+        "exec_server_requests_total",
+        "counter",
+        "Requests answered, by method and outcome (ok or error). Unparseable "
+        "messages count as <invalid>, unknown methods as <unknown>.",
+        [
+            ({"method": method, "outcome": outcome}, count)
+            for (method, outcome), count in sorted(stats.requests.items())
+        ],
+    )
+    return ("\n".join(lines) + "\n").encode()

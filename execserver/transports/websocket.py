@@ -1,0 +1,443 @@
+"""JSON-RPC over WebSocket (Autobahn, Twisted flavour), plus two plain HTTP endpoints.
+
+One JSON-RPC message per WebSocket message: text frames, or binary frames
+holding the same JSON; replies are always text frames. Every connection gets
+its own dispatcher :class:`~execserver.dispatcher.Connection` and so its own
+session; when the connection ends (close frame, TCP reset, ping timeout) the
+session's processes are terminated, whole groups, as the reference does.
+
+The same port answers, without an upgrade, ``GET /readyz`` (200, empty) and
+``GET /metrics`` (Prometheus text). Everything HTTP is decided in
+:meth:`ExecServerProtocol.processHandshake` before Autobahn parses the
+upgrade, so no web framework sits in front of the socket.
+
+Size limits are ours, not Autobahn's: Autobahn's ``maxMessagePayloadSize``
+also caps *outgoing* messages and closes the connection, whereas a too-large
+message here is discarded as it streams in, answered with an ``id: null``
+error, and the connection stays usable (extensions.md section 5).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import IO, Any, Final, cast
+from urllib.parse import urlsplit
+
+import attrs
+from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
+from autobahn.websocket.protocol import WebSocketProtocol, parseHttpHeader
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IListeningPort,
+    IReactorTCP,
+    IReactorTime,
+)
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from execserver import __version__, metrics
+from execserver.dispatcher import Connection, Dispatcher
+from execserver.transports.stdio import set_high_water
+
+log = Logger()
+
+#: Largest accepted HTTP request head (request line and headers).
+MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
+
+#: Pending TCP connections the kernel queues (many clients may connect at once).
+LISTEN_BACKLOG: Final = 1024
+
+#: Close codes sent by the server (RFC 6455 section 7.4.1).
+CLOSE_GOING_AWAY: Final = 1001
+CLOSE_POLICY_VIOLATION: Final = 1008
+
+_STATUS_TEXT: Final = {
+    200: "OK",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    426: "Upgrade Required",
+    431: "Request Header Fields Too Large",
+}
+
+
+def normalize_origin(origin: str) -> str:
+    """Origins compare case-insensitively, without a trailing slash."""
+    return origin.strip().rstrip("/").lower()
+
+
+@attrs.frozen
+class WebSocketSettings:
+    """Transport settings of a WebSocket listener (from the command line)."""
+
+    #: Largest accepted message (all frames of it), in bytes.
+    max_message_bytes: int
+    #: Seconds between server pings; 0 disables pinging.
+    ping_interval: float = 20.0
+    #: Seconds a ping may stay unanswered before the peer is declared dead.
+    ping_timeout: float = 20.0
+    #: Browser origins allowed to connect (normalized); others get 403.
+    allowed_origins: frozenset[str] = frozenset()
+    #: Seconds a client may take to send its upgrade request.
+    open_handshake_timeout: float = 5.0
+    #: Seconds the server waits for the client's close reply before dropping TCP.
+    close_handshake_timeout: float = 1.0
+
+
+class ExecServerProtocol(WebSocketServerProtocol):
+    """Frames in, messages to the dispatcher connection; messages out as text frames."""
+
+    factory: ExecServerFactory
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.connection: Connection | None = None
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._oversized = False
+        self._lost_waiters: list[Deferred[None]] = []
+        self._lost = False
+
+    @property
+    def _transport(self) -> Any:
+        return self.transport
+
+    # --- HTTP, before any upgrade --------------------------------------------------
+
+    def processHandshake(self) -> None:
+        head_end = self.data.find(b"\r\n\r\n")
+        if head_end < 0:
+            if len(self.data) > MAX_REQUEST_HEAD_BYTES:
+                self._http_reply(431, f"request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes\n")
+            return
+        if head_end > MAX_REQUEST_HEAD_BYTES:
+            self._http_reply(431, f"request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes\n")
+            return
+        try:
+            request_line, headers, _ = parseHttpHeader(self.data[: head_end + 4])
+        except Exception:
+            self._http_reply(400, "malformed HTTP request\n")
+            return
+        parts = request_line.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            self._http_reply(400, f"malformed HTTP request line {request_line!r}\n")
+            return
+        method, target, _version = parts
+        if "upgrade" not in headers:
+            self._serve_plain(method, urlsplit(target).path)
+            return
+        origin = headers.get("origin")
+        if origin is not None and normalize_origin(origin) not in self.factory.allowed_origins:
+            self._http_reply(
+                403,
+                f"origin {origin!r} is not allowed to connect; "
+                "the server admits it only when started with --allow-origin for it\n",
+            )
+            return
+        super().processHandshake()
+
+    def _serve_plain(self, method: str, path: str) -> None:
+        if path in ("/readyz", "/metrics"):
+            if method not in ("GET", "HEAD"):
+                self._http_reply(
+                    405, f"{path} answers GET and HEAD only\n", [("Allow", "GET, HEAD")]
+                )
+                return
+            if path == "/readyz":
+                self._http_reply(200, "", head_only=method == "HEAD")
+            else:
+                self._http_reply(
+                    200,
+                    metrics.render(self.factory.dispatcher),
+                    content_type=metrics.CONTENT_TYPE,
+                    head_only=method == "HEAD",
+                )
+            return
+        if path == "/":
+            self._http_reply(
+                426,
+                "this is an exec-server WebSocket endpoint: connect with a WebSocket client "
+                "(ws://HOST:PORT); plain HTTP is served only at GET /readyz and GET /metrics\n",
+                [("Upgrade", "websocket")],
+            )
+            return
+        self._http_reply(
+            404, f"no resource at {path}; plain HTTP is served at /readyz and /metrics only\n"
+        )
+
+    def _http_reply(
+        self,
+        status: int,
+        body: str | bytes,
+        extra_headers: list[tuple[str, str]] | None = None,
+        content_type: str = "text/plain; charset=utf-8",
+        head_only: bool = False,
+    ) -> None:
+        """Send one HTTP response and close: the port is not a general web server."""
+        payload = body.encode() if isinstance(body, str) else body
+        lines = [
+            f"HTTP/1.1 {status} {_STATUS_TEXT[status]}",
+            f"Server: exec-server/{__version__}",
+            f"Content-Type: {content_type}",
+            f"Content-Length: {len(payload)}",
+            "Cache-Control: no-store",
+            "Connection: close",
+        ]
+        lines += [f"{name}: {value}" for name, value in extra_headers or []]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        self.sendData(head if head_only else head + payload)
+        self.data = b""
+        # Not a WebSocket failure: keep Autobahn from logging a warning.
+        self.wasClean = True
+        self.dropConnection(abort=False)
+
+    # --- WebSocket lifecycle -------------------------------------------------------
+
+    def onOpen(self) -> None:
+        factory = self.factory
+        conn = factory.dispatcher.connect(self, f"websocket {self.peer}")
+        self.connection = conn
+        set_high_water(self._transport, factory.dispatcher.config.output_high_water_bytes)
+        # The session pauses its children's output pipes while this
+        # connection's unsent output is above the high-water mark.
+        self._transport.registerProducer(conn.session, True)
+
+    def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
+        conn = self.connection
+        if conn is None:
+            return
+        log.debug(
+            "{label} closed (clean={clean}, code={code}, reason={reason})",
+            label=conn.label,
+            clean=wasClean,
+            code=code,
+            reason=reason,
+        )
+        conn.transport_closed()
+        conn.shutdown().addErrback(
+            lambda f: log.failure("ending {label} failed", f, label=conn.label)
+        )
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        super().connectionLost(reason)
+        self.factory.protocols.discard(self)
+        self._lost = True
+        waiters, self._lost_waiters = self._lost_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    def unregisterProducer(self) -> None:
+        # Autobahn calls this on every drop, registered or not (e.g. after
+        # a plain HTTP reply); strict transports refuse that.
+        if getattr(self.transport, "producer", None) is not None:
+            self._transport.unregisterProducer()
+
+    def when_lost(self) -> Deferred[None]:
+        if self._lost:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._lost_waiters.append(d)
+        return d
+
+    # --- incoming messages, size-limited as they stream in -------------------------
+
+    def onMessageBegin(self, isBinary: bool) -> None:
+        self._parts = []
+        self._size = 0
+        self._oversized = False
+
+    def onMessageFrameBegin(self, length: int) -> None:
+        # The frame header announces its length: refuse before buffering any of it.
+        self._size += length
+        if self.failedByMe:
+            return
+        if not self._oversized and self._size > self.factory.settings.max_message_bytes:
+            self._oversized = True
+            self._parts = []
+            if self.connection is not None:
+                self.connection.oversized_message()
+
+    def onMessageFrameData(self, payload: bytes) -> None:
+        if not self._oversized:
+            self._parts.append(payload)
+
+    def onMessageFrameEnd(self) -> None:
+        pass
+
+    def onMessageEnd(self) -> None:
+        parts, self._parts = self._parts, []
+        # failedByMe: Autobahn keeps parsing after failing a connection (to
+        # read the close reply) and still delivers the offending message.
+        if self._oversized or self.failedByMe or self.connection is None:
+            return
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            self.connection.message_received(data)
+        except UnicodeDecodeError as exc:
+            # A binary frame is not UTF-8-checked by Autobahn; JSON must be UTF-8.
+            self._fail_connection(
+                WebSocketProtocol.CLOSE_STATUS_CODE_INVALID_PAYLOAD,
+                f"message is not valid UTF-8 (byte {exc.start}): JSON-RPC messages are UTF-8 JSON",
+            )
+
+    # --- Outbound ------------------------------------------------------------------
+
+    def write_message(self, data: bytes) -> None:
+        if self.state == WebSocketProtocol.STATE_OPEN:
+            self.sendMessage(data, isBinary=False)
+
+    def close_connection(self) -> None:
+        """Close after a JSON-RPC protocol violation (the dispatcher logged why)."""
+        if self.state == WebSocketProtocol.STATE_OPEN:
+            self.sendCloseFrame(
+                code=CLOSE_POLICY_VIOLATION,
+                reasonUtf8=b"JSON-RPC protocol violation",
+                isReply=False,
+            )
+
+    # --- server shutdown -----------------------------------------------------------
+
+    def shut_down(self) -> Deferred[None]:
+        """Terminate the session's processes, say goodbye, and wait for the TCP close."""
+        conn = self.connection
+        if conn is None or self.state != WebSocketProtocol.STATE_OPEN:
+            if not self._lost:
+                self._transport.abortConnection()
+            return self.when_lost()
+        d = conn.shutdown()
+
+        def close(_: object) -> Deferred[None]:
+            if self.state == WebSocketProtocol.STATE_OPEN:
+                self.sendCloseFrame(
+                    code=CLOSE_GOING_AWAY, reasonUtf8=b"exec-server is shutting down"
+                )
+            # Autobahn drops TCP after closeHandshakeTimeout if the peer never replies.
+            return self.when_lost()
+
+        return d.addBoth(close)
+
+
+class _Timer:
+    """A cancellable timer whose ``cancel`` is a no-op once it has run."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: IDelayedCall) -> None:
+        self._call = call
+
+    def cancel(self) -> None:
+        if self._call.active():
+            self._call.cancel()
+
+
+@attrs.frozen
+class ClockTimers:
+    """Autobahn's timer hook (``factory._batched_timer``) on an injected clock.
+
+    Autobahn's default batches timers through txaio into buckets computed
+    from *whole seconds* (``int(now + delay) * 1000``), so a 300 ms ping
+    timeout can fire at once or up to a second late. Exact timers are
+    cheap in Twisted's heap, and an injected clock makes them testable.
+    """
+
+    clock: IReactorTime
+
+    def call_later(
+        self, delay: float, func: Callable[..., object], *args: Any, **kw: Any
+    ) -> _Timer:
+        return _Timer(self.clock.callLater(delay, func, *args, **kw))
+
+
+class ExecServerFactory(WebSocketServerFactory):
+    protocol = ExecServerProtocol  # type: ignore[assignment]
+    noisy = False
+
+    def __init__(self, dispatcher: Dispatcher, settings: WebSocketSettings, reactor: Any) -> None:
+        super().__init__(server=f"exec-server/{__version__}", reactor=reactor)
+        self._batched_timer = ClockTimers(reactor)
+        self.dispatcher = dispatcher
+        self.settings = settings
+        self.allowed_origins = frozenset(normalize_origin(o) for o in settings.allowed_origins)
+        self.protocols: set[ExecServerProtocol] = set()
+        self.setProtocolOptions(
+            # Plain GETs are answered in ExecServerProtocol.processHandshake.
+            webStatus=False,
+            # Limits are enforced per message by the protocol (see module doc).
+            maxFramePayloadSize=0,
+            maxMessagePayloadSize=0,
+            # Protocol errors get a close frame with a code and reason.
+            failByDrop=False,
+            openHandshakeTimeout=settings.open_handshake_timeout,
+            closeHandshakeTimeout=settings.close_handshake_timeout,
+            autoPingInterval=settings.ping_interval,
+            autoPingTimeout=settings.ping_timeout if settings.ping_interval else 0,
+            # Origins are checked before Autobahn sees the request.
+            allowedOrigins=["*"],
+            allowNullOrigin=True,
+            perMessageCompressionAccept=lambda _offers: None,
+        )
+
+    def buildProtocol(self, addr: IAddress) -> ExecServerProtocol:  # type: ignore[override]
+        proto = cast(ExecServerProtocol, super().buildProtocol(addr))
+        self.protocols.add(proto)
+        return proto
+
+    def shut_down(self) -> Deferred[None]:
+        waits = [proto.shut_down() for proto in list(self.protocols)]
+        return DeferredList(waits).addCallback(lambda _: None)
+
+
+class WebSocketService(Service):
+    """Listens on one ``ws://IP:PORT`` address and serves every client on it."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        reactor: IReactorTCP,
+        address: Any,
+        settings: WebSocketSettings | None = None,
+        banner: Callable[[str], None] | None = None,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.reactor = reactor
+        self.address = address
+        self.settings = settings or WebSocketSettings(dispatcher.config.max_message_bytes)
+        self.factory = ExecServerFactory(dispatcher, self.settings, reactor)
+        self._banner = banner or _print_to(sys.stderr)
+        self.port: IListeningPort | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        self.port = self.reactor.listenTCP(
+            self.address.port, self.factory, backlog=LISTEN_BACKLOG, interface=self.address.host
+        )
+        bound = self.port.getHost()
+        url = type(self.address)(bound.host, bound.port)  # type: ignore[attr-defined]
+        self.url = str(url)
+        self._banner(f"exec-server listening on {self.url}")
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        d: Deferred[None] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        if self.port is not None:
+            port, self.port = self.port, None
+            stopped = port.stopListening()
+            if stopped is not None:
+                await stopped
+        await self.factory.shut_down()
+
+
+def _print_to(stream: IO[str]) -> Callable[[str], None]:
+    def emit(line: str) -> None:
+        print(line, file=stream, flush=True)
+
+    return emit

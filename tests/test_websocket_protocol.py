@@ -1,0 +1,413 @@
+"""In-memory tests of the WebSocket transport: framing, handshake, HTTP, timers.
+
+No sockets and no real time: the server protocol runs on ``iosim`` (with an
+Autobahn client on the other end) or on a ``StringTransport`` fed raw bytes,
+and every timer (Autobahn's pings included) runs on a ``task.Clock``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+import txaio
+from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionLost
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.test import iosim
+
+from execserver import metrics
+from execserver.config import ServerConfig
+from execserver.dispatcher import Dispatcher
+from execserver.transports.websocket import (
+    ClockTimers,
+    ExecServerFactory,
+    ExecServerProtocol,
+    WebSocketSettings,
+)
+
+LIMIT = 2048
+UPGRADE = (
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1:9000\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\n"
+)
+
+
+class NoSpawner:
+    def spawn(self, proto: Any, spec: Any) -> Any:
+        raise AssertionError("no process is started in these tests")
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    clock = Clock()
+    # Autobahn schedules a few calls through txaio's global loop; keep them
+    # on the fake clock too so nothing leaks onto the real reactor.
+    monkeypatch.setattr(txaio.config, "loop", clock)  # type: ignore[attr-defined]
+    yield clock
+
+
+def make_factory(clock: Clock, **settings: Any) -> ExecServerFactory:
+    dispatcher = Dispatcher(ServerConfig(max_message_bytes=LIMIT), clock, NoSpawner())
+    options: dict[str, Any] = {"max_message_bytes": LIMIT, "ping_interval": 0.0}
+    options.update(settings)
+    return ExecServerFactory(dispatcher, WebSocketSettings(**options), clock)
+
+
+def server_on_string_transport(
+    factory: ExecServerFactory,
+) -> tuple[ExecServerProtocol, StringTransport]:
+    proto = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    transport = StringTransport(
+        hostAddress=IPv4Address("TCP", "127.0.0.1", 9000),
+        peerAddress=IPv4Address("TCP", "127.0.0.1", 40000),
+    )
+    proto.makeConnection(transport)
+    return proto, transport
+
+
+def client_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
+    """One masked client-to-server frame."""
+    mask = os.urandom(4)
+    n = len(payload)
+    first = (0x80 if fin else 0) | opcode
+    if n < 126:
+        head = bytes([first, 0x80 | n])
+    elif n < 1 << 16:
+        head = bytes([first, 0x80 | 126]) + struct.pack(">H", n)
+    else:
+        head = bytes([first, 0x80 | 127]) + struct.pack(">Q", n)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return head + mask + masked
+
+
+def server_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """Split unmasked server-to-client bytes into (opcode, payload) frames."""
+    frames = []
+    while data:
+        opcode = data[0] & 0x0F
+        n = data[1] & 0x7F
+        offset = 2
+        if n == 126:
+            n = struct.unpack(">H", data[2:4])[0]
+            offset = 4
+        elif n == 127:
+            n = struct.unpack(">Q", data[2:10])[0]
+            offset = 10
+        frames.append((opcode, data[offset : offset + n]))
+        data = data[offset + n :]
+    return frames
+
+
+def open_raw(factory: ExecServerFactory) -> tuple[ExecServerProtocol, StringTransport]:
+    proto, transport = server_on_string_transport(factory)
+    proto.dataReceived(UPGRADE + b"\r\n")
+    assert transport.value().startswith(b"HTTP/1.1 101 ")
+    transport.clear()
+    return proto, transport
+
+
+def http(factory: ExecServerFactory, request: bytes) -> tuple[bytes, StringTransport]:
+    proto, transport = server_on_string_transport(factory)
+    proto.dataReceived(request)
+    return transport.value(), transport
+
+
+# --- plain HTTP on the WebSocket port ------------------------------------------------------
+
+
+def test_readyz_answers_200_with_an_empty_body(clock: Clock) -> None:
+    response, transport = http(make_factory(clock), b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"\r\nContent-Length: 0\r\n" in response
+    assert response.endswith(b"\r\n\r\n")
+    assert transport.disconnecting
+
+
+def test_readyz_accepts_head_and_http_1_0(clock: Clock) -> None:
+    response, _ = http(make_factory(clock), b"HEAD /readyz HTTP/1.0\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+def test_metrics_are_prometheus_text(clock: Clock) -> None:
+    factory = make_factory(clock)
+    open_raw(factory)
+    response, _ = http(factory, b"GET /metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert b"Content-Type: text/plain; version=0.0.4; charset=utf-8" in head
+    assert f"Content-Length: {len(body)}".encode() in head
+    text = body.decode()
+    assert "exec_server_connections 1\n" in text
+    assert "exec_server_sessions 1\n" in text
+    assert 'exec_server_output_bytes_total{stream="pty"} 0\n' in text
+
+
+def test_plain_get_of_the_websocket_path_is_426(clock: Clock) -> None:
+    response, transport = http(make_factory(clock), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 426 Upgrade Required\r\n")
+    assert b"\r\nUpgrade: websocket\r\n" in response
+    assert b"connect with a WebSocket client" in response
+    assert transport.disconnecting
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /favicon.ico HTTP/1.1\r\nHost: x\r\n\r\n", b"404 Not Found"),
+        (b"DELETE /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"405 Method Not Allowed"),
+        (b"garbage\r\n\r\n", b"400 Bad Request"),
+        (b"GET / HTTP/1.1\r\nX: " + b"y" * 20000 + b"\r\n\r\n", b"431 Request Header"),
+    ],
+)
+def test_bad_http_requests_get_precise_errors(
+    clock: Clock, request_bytes: bytes, status: bytes
+) -> None:
+    response, transport = http(make_factory(clock), request_bytes)
+    assert response.startswith(b"HTTP/1.1 " + status)
+    assert transport.disconnecting
+
+
+def test_endless_request_head_is_cut_off_at_the_limit(clock: Clock) -> None:
+    proto, transport = server_on_string_transport(make_factory(clock))
+    for _ in range(20):
+        proto.dataReceived(b"X-Filler: " + b"z" * 1000 + b"\r\n")
+    assert transport.value().startswith(b"HTTP/1.1 431 ")
+
+
+def test_browser_origin_refused_with_403_unless_allowed(clock: Clock) -> None:
+    factory = make_factory(clock, allowed_origins=frozenset({"http://localhost:3000"}))
+    refused, _ = http(factory, UPGRADE + b"Origin: http://evil.example\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 403 Forbidden\r\n")
+    assert b"'http://evil.example' is not allowed" in refused
+    null, _ = http(factory, UPGRADE + b"Origin: null\r\n\r\n")
+    assert null.startswith(b"HTTP/1.1 403 ")
+    allowed, _ = http(factory, UPGRADE + b"Origin: HTTP://LocalHost:3000/\r\n\r\n")
+    assert allowed.startswith(b"HTTP/1.1 101 ")
+    no_origin, _ = http(factory, UPGRADE + b"\r\n")
+    assert no_origin.startswith(b"HTTP/1.1 101 ")
+
+
+def test_open_handshake_times_out(clock: Clock) -> None:
+    proto, transport = server_on_string_transport(make_factory(clock))
+    proto.dataReceived(b"GET / HTTP/1.1\r\n")
+    clock.advance(5.1)
+    assert transport.disconnecting or transport.disconnected
+
+
+# --- framing --------------------------------------------------------------------------------
+
+
+def test_text_and_binary_messages_get_text_replies(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    proto.dataReceived(
+        client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    )
+    proto.dataReceived(client_frame(2, b'{"id":2,"method":"nope"}'))
+    frames = server_frames(transport.value())
+    assert [op for op, _ in frames] == [1, 1]
+    first, second = (json.loads(p) for _, p in frames)
+    assert first["result"]["protocolVersion"] == "exec-server.v0"
+    assert second == {"id": 2, "error": {"code": -32600, "message": "unknown method: nope"}}
+
+
+def test_fragmented_message_is_reassembled(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    message = b'{"id":7,"method":"initialize","params":{"clientName":"fragments"}}'
+    proto.dataReceived(
+        client_frame(1, message[:10], fin=False)
+        + client_frame(0, message[10:30], fin=False)
+        + client_frame(9, b"ping-in-between")
+        + client_frame(0, message[30:])
+    )
+    frames = server_frames(transport.value())
+    assert frames[0] == (10, b"ping-in-between")
+    assert json.loads(frames[1][1])["id"] == 7
+
+
+def test_oversized_message_is_refused_and_the_connection_stays_usable(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    chunk = b"x" * 1000
+    # Three fragments: the limit is crossed by the third frame's header.
+    proto.dataReceived(client_frame(1, chunk, fin=False) + client_frame(0, chunk, fin=False))
+    assert transport.value() == b""
+    proto.dataReceived(client_frame(0, chunk))
+    proto.dataReceived(
+        client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    )
+    replies = [json.loads(p) for _, p in server_frames(transport.value())]
+    assert replies[0] == {
+        "id": None,
+        "error": {
+            "code": -32600,
+            "message": f"message exceeds the maximum size of {LIMIT} bytes (--max-message-bytes)",
+        },
+    }
+    assert replies[1]["id"] == 1
+    assert len(replies) == 2
+    assert not transport.disconnecting
+
+
+def test_single_huge_frame_is_refused_from_its_header(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    frame = client_frame(2, b"y" * 100_000)
+    proto.dataReceived(frame[:16])  # header says 100000 bytes: refused before the data
+    replies = [json.loads(p) for _, p in server_frames(transport.value())]
+    assert replies[0]["id"] is None and replies[0]["error"]["code"] == -32600
+    proto.dataReceived(frame[16:])
+    assert len(server_frames(transport.value())) == 1
+
+
+def test_invalid_utf8_text_frame_closes_with_1007(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    proto.dataReceived(client_frame(1, b'{"id":1,"method":"\xff"}'))
+    frames = server_frames(transport.value())
+    assert frames[-1][0] == 8
+    assert struct.unpack(">H", frames[-1][1][:2])[0] == 1007
+
+
+def test_invalid_utf8_in_a_binary_frame_closes_with_1007(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    proto.dataReceived(client_frame(2, b'{"id":1,"method":"\xff"}'))
+    opcode, payload = server_frames(transport.value())[-1]
+    assert opcode == 8
+    assert struct.unpack(">H", payload[:2])[0] == 1007
+    assert b"not valid UTF-8" in payload
+
+
+def test_protocol_violation_closes_with_1008(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    proto.dataReceived(client_frame(1, b'{"id":1,"result":{}}'))
+    opcode, payload = server_frames(transport.value())[-1]
+    assert opcode == 8
+    assert struct.unpack(">H", payload[:2])[0] == 1008
+
+
+# --- lifecycle, flow control, timers --------------------------------------------------------
+
+
+def test_session_is_the_streaming_producer_of_the_tcp_transport(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    assert proto.connection is not None
+    assert transport.producer is proto.connection.session
+    assert transport.streaming is True
+
+
+def test_connection_loss_ends_the_session(clock: Clock) -> None:
+    factory = make_factory(clock)
+    proto, _ = open_raw(factory)
+    assert len(factory.dispatcher.connections) == 1
+    proto.connectionLost(Failure(ConnectionLost()))
+    assert factory.dispatcher.connections == set()
+    assert factory.protocols == set()
+
+
+def test_dead_peer_is_dropped_after_ping_interval_plus_timeout(clock: Clock) -> None:
+    factory = make_factory(clock, ping_interval=10.0, ping_timeout=5.0)
+    proto, transport = open_raw(factory)
+    clock.advance(10.0)
+    ping = server_frames(transport.value())
+    assert [op for op, _ in ping] == [9]
+    clock.advance(4.9)
+    assert not transport.disconnecting
+    clock.advance(0.2)
+    assert transport.disconnecting
+    proto.connectionLost(Failure(ConnectionLost()))
+    assert factory.dispatcher.connections == set()
+
+
+def test_live_peer_answering_pings_is_kept(clock: Clock) -> None:
+    factory = make_factory(clock, ping_interval=10.0, ping_timeout=5.0)
+    proto, transport = open_raw(factory)
+    for _ in range(5):
+        clock.advance(10.0)
+        opcode, payload = server_frames(transport.value())[-1]
+        assert opcode == 9
+        transport.clear()
+        proto.dataReceived(client_frame(10, payload))
+        clock.advance(5.0)
+        assert not transport.disconnecting
+
+
+def test_server_shutdown_sends_going_away_and_waits_for_the_close(clock: Clock) -> None:
+    factory = make_factory(clock)
+    proto, transport = open_raw(factory)
+    done = factory.shut_down()
+    opcode, payload = server_frames(transport.value())[-1]
+    assert opcode == 8
+    assert struct.unpack(">H", payload[:2])[0] == 1001
+    assert b"shutting down" in payload
+    assert not done.called
+    # The peer never answers: Autobahn drops TCP after closeHandshakeTimeout.
+    clock.advance(1.1)
+    assert transport.disconnecting
+    proto.connectionLost(Failure(ConnectionLost()))
+    assert done.called
+
+
+# --- against Autobahn's client, in memory ---------------------------------------------------
+
+
+class RecordingClient(WebSocketClientProtocol):
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[bytes, bool]] = []
+        self.is_open = False
+
+    def onOpen(self) -> None:
+        self.is_open = True
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        self.received.append((payload, isBinary))
+
+
+def test_autobahn_client_round_trip_in_memory(clock: Clock) -> None:
+    factory = make_factory(clock)
+    server = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    client_factory = WebSocketClientFactory("ws://127.0.0.1:9000", reactor=clock)
+    client_factory.protocol = RecordingClient
+    client_factory._batched_timer = ClockTimers(clock)
+    client = cast(RecordingClient, client_factory.buildProtocol(None))
+    pump = iosim.connect(
+        server,
+        iosim.FakeTransport(server, isServer=True),
+        client,
+        iosim.FakeTransport(client, isServer=False),
+        clock=clock,
+    )
+    assert client.is_open
+    client.sendMessage(
+        b'{"id":"a","method":"initialize","params":{"clientName":"mem"}}', isBinary=True
+    )
+    client.sendMessage(b'{"method":"initialized"}', fragmentSize=5)
+    client.sendMessage(b'{"id":"b","method":"process/terminate","params":{"processId":"x"}}')
+    pump.flush()
+    replies = [(json.loads(p), binary) for p, binary in client.received]
+    assert [(r["id"], binary) for r, binary in replies] == [("a", False), ("b", False)]
+    assert replies[1][0]["result"] == {"running": False}
+    client.sendClose(1000)
+    pump.flush()
+    assert factory.dispatcher.connections == set()
+
+
+def test_metrics_render_counts_requests_by_method_and_outcome(clock: Clock) -> None:
+    factory = make_factory(clock)
+    proto, _ = open_raw(factory)
+    proto.dataReceived(
+        client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    )
+    proto.dataReceived(client_frame(1, b'{"id":2,"method":"bogus\\"name"}'))
+    proto.dataReceived(client_frame(1, b"not json"))
+    text = metrics.render(factory.dispatcher).decode()
+    assert 'exec_server_requests_total{method="initialize",outcome="ok"} 1\n' in text
+    assert 'exec_server_requests_total{method="<unknown>",outcome="error"} 1\n' in text
+    assert 'exec_server_requests_total{method="<invalid>",outcome="error"} 1\n' in text
+    for line in text.splitlines():
+        assert line.startswith("#") or " " in line

@@ -1,0 +1,356 @@
+"""WebSocket test helpers: the real server on ``ws://127.0.0.1:0`` and a small client.
+
+:class:`WsServerProcess` runs ``python -m execserver --listen ws://127.0.0.1:0``
+and reads the ``exec-server listening on ws://IP:PORT`` lines from its
+stderr. :class:`WsClient` is a test-only JSON-RPC client on Autobahn's
+Twisted WebSocket client (``onMessage`` stays synchronous; size limits set).
+Every wait has a timeout; ``stop`` always leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+from tests.harness import (
+    DEFAULT_TIMEOUT,
+    REPO_ROOT,
+    RpcFailure,
+    child_env,
+    reactor,
+    server_env,
+    unb64,
+    with_timeout,
+)
+
+BANNER = re.compile(rb"exec-server listening on (ws://\S+)")
+
+
+def _copy(source: Deferred[Any]) -> Deferred[Any]:
+    """A Deferred that fires with ``source``'s result without consuming it."""
+    d: Deferred[Any] = Deferred()
+
+    def forward(outcome: Any) -> Any:
+        if not d.called:
+            d.callback(outcome if not isinstance(outcome, Failure) else None)
+        return outcome
+
+    source.addBoth(forward)
+    return d
+
+
+class WsServerProcess(ProcessProtocol):
+    """The real server listening on WebSocket addresses."""
+
+    def __init__(self, expected_urls: int) -> None:
+        self.stderr = b""
+        self.urls: list[str] = []
+        self._expected = expected_urls
+        self.listening: Deferred[list[str]] = Deferred()
+        self.ended: Deferred[Any] = Deferred()
+        self.exit_code: int | None = None
+        self.pid: int | None = None
+
+    @classmethod
+    async def start(
+        cls, *args: str, listeners: int = 1, timeout: float = DEFAULT_TIMEOUT
+    ) -> WsServerProcess:
+        if not any(a.startswith("--listen") for a in args):
+            args = ("--listen", "ws://127.0.0.1:0", *args)
+        proto = cls(listeners)
+        transport = reactor.spawnProcess(
+            proto,
+            sys.executable,
+            [sys.executable, "-m", "execserver", *args],
+            env=server_env(),
+            path=str(REPO_ROOT),
+        )
+        proto.pid = transport.pid
+        try:
+            await with_timeout(_copy(proto.listening), timeout, "the listening banner")
+        except BaseException:
+            await proto.stop()
+            raise
+        return proto
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self.url[len("ws://") :].rsplit(":", 1)
+        return host.strip("[]"), int(port)
+
+    def errReceived(self, data: bytes) -> None:
+        self.stderr += data
+        if not self.listening.called:
+            self.urls = [m.decode() for m in BANNER.findall(self.stderr)]
+            if len(self.urls) >= self._expected:
+                self.listening.callback(self.urls)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.exit_code = getattr(reason.value, "exitCode", None)
+        if not self.listening.called:
+            self.listening.errback(
+                RuntimeError(f"server exited before listening: {self.stderr.decode()}")
+            )
+        self.ended.callback(self.exit_code)
+
+    def signal(self, sig: str) -> None:
+        with contextlib.suppress(ProcessExitedAlready, AttributeError):
+            self.transport.signalProcess(sig)  # type: ignore[union-attr]
+
+    async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
+        """SIGTERM and wait for exit; SIGKILL if it does not exit in time."""
+        if not self.ended.called:
+            self.signal("TERM")
+            try:
+                await with_timeout(_copy(self.ended), timeout, "server exit")
+            except TimeoutError:
+                self.signal("KILL")
+                await with_timeout(_copy(self.ended), timeout, "server exit after SIGKILL")
+                raise
+        return self.exit_code
+
+
+class WsClientProtocol(WebSocketClientProtocol):
+    """Collects messages; correlates responses by id."""
+
+    #: Count bytes only (for floods): skip JSON decoding of process/output.
+    count_only = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: Deferred[None] = Deferred()
+        self.closed: Deferred[tuple[bool, int | None, str | None]] = Deferred()
+        self.messages: list[dict[str, Any]] = []
+        self.notifications: list[dict[str, Any]] = []
+        self.pending: dict[Any, Deferred[dict[str, Any]]] = {}
+        self.watchers: list[tuple[Callable[[dict[str, Any]], bool], Deferred[Any]]] = []
+        self.next_id = 1
+        self.bytes_received = 0
+        self.binary_frames = 0
+
+    def onOpen(self) -> None:
+        self.opened.callback(None)
+
+    def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
+        for d in list(self.pending.values()):
+            if not d.called:
+                d.errback(ConnectionError(f"connection closed: {code} {reason}"))
+        self.pending.clear()
+        if not self.opened.called:
+            self.opened.errback(ConnectionError(f"handshake failed: {reason}"))
+        if not self.closed.called:
+            self.closed.callback((wasClean, code, reason))
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        self.bytes_received += len(payload)
+        if isBinary:
+            self.binary_frames += 1
+        if self.count_only and payload.startswith(b'{"method":"process/output"'):
+            return
+        message = json.loads(payload)
+        self.messages.append(message)
+        if "id" in message and ("result" in message or "error" in message):
+            d = self.pending.pop(message["id"], None)
+            if d is not None:
+                d.callback(message)
+        else:
+            self.notifications.append(message)
+        for watcher in list(self.watchers):
+            predicate, d = watcher
+            if not d.called and predicate(message):
+                self.watchers.remove(watcher)
+                d.callback(message)
+
+    # --- requests -------------------------------------------------------------------
+
+    def send_json(self, message: dict[str, Any], binary: bool = False) -> None:
+        self.sendMessage(json.dumps(message).encode(), isBinary=binary)
+
+    def notify(self, method: str, params: Any = None) -> None:
+        message: dict[str, Any] = {"method": method}
+        if params is not None:
+            message["params"] = params
+        self.send_json(message)
+
+    async def request(
+        self,
+        method: str,
+        params: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        binary: bool = False,
+    ) -> dict[str, Any]:
+        request_id = self.next_id
+        self.next_id += 1
+        d: Deferred[dict[str, Any]] = Deferred()
+        self.pending[request_id] = d
+        message: dict[str, Any] = {"id": request_id, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send_json(message, binary)
+        result: dict[str, Any] = await with_timeout(d, timeout, f"response to {method}")
+        return result
+
+    async def call(self, method: str, params: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+        response = await self.request(method, params, timeout)
+        if "error" in response:
+            raise RpcFailure(response["error"])
+        return response["result"]
+
+    async def handshake(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.call("initialize", {"clientName": "ws-test"})
+        self.notify("initialized", {})
+        return result
+
+    async def start_process(
+        self, process_id: str, argv: list[str], tty: bool = False, **extra: Any
+    ) -> Any:
+        params: dict[str, Any] = {
+            "processId": process_id,
+            "argv": argv,
+            "cwd": str(REPO_ROOT),
+            "env": child_env(),
+            "tty": tty,
+            "arg0": None,
+        }
+        params.update(extra)
+        return await self.call("process/start", params)
+
+    async def wait_for(
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float = DEFAULT_TIMEOUT,
+        what: str = "a message",
+    ) -> dict[str, Any]:
+        for message in self.messages:
+            if predicate(message):
+                return message
+        d: Deferred[dict[str, Any]] = Deferred()
+        self.watchers.append((predicate, d))
+        result: dict[str, Any] = await with_timeout(d, timeout, what)
+        return result
+
+    async def wait_notification(
+        self, method: str, process_id: str | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> dict[str, Any]:
+        def match(m: dict[str, Any]) -> bool:
+            return m.get("method") == method and (
+                process_id is None or m.get("params", {}).get("processId") == process_id
+            )
+
+        message = await self.wait_for(match, timeout, f"{method} for {process_id}")
+        params: dict[str, Any] = message["params"]
+        return params
+
+    async def wait_output_contains(
+        self, process_id: str, needle: bytes, timeout: float = DEFAULT_TIMEOUT
+    ) -> bytes:
+        def match(_: dict[str, Any]) -> bool:
+            return needle in self.output_of(process_id)
+
+        await self.wait_for(match, timeout, f"{needle!r} from {process_id}")
+        return self.output_of(process_id)
+
+    def output_of(self, process_id: str, stream: str | None = None) -> bytes:
+        chunks = [
+            m["params"]
+            for m in self.notifications
+            if m.get("method") == "process/output"
+            and m["params"]["processId"] == process_id
+            and (stream is None or m["params"]["stream"] == stream)
+        ]
+        chunks.sort(key=lambda c: c["seq"])
+        return b"".join(unb64(c["chunk"]) for c in chunks)
+
+    # --- closing --------------------------------------------------------------------
+
+    async def close(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not self.closed.called:
+            self.sendClose(1000)
+            await with_timeout(_copy(self.closed), timeout, "the close handshake")
+
+    def abort(self) -> None:
+        """Drop TCP without a close frame (as if the client died)."""
+        self.transport.abortConnection()  # type: ignore[union-attr]
+
+
+async def connect(
+    url: str,
+    timeout: float = DEFAULT_TIMEOUT,
+    protocol: type[WsClientProtocol] = WsClientProtocol,
+    headers: dict[str, str] | None = None,
+    max_message_bytes: int = 256 * 1024 * 1024,
+    **options: Any,
+) -> WsClientProtocol:
+    """Open a WebSocket to ``url`` and wait for the handshake to finish."""
+    factory = WebSocketClientFactory(url, headers=headers, reactor=reactor)
+    factory.protocol = protocol
+    factory.noisy = False
+    factory.setProtocolOptions(
+        maxFramePayloadSize=max_message_bytes,
+        maxMessagePayloadSize=max_message_bytes,
+        openHandshakeTimeout=timeout,
+        **options,
+    )
+    host, port = url[len("ws://") :].split("/", 1)[0].rsplit(":", 1)
+    endpoint = TCP4ClientEndpoint(reactor, host.strip("[]"), int(port), timeout=timeout)
+    proto: WsClientProtocol = await with_timeout(
+        endpoint.connect(factory), timeout, f"TCP connect to {url}"
+    )
+    await with_timeout(_copy(proto.opened), timeout, f"WebSocket handshake with {url}")
+    return proto
+
+
+async def http_get(
+    host: str, port: int, request: bytes, timeout: float = DEFAULT_TIMEOUT
+) -> tuple[int, dict[str, str], bytes]:
+    """Send one raw HTTP request; return status, headers and body (read to EOF)."""
+    from twisted.internet.protocol import Factory, Protocol
+
+    class Collect(Protocol):
+        def __init__(self) -> None:
+            self.data = b""
+            self.done: Deferred[bytes] = Deferred()
+
+        def dataReceived(self, data: bytes) -> None:
+            self.data += data
+
+        def connectionLost(self, reason: Failure | None = None) -> None:
+            self.done.callback(self.data)
+
+    endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
+    proto: Collect = await with_timeout(
+        endpoint.connect(Factory.forProtocol(Collect)), timeout, "HTTP connect"
+    )
+    proto.transport.write(request)  # type: ignore[union-attr]
+    try:
+        raw: bytes = await with_timeout(_copy(proto.done), timeout, "the HTTP response")
+    finally:
+        if not proto.done.called:
+            proto.transport.abortConnection()  # type: ignore[union-attr]
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, body
+
+
+def get_request(path: str, extra: str = "") -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n".encode()
