@@ -93,6 +93,25 @@ class Dispatcher:
         self.add_route(p.PROCESS_READ, p.ReadParams, lambda c, a: c.session.read(a))
         self.add_route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: c.session.write(a))
         self.add_route(p.PROCESS_TERMINATE, p.TerminateParams, lambda c, a: c.session.terminate(a))
+        # Process-control extensions (extensions.md §4), listed in capabilities.
+        self.add_route(p.PROCESS_SIGNAL, p.SignalParams, lambda c, a: c.session.signal(a))
+        self.add_route(
+            p.PROCESS_CLOSE_STDIN, p.CloseStdinParams, lambda c, a: c.session.close_stdin(a)
+        )
+        self.add_route(p.PROCESS_RESIZE, p.ResizeParams, lambda c, a: c.session.resize(a))
+        self.add_route(p.PROCESS_WAIT, p.WaitParams, lambda c, a: c.session.wait(a))
+        self.add_route(p.PROCESS_LIST, p.ListParams, lambda c, a: c.session.list(a))
+        self.capabilities.extend(
+            method
+            for method in (
+                p.PROCESS_SIGNAL,
+                p.PROCESS_CLOSE_STDIN,
+                p.PROCESS_RESIZE,
+                p.PROCESS_WAIT,
+                p.PROCESS_LIST,
+            )
+            if method not in self.capabilities
+        )
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"

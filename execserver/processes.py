@@ -2,10 +2,11 @@
 
 :class:`ManagedProcess` is the ``ProcessProtocol`` of one child. It numbers
 and retains output, tells its :class:`ProcessObserver` (the session) about
-output, exit and close, and escalates termination of the child's whole
-process group (SIGTERM, then SIGKILL after a grace period). It knows
-nothing of JSON or connections; the clock and the signal sender are
-injected so unit tests drive it with a fake clock and fake transports.
+output, exit and close, enforces the wall-clock and idle timeouts, and
+escalates termination of the child's whole process group (SIGTERM, then
+SIGKILL after a grace period). It knows nothing of JSON or connections; the
+clock and the signal sender are injected so unit tests drive it with a fake
+clock and fake transports.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver.protocol import OutputStream
+from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
-from execserver.spawn import kill_group
+from execserver.spawn import group_alive, kill_group
 
 log = Logger()
 
@@ -55,6 +56,7 @@ class ManagedProcess(ProcessProtocol):
         clock: IReactorTime,
         argv: tuple[str, ...] = (),
         kill: Callable[[int, int], bool] = kill_group,
+        is_group_alive: Callable[[int], bool] = group_alive,
     ) -> None:
         self.process_id = process_id
         self.tty = tty
@@ -67,13 +69,26 @@ class ManagedProcess(ProcessProtocol):
         self.closed = False
         self.terminating = False
         self.stdin_open = False
+        #: "wall" or "idle" once a timeout (not the client) ended the process.
+        self.timed_out: TimedOut | None = None
         self._observer = observer
         self._clock = clock
         self._kill = kill
+        self._group_alive = is_group_alive
+        self._sigkill_sent = False
+        self._group_timer: IDelayedCall | None = None
+        self._group_delay = 0.0
         self._waiters: list[Deferred[None]] = []
         self._kill_timer: IDelayedCall | None = None
         self._force_close_timer: IDelayedCall | None = None
         self._closed_waiters: list[Deferred[None]] = []
+        self._exit_waiters: list[Deferred[None]] = []
+        self._finished_waiters: list[Deferred[None]] = []
+        self._timeout_grace = 0.0
+        self._wall_timer: IDelayedCall | None = None
+        self._idle_timer: IDelayedCall | None = None
+        self._idle_seconds = 0.0
+        self._last_output = 0.0
 
     # --- ProcessProtocol ------------------------------------------------------
 
@@ -84,6 +99,10 @@ class ManagedProcess(ProcessProtocol):
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         stream: OutputStream = "pty" if self.tty else ("stderr" if childFD == 2 else "stdout")
         seq = self.output.append(stream, data)
+        if self._idle_timer is not None:
+            # Only note the time: the idle timer re-arms itself when it fires
+            # early, so a chatty process costs no timer churn per chunk.
+            self._last_output = self._clock.seconds()
         self._observer.process_output(self, stream, data, seq)
         self._wake()
 
@@ -110,6 +129,9 @@ class ManagedProcess(ProcessProtocol):
         self.exited = True
         self._observer.process_exited(self)
         self._wake()
+        waiters, self._exit_waiters = self._exit_waiters, []
+        for d in waiters:
+            d.callback(None)
 
     def processEnded(self, reason: Failure) -> None:
         if not self.exited:  # pragma: no cover - Twisted always reports exit first
@@ -117,24 +139,87 @@ class ManagedProcess(ProcessProtocol):
         self.closed = True
         self.stdin_open = False
         self._cancel_timers()
+        if self._kill_timer is not None:
+            # A terminate is under way: its SIGKILL is still due unless the
+            # rest of the group is gone too.
+            self._group_delay = 0.01
+            self._check_group()
         self._observer.process_closed(self)
         self._wake()
         waiters, self._closed_waiters = self._closed_waiters, []
         for d in waiters:
             d.callback(None)
+        if self._kill_timer is None:
+            self._finish()
 
     # --- control --------------------------------------------------------------
+
+    def start_timeouts(
+        self, wall_seconds: float | None, idle_seconds: float | None, grace_seconds: float
+    ) -> None:
+        """Terminate the group (with ``grace_seconds``) after a wall or idle limit.
+
+        The limits bound the whole life of the process's output, not only of
+        its leader: one that expires after the leader exited but while group
+        members still hold the output open terminates those members (the exit
+        already reported stays as it was).
+        """
+        if self.closed:
+            return
+        self._timeout_grace = grace_seconds
+        if wall_seconds is not None:
+            self._wall_timer = self._clock.callLater(wall_seconds, self._wall_expired)
+        if idle_seconds is not None:
+            self._idle_seconds = idle_seconds
+            self._last_output = self._clock.seconds()
+            self._idle_timer = self._clock.callLater(idle_seconds, self._idle_check)
+
+    def _wall_expired(self) -> None:
+        self._wall_timer = None
+        self._time_out("wall")
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        remaining = self._last_output + self._idle_seconds - self._clock.seconds()
+        if remaining > 0:
+            self._idle_timer = self._clock.callLater(remaining, self._idle_check)
+            return
+        self._time_out("idle")
+
+    def _time_out(self, kind: TimedOut) -> None:
+        if self.closed:
+            return
+        if not self.exited and self.timed_out is None and not self.terminating:
+            self.timed_out = kind
+        self._cancel_timeouts()
+        self.terminate(self._timeout_grace)
+
+    def _cancel_timeouts(self) -> None:
+        for timer in (self._wall_timer, self._idle_timer):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._wall_timer = None
+        self._idle_timer = None
+
+    def send_signal(self, signum: int) -> bool:
+        """Send ``signum`` to the whole group; False once the process has exited."""
+        if self.exited or self.pid is None:
+            return False
+        return self._kill(self.pid, signum)
 
     def terminate(self, grace_seconds: float) -> None:
         """SIGTERM the whole group now, SIGKILL it after ``grace_seconds``.
 
         Also used after the leader exited while others in its group still hold
-        its output open; a no-op once every stream is closed.
+        its output open. A second call with a shorter grace brings the SIGKILL
+        forward; a longer one never delays it. Once every stream is closed it
+        only finishes an escalation already under way.
         """
-        if self.closed or self.pid is None:
+        if self.pid is None or (self.closed and self._kill_timer is None):
             return
         self.terminating = True
-        if grace_seconds <= 0:
+        if grace_seconds <= 0 or self._sigkill_sent:
+            # After a SIGKILL, a polite SIGTERM would only restart the grace.
             self._kill_now()
             return
         self._kill(self.pid, _signal.SIGTERM)
@@ -142,14 +227,44 @@ class ManagedProcess(ProcessProtocol):
             # A shell on a PTY ignores SIGTERM; hanging up its terminal is the
             # conventional polite request to leave.
             self._kill(self.pid, _signal.SIGHUP)
+        # A stopped member would keep SIGTERM pending until the SIGKILL.
+        self._kill(self.pid, _signal.SIGCONT)
         if self._kill_timer is None:
             self._kill_timer = self._clock.callLater(grace_seconds, self._kill_now)
+        elif self._kill_timer.getTime() > self._clock.seconds() + grace_seconds:
+            self._kill_timer.reset(grace_seconds)
+
+    def _check_group(self) -> None:
+        """After close, end a pending escalation as soon as the group is empty."""
+        self._group_timer = None
+        if self._kill_timer is None:
+            return
+        if self.pid is None or not self._group_alive(self.pid):
+            self._kill_timer.cancel()
+            self._kill_timer = None
+            if self.closed:
+                self._finish()
+            return
+        # Members still exiting are usually gone within milliseconds; back
+        # off so a TERM-ignoring one costs only a few checks until SIGKILL.
+        self._group_timer = self._clock.callLater(self._group_delay, self._check_group)
+        self._group_delay = min(self._group_delay * 2, 0.5)
 
     def _kill_now(self) -> None:
+        for timer in (self._kill_timer, self._group_timer):
+            if timer is not None and timer.active():
+                timer.cancel()
         self._kill_timer = None
-        if self.closed or self.pid is None:
+        self._group_timer = None
+        if self.pid is None:
             return
+        self._sigkill_sent = True
+        # Sent even after every stream closed: a member that ignores SIGTERM
+        # and no longer holds our output must not outlive the terminate.
         self._kill(self.pid, _signal.SIGKILL)
+        if self.closed:
+            self._finish()
+            return
         if self._force_close_timer is None:
             # A process that escaped the group (setsid) may still hold our
             # pipes; stop waiting for it after a second and close our ends.
@@ -167,11 +282,17 @@ class ManagedProcess(ProcessProtocol):
         self.transport.loseConnection()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._kill_timer, self._force_close_timer):
-            if timer is not None and timer.active():
-                timer.cancel()
-        self._kill_timer = None
+        """Stop the timeouts and the force-close; the SIGKILL timer is kept."""
+        self._cancel_timeouts()
+        timer = self._force_close_timer
+        if timer is not None and timer.active():
+            timer.cancel()
         self._force_close_timer = None
+
+    def _finish(self) -> None:
+        waiters, self._finished_waiters = self._finished_waiters, []
+        for d in waiters:
+            d.callback(None)
 
     # --- waiting --------------------------------------------------------------
 
@@ -187,6 +308,35 @@ class ManagedProcess(ProcessProtocol):
             d.callback(None)
         else:
             self._closed_waiters.append(d)
+        return d
+
+    def when_exited(self) -> Deferred[None]:
+        """Fires when the process has exited (at once if it has)."""
+        d: Deferred[None] = Deferred()
+        if self.exited:
+            d.callback(None)
+        else:
+            self._exit_waiters.append(d)
+        return d
+
+    def forget_exit_waiter(self, d: Deferred[None]) -> None:
+        """Drop a :meth:`when_exited` Deferred its caller no longer needs."""
+        if d in self._exit_waiters:
+            self._exit_waiters.remove(d)
+
+    @property
+    def finished(self) -> bool:
+        """Closed, and no SIGKILL of a terminate is still pending."""
+        return self.closed and self._kill_timer is None
+
+    def when_finished(self) -> Deferred[None]:
+        """Fires once :attr:`finished`: nothing of the process can still be running
+        that a terminate was asked to stop."""
+        d: Deferred[None] = Deferred()
+        if self.finished:
+            d.callback(None)
+        else:
+            self._finished_waiters.append(d)
         return d
 
     def wake_all(self) -> None:

@@ -7,12 +7,18 @@ output (long-polling on output or exit), and emits ``process/output``,
 ``process/exited`` and ``process/closed`` through a ``send`` callable. It is
 also the flow-control producer of its connection: when the transport's
 outgoing buffer is full, every child's output pipe stops being read.
+
+The process-control extensions (``extensions.md`` §2-§4: signal, closeStdin,
+resize, wait, list, timeouts, graceful terminate) are handled here too; the
+timers and the escalation themselves live in :class:`ManagedProcess`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import signal as _signal
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +49,38 @@ def _pending_write_bytes(writer: Any) -> int:
         return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen)
     except AttributeError:
         return 0
+
+
+_REALTIME_SIGNAL = re.compile(r"RT(MIN|MAX)(?:([+-])(\d+))?")
+
+
+def parse_signal(value: int | str) -> int:
+    """A signal number from a number, ``"9"``, ``"SIGKILL"``, ``"kill"`` or ``"SIGRTMIN+2"``.
+
+    Raises ``-32602`` for unknown names and numbers outside ``1..NSIG-1``.
+    """
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, int):
+        if not 1 <= value < _signal.NSIG:
+            raise RpcError.invalid_params(
+                f"signal number {value} is out of range 1..{_signal.NSIG - 1}"
+            )
+        return value
+    name = value.strip().upper()
+    if name.startswith("SIG"):
+        name = name[3:]
+    member = _signal.Signals.__members__.get("SIG" + name)
+    if member is not None and name not in ("RTMIN", "RTMAX"):
+        return int(member)
+    realtime = _REALTIME_SIGNAL.fullmatch(name)
+    if realtime is not None:
+        base = _signal.SIGRTMIN if realtime[1] == "MIN" else _signal.SIGRTMAX
+        offset = int(realtime[3] or 0) * (-1 if realtime[2] == "-" else 1)
+        number = int(base) + offset
+        if _signal.SIGRTMIN <= number <= _signal.SIGRTMAX:
+            return number
+    raise RpcError.invalid_params(f"unknown signal `{value}`")
 
 
 @implementer(IPushProducer)
@@ -103,17 +141,39 @@ class Session:
                 f"too many running processes: this session already runs {running}, "
                 f"the limit set by --max-processes is {self.config.max_processes}"
             )
+        # pipeStdin only changes pipe processes (a PTY's input is always
+        # open) and size only PTYs; each is ignored where it has no meaning.
+        size = params.size
         spec = ProcessSpec(
             argv=tuple(params.argv),
             cwd=params.cwd,
             env=dict(params.env),
             tty=params.tty,
             arg0=params.arg0,
+            pipe_stdin=params.pipe_stdin and not params.tty,
+            rows=size.rows if size is not None else 24,
+            cols=size.cols if size is not None else 80,
         )
-        return p.ExecResponse(self.spawn(process_id, spec).process_id)
+        proc = self.spawn(
+            process_id,
+            spec,
+            timeout_ms=params.timeout_ms or None,
+            idle_timeout_ms=params.idle_timeout_ms or None,
+        )
+        return p.ExecResponse(proc.process_id)
 
-    def spawn(self, process_id: str, spec: ProcessSpec) -> ManagedProcess:
-        """Start a validated spec under ``process_id`` (raises SpawnError)."""
+    def spawn(
+        self,
+        process_id: str,
+        spec: ProcessSpec,
+        timeout_ms: int | None = None,
+        idle_timeout_ms: int | None = None,
+    ) -> ManagedProcess:
+        """Start a validated spec under ``process_id`` (raises SpawnError).
+
+        ``timeout_ms``/``idle_timeout_ms`` (None: no limit) terminate the
+        group with the server's grace when they expire.
+        """
         proc = ManagedProcess(
             process_id,
             spec.tty,
@@ -131,6 +191,12 @@ class Session:
                 del self.processes[process_id]
             raise
         proc.stdin_open = (spec.tty or spec.pipe_stdin) and not proc.closed
+        if timeout_ms is not None or idle_timeout_ms is not None:
+            proc.start_timeouts(
+                timeout_ms / 1000.0 if timeout_ms is not None else None,
+                idle_timeout_ms / 1000.0 if idle_timeout_ms is not None else None,
+                self.config.terminate_grace_ms / 1000.0,
+            )
         self.started_count += 1
         if self.stats is not None:
             self.stats.processes_started += 1
@@ -198,6 +264,8 @@ class Session:
         )
         if proc.signal is not None:
             response.signal = proc.signal
+        if proc.timed_out is not None:
+            response.timed_out = proc.timed_out
         return response
 
     # --- process/write ----------------------------------------------------------
@@ -230,10 +298,101 @@ class Session:
         if proc is None:
             return p.TerminateResponse(running=False)
         running = not proc.exited
+        grace_ms = self.config.terminate_grace_ms if params.grace_ms is None else params.grace_ms
         # Kill the group even after the leader exited: members left behind may
         # still hold its output open.
-        proc.terminate(self.config.terminate_grace_ms / 1000.0)
+        proc.terminate(grace_ms / 1000.0)
         return p.TerminateResponse(running=running)
+
+    # --- process/signal, closeStdin, resize -------------------------------------
+
+    def signal(self, params: p.SignalParams) -> p.SignalResponse:
+        proc = self.lookup(params.process_id)
+        signum = parse_signal(params.signal)
+        return p.SignalResponse(delivered=proc.send_signal(signum))
+
+    def close_stdin(self, params: p.CloseStdinParams) -> p.CloseStdinResponse:
+        proc = self.lookup(params.process_id)
+        transport: Any = proc.transport
+        if proc.exited or transport is None:
+            raise RpcError.invalid_request(f"process {params.process_id} has exited")
+        if proc.tty:
+            # A terminal has no separate input to close: its line discipline
+            # turns the EOF character into end-of-file for the reader. Sent on
+            # every call, as a user pressing ^D again would.
+            transport.write(transport.eof_char())
+            return p.CloseStdinResponse(closed=True)
+        if not proc.stdin_open:
+            return p.CloseStdinResponse(closed=False)
+        proc.stdin_open = False
+        # Buffered input is still written before the pipe is closed.
+        transport.closeStdin()
+        return p.CloseStdinResponse(closed=True)
+
+    def resize(self, params: p.ResizeParams) -> p.Empty:
+        proc = self.lookup(params.process_id)
+        if not proc.tty:
+            raise RpcError.invalid_request(f"process {params.process_id} is not a tty")
+        transport: Any = proc.transport
+        if proc.closed or transport is None:
+            raise RpcError.invalid_request(f"process {params.process_id} has exited")
+        try:
+            transport.set_window_size(params.rows, params.cols)
+        except OSError as exc:
+            raise RpcError.internal(
+                f"failed to resize the terminal of process {params.process_id}: {exc}"
+            ) from None
+        return p.Empty()
+
+    # --- process/wait, process/list ---------------------------------------------
+
+    def wait(self, params: p.WaitParams) -> p.WaitResponse | Deferred[p.WaitResponse]:
+        proc = self.lookup(params.process_id)
+        if proc.exited or params.timeout_ms == 0:
+            return self._wait_response(proc)
+        result: Deferred[p.WaitResponse] = Deferred()
+        exited = proc.when_exited()
+        timer: IDelayedCall | None = None
+
+        def on_exit(_: object) -> None:
+            if timer is not None and timer.active():
+                timer.cancel()
+            if not result.called:
+                result.callback(self._wait_response(proc))
+
+        def on_timeout() -> None:
+            proc.forget_exit_waiter(exited)
+            if not result.called:
+                result.callback(self._wait_response(proc))
+
+        if params.timeout_ms is not None:
+            timer = self._clock.callLater(params.timeout_ms / 1000.0, on_timeout)
+        exited.addCallback(on_exit)
+        return result
+
+    @staticmethod
+    def _wait_response(proc: ManagedProcess) -> p.WaitResponse:
+        response = p.WaitResponse(exited=proc.exited, exit_code=proc.exit_code)
+        if proc.signal is not None:
+            response.signal = proc.signal
+        if proc.timed_out is not None:
+            response.timed_out = proc.timed_out
+        return response
+
+    def list(self, params: p.ListParams) -> p.ListResponse:
+        return p.ListResponse(
+            [
+                p.ListedProcess(
+                    process_id=proc.process_id,
+                    pid=proc.pid,
+                    argv=list(proc.argv),
+                    tty=proc.tty,
+                    running=not proc.exited,
+                    exit_code=proc.exit_code,
+                )
+                for proc in self.processes.values()
+            ]
+        )
 
     # --- notifications from ManagedProcess --------------------------------------
 
@@ -256,6 +415,8 @@ class Session:
         )
         if proc.signal is not None:
             params.signal = proc.signal
+        if proc.timed_out is not None:
+            params.timed_out = proc.timed_out
         self._send(p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:
@@ -316,11 +477,13 @@ class Session:
     # --- shutdown ---------------------------------------------------------------
 
     def shutdown(self, grace_ms: int | None = None) -> Deferred[None]:
-        """Terminate every process (whole groups) and fire when all are closed.
+        """Terminate every process (whole groups) and fire when all are gone.
 
-        Pending long-poll reads are answered when their process exits. Output
-        keeps being read (and sent while the transport is up) until each
-        process is closed.
+        Pending long-poll reads and waits are answered when their process
+        exits. Output keeps being read (and sent while the transport is up)
+        until each process is closed; the Deferred fires once every process is
+        closed and every SIGKILL escalation under way has been sent, so a
+        member that ignores SIGTERM cannot outlive the server.
         """
         grace = (self.config.terminate_grace_ms if grace_ms is None else grace_ms) / 1000.0
         self._closing = True
@@ -329,7 +492,8 @@ class Session:
         for proc in list(self.processes.values()):
             if not proc.closed:
                 proc.terminate(grace)
-                waits.append(proc.when_closed())
+            if not proc.finished:
+                waits.append(proc.when_finished())
         for timer in self._expiry.values():
             if timer.active():
                 timer.cancel()

@@ -367,9 +367,33 @@ class PtyProcess(_twisted_process.PTYProcess):
         if self.connected and not self.disconnecting:
             _drain(self.fd, self._deliver)
 
+    def set_window_size(self, rows: int, cols: int) -> None:
+        """Resize the terminal; the kernel sends SIGWINCH to its foreground group."""
+        set_window_size(self.fd, rows, cols)
+
+    def eof_char(self) -> bytes:
+        return terminal_eof_char(self.fd)
+
 
 def set_window_size(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def terminal_eof_char(fd: int) -> bytes:
+    """The EOF character (VEOF) of the terminal behind a PTY master.
+
+    On Linux the master reports the line discipline settings the child set on
+    its side (e.g. ``stty eof ^B``). Falls back to ^D, the default.
+    """
+    try:
+        char = termios.tcgetattr(fd)[6][termios.VEOF]
+    except (OSError, termios.error):
+        return b"\x04"
+    if isinstance(char, int):  # pragma: no cover - only in non-canonical layouts
+        return bytes([char])
+    # NUL is _POSIX_VDISABLE: the terminal has no EOF character; ^D is the
+    # best guess of what the program reading it expects.
+    return bytes(char) if char and char != b"\x00" else b"\x04"
 
 
 class Spawner(Protocol):
@@ -406,6 +430,38 @@ def kill_group(pid: int, sig: int) -> bool:
     return True
 
 
+def group_alive(pgid: int) -> bool:
+    """True while process group ``pgid`` has a member that is not a zombie.
+
+    ``killpg(pgid, 0)`` alone cannot tell: it succeeds for zombies, and
+    orphans killed with their group stay zombies until init reaps them
+    (which some container inits never do). Only when it succeeds is /proc
+    scanned for a live member.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # Fields after the command: state, ppid, pgrp, ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 __all__ = [
     "READ_SIZE",
     "PipeProcess",
@@ -414,8 +470,10 @@ __all__ = [
     "PtyProcess",
     "SpawnError",
     "Spawner",
+    "group_alive",
     "kill_group",
     "resolve_executable",
     "seal_inherited_fds",
     "set_window_size",
+    "terminal_eof_char",
 ]
