@@ -25,3 +25,5 @@ class ServerConfig:
     output_high_water_bytes: int = 2 * MiB
     #: Bytes of pending stdin per process above which ``process/write`` is refused.
     max_stdin_buffer_bytes: int = 16 * MiB
+    #: Largest file ``fs/readFile`` returns (the reference's limit is 512 MiB).
+    max_read_file_bytes: int = 512 * MiB

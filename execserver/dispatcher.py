@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__, codec
+from execserver import __version__, codec, filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
@@ -112,6 +112,7 @@ class Dispatcher:
             )
             if method not in self.capabilities
         )
+        filesystem.register(self)
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"

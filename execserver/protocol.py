@@ -278,3 +278,69 @@ class ErrorResponse(msgspec.Struct):
 
 class Empty(msgspec.Struct):
     """An empty JSON object, ``{}``."""
+
+
+# --- fs/* (filesystem methods) ----------------------------------------------
+# Baseline shapes of the reference's Fs* params and responses. Paths are
+# native absolute path strings. ``bytes`` fields travel as standard base64.
+
+
+class FsReadFileParams(_Wire):
+    path: str
+
+
+class FsReadFileResponse(msgspec.Struct, rename="camel"):
+    data_base64: bytes
+
+
+class FsWriteFileParams(_Wire):
+    path: str
+    data_base64: bytes
+
+
+class FsCreateDirectoryParams(_Wire):
+    path: str
+    recursive: bool | None = None
+
+
+class FsGetMetadataParams(_Wire):
+    path: str
+
+
+class FsGetMetadataResponse(msgspec.Struct, rename="camel"):
+    is_directory: bool
+    is_file: bool
+    created_at_ms: int
+    modified_at_ms: int
+    # Extensions (omitted when unset): lstat says the path itself is a
+    # symlink; byte size of what the path resolves to.
+    is_symlink: bool | msgspec.UnsetType = msgspec.UNSET
+    size: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class FsReadDirectoryParams(_Wire):
+    path: str
+
+
+class FsReadDirectoryEntry(msgspec.Struct, rename="camel"):
+    file_name: str
+    is_directory: bool
+    is_file: bool
+    # Extension: the entry itself is a symlink (its other flags describe the target).
+    is_symlink: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+class FsReadDirectoryResponse(msgspec.Struct, rename="camel"):
+    entries: list[FsReadDirectoryEntry]
+
+
+class FsRemoveParams(_Wire):
+    path: str
+    recursive: bool | None = None
+    force: bool | None = None
+
+
+class FsCopyParams(_Wire):
+    source_path: str
+    destination_path: str
+    recursive: bool = False
