@@ -169,6 +169,22 @@ _envelope_decoder: Final = msgspec.json.Decoder(_Envelope)
 _any_decoder: Final = msgspec.json.Decoder()
 
 
+def _undecodable(exc: Exception) -> str:
+    """Describe a decode failure msgspec reports outside DecodeError.
+
+    Invalid UTF-8 inside a string surfaces as UnicodeDecodeError and nesting
+    deeper than the interpreter's recursion limit as RecursionError; neither
+    may escape, or one hostile line would end the whole connection.
+    """
+    if isinstance(exc, RecursionError):
+        return "JSON nested too deeply"
+    return f"invalid UTF-8: {exc}"
+
+
+def _parse_error(detail: object) -> FramingError:
+    return FramingError(RpcError(protocol.PARSE_ERROR, f"parse error: {detail}"))
+
+
 def decode_message(data: bytes | str) -> Incoming:
     """Classify one JSON-RPC message the way the reference does."""
     try:
@@ -180,12 +196,14 @@ def decode_message(data: bytes | str) -> Incoming:
         try:
             msgspec.json.decode(data, type=msgspec.Raw)
         except msgspec.DecodeError as parse_exc:
-            raise FramingError(
-                RpcError(protocol.PARSE_ERROR, f"parse error: {parse_exc}")
-            ) from None
+            raise _parse_error(parse_exc) from None
+        except (UnicodeDecodeError, RecursionError) as parse_exc:
+            raise _parse_error(_undecodable(parse_exc)) from None
         raise FramingError(RpcError.invalid_request(f"invalid JSON-RPC message: {exc}")) from None
     except msgspec.DecodeError as exc:
-        raise FramingError(RpcError(protocol.PARSE_ERROR, f"parse error: {exc}")) from None
+        raise _parse_error(exc) from None
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise _parse_error(_undecodable(exc)) from None
 
     has_id = env.id is not msgspec.UNSET
     msg_id = env.id if isinstance(env.id, int | str) else None
@@ -218,6 +236,8 @@ def decode_params(raw: msgspec.Raw | None, params_type: type[T]) -> T:
         return msgspec.json.decode(raw if raw is not None else b"null", type=params_type)
     except msgspec.DecodeError as exc:
         raise RpcError.invalid_params(str(exc)) from None
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise RpcError.invalid_params(_undecodable(exc)) from None
 
 
 _encoder: Final = msgspec.json.Encoder()

@@ -430,3 +430,34 @@ def test_decode_message_never_raises_anything_but_framing_error(data: bytes) -> 
         codec.decode_message(data)
     except codec.FramingError as exc:
         assert exc.error.code in (p.PARSE_ERROR, p.INVALID_REQUEST)
+
+
+# Invalid UTF-8 inside a string and nesting deeper than the interpreter's
+# recursion limit make msgspec raise UnicodeDecodeError / RecursionError, not
+# DecodeError; uncaught, one such line used to end the whole connection.
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"id":1,"method":"\xff"}',
+        b'{"id":"\xc3\x28","method":"initialize"}',
+        b'{"method":"\xed\xa0\x80"}',
+        b"[" * 100_000,
+        DEEP,
+        b'{"id":1,"method":"process/start","params":' + DEEP + b"}",
+    ],
+    ids=["method", "id", "notification", "unclosed-deep", "deep", "deep-params"],
+)
+def test_invalid_utf8_and_deep_nesting_are_parse_errors(data: bytes) -> None:
+    err = framing_error(data)
+    assert err.error.code == p.PARSE_ERROR
+    assert err.request_id is None
+
+
+def test_invalid_utf8_in_params_is_invalid_params() -> None:
+    msg = codec.decode_message(b'{"id":1,"method":"initialize","params":{"clientName":"\xff"}}')
+    assert isinstance(msg, codec.IncomingRequest)
+    error = params_error(bytes(msg.params) if msg.params is not None else None, p.InitializeParams)
+    assert "UTF-8" in error.message

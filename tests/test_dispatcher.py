@@ -300,3 +300,29 @@ def test_dispatcher_shutdown_ends_every_connection_and_its_processes() -> None:
     assert done.called
     assert h.dispatcher.connections == set()
     assert h.dispatcher.stats.connections_active == 0
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"id":1,"method":"\xff"}',
+        b"[" * 100_000,
+        b'{"id":1,"method":"initialize","params":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ],
+    ids=["utf8-method", "unclosed-deep", "deep-params"],
+)
+def test_undecodable_text_and_deep_nesting_are_answered_not_raised(line: bytes) -> None:
+    h = Harness()
+    h.conn.message_received(line)
+    [reply] = h.outbound.take()
+    assert reply["id"] is None
+    assert reply["error"]["code"] == -32700
+    assert h.result("initialize", {"clientName": "x"})["protocolVersion"] == "exec-server.v0"
+
+
+def test_invalid_utf8_in_params_is_invalid_params_not_internal_error() -> None:
+    h = Harness()
+    h.conn.message_received(b'{"id":7,"method":"initialize","params":{"clientName":"\xff"}}')
+    [reply] = h.outbound.take()
+    assert reply["id"] == 7
+    assert reply["error"]["code"] == -32602
