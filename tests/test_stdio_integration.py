@@ -22,7 +22,7 @@ import msgspec
 import psutil
 import pytest
 import pytest_twisted
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from twisted.internet import task
 from twisted.internet.defer import Deferred
@@ -337,6 +337,11 @@ garbage_lines = st.one_of(
             b"\xef\xbb\xbf{}",
             b"\x0c",
             b'"\\ud800"',
+            # Invalid UTF-8 inside strings and deep nesting used to end the connection.
+            b'{"id":1,"method":"\xff"}',
+            b'{"method":"\xc3\x28"}',
+            b"[" * 50_000,
+            b'{"id":2,"method":"initialize","params":' + b"[" * 50_000 + b"]" * 50_000 + b"}",
         ]
     ),
 )
@@ -344,6 +349,10 @@ garbage_lines = st.one_of(
 
 @settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(garbage=garbage_lines)
+@example(garbage=b"\x0c")
+@example(garbage=b"[")
+@example(garbage=b'{"id":1,"method":"\xff"}')
+@example(garbage=b"[" * 50_000)
 def test_garbage_lines_get_exactly_one_error_with_null_id(
     garbage_server: RawServer, garbage: bytes
 ) -> None:
