@@ -1,0 +1,537 @@
+"""``exec-server-client``: run commands, shells and file operations remotely.
+
+    exec-server-client run --url ws://127.0.0.1:8080 -- make test
+    exec-server-client run --stdio -- uname -a
+    exec-server-client shell --url ws://127.0.0.1:8080
+    exec-server-client fs --stdio ls /tmp
+
+Exit status: the remote command's exit code for ``run``/``shell`` (128+N when
+it died of signal N); 127/126 when the command cannot be found / executed;
+1 for other remote errors; 2 for usage errors; 255 when the server cannot be
+reached, refuses authentication, does not answer the handshake in time or
+the connection is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import os
+import select
+import signal
+import struct
+import sys
+import termios
+import tty
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+
+from execserver import protocol as p
+from execserver.client.client import ConnectOptions, ExecServerClient
+from execserver.client.errors import (
+    ConnectFailed,
+    ExecServerError,
+    InitializeTimeout,
+    ServerError,
+    SpawnFailed,
+)
+from execserver.client.process import RemoteProcess
+from execserver.client.types import OutputEvent
+
+PROG = "exec-server-client"
+EXIT_REMOTE_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+EXIT_CONNECTION = 255
+#: After ``process/exited``, how long to wait for ``process/closed`` (the rest
+#: of the output); a baseline server never sends it.
+CLOSE_WAIT_SECONDS = 2.0
+DEFAULT_SHELL = [
+    "/bin/sh",
+    "-c",
+    "if command -v bash >/dev/null 2>&1; then exec bash -i; else exec sh -i; fi",
+]
+_ENV_KEYS = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+
+
+class CliError(Exception):
+    """Reported as ``exec-server-client: MESSAGE`` with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --- arguments --------------------------------------------------------------------
+
+
+def _connection_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
+    # ``suppress``: for sub-subcommands, whose defaults would otherwise
+    # overwrite values given before the subcommand name.
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    group = parser.add_argument_group("connection")
+    where = group.add_mutually_exclusive_group()
+    where.add_argument(
+        "--url",
+        default=default(None),
+        help="server URL, ws://HOST:PORT or wss://... (env EXEC_SERVER_URL)",
+    )
+    where.add_argument(
+        "--stdio",
+        action="store_true",
+        default=default(False),
+        help="launch a local exec-server and talk over its stdio",
+    )
+    group.add_argument(
+        "--token-file",
+        metavar="PATH",
+        default=default(None),
+        help="file holding the bearer token (env EXEC_SERVER_AUTH_TOKEN also works)",
+    )
+    group.add_argument("--connect-timeout", type=_seconds, default=default(10.0), metavar="SECONDS")
+    group.add_argument(
+        "--initialize-timeout", type=_seconds, default=default(10.0), metavar="SECONDS"
+    )
+    group.add_argument(
+        "--server-command",
+        metavar="CMD",
+        default=default(None),
+        help="with --stdio: the server to launch (default: python -m execserver)",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got `{text}`") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got `{text}`")
+    return value
+
+
+def _process_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cwd", help="remote working directory (default: . with --stdio, else /)")
+    parser.add_argument(
+        "-e",
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a remote environment variable (repeatable)",
+    )
+    parser.add_argument(
+        "--inherit-env",
+        action="store_true",
+        help="send this whole environment (default: only PATH, HOME, USER, LANG, ...)",
+    )
+    parser.add_argument(
+        "--timeout-ms", type=int, default=None, help="wall-clock limit enforced by the server"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run commands and touch files through an exec-server.",
+        epilog="Exit status: the remote exit code; 126/127 command not executable/found; "
+        "1 other remote error; 2 usage; 255 connection, auth or handshake failure.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a command, streaming its stdout and stderr")
+    _connection_options(run)
+    _process_options(run)
+    run.add_argument("-t", "--tty", action="store_true", help="interactive, in a remote PTY")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
+    shell = sub.add_parser("shell", help="an interactive remote shell (run -t)")
+    _connection_options(shell)
+    _process_options(shell)
+    shell.add_argument("argv", nargs=argparse.REMAINDER, metavar="[-- CMD [ARGS...]]")
+
+    fs = sub.add_parser("fs", help="file operations: cat put ls stat rm cp mkdir")
+    _connection_options(fs)
+    fs_sub = fs.add_subparsers(dest="fs_command", required=True, metavar="OP")
+    for name, help_text, args in _FS_COMMANDS:
+        op = fs_sub.add_parser(name, help=help_text)
+        _connection_options(op, suppress=True)
+        for arg, arg_help in args:
+            if arg.startswith("-"):
+                op.add_argument(arg, action="store_true", help=arg_help)
+            else:
+                op.add_argument(arg, help=arg_help)
+    return parser
+
+
+_FS_COMMANDS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("cat", "write a remote file to stdout", [("path", "remote absolute path")]),
+    (
+        "put",
+        "write stdin or a local file to a remote file",
+        [("local", "local file, or - for stdin"), ("path", "remote absolute path")],
+    ),
+    ("ls", "list a remote directory", [("path", "remote absolute path")]),
+    ("stat", "show a remote path's metadata", [("path", "remote absolute path")]),
+    (
+        "rm",
+        "remove a remote path",
+        [("path", "remote absolute path"), ("-r", "recursive"), ("-f", "ignore a missing path")],
+    ),
+    (
+        "cp",
+        "copy on the remote host",
+        [("source", "remote source"), ("destination", "remote destination"), ("-r", "recursive")],
+    ),
+    (
+        "mkdir",
+        "create a remote directory",
+        [("path", "remote absolute path"), ("-p", "create parents")],
+    ),
+]
+
+
+# --- connecting -------------------------------------------------------------------
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read --token-file: {exc.strerror}", EXIT_USAGE) from None
+        if not token:
+            raise CliError(f"--token-file {args.token_file} is empty", EXIT_USAGE)
+        return token
+    return os.environ.get("EXEC_SERVER_AUTH_TOKEN") or None
+
+
+async def connect(reactor: Any, args: argparse.Namespace) -> ExecServerClient:
+    options = ConnectOptions(client_name=PROG, initialize_timeout=args.initialize_timeout)
+    url = args.url or (None if args.stdio else os.environ.get("EXEC_SERVER_URL"))
+    try:
+        if url is None and not args.stdio:
+            raise CliError(
+                "no server given: use --url ws://HOST:PORT (or EXEC_SERVER_URL) or --stdio",
+                EXIT_USAGE,
+            )
+        if url is None:
+            command = args.server_command.split() if args.server_command else None
+            stderr_tail = bytearray()
+            return await ExecServerClient.spawn_local(
+                reactor, options, command=command, stderr=stderr_tail.extend
+            )
+        if not (url.startswith("ws://") or url.startswith("wss://")):
+            raise CliError(
+                f"invalid --url `{url}`: expected ws://HOST:PORT or wss://...", EXIT_USAGE
+            )
+        return await ExecServerClient.connect_websocket(
+            reactor, url, options, token=_token(args), connect_timeout=args.connect_timeout
+        )
+    except (ConnectFailed, InitializeTimeout, SpawnFailed) as exc:
+        raise CliError(str(exc), EXIT_CONNECTION) from None
+    except ServerError as exc:
+        raise CliError(
+            f"the server refused the handshake: {exc.message}", EXIT_CONNECTION
+        ) from None
+    except ExecServerError as exc:
+        raise CliError(str(exc), EXIT_CONNECTION) from None
+
+
+# --- output -----------------------------------------------------------------------
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write everything, waiting when the descriptor is non-blocking and full."""
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            select.select([], [fd], [])
+            continue
+        except InterruptedError:
+            continue
+        view = view[written:]
+
+
+class _Output:
+    """Writes process output to local fds; a closed reader (EPIPE) stops writing."""
+
+    def __init__(self, stdout: int = 1, stderr: int = 2) -> None:
+        self._fds = {"stdout": stdout, "stderr": stderr, "pty": stdout}
+        self.broken = False
+
+    def __call__(self, event: OutputEvent) -> None:
+        if self.broken:
+            return
+        try:
+            write_all(self._fds[event.stream], event.chunk)
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            self.broken = True
+
+
+# --- run / shell ------------------------------------------------------------------
+
+
+def _env(args: argparse.Namespace, tty_mode: bool) -> dict[str, str]:
+    if args.inherit_env:
+        env = dict(os.environ)
+    else:
+        env = {k: os.environ[k] for k in _ENV_KEYS if k in os.environ}
+        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        if tty_mode:
+            env["TERM"] = os.environ.get("TERM", "xterm-256color")
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CliError(f"--env takes NAME=VALUE, got `{item}`", EXIT_USAGE)
+        env[name] = value
+    return env
+
+
+def _argv(args: argparse.Namespace, default: list[str] | None) -> list[str]:
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        if default is None:
+            raise CliError("no command given: run ... -- CMD [ARGS...]", EXIT_USAGE)
+        return default
+    return argv
+
+
+def terminal_size(fd: int) -> tuple[int, int] | None:
+    try:
+        rows, cols, _, _ = struct.unpack("HHHH", fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8))
+    except OSError:
+        return None
+    return (rows, cols) if rows > 0 and cols > 0 else None
+
+
+def _spawn_error(exc: ServerError, argv: Sequence[str]) -> CliError:
+    kind = exc.kind or ""
+    if kind in ("spawnNotFound",):
+        code = EXIT_NOT_FOUND
+    elif kind.startswith("spawn") and kind != "spawnFailed":
+        code = EXIT_NOT_EXECUTABLE
+    else:
+        code = EXIT_REMOTE_ERROR
+    return CliError(f"cannot start `{argv[0]}`: {exc.message}", code)
+
+
+class _StdinForwarder:
+    """Reads local stdin in the reactor and writes it to the remote process."""
+
+    def __init__(self, reactor: Any, proc: RemoteProcess, client: ExecServerClient) -> None:
+        self._reactor = reactor
+        self._proc = proc
+        self._client = client
+        self._reading = False
+
+    def fileno(self) -> int:
+        return 0
+
+    def logPrefix(self) -> str:
+        return "stdin"
+
+    def start(self) -> None:
+        self._reactor.addReader(self)
+        self._reading = True
+
+    def stop(self) -> None:
+        if self._reading:
+            self._reactor.removeReader(self)
+            self._reading = False
+
+    def doRead(self) -> None:
+        try:
+            data = os.read(0, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.stop()
+            if self._client.supports(p.PROCESS_CLOSE_STDIN):
+                self._proc.close_stdin().addErrback(_ignore)
+            return
+        self._proc.write(data).addErrback(_ignore)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._reading = False
+
+
+def _ignore(_: Failure) -> None:
+    """Writes racing the process's exit fail; the exit is reported anyway."""
+
+
+async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) -> int:
+    argv = _argv(args, DEFAULT_SHELL if tty_mode else None)
+    env = _env(args, tty_mode)
+    client = await connect(reactor, args)
+    stdin_is_tty = os.isatty(0)
+    saved_tty: list[Any] | None = None
+    old_handlers: dict[int, Any] = {}
+    forwarder: _StdinForwarder | None = None
+    try:
+        cwd = args.cwd or (os.getcwd() if args.stdio else "/")
+        size = terminal_size(0) if tty_mode else None
+        try:
+            proc = await client.start_process(
+                argv,
+                cwd=cwd,
+                env=env,
+                tty=tty_mode,
+                size=size,
+                timeout_ms=args.timeout_ms,
+            )
+        except ServerError as exc:
+            raise _spawn_error(exc, argv) from None
+        except ExecServerError as exc:
+            raise CliError(str(exc), EXIT_CONNECTION) from None
+        output = _Output()
+        proc.add_output_listener(output)
+
+        interrupts = 0
+
+        def interrupt() -> None:
+            # Ctrl-C: stop the remote process (a second one kills it at once).
+            nonlocal interrupts
+            interrupts += 1
+            grace = 0 if interrupts > 1 else None
+            proc.terminate(grace_ms=grace).addErrback(_ignore)
+
+        def on_signal(signum: int, frame: object) -> None:
+            reactor.callFromThread(interrupt)
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old_handlers[sig] = signal.signal(sig, on_signal)
+
+        if tty_mode:
+            if stdin_is_tty:
+                saved_tty = termios.tcgetattr(0)
+                tty.setraw(0)
+                if client.supports(p.PROCESS_RESIZE):
+
+                    def resized() -> None:
+                        new = terminal_size(0)
+                        if new is not None:
+                            proc.resize(*new).addErrback(_ignore)
+
+                    old_handlers[signal.SIGWINCH] = signal.signal(
+                        signal.SIGWINCH, lambda s, f: reactor.callFromThread(resized)
+                    )
+            forwarder = _StdinForwarder(reactor, proc, client)
+            forwarder.start()
+
+        code = await proc.exited()
+        if code is None:
+            raise CliError(
+                f"connection lost while `{argv[0]}` was running: "
+                f"{client.rpc.closed_reason or 'connection closed'}",
+                EXIT_CONNECTION,
+            )
+        await _bounded(proc.closed(), CLOSE_WAIT_SECONDS, reactor)
+        return code
+    finally:
+        if forwarder is not None:
+            forwarder.stop()
+        if saved_tty is not None:
+            termios.tcsetattr(0, termios.TCSADRAIN, saved_tty)
+        for signum, handler in old_handlers.items():
+            signal.signal(signum, handler)
+        await client.close()
+
+
+async def _bounded(d: Deferred[Any], seconds: float, clock: Any) -> None:
+    def expired(result: object, timeout: float) -> None:
+        return None
+
+    d.addTimeout(seconds, clock, onTimeoutCancel=expired)
+    await d
+
+
+# --- fs ---------------------------------------------------------------------------
+
+
+async def run_fs(reactor: Any, args: argparse.Namespace) -> int:
+    from execserver.client.fs import run_fs_command
+
+    client = await connect(reactor, args)
+    try:
+        return await run_fs_command(client, args)
+    except ServerError as exc:
+        raise CliError(f"fs {args.fs_command}: {exc.message}", EXIT_REMOTE_ERROR) from None
+    except ExecServerError as exc:
+        raise CliError(f"fs {args.fs_command}: {exc}", EXIT_CONNECTION) from None
+    finally:
+        await client.close()
+
+
+# --- entry point --------------------------------------------------------------------
+
+
+async def _main(reactor: Any, args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return await run_process(reactor, args, tty_mode=args.tty)
+    if args.command == "shell":
+        return await run_process(reactor, args, tty_mode=True)
+    return await run_fs(reactor, args)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from twisted.internet import task
+
+    outcome: list[int] = []
+
+    def start(r: Any) -> Deferred[None]:
+        d = Deferred.fromCoroutine(_main(r, args))
+
+        def done(code: int) -> None:
+            outcome.append(code)
+
+        def failed(f: Failure) -> None:
+            if f.check(CliError):
+                err = f.value
+                assert isinstance(err, CliError)
+                sys.stderr.write(f"{PROG}: {err}\n")
+                outcome.append(err.exit_code)
+            else:
+                sys.stderr.write(f"{PROG}: unexpected error: {f.getTraceback()}\n")
+                outcome.append(EXIT_REMOTE_ERROR)
+
+        return d.addCallbacks(done, failed)
+
+    try:
+        task.react(start)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    raise SystemExit(outcome[0] if outcome else EXIT_REMOTE_ERROR)
+
+
+if __name__ == "__main__":
+    main()

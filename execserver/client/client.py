@@ -1,0 +1,431 @@
+"""``ExecServerClient``: one connection, its handshake, processes and events.
+
+The client speaks JSON-RPC through an :class:`~execserver.client.rpc.RpcClient`
+and does not care what carries the bytes; the three ways to connect live in
+:mod:`execserver.client.connect` and are offered here as class methods:
+
+- :meth:`ExecServerClient.spawn_local` launches ``python -m execserver`` and
+  talks NDJSON over its stdin/stdout (the reference's ``spawn_local_exec_server``);
+- :meth:`ExecServerClient.connect_websocket` connects to ``ws://`` / ``wss://``;
+- :meth:`ExecServerClient.connect_in_process` calls a dispatcher directly.
+
+Each completes ``initialize``/``initialized`` (bounded by
+``ConnectOptions.initialize_timeout``) before the Deferred fires. ``close()``
+releases what the mode holds (the spawned server is asked to exit and killed
+if it does not; in-process processes are terminated); dropping the last
+reference to a client does the same from a ``weakref.finalize`` hook.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import attrs
+import msgspec
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from execserver import protocol as p
+from execserver.client.api import ClientApi
+from execserver.client.errors import ExecServerError, InitializeTimeout
+from execserver.client.process import DEFAULT_BACKLOG_BYTES, RemoteProcess
+from execserver.client.rpc import RpcClient, decode_as
+from execserver.client.types import (
+    ClientEvent,
+    ClosedEvent,
+    ClosedParams,
+    DisconnectedEvent,
+    ExitedEvent,
+    ExitedParams,
+    InitializeResult,
+    OutputEvent,
+    OutputParams,
+)
+
+if TYPE_CHECKING:
+    from execserver.dispatcher import Dispatcher
+
+T = TypeVar("T")
+log = Logger()
+
+#: ``env`` sent by ``start_process`` when none is given.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: How long a handle stays routable after ``process/exited`` when the server
+#: never sends ``process/closed`` (a baseline server).
+EXITED_LINGER_SECONDS = 30.0
+
+
+@attrs.frozen
+class ConnectOptions:
+    """Options of every connection mode (the reference's ExecServerClientConnectOptions)."""
+
+    client_name: str = "exec-server-client"
+    initialize_timeout: float = 10.0
+
+
+Closer = Callable[[], Deferred[None]]
+
+
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
+    """A callable that forwards to ``method`` without keeping its object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def forward(*args: Any) -> None:
+        target = ref()
+        if target is not None:
+            target(*args)
+
+    return forward
+
+
+class ExecServerClient(ClientApi):
+    """A connected, initialized exec-server client."""
+
+    def __init__(
+        self,
+        rpc: RpcClient,
+        clock: IReactorTime,
+        *,
+        closer: Closer | None = None,
+        backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
+    ) -> None:
+        self._rpc = rpc
+        self._clock = clock
+        self._closer = closer
+        self._backlog_bytes = backlog_bytes
+        self.initialize_result: InitializeResult | None = None
+        self._processes: dict[str, RemoteProcess] = {}
+        self._linger: dict[str, IDelayedCall] = {}
+        self._listeners: list[Callable[[ClientEvent], None]] = []
+        self._next_process = 1
+        self._closing: Deferred[None] | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        #: With ``spawn_local``: the server's ServerProcessProtocol (pid, stderr_tail).
+        self.local_server: Any = None
+        rpc.on_notification = _weak(self._on_notification)
+        rpc.add_lost_listener(_weak(self._on_connection_lost))
+
+    # --- connecting ---------------------------------------------------------------
+
+    @classmethod
+    def connect_rpc(
+        cls,
+        rpc: RpcClient,
+        clock: IReactorTime,
+        options: ConnectOptions | None = None,
+        *,
+        closer: Closer | None = None,
+        on_collect: Callable[[], None] | None = None,
+    ) -> Deferred[ExecServerClient]:
+        """Handshake over an attached RPC channel; the base of every mode.
+
+        On failure the channel is closed (through ``closer`` if given).
+        ``on_collect`` runs if the client is garbage-collected unclosed; it
+        must not refer to the client.
+        """
+        client = cls(rpc, clock, closer=closer)
+        if on_collect is not None:
+            client._finalizer = weakref.finalize(client, on_collect)
+        return Deferred.fromCoroutine(client._handshake(options or ConnectOptions()))
+
+    async def _handshake(self, options: ConnectOptions) -> ExecServerClient:
+        try:
+            self.initialize_result = await self._initialize(options)
+            self._rpc.notify(p.INITIALIZED, p.Empty())
+        except BaseException:
+            # Report the failure now; the channel closes in the background.
+            self.close().addErrback(
+                lambda f: log.failure("closing after a failed handshake failed", f)
+            )
+            raise
+        return self
+
+    def _initialize(self, options: ConnectOptions) -> Deferred[InitializeResult]:
+        d = self._rpc.call(
+            p.INITIALIZE, p.InitializeParams(client_name=options.client_name), InitializeResult
+        )
+
+        def timed_out(result: InitializeResult | Failure, timeout: float) -> NoReturn:
+            raise InitializeTimeout(timeout)
+
+        return d.addTimeout(options.initialize_timeout, self._clock, onTimeoutCancel=timed_out)
+
+    @classmethod
+    def spawn_local(
+        cls,
+        reactor: Any,
+        options: ConnectOptions | None = None,
+        *,
+        command: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        stderr: Callable[[bytes], None] | None = None,
+        shutdown_grace: float = 5.0,
+    ) -> Deferred[ExecServerClient]:
+        """Launch a local server over stdio (default ``python -m execserver``)."""
+        from execserver.client.connect import spawn_local
+
+        return spawn_local(
+            reactor,
+            options,
+            command=command,
+            env=env,
+            stderr=stderr,
+            shutdown_grace=shutdown_grace,
+        )
+
+    @classmethod
+    def connect_websocket(
+        cls,
+        reactor: Any,
+        url: str,
+        options: ConnectOptions | None = None,
+        *,
+        token: str | None = None,
+        connect_timeout: float = 10.0,
+    ) -> Deferred[ExecServerClient]:
+        """Connect to ``ws://HOST:PORT`` (or ``wss://``), with a connect timeout."""
+        from execserver.client.connect import connect_websocket
+
+        return connect_websocket(
+            reactor, url, options, token=token, connect_timeout=connect_timeout
+        )
+
+    @classmethod
+    def connect_in_process(
+        cls,
+        reactor: Any,
+        options: ConnectOptions | None = None,
+        *,
+        dispatcher: Dispatcher | None = None,
+    ) -> Deferred[ExecServerClient]:
+        """Talk to a dispatcher in this process (a new one unless given)."""
+        from execserver.client.connect import connect_in_process
+
+        return connect_in_process(reactor, options, dispatcher=dispatcher)
+
+    # --- state --------------------------------------------------------------------
+
+    @property
+    def rpc(self) -> RpcClient:
+        return self._rpc
+
+    @property
+    def capabilities(self) -> list[str]:
+        """Extension methods the server announced (empty for a baseline server)."""
+        return list(self.initialize_result.capabilities) if self.initialize_result else []
+
+    def supports(self, method: str) -> bool:
+        return method in self.capabilities
+
+    @property
+    def session_id(self) -> str | None:
+        return self.initialize_result.session_id if self.initialize_result else None
+
+    @property
+    def pending_request_count(self) -> int:
+        return self._rpc.pending_count
+
+    @property
+    def is_connected(self) -> bool:
+        return not self._rpc.is_closed
+
+    def process(self, process_id: str) -> RemoteProcess | None:
+        """The handle of a process this client started, while it is tracked."""
+        return self._processes.get(process_id)
+
+    @property
+    def tracked_process_count(self) -> int:
+        return len(self._processes)
+
+    def add_event_listener(self, listener: Callable[[ClientEvent], None]) -> None:
+        """Every output/exit/close notification, and the disconnect."""
+        self._listeners.append(listener)
+
+    def remove_event_listener(self, listener: Callable[[ClientEvent], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def when_disconnected(self) -> Deferred[str]:
+        """Fires with the reason when the connection ends."""
+        return self._rpc.when_closed()
+
+    # --- calls --------------------------------------------------------------------
+
+    def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
+        return self._rpc.call(method, params, result_type)
+
+    def start_process(
+        self,
+        argv: Sequence[str] | p.ExecParams,
+        *,
+        process_id: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        tty: bool = False,
+        arg0: str | None = None,
+        pipe_stdin: bool = False,
+        size: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        idle_timeout_ms: int | None = None,
+    ) -> Deferred[RemoteProcess]:
+        """``process/start`` and a :class:`RemoteProcess` handle following it.
+
+        ``argv`` is a command vector or complete ``ExecParams``. Defaults:
+        a generated ``process_id``, this process's working directory,
+        ``env={"PATH": DEFAULT_PATH}``. ``size`` is ``(rows, cols)``.
+        """
+        if isinstance(argv, p.ExecParams):
+            params = argv
+        else:
+            params = p.ExecParams(
+                process_id=process_id or self._new_process_id(),
+                argv=list(argv),
+                cwd=cwd if cwd is not None else os.getcwd(),
+                env=dict(env) if env is not None else {"PATH": DEFAULT_PATH},
+                tty=tty,
+                arg0=arg0,
+                pipe_stdin=pipe_stdin,
+                size=p.TerminalSize(*size) if size is not None else None,
+                timeout_ms=timeout_ms,
+                idle_timeout_ms=idle_timeout_ms,
+            )
+        return Deferred.fromCoroutine(self._start(params))
+
+    def _new_process_id(self) -> str:
+        while True:
+            candidate = f"proc-{self._next_process}"
+            self._next_process += 1
+            if candidate not in self._processes:
+                return candidate
+
+    async def _start(self, params: p.ExecParams) -> RemoteProcess:
+        requested = params.process_id
+        existing = self._processes.get(requested)
+        if existing is not None and not existing.is_closed:
+            raise ExecServerError(f"process id {requested} is already in use by this client")
+        # Registered before the request: output may race the response.
+        handle = RemoteProcess(self, requested, self._backlog_bytes)
+        self._processes[requested] = handle
+        try:
+            response = await self._call(p.PROCESS_START, params, p.ExecResponse)
+        except BaseException:
+            if self._processes.get(requested) is handle:
+                del self._processes[requested]
+            raise
+        if response.process_id != requested:
+            # The server's id is the one its notifications will carry.
+            if self._processes.get(requested) is handle:
+                del self._processes[requested]
+            handle.process_id = response.process_id
+            self._processes[response.process_id] = handle
+        if self._rpc.is_closed:
+            handle.connection_lost()
+        return handle
+
+    # --- notifications --------------------------------------------------------------
+
+    def _on_notification(self, method: str, raw: msgspec.Raw | None) -> None:
+        try:
+            if method == p.PROCESS_OUTPUT:
+                out = decode_as(raw, OutputParams)
+                self._output(OutputEvent(out.process_id, out.stream, out.chunk, out.seq))
+            elif method == p.PROCESS_EXITED:
+                ex = decode_as(raw, ExitedParams)
+                self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
+            elif method == p.PROCESS_CLOSED:
+                self._closed(ClosedEvent(decode_as(raw, ClosedParams).process_id))
+            else:
+                log.debug("ignoring unknown notification {method}", method=method)
+        except msgspec.DecodeError as exc:
+            log.warn("invalid {method} notification from server: {exc}", method=method, exc=exc)
+
+    def _output(self, event: OutputEvent) -> None:
+        handle = self._processes.get(event.process_id)
+        if handle is not None:
+            handle.deliver_output(event)
+        self._emit(event)
+
+    def _exited(self, event: ExitedEvent) -> None:
+        handle = self._processes.get(event.process_id)
+        if handle is not None:
+            handle.mark_exited(event.exit_code, event.signal, event.timed_out)
+            if not handle.is_closed and event.process_id not in self._linger:
+                self._linger[event.process_id] = self._clock.callLater(
+                    EXITED_LINGER_SECONDS, self._forget, event.process_id, handle
+                )
+        self._emit(event)
+
+    def _closed(self, event: ClosedEvent) -> None:
+        handle = self._processes.get(event.process_id)
+        if handle is not None:
+            handle.mark_closed()
+            self._forget(event.process_id, handle)
+        self._emit(event)
+
+    def _forget(self, process_id: str, handle: RemoteProcess) -> None:
+        timer = self._linger.pop(process_id, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self._processes.get(process_id) is handle:
+            del self._processes[process_id]
+            handle.mark_closed()
+
+    def _on_connection_lost(self, reason: str) -> None:
+        for timer in self._linger.values():
+            if timer.active():
+                timer.cancel()
+        self._linger.clear()
+        handles, self._processes = self._processes, {}
+        for handle in handles.values():
+            handle.connection_lost()
+        self._emit(DisconnectedEvent(reason))
+
+    def _emit(self, event: ClientEvent) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.failure("client event listener failed")
+
+    # --- closing --------------------------------------------------------------------
+
+    def close(self) -> Deferred[None]:
+        """Close the connection and release the server (idempotent).
+
+        Pending calls fail with :class:`ConnectionClosed`; process handles are
+        marked exited without an exit code.
+        """
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._closing is None:
+            if self._closer is not None:
+                self._closing = self._closer()
+            else:
+                self._rpc.close()
+                self._closing = self._rpc.when_closed().addCallback(lambda _: None)
+            self._closing.addErrback(self._close_failed)
+        result: Deferred[None] = Deferred()
+
+        def forward(outcome: object) -> object:
+            result.callback(None)
+            return outcome
+
+        self._closing.addBoth(forward)
+        return result
+
+    def _close_failed(self, failure: Failure) -> None:
+        log.failure("closing the exec-server client failed", failure)
+        # Whatever happened, nothing more goes over this channel.
+        self._rpc.connection_lost(f"close failed: {failure.getErrorMessage()}")
+
+    async def __aenter__(self) -> ExecServerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

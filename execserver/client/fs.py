@@ -1,0 +1,67 @@
+"""The ``fs`` subcommands of ``exec-server-client`` over the typed fs methods."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+from execserver.client.client import ExecServerClient
+
+
+def _write_stdout(data: bytes) -> None:
+    from execserver.client.cli import write_all
+
+    write_all(sys.stdout.fileno(), data)
+
+
+def _when(ms: int) -> str:
+    if ms <= 0:
+        return "-"
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).isoformat(timespec="seconds")
+
+
+async def run_fs_command(client: ExecServerClient, args: argparse.Namespace) -> int:
+    op = args.fs_command
+    if op == "cat":
+        response = await client.fs_read_file(args.path)
+        _write_stdout(response.data_base64)
+    elif op == "put":
+        if args.local == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            from execserver.client.cli import EXIT_USAGE, CliError
+
+            try:
+                with open(args.local, "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                raise CliError(f"cannot read {args.local}: {exc.strerror}", EXIT_USAGE) from None
+        await client.fs_write_file(args.path, data)
+    elif op == "ls":
+        listing = await client.fs_read_directory(args.path)
+        lines = []
+        for entry in sorted(listing.entries, key=lambda e: e.file_name):
+            suffix = "/" if entry.is_directory else ("@" if entry.is_symlink is True else "")
+            lines.append(f"{entry.file_name}{suffix}\n")
+        _write_stdout("".join(lines).encode("utf-8", "surrogateescape"))
+    elif op == "stat":
+        meta = await client.fs_get_metadata(args.path)
+        kind = "directory" if meta.is_directory else "file" if meta.is_file else "other"
+        if meta.is_symlink is True:
+            kind = f"symlink to {kind}"
+        fields = [f"path: {args.path}", f"type: {kind}"]
+        if isinstance(meta.size, int):
+            fields.append(f"size: {meta.size}")
+        fields.append(f"created: {_when(meta.created_at_ms)}")
+        fields.append(f"modified: {_when(meta.modified_at_ms)}")
+        _write_stdout(("\n".join(fields) + "\n").encode())
+    elif op == "rm":
+        await client.fs_remove(args.path, recursive=args.r, force=args.f)
+    elif op == "cp":
+        await client.fs_copy(args.source, args.destination, recursive=args.r)
+    elif op == "mkdir":
+        await client.fs_create_directory(args.path, recursive=args.p)
+    else:  # pragma: no cover - argparse restricts the choices
+        raise AssertionError(op)
+    return 0

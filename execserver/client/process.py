@@ -1,0 +1,303 @@
+"""Handles on processes started through a client.
+
+A :class:`RemoteProcess` is created *before* ``process/start`` is sent, so
+output that races the start response is not lost. It follows the server's
+notifications only: ``terminate()`` asks the server to stop the process but
+the handle is marked exited when ``process/exited`` arrives, never earlier
+(as in the reference). If the connection is lost first, the handle is
+marked exited with no exit code (``exit_code is None``).
+
+Output is offered two ways:
+
+- push: :meth:`RemoteProcess.add_output_listener` calls a function for every
+  chunk, in order;
+- pull: :meth:`RemoteProcess.subscribe` returns an :class:`OutputSubscription`
+  (``await sub.next()`` or ``async for event in sub``) that buffers up to a
+  byte limit and fails with :class:`OutputLagged` beyond it, naming the seq to
+  catch up from with :meth:`RemoteProcess.read`.
+
+Output received before the first listener or subscription is kept (up to
+``backlog_bytes``) and replayed to it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
+
+from execserver import protocol as p
+from execserver.client.errors import OutputLagged
+from execserver.client.types import OutputEvent
+
+if TYPE_CHECKING:
+    from execserver.client.api import ClientApi
+
+log = Logger()
+
+DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
+DEFAULT_SUBSCRIPTION_BYTES = 64 * 1024 * 1024
+
+
+class OutputSubscription:
+    """A pull queue of one process's output events, from subscription on."""
+
+    def __init__(
+        self,
+        process_id: str,
+        limit: int,
+        on_cancel: Callable[[OutputSubscription], None],
+    ) -> None:
+        self.process_id = process_id
+        self._limit = limit
+        self._on_cancel = on_cancel
+        self._queue: deque[OutputEvent] = deque()
+        self._bytes = 0
+        self._waiter: Deferred[OutputEvent | None] | None = None
+        self._ended = False
+        self._error: Exception | None = None
+        self._last_seq: int | None = None
+
+    def push(self, event: OutputEvent) -> None:
+        if self._ended or self._error is not None:
+            return
+        if self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            self._last_seq = event.seq
+            waiter.callback(event)
+            return
+        if self._bytes + len(event.chunk) > self._limit:
+            self.fail(OutputLagged(self.process_id, self._last_seq_queued(), self._limit))
+            return
+        self._queue.append(event)
+        self._bytes += len(event.chunk)
+
+    def _last_seq_queued(self) -> int | None:
+        return self._queue[-1].seq if self._queue else self._last_seq
+
+    def end(self) -> None:
+        """No more output: ``next()`` returns None once the queue is drained."""
+        self._ended = True
+        if self._waiter is not None and not self._queue:
+            waiter, self._waiter = self._waiter, None
+            waiter.callback(None)
+
+    def fail(self, error: Exception) -> None:
+        """Stop taking events; ``next()`` raises ``error`` once the queue is drained."""
+        if self._error is not None:
+            return
+        self._error = error
+        if self._waiter is not None and not self._queue:
+            waiter, self._waiter = self._waiter, None
+            waiter.errback(error)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._bytes
+
+    def next(self) -> Deferred[OutputEvent | None]:
+        """The next event, or None at the end of the output."""
+        if self._queue:
+            event = self._queue.popleft()
+            self._bytes -= len(event.chunk)
+            self._last_seq = event.seq
+            return succeed(event)
+        if self._error is not None:
+            d: Deferred[OutputEvent | None] = Deferred()
+            d.errback(self._error)
+            return d
+        if self._ended:
+            return succeed(None)
+        if self._waiter is not None:
+            raise RuntimeError("OutputSubscription.next() called while a call is pending")
+
+        def cancel(_: Deferred[OutputEvent | None]) -> None:
+            self._waiter = None
+
+        self._waiter = Deferred(cancel)
+        return self._waiter
+
+    def cancel(self) -> None:
+        """Stop receiving events."""
+        self._ended = True
+        self._queue.clear()
+        self._bytes = 0
+        self._on_cancel(self)
+
+    def __aiter__(self) -> OutputSubscription:
+        return self
+
+    async def __anext__(self) -> OutputEvent:
+        event = await self.next()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+
+class RemoteProcess:
+    """A process started by a client, followed through its notifications."""
+
+    def __init__(
+        self, api: ClientApi, process_id: str, backlog_bytes: int = DEFAULT_BACKLOG_BYTES
+    ) -> None:
+        self.process_id = process_id
+        self._api = api
+        self.exit_code: int | None = None
+        self.signal: str | None = None
+        self.timed_out: str | None = None
+        self.has_exited = False
+        self.is_closed = False
+        self._exit_waiters: list[Deferred[int | None]] = []
+        self._close_waiters: list[Deferred[None]] = []
+        self._listeners: list[Callable[[OutputEvent], None]] = []
+        self._subscriptions: list[OutputSubscription] = []
+        self._backlog: list[OutputEvent] | None = []
+        self._backlog_bytes = 0
+        self._backlog_limit = backlog_bytes
+        self._backlog_overflow_seq: int | None = None
+        self._backlog_overflowed = False
+
+    def __repr__(self) -> str:
+        state = f"exited {self.exit_code}" if self.has_exited else "running"
+        return f"<RemoteProcess {self.process_id!r} {state}>"
+
+    # --- output -----------------------------------------------------------------
+
+    def add_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
+        """Call ``listener`` with every output event (the backlog first)."""
+        self._listeners.append(listener)
+        for event in self._take_backlog():
+            listener(event)
+
+    def remove_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def subscribe(self, limit: int = DEFAULT_SUBSCRIPTION_BYTES) -> OutputSubscription:
+        """A new pull queue of output events (the backlog first)."""
+        sub = OutputSubscription(self.process_id, limit, self._forget_subscription)
+        overflowed = self._backlog_overflowed
+        for event in self._take_backlog():
+            sub.push(event)
+        if overflowed:
+            sub.fail(OutputLagged(self.process_id, self._backlog_overflow_seq, self._backlog_limit))
+        if self.is_closed:
+            sub.end()
+        else:
+            self._subscriptions.append(sub)
+        return sub
+
+    def _forget_subscription(self, sub: OutputSubscription) -> None:
+        if sub in self._subscriptions:
+            self._subscriptions.remove(sub)
+
+    def _take_backlog(self) -> list[OutputEvent]:
+        backlog, self._backlog = self._backlog, None
+        self._backlog_bytes = 0
+        self._backlog_overflowed = False
+        return backlog or []
+
+    def deliver_output(self, event: OutputEvent) -> None:
+        """Called by the client for each ``process/output`` of this process."""
+        if self._backlog is not None:
+            if self._backlog_overflowed:
+                return
+            if self._backlog_bytes + len(event.chunk) > self._backlog_limit:
+                # Reported to the first subscriber, who can read() from here.
+                self._backlog_overflowed = True
+                self._backlog_overflow_seq = self._backlog[-1].seq if self._backlog else None
+                log.warn(
+                    "output of {pid} exceeds the {limit}-byte backlog with no subscriber",
+                    pid=self.process_id,
+                    limit=self._backlog_limit,
+                )
+                return
+            self._backlog.append(event)
+            self._backlog_bytes += len(event.chunk)
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.failure("output listener of {pid} failed", pid=self.process_id)
+        for sub in list(self._subscriptions):
+            sub.push(event)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def exited(self) -> Deferred[int | None]:
+        """Fires with the exit code (None if the connection was lost first)."""
+        if self.has_exited:
+            return succeed(self.exit_code)
+        d: Deferred[int | None] = Deferred()
+        self._exit_waiters.append(d)
+        return d
+
+    def closed(self) -> Deferred[None]:
+        """Fires when no more output will arrive (``process/closed`` or connection loss)."""
+        if self.is_closed:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._close_waiters.append(d)
+        return d
+
+    def mark_exited(
+        self, exit_code: int | None, signal: str | None = None, timed_out: str | None = None
+    ) -> None:
+        if self.has_exited:
+            return
+        self.has_exited = True
+        self.exit_code = exit_code
+        self.signal = signal
+        self.timed_out = timed_out
+        waiters, self._exit_waiters = self._exit_waiters, []
+        for d in waiters:
+            d.callback(exit_code)
+
+    def mark_closed(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        subs, self._subscriptions = self._subscriptions, []
+        for sub in subs:
+            sub.end()
+        waiters, self._close_waiters = self._close_waiters, []
+        for d in waiters:
+            d.callback(None)
+
+    def connection_lost(self) -> None:
+        """The transport is gone: exited without an exit code, and closed."""
+        self.mark_exited(None)
+        self.mark_closed()
+
+    # --- requests -----------------------------------------------------------------
+
+    def write(self, chunk: bytes) -> Deferred[p.WriteResponse]:
+        return self._api.write(self.process_id, chunk)
+
+    def terminate(self, grace_ms: int | None = None) -> Deferred[p.TerminateResponse]:
+        """Ask the server to terminate the process; ``exited`` fires on its notification."""
+        return self._api.terminate(self.process_id, grace_ms=grace_ms)
+
+    def read(
+        self,
+        after_seq: int | None = None,
+        max_bytes: int | None = None,
+        wait_ms: int | None = None,
+    ) -> Deferred[p.ReadResponse]:
+        return self._api.read(self.process_id, after_seq, max_bytes, wait_ms)
+
+    def send_signal(self, signal: int | str) -> Deferred[p.SignalResponse]:
+        return self._api.signal(self.process_id, signal)
+
+    def resize(self, rows: int, cols: int) -> Deferred[p.Empty]:
+        return self._api.resize(self.process_id, rows, cols)
+
+    def close_stdin(self) -> Deferred[p.CloseStdinResponse]:
+        return self._api.close_stdin(self.process_id)
+
+    def wait(self, timeout_ms: int | None = None) -> Deferred[p.WaitResponse]:
+        return self._api.wait(self.process_id, timeout_ms)

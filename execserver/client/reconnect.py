@@ -1,0 +1,237 @@
+"""A WebSocket client that reconnects, built on Twisted's ``ClientService``.
+
+``ClientService`` keeps one connection up, retrying with exponential backoff
+(``backoffPolicy``). Its ``whenConnected`` fires on TCP connect, before the
+WebSocket is open, so the ``prepareConnection`` hook here waits for the
+WebSocket to open *and* for the ``initialize``/``initialized`` handshake;
+a connection whose handshake fails is dropped and retried.
+
+While disconnected, calls wait (up to ``call_timeout``) for the next
+connection instead of failing at once, then fail with :class:`NotConnected`;
+calls already sent when the connection drops fail promptly with
+:class:`ConnectionClosed`. Listeners hear about every connect and disconnect.
+
+Process handles belong to one connection: a drop marks them exited without
+an exit code. (Resumable sessions will re-attach them: the session id and
+the handles' last seq are what a resume needs, and both are at hand in
+:meth:`_on_connected`.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar, cast
+
+from twisted.application.internet import ClientService, backoffPolicy
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from execserver import protocol as p
+from execserver.client.api import ClientApi
+from execserver.client.client import ConnectOptions, ExecServerClient
+from execserver.client.connect import (
+    ChannelFactory,
+    WebSocketChannel,
+    close_channel,
+    connect_error_text,
+    websocket_endpoint,
+)
+from execserver.client.errors import ConnectFailed, ConnectionClosed, NotConnected
+from execserver.client.process import RemoteProcess
+
+T = TypeVar("T")
+log = Logger()
+
+
+@implementer(IStreamClientEndpoint)
+class _RecordingEndpoint:
+    """Remembers why the last connection attempt failed (for NotConnected)."""
+
+    def __init__(self, endpoint: Any, owner: ReconnectingClient) -> None:
+        self._endpoint = endpoint
+        self._owner = owner
+
+    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
+        d: Deferred[IProtocol] = self._endpoint.connect(factory)
+
+        def record(failure: Failure) -> Failure:
+            self._owner.last_error = ConnectFailed(
+                self._owner.url, connect_error_text(failure.value or Exception())
+            )
+            return failure
+
+        return d.addErrback(record)
+
+
+class ReconnectingClient(ClientApi):
+    """Typed protocol methods over a connection that comes back by itself."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        url: str,
+        options: ConnectOptions | None = None,
+        *,
+        token: str | None = None,
+        connect_timeout: float = 10.0,
+        call_timeout: float = 30.0,
+        initial_delay: float = 1.0,
+        max_delay: float = 30.0,
+        factor: float = 1.5,
+        jitter: Callable[[], float] | None = None,
+        endpoint: Any = None,
+    ) -> None:
+        self.url = url
+        self._reactor = reactor
+        self._options = options or ConnectOptions()
+        self._call_timeout = call_timeout
+        factory = ChannelFactory(url, reactor, token, open_timeout=connect_timeout)
+        policy = backoffPolicy(
+            initialDelay=initial_delay,
+            maxDelay=max_delay,
+            factor=factor,
+            **({"jitter": jitter} if jitter is not None else {}),
+        )
+        if endpoint is None:
+            endpoint = websocket_endpoint(reactor, url, connect_timeout)
+        self._service = ClientService(
+            _RecordingEndpoint(endpoint, self),
+            factory,
+            retryPolicy=policy,
+            clock=reactor,
+            prepareConnection=self._prepare,
+        )
+        self.client: ExecServerClient | None = None
+        self.last_error: Exception | None = None
+        self.connect_count = 0
+        self._waiters: list[Deferred[ExecServerClient]] = []
+        self._on_connected: list[Callable[[ExecServerClient], None]] = []
+        self._on_disconnected: list[Callable[[str], None]] = []
+        self._stopped = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start connecting (and keep reconnecting until :meth:`stop`)."""
+        self._stopped = False
+        self._service.startService()
+
+    def stop(self) -> Deferred[None]:
+        """Stop reconnecting, close the connection; waiting calls fail."""
+        self._stopped = True
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.errback(ConnectionClosed("the reconnecting client was stopped"))
+        client = self.client
+        stopping: Deferred[Any] = self._service.stopService()
+
+        async def run() -> None:
+            await stopping
+            if client is not None:
+                await client.close()
+
+        return Deferred.fromCoroutine(run())
+
+    def add_connect_listener(self, listener: Callable[[ExecServerClient], None]) -> None:
+        """Called after each successful (re)connection and handshake."""
+        self._on_connected.append(listener)
+
+    def add_disconnect_listener(self, listener: Callable[[str], None]) -> None:
+        """Called with the reason each time an initialized connection is lost."""
+        self._on_disconnected.append(listener)
+
+    @property
+    def is_connected(self) -> bool:
+        return self.client is not None and self.client.is_connected
+
+    def when_connected(self, timeout: float | None = None) -> Deferred[ExecServerClient]:
+        """The current client, or the next one (fails with NotConnected after ``timeout``)."""
+        if self.client is not None and self.client.is_connected:
+            d: Deferred[ExecServerClient] = Deferred()
+            d.callback(self.client)
+            return d
+        if self._stopped:
+            failed: Deferred[ExecServerClient] = Deferred()
+            failed.errback(ConnectionClosed("the reconnecting client was stopped"))
+            return failed
+        waited = self._call_timeout if timeout is None else timeout
+
+        def cancel(d: Deferred[ExecServerClient]) -> None:
+            if d in self._waiters:
+                self._waiters.remove(d)
+
+        d = Deferred(cancel)
+        self._waiters.append(d)
+
+        def timed_out(result: ExecServerClient | Failure, seconds: float) -> NoReturn:
+            raise NotConnected(self.url, seconds, self.last_error)
+
+        return d.addTimeout(waited, self._reactor, onTimeoutCancel=timed_out)
+
+    # --- ClientService hook -------------------------------------------------------
+
+    def _prepare(self, proto: IProtocol) -> Deferred[ExecServerClient]:
+        return Deferred.fromCoroutine(self._handshake(cast(WebSocketChannel, proto)))
+
+    async def _handshake(self, proto: WebSocketChannel) -> ExecServerClient:
+        try:
+            await proto.opened
+            client = await ExecServerClient.connect_rpc(
+                proto.rpc,
+                self._reactor,
+                self._options,
+                closer=lambda: close_channel(proto, self._reactor),
+            )
+        except Exception as exc:
+            self.last_error = exc
+            log.info("connecting to {url} failed: {exc}", url=self.url, exc=exc)
+            raise
+        self.last_error = None
+        self.client = client
+        self.connect_count += 1
+        proto.rpc.add_lost_listener(lambda reason: self._lost(client, reason))
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.callback(client)
+        for listener in list(self._on_connected):
+            try:
+                listener(client)
+            except Exception:
+                log.failure("connect listener failed")
+        return client
+
+    def _lost(self, client: ExecServerClient, reason: str) -> None:
+        if self.client is client:
+            self.client = None
+        for listener in list(self._on_disconnected):
+            try:
+                listener(reason)
+            except Exception:
+                log.failure("disconnect listener failed")
+
+    # --- calls --------------------------------------------------------------------
+
+    def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
+        client = self.client
+        if client is not None and client.is_connected:
+            return client._call(method, params, result_type)
+
+        async def later() -> T:
+            ready = await self.when_connected()
+            return await ready._call(method, params, result_type)
+
+        return Deferred.fromCoroutine(later())
+
+    def start_process(
+        self, argv: Sequence[str] | p.ExecParams, **kwargs: Any
+    ) -> Deferred[RemoteProcess]:
+        """``ExecServerClient.start_process`` on the current (or next) connection."""
+
+        async def run() -> RemoteProcess:
+            client = await self.when_connected()
+            return await client.start_process(argv, **kwargs)
+
+        return Deferred.fromCoroutine(run())

@@ -1,0 +1,250 @@
+"""JSON-RPC request/response correlation over any message channel.
+
+:class:`RpcClient` is the client's half of the wire, modelled on Twisted's
+AMP: each call gets the next integer id and a Deferred kept in an id ->
+pending map; a response or error settles the Deferred with that id, in
+whatever order the server answers; notifications go to a callback; and when
+the channel is lost every pending call fails at once with
+:class:`ConnectionClosed`, leaving the map empty.
+
+The channel is anything that implements :class:`MessageSink` (send one
+encoded message, close) and calls :meth:`RpcClient.message_received` and
+:meth:`RpcClient.connection_lost`: NDJSON over a pipe, WebSocket frames, or
+the in-process dispatcher. Nothing here touches a reactor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, Protocol, TypeVar
+
+import attrs
+import msgspec
+from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.logger import Logger
+
+from execserver import codec
+from execserver import protocol as p
+from execserver.client.errors import ConnectionClosed, ProtocolViolation, ServerError
+
+T = TypeVar("T")
+log = Logger()
+
+
+class MessageSink(Protocol):
+    """What a channel offers the RPC client."""
+
+    def send_message(self, data: bytes) -> None:
+        """Send one encoded JSON-RPC message (the channel adds framing)."""
+
+    def close(self) -> None:
+        """Close the channel; it must call :meth:`RpcClient.connection_lost` once closed."""
+
+
+class _ServerMessage(msgspec.Struct):
+    """Any message a server sends: a response, an error or a notification."""
+
+    id: int | str | msgspec.UnsetType | None = msgspec.UNSET
+    method: str | msgspec.UnsetType = msgspec.UNSET
+    params: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    result: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    error: p.ErrorObject | msgspec.UnsetType = msgspec.UNSET
+
+
+_message_decoder: Final = msgspec.json.Decoder(_ServerMessage)
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def decode_as(raw: msgspec.Raw | bytes | None, result_type: type[T]) -> T:
+    """Decode a result or params into ``result_type`` (cached decoder per type)."""
+    decoder = _decoders.get(result_type)
+    if decoder is None:
+        decoder = _decoders[result_type] = msgspec.json.Decoder(result_type)
+    result: T = decoder.decode(raw if raw is not None else b"null")
+    return result
+
+
+@attrs.define
+class _Pending:
+    method: str
+    result_type: type[Any]
+    deferred: Deferred[Any]
+
+
+NotificationHandler = Callable[[str, msgspec.Raw | None], None]
+
+
+class RpcClient:
+    """Correlates requests and responses by id over one channel."""
+
+    def __init__(self, label: str = "exec-server") -> None:
+        self.label = label
+        self.on_notification: NotificationHandler | None = None
+        self._sink: MessageSink | None = None
+        self._pending: dict[int | str, _Pending] = {}
+        self._next_id = 1
+        self._closed_reason: str | None = None
+        self._close_waiters: list[Deferred[str]] = []
+        self._lost_listeners: list[Callable[[str], None]] = []
+
+    # --- channel side ---------------------------------------------------------
+
+    def attach(self, sink: MessageSink) -> None:
+        """The channel is open: messages can be sent through ``sink``."""
+        if self._closed_reason is None:
+            self._sink = sink
+
+    def message_received(self, data: bytes | str) -> None:
+        """Handle one complete message from the server."""
+        if self._closed_reason is not None:
+            return
+        try:
+            message = _message_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            self._violation(f"undecodable message from server: {exc}")
+            return
+        if not isinstance(message.method, msgspec.UnsetType):
+            if not isinstance(message.id, msgspec.UnsetType):
+                self._violation(f"unexpected JSON-RPC request from server: {message.method}")
+                return
+            params = message.params if isinstance(message.params, msgspec.Raw) else None
+            if self.on_notification is not None:
+                self.on_notification(message.method, params)
+            return
+        if isinstance(message.error, p.ErrorObject):
+            self._settle_error(message.id, message.error)
+        elif isinstance(message.result, msgspec.Raw) and isinstance(message.id, int | str):
+            self._settle_result(message.id, message.result)
+        else:
+            self._violation("message from server is neither a response nor a notification")
+
+    def connection_lost(self, reason: str = "connection closed") -> None:
+        """The channel is gone: fail every pending call at once."""
+        if self._closed_reason is not None:
+            return
+        self._closed_reason = reason
+        self._sink = None
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            entry.deferred.errback(ConnectionClosed(reason))
+        waiters, self._close_waiters = self._close_waiters, []
+        for d in waiters:
+            d.callback(reason)
+        for listener in list(self._lost_listeners):
+            try:
+                listener(reason)
+            except Exception:
+                log.failure("connection-lost listener of {label} failed", label=self.label)
+
+    # --- caller side ----------------------------------------------------------
+
+    @property
+    def pending_count(self) -> int:
+        """Calls sent and not yet answered (the reference's pending_request_count)."""
+        return len(self._pending)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed_reason is not None
+
+    @property
+    def closed_reason(self) -> str | None:
+        return self._closed_reason
+
+    def add_lost_listener(self, listener: Callable[[str], None]) -> None:
+        self._lost_listeners.append(listener)
+
+    def when_closed(self) -> Deferred[str]:
+        """Fires with the reason once the channel is lost."""
+        if self._closed_reason is not None:
+            d: Deferred[str] = Deferred()
+            d.callback(self._closed_reason)
+            return d
+        d = Deferred()
+        self._close_waiters.append(d)
+        return d
+
+    def call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
+        """Send a request; the Deferred fires with the decoded result.
+
+        Fails with :class:`ServerError` for an error response,
+        :class:`ConnectionClosed` if the channel is or becomes closed, and
+        :class:`ProtocolViolation` if the result does not match ``result_type``.
+        Cancelling the Deferred forgets the request (a late answer is ignored).
+        """
+        sink = self._sink
+        if sink is None:
+            return fail(ConnectionClosed(self._closed_reason or "not connected"))
+        request_id = self._next_id
+        self._next_id += 1
+        try:
+            data = codec.encode(p.Request(request_id, method, params))
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            return fail(ProtocolViolation(f"cannot encode {method} params: {exc}"))
+
+        def cancel(_: Deferred[T]) -> None:
+            self._pending.pop(request_id, None)
+
+        d: Deferred[T] = Deferred(cancel)
+        # Register before sending: an in-process server answers synchronously.
+        self._pending[request_id] = _Pending(method, result_type, d)
+        try:
+            sink.send_message(data)
+        except Exception as exc:
+            if self._pending.pop(request_id, None) is not None:
+                d.errback(ConnectionClosed(f"sending {method} failed: {exc}"))
+        return d
+
+    def notify(self, method: str, params: object) -> None:
+        """Send a notification; raises :class:`ConnectionClosed` if closed."""
+        sink = self._sink
+        if sink is None:
+            raise ConnectionClosed(self._closed_reason or "not connected")
+        sink.send_message(codec.encode(p.Notification(method, params)))
+
+    def close(self) -> None:
+        """Close the channel (pending calls fail once it reports the loss)."""
+        sink = self._sink
+        if sink is not None:
+            sink.close()
+
+    # --- internals ------------------------------------------------------------
+
+    def _settle_result(self, request_id: int | str, raw: msgspec.Raw) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            log.debug("ignoring response to unknown request id {id!r}", id=request_id)
+            return
+        try:
+            value = decode_as(raw, entry.result_type)
+        except msgspec.DecodeError as exc:
+            entry.deferred.errback(
+                ProtocolViolation(f"invalid {entry.method} result from server: {exc}")
+            )
+            return
+        entry.deferred.callback(value)
+
+    def _settle_error(self, request_id: object, error: p.ErrorObject) -> None:
+        entry = self._pending.pop(request_id, None) if isinstance(request_id, int | str) else None
+        if entry is None:
+            # id null: the server could not read one of our messages.
+            log.warn(
+                "{label}: server error not matched to a request (id {id!r}): {code} {message}",
+                label=self.label,
+                id=request_id,
+                code=error.code,
+                message=error.message,
+            )
+            return
+        entry.deferred.errback(ServerError(entry.method, error.code, error.message, error.data))
+
+    def _violation(self, reason: str) -> None:
+        log.warn("{label}: closing after protocol error: {reason}", label=self.label, reason=reason)
+        sink = self._sink
+        self.connection_lost(f"protocol error: {reason}")
+        if sink is not None:
+            sink.close()
+
+
+def is_cancelled(error: BaseException) -> bool:
+    return isinstance(error, CancelledError)

@@ -1,0 +1,83 @@
+"""Client-side views of server messages, lenient where the baseline is lean.
+
+Requests are encoded with the shared wire types of :mod:`execserver.protocol`.
+A few *incoming* shapes are declared here instead because the shared types
+describe what this server sends, with its extension fields required, while a
+client must also accept a baseline server (``codex-exec-server``): its
+``initialize`` result is only ``{"protocolVersion"}``, and its
+``process/output`` carries no ``seq``. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import attrs
+import msgspec
+
+from execserver import protocol as p
+
+
+class InitializeResult(msgspec.Struct, rename="camel"):
+    """The ``initialize`` result; extension fields are optional here."""
+
+    protocol_version: str
+    session_id: str | None = None
+    server_info: p.ServerInfo | None = None
+    capabilities: list[str] = msgspec.field(default_factory=list)
+
+
+class OutputParams(msgspec.Struct, rename="camel"):
+    process_id: str
+    stream: p.OutputStream
+    chunk: bytes
+    seq: int | None = None
+
+
+class ExitedParams(msgspec.Struct, rename="camel"):
+    process_id: str
+    exit_code: int
+    signal: str | None = None
+    seq: int | None = None
+    timed_out: str | None = None
+
+
+class ClosedParams(msgspec.Struct, rename="camel"):
+    process_id: str
+    seq: int | None = None
+
+
+# --- events an application sees ------------------------------------------------
+
+
+@attrs.frozen
+class OutputEvent:
+    """One chunk of process output: which stream, the raw bytes, its seq (if sent)."""
+
+    process_id: str
+    stream: p.OutputStream
+    chunk: bytes
+    seq: int | None = None
+
+
+@attrs.frozen
+class ExitedEvent:
+    """The process exited. ``exit_code`` is None when the connection was lost first."""
+
+    process_id: str
+    exit_code: int | None
+    signal: str | None = None
+    timed_out: str | None = None
+
+
+@attrs.frozen
+class ClosedEvent:
+    """No more output will ever arrive for the process."""
+
+    process_id: str
+
+
+@attrs.frozen
+class DisconnectedEvent:
+    reason: str
+
+
+ClientEvent = OutputEvent | ExitedEvent | ClosedEvent | DisconnectedEvent

@@ -1,0 +1,265 @@
+"""``exec-server-client`` end to end: real servers, real processes, a real PTY."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import socket
+import struct
+import sys
+import termios
+from pathlib import Path
+from typing import Any
+
+import pytest_twisted
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+from tests.harness import REPO_ROOT, pid_alive, reactor, server_env
+from tests.test_client_support import LocalWsServer, wait
+from tests.ws_harness import WsServerProcess
+
+TIMEOUT = 15.0
+
+
+class Cli(ProcessProtocol):
+    """One ``exec-server-client`` run; output collected, waits bounded."""
+
+    def __init__(self) -> None:
+        self.out = b""
+        self.err = b""
+        self.exit_code: int | None = None
+        self.ended: Deferred[int | None] = Deferred()
+        self._watchers: list[tuple[re.Pattern[bytes], Deferred[None]]] = []
+
+    @classmethod
+    def start(cls, *args: str, pty: bool = False, size: tuple[int, int] | None = None) -> Cli:
+        proto = cls()
+        argv = [sys.executable, "-m", "execserver.client.cli", *args]
+        if pty:
+            # After the client exits, show the terminal settings it left.
+            argv = ["/bin/sh", "-c", '"$@"; rc=$?; stty -a; exit $rc', "sh", *argv]
+        transport = reactor.spawnProcess(
+            proto, argv[0], argv, env=server_env(), path=str(REPO_ROOT), usePTY=pty
+        )
+        if pty and size is not None:
+            fcntl.ioctl(transport.fileno(), termios.TIOCSWINSZ, struct.pack("HHHH", *size, 0, 0))
+        return proto
+
+    def outReceived(self, data: bytes) -> None:
+        self.out += data
+        self._check()
+
+    def errReceived(self, data: bytes) -> None:
+        self.err += data
+
+    def _check(self) -> None:
+        for watcher in list(self._watchers):
+            pattern, d = watcher
+            if pattern.search(self.out):
+                self._watchers.remove(watcher)
+                d.callback(None)
+
+    async def output(self, pattern: bytes, what: str) -> None:
+        d: Deferred[None] = Deferred()
+        self._watchers.append((re.compile(pattern, re.DOTALL), d))
+        self._check()
+        await wait(d, f"{what} (output so far: {self.out[-500:]!r})", TIMEOUT)
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def signal(self, name: str) -> None:
+        with contextlib.suppress(ProcessExitedAlready):
+            assert self.transport is not None
+            self.transport.signalProcess(name)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.exit_code = getattr(reason.value, "exitCode", None)
+        self.ended.callback(self.exit_code)
+
+    async def finish(self) -> int | None:
+        """The exit code; the client is killed if it does not end in time."""
+        try:
+            code: int | None = await wait(_copy(self.ended), "client exit", TIMEOUT)
+        except TimeoutError:
+            self.signal("KILL")
+            raise
+        return code
+
+
+def _copy(d: Deferred[Any]) -> Deferred[Any]:
+    out: Deferred[Any] = Deferred()
+
+    def forward(result: Any) -> Any:
+        out.callback(result)
+        return result
+
+    d.addBoth(forward)
+    return out
+
+
+async def run(*args: str) -> Cli:
+    cli = Cli.start(*args)
+    await cli.finish()
+    return cli
+
+
+# --- run ----------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_run_streams_stdout_and_stderr_and_propagates_the_exit_code() -> None:
+    cli = await run("run", "--stdio", "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+    assert cli.exit_code == 7
+    assert cli.out == b"out\n"
+    assert cli.err == b"err\n"
+
+
+@pytest_twisted.ensureDeferred
+async def test_run_reports_death_by_signal_as_128_plus_n() -> None:
+    cli = await run("run", "--stdio", "--", "sh", "-c", "kill -9 $$")
+    assert cli.exit_code == 128 + 9
+
+
+@pytest_twisted.ensureDeferred
+async def test_run_writes_binary_output_byte_exact() -> None:
+    script = (
+        "import sys, random; r = random.Random(7);"
+        "sys.stdout.buffer.write(bytes(range(256)) * 4096 + r.randbytes(1 << 20))"
+    )
+    expected = bytes(range(256)) * 4096 + __import__("random").Random(7).randbytes(1 << 20)
+    cli = await run("run", "--stdio", "--", sys.executable, "-c", script)
+    assert cli.exit_code == 0, cli.err
+    assert len(cli.out) == len(expected)
+    assert hashlib.sha256(cli.out).digest() == hashlib.sha256(expected).digest()
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_terminates_the_remote_process() -> None:
+    cli = Cli.start("run", "--stdio", "--", "sh", "-c", "echo started $$; exec sleep 30")
+    await cli.output(rb"started (\d+)\n", "the remote process to start")
+    match = re.search(rb"started (\d+)", cli.out)
+    assert match is not None
+    remote_pid = int(match.group(1))
+    assert pid_alive(remote_pid)
+    cli.signal("INT")
+    assert await cli.finish() == 128 + 15
+    assert not pid_alive(remote_pid)
+
+
+@pytest_twisted.ensureDeferred
+async def test_run_over_websocket_against_the_real_server() -> None:
+    server = await WsServerProcess.start()
+    try:
+        cli = await run("run", "--url", server.url, "--", "printf", "over the wire")
+        assert cli.exit_code == 0, cli.err
+        assert cli.out == b"over the wire"
+    finally:
+        await server.stop()
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_missing_command_is_127_with_a_message() -> None:
+    cli = await run("run", "--stdio", "--", "/nonexistent/program")
+    assert cli.exit_code == 127
+    assert b"cannot start `/nonexistent/program`" in cli.err
+    assert b"No such file or directory" in cli.err
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_server_given_is_a_usage_error() -> None:
+    cli = await run("run", "--", "true")
+    assert cli.exit_code == 2
+    assert b"no server given" in cli.err
+
+
+@pytest_twisted.ensureDeferred
+async def test_unreachable_server_is_255_with_a_message() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = await run("run", "--url", f"ws://127.0.0.1:{port}", "--", "true")
+    assert cli.exit_code == 255
+    assert b"cannot connect" in cli.err and b"connection refused" in cli.err
+
+
+@pytest_twisted.ensureDeferred
+async def test_auth_refused_is_255_with_a_message(tmp_path: Path) -> None:
+    server = LocalWsServer(token="right").start()
+    token_file = tmp_path / "token"
+    token_file.write_text("wrong\n")
+    try:
+        cli = await run("run", "--url", server.url, "--token-file", str(token_file), "--", "true")
+        assert cli.exit_code == 255
+        assert b"authentication refused (HTTP 401" in cli.err
+        token_file.write_text("right\n")
+        cli = await run("run", "--url", server.url, "--token-file", str(token_file), "--", "true")
+        assert cli.exit_code == 0, cli.err
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_handshake_timeout_is_255_with_a_message() -> None:
+    server = LocalWsServer(silent=True).start()
+    try:
+        cli = await run("run", "--url", server.url, "--initialize-timeout", "0.5", "--", "true")
+        assert cli.exit_code == 255
+        assert b"did not answer initialize within 0.5s" in cli.err
+    finally:
+        await server.stop()
+
+
+# --- PTY --------------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_pty_session_echo_ctrl_c_and_exit() -> None:
+    cli = Cli.start(
+        "run", "-t", "--stdio", "-e", "PS1=PROMPT> ", "--", "/bin/sh", "-i",
+        pty=True,
+        size=(33, 101),
+    )  # fmt: skip
+    try:
+        await cli.output(rb"PROMPT> ", "the first prompt")
+        # The window size was sent at start.
+        cli.write(b"stty size\r")
+        await cli.output(rb"33 101\r\n", "the remote terminal size")
+        # Input is forwarded and echoed by the remote terminal.
+        cli.write(b"echo he''llo\r")
+        await cli.output(rb"echo he''llo\r\nhello\r\n", "echo output")
+        # Ctrl-C reaches the remote foreground process.
+        cli.write(b"echo sta''rted; sleep 30\r")
+        await cli.output(rb"\nstarted\r\n", "sleep to start")
+        cli.write(b"\x03")
+        await cli.output(rb"\nstarted\r\n.*PROMPT> ", "a prompt after Ctrl-C")
+        cli.write(b"exit 3\r")
+        assert await cli.finish() == 3
+        # The local terminal was restored (canonical mode and echo back on).
+        settings = cli.out.rsplit(b"exit 3", 1)[1]
+        assert re.search(rb"(^|\s)icanon(\s|$)", settings), settings
+        assert re.search(rb"(^|\s)echo(\s|$)", settings), settings
+    finally:
+        if not cli.ended.called:
+            cli.signal("KILL")
+
+
+def test_terminal_size_helper_ignores_non_terminals() -> None:
+    from execserver.client.cli import terminal_size
+
+    read_fd, write_fd = os.pipe()
+    try:
+        assert terminal_size(read_fd) is None
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)

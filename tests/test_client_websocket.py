@@ -1,0 +1,233 @@
+"""The WebSocket client and the reconnecting client, against a test-local Autobahn server.
+
+``LocalWsServer`` runs on 127.0.0.1 in front of a real dispatcher, so these
+tests exercise the real Autobahn client handshake, the bearer token, the
+connect and initialize timeouts, and reconnection across a server restart.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Factory, Protocol
+
+from execserver.client import (
+    AuthRefused,
+    ConnectFailed,
+    ConnectionClosed,
+    ConnectOptions,
+    ConnectTimeout,
+    ExecServerClient,
+    InitializeTimeout,
+    NotConnected,
+)
+from execserver.client.reconnect import ReconnectingClient
+from tests.harness import REPO_ROOT, reactor
+from tests.test_client_support import LocalWsServer, eventually, wait
+
+OPTIONS = ConnectOptions("test-client", initialize_timeout=5.0)
+CWD = str(REPO_ROOT)
+
+
+async def _connect(url: str, **kwargs: Any) -> ExecServerClient:
+    options = kwargs.pop("options", OPTIONS)
+    client: ExecServerClient = await wait(
+        ExecServerClient.connect_websocket(reactor, url, options, **kwargs), "ws connect"
+    )
+    return client
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_handshake_process_and_close() -> None:
+    server = LocalWsServer(token="s3cret").start()
+    try:
+        client = await _connect(server.url, token="s3cret")
+        assert client.session_id
+        process = await client.start_process(["printf", "over ws"], cwd=CWD)
+        event = await wait(process.subscribe().next(), "output")
+        assert event is not None and event.chunk == b"over ws"
+        assert await wait(process.exited(), "exit") == 0
+        await wait(client.close(), "close")
+        assert not client.is_connected
+        await eventually(lambda: not server.protocols, "server to see the close")
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_wrong_or_missing_token_is_auth_refused() -> None:
+    server = LocalWsServer(token="s3cret").start()
+    try:
+        for token in ("wrong", None):
+            with pytest.raises(AuthRefused) as info:
+                await _connect(server.url, token=token)
+            assert info.value.status == 401
+            assert "authentication refused" in str(info.value)
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_unreachable_server_is_connect_failed() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectFailed) as info:
+        await _connect(f"ws://127.0.0.1:{port}")
+    assert "connection refused" in str(info.value)
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_invalid_url_is_connect_failed() -> None:
+    with pytest.raises(ConnectFailed):
+        await _connect("http://127.0.0.1:1")
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_connect_timeout_when_the_upgrade_is_never_answered() -> None:
+    # A TCP listener that accepts and never says anything.
+    listening = reactor.listenTCP(0, Factory.forProtocol(Protocol), interface="127.0.0.1")
+    try:
+        url = f"ws://127.0.0.1:{listening.getHost().port}"
+        with pytest.raises(ConnectTimeout) as info:
+            await _connect(url, connect_timeout=0.3)
+        assert info.value.timeout == 0.3
+    finally:
+        await listening.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_initialize_timeout_when_the_server_is_silent() -> None:
+    server = LocalWsServer(silent=True).start()
+    try:
+        with pytest.raises(InitializeTimeout):
+            await _connect(server.url, options=ConnectOptions("t", initialize_timeout=0.3))
+        await eventually(lambda: not server.protocols, "the client to hang up")
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_websocket_drop_fails_pending_calls_and_marks_processes() -> None:
+    server = LocalWsServer().start()
+    try:
+        client = await _connect(server.url)
+        process = await client.start_process(["sleep", "30"], cwd=CWD)
+        pending = client.read(process.process_id, after_seq=0, wait_ms=30_000)
+        assert client.pending_request_count == 1
+        for proto in list(server.protocols):
+            transport: Any = proto.transport
+            transport.abortConnection()
+        with pytest.raises(ConnectionClosed):
+            await wait(pending, "pending call to fail")
+        assert client.pending_request_count == 0
+        assert await wait(process.exited(), "handle") is None
+    finally:
+        await server.stop()
+
+
+# --- reconnecting ------------------------------------------------------------------------
+
+
+def _reconnecting(url: str, **kwargs: Any) -> ReconnectingClient:
+    return ReconnectingClient(
+        reactor,
+        url,
+        OPTIONS,
+        initial_delay=0.05,
+        max_delay=0.2,
+        factor=1.5,
+        jitter=lambda: 0,
+        connect_timeout=2.0,
+        **kwargs,
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_reconnecting_client_survives_a_server_restart() -> None:
+    server = LocalWsServer().start()
+    client = _reconnecting(server.url, call_timeout=10.0)
+    events: list[str] = []
+    connected: list[Deferred[None]] = [Deferred()]
+    disconnected: Deferred[str] = Deferred()
+
+    def on_connect(c: ExecServerClient) -> None:
+        events.append("connected")
+        connected[-1].callback(None)
+
+    def on_disconnect(reason: str) -> None:
+        events.append("disconnected")
+        if not disconnected.called:
+            disconnected.callback(reason)
+
+    client.add_connect_listener(on_connect)
+    client.add_disconnect_listener(on_disconnect)
+    client.start()
+    try:
+        await wait(connected[0], "first connection")
+        first_session = client.client.session_id if client.client else None
+        assert (await client.terminate("none")).running is False
+
+        process = await client.start_process(["sleep", "30"], cwd=CWD)
+        pending = client.read(process.process_id, after_seq=0, wait_ms=30_000)
+        connected.append(Deferred())
+        await server.stop()
+        # Calls pending at the drop fail promptly with a clear error.
+        with pytest.raises(ConnectionClosed):
+            await wait(pending, "pending call to fail", timeout=2.0)
+        await wait(disconnected, "disconnect event")
+        assert await wait(process.exited(), "handle marked exited") is None
+
+        # A call made while disconnected waits for the next connection.
+        waiting = client.list_processes()
+        assert not waiting.called
+        restarted = LocalWsServer(port=server.port).start()
+        try:
+            await wait(connected[1], "reconnection within the backoff", timeout=5.0)
+            listed = await wait(waiting, "the waiting call")
+            assert listed.processes == []
+            assert client.client is not None
+            assert client.client.session_id != first_session
+            assert events == ["connected", "disconnected", "connected"]
+            assert client.connect_count == 2
+            # New calls succeed on the new connection.
+            again = await client.start_process(["printf", "back"], cwd=CWD)
+            assert await wait(again.exited(), "exit") == 0
+        finally:
+            await wait(client.stop(), "stop")
+            await restarted.stop()
+    finally:
+        await wait(client.stop(), "stop")
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_reconnecting_client_calls_fail_after_the_wait_bound() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = _reconnecting(f"ws://127.0.0.1:{port}", call_timeout=0.3)
+    client.start()
+    try:
+        with pytest.raises(NotConnected) as info:
+            await wait(client.terminate("p"), "NotConnected")
+        assert "connection refused" in str(info.value)
+    finally:
+        await wait(client.stop(), "stop")
+
+
+@pytest_twisted.ensureDeferred
+async def test_stopping_the_reconnecting_client_fails_waiting_calls() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = _reconnecting(f"ws://127.0.0.1:{port}", call_timeout=30.0)
+    client.start()
+    waiting = client.terminate("p")
+    await wait(client.stop(), "stop")
+    with pytest.raises(ConnectionClosed):
+        await wait(waiting, "waiting call to fail")
