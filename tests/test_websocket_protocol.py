@@ -273,13 +273,15 @@ def test_invalid_utf8_text_frame_closes_with_1007(clock: Clock) -> None:
     assert struct.unpack(">H", frames[-1][1][:2])[0] == 1007
 
 
-def test_invalid_utf8_in_a_binary_frame_closes_with_1007(clock: Clock) -> None:
+def test_invalid_utf8_in_a_binary_frame_is_a_parse_error(clock: Clock) -> None:
     proto, transport = open_raw(make_factory(clock))
     proto.dataReceived(client_frame(2, b'{"id":1,"method":"\xff"}'))
-    opcode, payload = server_frames(transport.value())[-1]
-    assert opcode == 8
-    assert struct.unpack(">H", payload[:2])[0] == 1007
-    assert b"not valid UTF-8" in payload
+    proto.dataReceived(client_frame(2, b'{"id":2,"method":"nope"}'))
+    first, second = (json.loads(p) for _, p in server_frames(transport.value()))
+    assert first["id"] is None
+    assert first["error"]["code"] == -32700
+    assert second["id"] == 2
+    assert not transport.disconnecting
 
 
 def test_protocol_violation_closes_with_1008(clock: Clock) -> None:

@@ -1,0 +1,434 @@
+"""WebSocket transport figures, each as a ratio to stdio measured in the same run.
+
+- throughput: a child writes N bytes of ``/dev/zero`` (``head -c``); the
+  client decodes every ``process/output`` (JSON and base64, typed msgspec)
+  until ``process/closed``. WebSocket vs stdio, payload MB/s.
+- connections: C concurrent WebSocket connections, each doing the handshake
+  and starting one short process (``true``) and waiting for its
+  ``process/closed``; total wall time and server RSS (idle, with every
+  connection open, and the peak). Baseline: the same C processes started on
+  one stdio session.
+- round trips: ``process/terminate`` of an unknown id (pure dispatcher
+  work) with 1 and with 64 requests in flight; requests/s, WebSocket vs
+  stdio.
+
+The client is blocking Python on plain sockets (a minimal RFC 6455 client:
+masked frames with a zero key, no fragmentation), so both transports pay
+the same client-side costs. Figures are medians of ``--rounds``.
+
+    python bench/bench_websocket.py [--rounds 3] [--mib 256] [--connections 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import re
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+CHILD_ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+class OutputParams(msgspec.Struct):
+    processId: str
+    stream: str = ""
+    chunk: bytes = b""
+
+
+class Message(msgspec.Struct):
+    id: int | None = None
+    method: str | None = None
+    params: OutputParams | None = None
+    result: Any = None
+    error: Any = None
+
+
+decode_message = msgspec.json.Decoder(Message).decode
+encode = msgspec.json.Encoder().encode
+
+
+def start_params(process_id: str, argv: list[str]) -> dict[str, Any]:
+    return {
+        "processId": process_id,
+        "argv": argv,
+        "cwd": "/",
+        "env": CHILD_ENV,
+        "tty": False,
+        "arg0": None,
+    }
+
+
+# --- servers ----------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "execserver", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=str(REPO),
+        )
+
+    def ws_address(self, timeout: float = 10.0) -> tuple[str, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.log.seek(0)
+            found = re.search(rb"exec-server listening on ws://([\d.]+):(\d+)", self.log.read())
+            if found:
+                return found.group(1).decode(), int(found.group(2))
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        raise RuntimeError("no listening banner")
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+    def peak_rss(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self.log.close()
+
+
+# --- clients ----------------------------------------------------------------------
+
+
+class StdioClient:
+    def __init__(self, server: Server) -> None:
+        assert server.proc.stdin is not None and server.proc.stdout is not None
+        self._in = server.proc.stdin.fileno()
+        self._out = server.proc.stdout.fileno()
+        self._buf = b""
+
+    def send(self, data: bytes) -> None:
+        os.write(self._in, data + b"\n")
+
+    def messages(self) -> Iterator[bytes]:
+        while True:
+            data = os.read(self._out, 1 << 20)
+            if not data:
+                raise EOFError("server closed stdout")
+            *lines, self._buf = (self._buf + data).split(b"\n")
+            yield from lines
+
+
+class WsClient:
+    """Minimal blocking RFC 6455 client."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            (
+                f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                "Sec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise EOFError("handshake refused")
+            head += chunk
+        status, _, rest = head.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 101"), status
+        self._buf = bytearray(rest)
+        self._pos = 0
+
+    def send(self, data: bytes) -> None:
+        # Masked with a zero key: valid framing, no per-byte XOR in Python.
+        n = len(data)
+        if n < 126:
+            head = struct.pack("!BB", 0x81, 0x80 | n)
+        elif n < 1 << 16:
+            head = struct.pack("!BBH", 0x81, 0x80 | 126, n)
+        else:
+            head = struct.pack("!BBQ", 0x81, 0x80 | 127, n)
+        self.sock.sendall(head + b"\0\0\0\0" + data)
+
+    def _fill(self) -> None:
+        if self._pos > 1 << 20:
+            del self._buf[: self._pos]
+            self._pos = 0
+        data = self.sock.recv(1 << 20)
+        if not data:
+            raise EOFError("server closed the connection")
+        self._buf += data
+
+    def messages(self) -> Iterator[bytes]:
+        while True:
+            buf, pos = self._buf, self._pos
+            if len(buf) - pos < 2:
+                self._fill()
+                continue
+            opcode = buf[pos] & 0x0F
+            n = buf[pos + 1] & 0x7F
+            start = pos + 2
+            if n == 126:
+                if len(buf) - pos < 4:
+                    self._fill()
+                    continue
+                n = struct.unpack_from("!H", buf, pos + 2)[0]
+                start = pos + 4
+            elif n == 127:
+                if len(buf) - pos < 10:
+                    self._fill()
+                    continue
+                n = struct.unpack_from("!Q", buf, pos + 2)[0]
+                start = pos + 10
+            if len(buf) < start + n:
+                self._fill()
+                continue
+            payload = bytes(buf[start : start + n])
+            self._pos = start + n
+            if opcode == 9:
+                self.sock.sendall(struct.pack("!BB", 0x8A, 0x80 | n) + b"\0\0\0\0" + payload)
+            elif opcode in (1, 2):
+                yield payload
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+Client = StdioClient | WsClient
+
+
+def call(client: Client, request_id: int, method: str, params: Any) -> Message:
+    client.send(encode({"id": request_id, "method": method, "params": params}))
+    for raw in client.messages():
+        message = decode_message(raw)
+        if message.id == request_id:
+            if message.error is not None:
+                raise RuntimeError(message.error)
+            return message
+    raise EOFError
+
+
+def handshake(client: Client) -> None:
+    call(client, 0, "initialize", {"clientName": "bench"})
+    client.send(b'{"method":"initialized","params":{}}')
+
+
+# --- measurements -----------------------------------------------------------------
+
+
+def stream_rate(client: Client, nbytes: int, process_id: str) -> float:
+    """Payload MB/s of ``head -c nbytes /dev/zero`` decoded chunk by chunk."""
+    start = time.perf_counter()
+    client.send(
+        encode(
+            {
+                "id": 1,
+                "method": "process/start",
+                "params": start_params(process_id, ["head", "-c", str(nbytes), "/dev/zero"]),
+            }
+        )
+    )
+    payload = 0
+    for raw in client.messages():
+        message = decode_message(raw)
+        if message.method == "process/output":
+            assert message.params is not None
+            payload += len(message.params.chunk)
+        elif message.method == "process/closed":
+            break
+    elapsed = time.perf_counter() - start
+    assert payload == nbytes, (payload, nbytes)
+    return nbytes / elapsed / 1e6
+
+
+def throughput(nbytes: int) -> tuple[float, float]:
+    stdio = Server()
+    ws = Server("--listen", "ws://127.0.0.1:0")
+    try:
+        s_client = StdioClient(stdio)
+        handshake(s_client)
+        w_client = WsClient(*ws.ws_address())
+        handshake(w_client)
+        return stream_rate(w_client, nbytes, "t"), stream_rate(s_client, nbytes, "t")
+    finally:
+        stdio.stop()
+        ws.stop()
+
+
+def round_trips(client: Client, total: int, depth: int) -> float:
+    """Requests/s with ``depth`` requests in flight."""
+    template = b'{"id":%d,"method":"process/terminate","params":{"processId":"none"}}'
+    next_id = 1
+    for _ in range(min(depth, total)):
+        client.send(template % next_id)
+        next_id += 1
+    answered = 0
+    start = time.perf_counter()
+    messages = client.messages()
+    while answered < total:
+        raw = next(messages)
+        message = decode_message(raw)
+        if message.id is None:
+            continue
+        answered += 1
+        if next_id <= total:
+            client.send(template % next_id)
+            next_id += 1
+    return total / (time.perf_counter() - start)
+
+
+def rtt(depth: int, total: int) -> tuple[float, float]:
+    stdio = Server()
+    ws = Server("--listen", "ws://127.0.0.1:0")
+    try:
+        s_client = StdioClient(stdio)
+        handshake(s_client)
+        w_client = WsClient(*ws.ws_address())
+        handshake(w_client)
+        round_trips(w_client, min(total, 500), depth)  # warm-up
+        round_trips(s_client, min(total, 500), depth)
+        return round_trips(w_client, total, depth), round_trips(s_client, total, depth)
+    finally:
+        stdio.stop()
+        ws.stop()
+
+
+def connections(count: int) -> dict[str, float]:
+    ws = Server("--listen", "ws://127.0.0.1:0")
+    stdio = Server()
+    try:
+        address = ws.ws_address()
+        idle_rss = ws.rss()
+        start = time.perf_counter()
+        clients = [WsClient(*address) for _ in range(count)]
+        for c in clients:
+            c.send(b'{"id":0,"method":"initialize","params":{"clientName":"bench"}}')
+        for c in clients:
+            next(c.messages())
+            c.send(b'{"method":"initialized","params":{}}')
+            c.send(
+                encode({"id": 1, "method": "process/start", "params": start_params("p", ["true"])})
+            )
+        for c in clients:
+            for raw in c.messages():
+                if decode_message(raw).method == "process/closed":
+                    break
+        ws_seconds = time.perf_counter() - start
+        open_rss = ws.rss()
+        peak = ws.peak_rss()
+        for c in clients:
+            c.close()
+
+        s_client = StdioClient(stdio)
+        handshake(s_client)
+        start = time.perf_counter()
+        for n in range(count):
+            s_client.send(
+                encode(
+                    {
+                        "id": n + 1,
+                        "method": "process/start",
+                        "params": start_params(f"p{n}", ["true"]),
+                    }
+                )
+            )
+        closed = 0
+        for raw in s_client.messages():
+            if decode_message(raw).method == "process/closed":
+                closed += 1
+                if closed == count:
+                    break
+        stdio_seconds = time.perf_counter() - start
+        return {
+            "ws_seconds": ws_seconds,
+            "stdio_seconds": stdio_seconds,
+            "idle_rss": idle_rss,
+            "open_rss": open_rss,
+            "peak_rss": peak,
+        }
+    finally:
+        ws.stop()
+        stdio.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--connections", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=20000)
+    args = parser.parse_args()
+    median = statistics.median
+
+    print(f"exec-server WebSocket benchmarks ({args.rounds} rounds, medians)")
+    runs = [throughput(args.mib * MiB) for _ in range(args.rounds)]
+    ws_rate, stdio_rate = median(r[0] for r in runs), median(r[1] for r in runs)
+    print(
+        f"throughput {args.mib} MiB, client decodes every chunk: "
+        f"ws {ws_rate:.0f} MB/s, stdio {stdio_rate:.0f} MB/s, "
+        f"ratio ws/stdio {median(r[0] / r[1] for r in runs):.2f}"
+    )
+    for depth in (1, 64):
+        total = args.requests if depth > 1 else args.requests // 4
+        runs = [rtt(depth, total) for _ in range(args.rounds)]
+        print(
+            f"round trips depth {depth:>2}: ws {median(r[0] for r in runs):,.0f} req/s, "
+            f"stdio {median(r[1] for r in runs):,.0f} req/s, "
+            f"ratio ws/stdio {median(r[0] / r[1] for r in runs):.2f}"
+        )
+    conn_runs = [connections(args.connections) for _ in range(args.rounds)]
+
+    def m(key: str) -> float:
+        return median(r[key] for r in conn_runs)
+
+    each_ms = m("ws_seconds") / args.connections * 1e3
+    time_ratio = median(r["ws_seconds"] / r["stdio_seconds"] for r in conn_runs)
+    rss_ratio = median(r["open_rss"] / r["idle_rss"] for r in conn_runs)
+    print(
+        f"{args.connections} concurrent connections x 1 short process: "
+        f"ws {m('ws_seconds'):.2f} s total ({each_ms:.1f} ms each); "
+        f"same starts on one stdio session {m('stdio_seconds'):.2f} s; ratio {time_ratio:.2f}"
+    )
+    print(
+        f"server RSS: idle {m('idle_rss') / MiB:.0f} MiB, with {args.connections} connections "
+        f"{m('open_rss') / MiB:.0f} MiB (ratio {rss_ratio:.2f}), "
+        f"peak {m('peak_rss') / MiB:.0f} MiB; "
+        f"{(m('open_rss') - m('idle_rss')) / args.connections / 1024:.0f} KiB per connection"
+    )
+
+
+if __name__ == "__main__":
+    main()
