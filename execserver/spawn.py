@@ -45,6 +45,10 @@ from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
 from execserver.errors import RpcError
 
 READ_SIZE: Final = 256 * 1024
+# Capacity given to the child's stdout/stderr pipes. Linux's default, 64 KiB,
+# caps every read at 64 KiB whatever READ_SIZE says; a pipe as large as one
+# read lets each wakeup take a full READ_SIZE.
+PIPE_CAPACITY: Final = READ_SIZE
 # Glibc's default search path when PATH is unset, as execvp uses.
 DEFAULT_PATH: Final = "/bin:/usr/bin"
 # Bytes read synchronously from a stream when its process exits, so that all
@@ -275,6 +279,12 @@ class PipeProcess(_twisted_process.Process):
             proto,
             childFDs=child_fds,
         )
+        for child_fd in (1, 2):
+            reader = self.pipes.get(child_fd)
+            if reader is not None:
+                # Refused (EPERM) for unprivileged users past their pipe quota.
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, PIPE_CAPACITY)
 
     def _trySpawnInsteadOfFork(
         self,
