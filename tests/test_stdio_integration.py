@@ -10,8 +10,11 @@ Bounds stated here:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -417,3 +420,41 @@ async def test_a_two_second_long_poll_does_not_delay_the_next_request() -> None:
         assert response["result"]["chunks"] == []
         order = [m.get("id") for m in server.messages if "id" in m]
         assert order.index(response["id"]) == len(order) - 1
+
+
+def test_a_client_that_stops_reading_for_good_ends_the_session() -> None:
+    """The read end of the server's stdout closes (the client went away) while its
+    stdin stays open: the server must kill its processes and exit, not linger."""
+    server = RawServer()
+    try:
+        server.handshake()
+        server.call(
+            "process/start",
+            {
+                "processId": "tree",
+                "argv": ["sh", "-c", "sleep 300 & sleep 300"],
+                "cwd": str(REPO_ROOT),
+                "env": child_env(),
+                "tty": False,
+                "arg0": None,
+            },
+        )
+        deadline = time.monotonic() + 10
+        while len(sleeps_under(server.pid)) < 2:
+            assert time.monotonic() < deadline, "the sleeps did not start"
+            time.sleep(0.02)
+        pids = sleeps_under(server.pid)
+        assert server.proc.stdout is not None
+        server.proc.stdout.close()
+        server.eof = True
+        # The next message the server writes fails with EPIPE.
+        server.send({"id": 1, "method": "process/terminate", "params": {"processId": "nobody"}})
+        assert server.proc.wait(TREE_GONE_BOUND + 5) == 0
+        assert not any(pid_alive(pid) for pid in pids)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        for pid in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

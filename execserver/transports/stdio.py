@@ -46,6 +46,8 @@ class LineProtocol(Protocol):
         self._framer = LineFramer(dispatcher.config.max_message_bytes)
         self.connection: Connection | None = None
         self._finishing = False
+        self._write_lost = False
+        self._lost = False
         self.on_closed: Callable[[], None] | None = None
 
     @property
@@ -88,6 +90,7 @@ class LineProtocol(Protocol):
 
     def writeConnectionLost(self) -> None:
         # Nobody reads our output any more: behave as a disconnect.
+        self._write_lost = True
         if self.connection is not None:
             self.connection.transport_closed()
         self._finish()
@@ -101,14 +104,21 @@ class LineProtocol(Protocol):
         def close(_: object) -> None:
             self._transport.unregisterProducer()
             self._transport.loseConnection()
+            if self._write_lost:
+                # StandardIO reports connectionLost only when its writer closes
+                # after loseConnection; ours is already gone, and loseConnection
+                # merely stops reading stdin, so without this the server would
+                # wait forever, deaf even to stdin EOF.
+                self.connectionLost(None)
 
         d.addBoth(close)
         d.addErrback(lambda f: log.failure("closing {label} failed", f, label=self._label))
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         conn = self.connection
-        if conn is None:
+        if conn is None or self._lost:
             return
+        self._lost = True
         conn.transport_closed()
         d = conn.shutdown()
         if self.on_closed is not None:
