@@ -105,6 +105,10 @@ class Session:
         self._expiry: dict[str, IDelayedCall] = {}
         self._paused = False
         self._closing = False
+        #: Closed processes whose terminate still has a SIGKILL to send; kept
+        #: here (not only in the registry, which may release them first) so
+        #: shutdown waits for them.
+        self._escalating: set[ManagedProcess] = set()
         self.started_count = 0
         #: Server-wide counters (``dispatcher.Stats``) or None.
         self.stats = stats
@@ -420,6 +424,9 @@ class Session:
         self._send(p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:
+        if not proc.finished:
+            self._escalating.add(proc)
+            proc.when_finished().addCallback(lambda _: self._escalating.discard(proc))
         self._send(
             p.Notification(
                 p.PROCESS_CLOSED, p.ClosedNotification(proc.process_id, proc.output.next_seq - 1)
@@ -489,7 +496,7 @@ class Session:
         self._closing = True
         self.resumeProducing()
         waits = []
-        for proc in list(self.processes.values()):
+        for proc in {*self.processes.values(), *self._escalating}:
             if not proc.closed:
                 proc.terminate(grace)
             if not proc.finished:

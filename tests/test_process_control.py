@@ -97,11 +97,12 @@ def closed_output(server: ServerProcess, process_id: str) -> bytes:
 
 # A shell with two background grandchildren that hold its output pipe.
 TREE = ["sh", "-c", "sleep 300 & sleep 300 & echo ready; wait"]
-# The same plus a member that ignores SIGTERM and no longer holds the output.
+# A grandchild holding the output plus a member that ignores SIGTERM and no
+# longer holds it; that member says "ready" (on fd 3) once SIGTERM is ignored.
 STUBBORN_TREE = [
     "sh",
     "-c",
-    "(trap '' TERM; exec sleep 300) >/dev/null 2>&1 & sleep 300 & echo ready; wait",
+    "sleep 300 & (trap '' TERM; echo ready >&3; exec sleep 300 3>&-) 3>&1 >/dev/null 2>&1 & wait",
 ]
 
 

@@ -444,3 +444,17 @@ def test_parse_signal_rejects(value: int | str) -> None:
     with pytest.raises(RpcError) as info:
         parse_signal(value)
     assert info.value.code == -32602
+
+
+def test_shutdown_waits_for_an_escalation_the_registry_already_released() -> None:
+    session, clock, spawner, _ = make_session(terminate_grace_ms=2000, exit_retention_ms=0)
+    proc = start(session)
+    session.terminate(p.TerminateParams("p"))
+    end(proc, killed_by(signal.SIGTERM))  # a member ignoring SIGTERM lives on
+    clock.advance(0)  # the zero retention releases the id
+    assert "p" not in session.processes
+    done = session.shutdown()
+    assert not done.called
+    clock.advance(2.0)
+    assert spawner.group.sent[-1] == signal.SIGKILL
+    assert done.called
