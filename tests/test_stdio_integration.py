@@ -123,12 +123,19 @@ async def test_stdin_eof_answers_terminates_every_tree_and_exits_zero() -> None:
         pids = await start_tree(server, "t1")
         pids += await start_tree(server, "t2")
         assert len(pids) == 4
-        # A request in flight when input ends is still answered.
-        server.send({"id": "last", "method": "process/read", "params": {"processId": "t1"}})
+        # Requests in flight when input ends are still answered: a long poll
+        # (woken by the exit the shutdown causes) and a last line that has no
+        # newline.
+        server.send(
+            {"id": "poll", "method": "process/read", "params": {"processId": "t1", "waitMs": 60000}}
+        )
+        server.send_raw(b'{"id":"last","method":"process/read","params":{"processId":"t2"}}')
         server.transport.closeStdin()  # type: ignore[union-attr]
         code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
-        assert any(m.get("id") == "last" for m in server.messages)
+        answers = {m["id"]: m for m in server.messages if m.get("id") in ("poll", "last")}
+        assert set(answers) == {"poll", "last"}
+        assert answers["poll"]["result"]["exited"] is True
         assert not any(pid_alive(pid) for pid in pids)
         assert server.pid is not None
         assert descendants(server.pid) == []
