@@ -465,3 +465,19 @@ def test_a_client_that_stops_reading_for_good_ends_the_session() -> None:
         for pid in pids if "pids" in locals() else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest_twisted.ensureDeferred
+async def test_exit_is_notified_after_every_byte_the_child_wrote() -> None:
+    async with serving() as server:
+        await server.start_process("burst", ["sh", "-c", "head -c 5000000 /dev/zero; exit 3"])
+        exited = await server.wait_notification("process/exited", "burst")
+        assert exited["exitCode"] == 3
+        assert len(server.output_of("burst")) == 5_000_000
+        await server.wait_closed("burst")
+        seqs = [
+            m["params"]["seq"]
+            for m in server.notifications
+            if m["method"] == "process/output" and m["params"]["processId"] == "burst"
+        ]
+        assert seqs == list(range(1, len(seqs) + 1))
