@@ -461,3 +461,54 @@ def test_invalid_utf8_in_params_is_invalid_params() -> None:
     assert isinstance(msg, codec.IncomingRequest)
     error = params_error(bytes(msg.params) if msg.params is not None else None, p.InitializeParams)
     assert "UTF-8" in error.message
+
+
+VALID_LINES = [
+    b'{"id":1,"method":"initialize","params":{"clientName":"t"}}',
+    b'{"method":"initialized","params":{}}',
+    b'{"id":"a","method":"process/start","params":{"processId":"p","argv":["sh","-c","x"],'
+    b'"cwd":"/","env":{"A":"1"},"tty":false,"arg0":null,"sandbox":{"mode":"none"}}}',
+    b'{"id":2,"method":"process/write","params":{"processId":"p","chunk":"aGVsbG8K"}}',
+    b'{"id":3,"method":"process/read","params":{"processId":"p","afterSeq":0,"maxBytes":9}}',
+    b'{"id":4,"result":{"ok":true}}',
+]
+PARAMS_TYPES: dict[str, type[Any]] = {
+    "initialize": p.InitializeParams,
+    "process/start": p.ExecParams,
+    "process/write": p.WriteParams,
+    "process/read": p.ReadParams,
+}
+
+
+@st.composite
+def mutated_lines(draw: Any) -> bytes:
+    """A valid message with bytes replaced, inserted or deleted here and there."""
+    line = bytearray(draw(st.sampled_from(VALID_LINES)))
+    for _ in range(draw(st.integers(min_value=1, max_value=4))):
+        position = draw(st.integers(min_value=0, max_value=len(line)))
+        action = draw(st.sampled_from(["replace", "insert", "delete"]))
+        byte = draw(st.integers(min_value=0, max_value=255).filter(lambda b: b != 10))
+        if action == "insert" or position == len(line):
+            line.insert(position, byte)
+        elif action == "replace":
+            line[position] = byte
+        else:
+            del line[position]
+    return bytes(line)
+
+
+@given(mutated_lines())
+@example(b'{"id":1,"method":"initialize","params":{"clientName":"\xff"}}')
+@example(b'{"id":1,"method":"initi\xc3alize","params":{"clientName":"t"}}')
+def test_damaged_messages_only_ever_raise_protocol_errors(line: bytes) -> None:
+    """Whatever a line holds, decoding ends in a message or a JSON-RPC error."""
+    try:
+        msg = codec.decode_message(line)
+    except codec.FramingError as exc:
+        assert exc.error.code in (p.PARSE_ERROR, p.INVALID_REQUEST)
+        return
+    if isinstance(msg, codec.IncomingRequest) and msg.method in PARAMS_TYPES:
+        try:
+            codec.decode_params(msg.params, PARAMS_TYPES[msg.method])
+        except RpcError as exc:
+            assert exc.code == p.INVALID_PARAMS
