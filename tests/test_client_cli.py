@@ -263,3 +263,30 @@ def test_terminal_size_helper_ignores_non_terminals() -> None:
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+# --- fs ---------------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_fs_subcommands(tmp_path: Path) -> None:
+    local = tmp_path / "local.bin"
+    payload = bytes(range(256)) * 64
+    local.write_bytes(payload)
+    remote = tmp_path / "remote"
+    assert (await run("fs", "--stdio", "mkdir", "-p", f"{remote}/sub")).exit_code == 0
+    cli = await run("fs", "--stdio", "put", str(local), f"{remote}/sub/file.bin")
+    assert cli.exit_code == 0, cli.err
+    cli = await run("fs", "--stdio", "cat", f"{remote}/sub/file.bin")
+    assert cli.out == payload
+    cli = await run("fs", "--stdio", "cp", "-r", f"{remote}/sub", f"{remote}/copy")
+    assert cli.exit_code == 0, cli.err
+    cli = await run("fs", "ls", "--stdio", str(remote))
+    assert cli.out == b"copy/\nsub/\n"
+    cli = await run("fs", "--stdio", "stat", f"{remote}/copy/file.bin")
+    assert b"type: file" in cli.out and b"size: 16384" in cli.out
+    assert (await run("fs", "--stdio", "rm", "-r", f"{remote}/sub")).exit_code == 0
+    assert not (remote / "sub").exists()
+    cli = await run("fs", "--stdio", "cat", f"{remote}/sub/file.bin")
+    assert cli.exit_code == 1
+    assert cli.err.startswith(b"exec-server-client: fs cat: ")

@@ -7,6 +7,9 @@ connect and initialize timeouts, and reconnection across a server restart.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 from typing import Any
 
@@ -231,3 +234,45 @@ async def test_stopping_the_reconnecting_client_fails_waiting_calls() -> None:
     await wait(client.stop(), "stop")
     with pytest.raises(ConnectionClosed):
         await wait(waiting, "waiting call to fail")
+
+
+@pytest_twisted.ensureDeferred
+async def test_reconnecting_client_across_a_real_server_process_restart() -> None:
+    from tests.ws_harness import WsServerProcess
+
+    server = await WsServerProcess.start()
+    _host, port = server.host_port
+    client = _reconnecting(server.url, call_timeout=10.0)
+    connected: list[Deferred[None]] = [Deferred(), Deferred()]
+    disconnects: list[str] = []
+    client.add_connect_listener(lambda c: connected[client.connect_count - 1].callback(None))
+    client.add_disconnect_listener(disconnects.append)
+    client.start()
+    restarted: WsServerProcess | None = None
+    try:
+        await wait(connected[0], "first connection")
+        process = await client.start_process(["sleep", "30"], cwd=CWD)
+        (listed,) = (await client.list_processes()).processes
+        orphan = listed.pid
+        pending = client.read(process.process_id, after_seq=0, wait_ms=30_000)
+        # A crash: the server cannot answer what is pending.
+        server.signal("KILL")
+        with pytest.raises(ConnectionClosed):
+            await wait(pending, "pending call to fail", timeout=5.0)
+        assert await wait(process.exited(), "handle") is None
+        await server.stop()
+        if orphan is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(orphan, signal.SIGKILL)
+        waiting = client.list_processes()
+        restarted = await WsServerProcess.start("--listen", f"ws://127.0.0.1:{port}")
+        await wait(connected[1], "reconnection", timeout=5.0)
+        assert (await wait(waiting, "the call made while disconnected")).processes == []
+        again = await client.start_process(["printf", "back"], cwd=CWD)
+        assert await wait(again.exited(), "exit") == 0
+        assert len(disconnects) == 1
+    finally:
+        await wait(client.stop(), "stop")
+        await server.stop()
+        if restarted is not None:
+            await restarted.stop()
