@@ -88,6 +88,7 @@ class ManagedProcess(ProcessProtocol):
         self._wall_timer: IDelayedCall | None = None
         self._idle_timer: IDelayedCall | None = None
         self._idle_seconds = 0.0
+        self._reading_paused = False
         self._last_output = 0.0
 
     # --- ProcessProtocol ------------------------------------------------------
@@ -178,8 +179,22 @@ class ManagedProcess(ProcessProtocol):
         self._wall_timer = None
         self._time_out("wall")
 
+    def set_reading_paused(self, paused: bool) -> None:
+        """Flow control stopped (or resumed) reading this process's output.
+
+        While output is not being read, silence proves nothing: the process
+        may be blocked writing into a full pipe. The idle clock restarts when
+        reading resumes.
+        """
+        self._reading_paused = paused
+        if not paused and self._idle_timer is not None:
+            self._last_output = self._clock.seconds()
+
     def _idle_check(self) -> None:
         self._idle_timer = None
+        if self._reading_paused:
+            self._idle_timer = self._clock.callLater(self._idle_seconds, self._idle_check)
+            return
         remaining = self._last_output + self._idle_seconds - self._clock.seconds()
         if remaining > 0:
             self._idle_timer = self._clock.callLater(remaining, self._idle_check)

@@ -206,6 +206,7 @@ class Session:
             self.stats.processes_started += 1
         if self._paused and not proc.closed:
             transport.pauseProducing()
+            proc.set_reading_paused(True)
         return proc
 
     def running_count(self) -> int:
@@ -464,6 +465,7 @@ class Session:
             transport: Any = proc.transport
             if not proc.closed and transport is not None:
                 transport.pauseProducing()
+                proc.set_reading_paused(True)
 
     def resumeProducing(self) -> None:
         if not self._paused:
@@ -473,6 +475,7 @@ class Session:
             transport: Any = proc.transport
             if not proc.closed and transport is not None:
                 transport.resumeProducing()
+                proc.set_reading_paused(False)
 
     def stopProducing(self) -> None:
         self.shutdown()

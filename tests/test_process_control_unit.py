@@ -458,3 +458,17 @@ def test_shutdown_waits_for_an_escalation_the_registry_already_released() -> Non
     clock.advance(2.0)
     assert spawner.group.sent[-1] == signal.SIGKILL
     assert done.called
+
+
+def test_idle_timeout_waits_while_flow_control_stops_reading() -> None:
+    # A process blocked on a full pipe because the client is slow is not idle.
+    session, clock, spawner, _ = make_session()
+    start(session, idle_timeout_ms=1000)
+    session.pauseProducing()
+    clock.advance(5.0)
+    assert spawner.group.sent == []
+    session.resumeProducing()
+    clock.advance(0.9)
+    assert spawner.group.sent == []
+    clock.advance(1.2)
+    assert spawner.group.sent[:1] == [signal.SIGTERM]
