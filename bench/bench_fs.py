@@ -147,6 +147,44 @@ def bench_read_write(client: StdioClient, work: Path, size: int, repeat: int) ->
     )
 
 
+def rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def bench_memory(work: Path, size: int) -> None:
+    """Peak server RSS above its idle RSS, in multiples of the payload size.
+
+    A fresh server per operation, so each peak belongs to one operation. It
+    counts every copy in the process: the fs code's (file + base64 text for
+    a read; request line + decoded data for a write) and the dispatcher's and
+    transport's (encoding the response line, buffering it for the pipe).
+    """
+    source = work / "source.bin"
+    payload = base64.b64encode(source.read_bytes()).decode()
+    for name, method, params in (
+        ("fs/readFile", "fs/readFile", {"path": str(source)}),
+        ("fs/writeFile", "fs/writeFile", {"path": str(work / "m.bin"), "dataBase64": payload}),
+    ):
+        client = StdioClient()
+        try:
+            client.handshake()
+            client.call("fs/getMetadata", {"path": str(source)})  # start the pool
+            idle = rss_kib(client.proc.pid, "VmRSS")
+            client.call(method, params)
+            peak = rss_kib(client.proc.pid, "VmHWM")
+        finally:
+            client.close()
+        extra = (peak - idle) * 1024
+        print(
+            f"{name} {size / 2**20:.0f} MiB: server peak RSS {extra / 2**20:7.1f} MiB above idle "
+            f"= {extra / size:.2f}x the data"
+        )
+
+
 def bench_metadata(client: StdioClient, work: Path, seconds: float) -> None:
     target = str(work / "source.bin")
 
@@ -193,6 +231,7 @@ def main() -> None:
         client.handshake()
         bench_read_write(client, work, args.size_mib * 2**20, args.repeat)
         bench_metadata(client, work, args.seconds)
+        bench_memory(work, args.size_mib * 2**20)
     finally:
         client.close()
         shutil.rmtree(work, ignore_errors=True)

@@ -349,8 +349,9 @@ def _oserrors(func: Callable[_P, _T]) -> Callable[_P, _T]:
 
 @_oserrors
 def read_file(path: str, limit: int) -> msgspec.Raw:
-    # O_NONBLOCK: opening a FIFO must not wait for a writer.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOCTTY: a
+    # terminal never becomes the server's controlling terminal.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
@@ -392,7 +393,7 @@ def _write_all(fd: int, data: bytearray) -> None:
 def _write_in_place(path: str, data: bytearray) -> None:
     # What the reference does (create or truncate, then write); O_NONBLOCK
     # keeps a FIFO without a reader from hanging a pool thread.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
     fd = os.open(path, flags, 0o666)
     try:
         os.set_blocking(fd, True)
@@ -593,7 +594,7 @@ def _copy_tree(source: str, target: str, mode: int) -> None:
 
 def _copy_file(source: str, target: str) -> None:
     """Rust's ``std::fs::copy``: contents and permission bits; follows a symlink at target."""
-    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode):
@@ -707,20 +708,29 @@ class FileSystem:
         )
 
 
-def thread_pool_runner(reactor: Any, threads: int = FS_THREADS) -> Runner:
-    """Run blocking calls on a dedicated, bounded pool tied to the reactor's life.
+class PoolRunner:
+    """Runs blocking calls on a dedicated, bounded pool tied to the reactor's life.
 
     The pool starts on first use and stops when the reactor shuts down.
     """
-    pool = ThreadPool(minthreads=0, maxthreads=threads, name="exec-server-fs")
 
-    def run(func: Callable[..., Any], *args: Any) -> Deferred[Any]:
-        if not pool.started:
-            pool.start()
-            reactor.addSystemEventTrigger("during", "shutdown", pool.stop)
-        return deferToThreadPool(reactor, pool, func, *args)
+    def __init__(self, reactor: Any, threads: int = FS_THREADS) -> None:
+        self._reactor = reactor
+        self.pool = ThreadPool(minthreads=0, maxthreads=threads, name="exec-server-fs")
 
-    return run
+    def __call__(self, func: Callable[..., Any], *args: Any) -> Deferred[Any]:
+        if not self.pool.started:
+            self.pool.start()
+            self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
+        return deferToThreadPool(self._reactor, self.pool, func, *args)
+
+    def stop(self) -> None:
+        if self.pool.started:
+            self.pool.stop()
+
+
+def thread_pool_runner(reactor: Any, threads: int = FS_THREADS) -> PoolRunner:
+    return PoolRunner(reactor, threads)
 
 
 def inline_runner(func: Callable[..., Any], *args: Any) -> Deferred[Any]:

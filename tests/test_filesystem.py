@@ -13,20 +13,24 @@ import binascii
 import errno
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet.defer import Deferred
 
 from execserver import filesystem as fs
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from tests.fakes import Harness
+from tests.harness import with_timeout
 
 FS_METHODS = [
     ("fs/readFile", {"path": "/"}),
@@ -621,3 +625,39 @@ def test_base64_acceptance_matches_strict_canonical_decoding(text: str) -> None:
     else:
         assert base64.b64encode(decoded).decode() == text
         assert fs.rust_base64_error(text.encode()) is None
+
+
+# --- the thread pool ------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_blocking_work_runs_on_a_bounded_pool_off_the_reactor_thread() -> None:
+    from tests.harness import reactor
+
+    run = fs.thread_pool_runner(reactor, threads=2)
+    started: list[int] = []
+    two_running: Deferred[None] = Deferred()
+    release = threading.Event()
+
+    def note_start() -> None:
+        if len(started) == 2 and not two_running.called:
+            two_running.callback(None)
+
+    def work() -> int:
+        started.append(threading.get_ident())
+        reactor.callFromThread(note_start)
+        assert release.wait(10)
+        return threading.get_ident()
+
+    try:
+        calls = [run(work) for _ in range(3)]
+        await with_timeout(two_running, 10, "two workers")
+        assert len(started) == 2  # both threads are busy: the third call waits
+        release.set()
+        idents = [await with_timeout(d, 10, "work") for d in calls]
+        assert threading.get_ident() not in idents
+        assert len(set(idents)) <= 2
+        assert len(started) == 3
+    finally:
+        release.set()
+        run.stop()
