@@ -401,7 +401,7 @@ async def test_out_of_order_responses_match_by_request_id() -> None:
             "process/read", {"processId": "proc-1", "afterSeq": 0, "waitMs": 2000}
         )
         read_d: Deferred[Any] = Deferred.fromCoroutine(read)
-        terminate = await server.call("process/terminate", {"processId": "other"}, timeout=1.5)
+        terminate = await server.call("process/terminate", {"processId": "other"})
         assert terminate == {"running": False}
         assert not read_d.called, "the long-poll read must still be waiting"
         result = await read_d
