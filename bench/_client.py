@@ -27,6 +27,7 @@ from typing import Any, Final
 
 import attrs
 import msgspec
+import psutil
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 MiB: Final = 1024 * 1024
@@ -133,6 +134,15 @@ class StdioClient:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server process has used so far.
+
+        Less sensitive than wall-clock rates to other load on the machine, so
+        the better signal when comparing two versions of the server.
+        """
+        times = psutil.Process(self.proc.pid).cpu_times()
+        return float(times.user + times.system)
 
     # --- writing ----------------------------------------------------------------
 

@@ -56,15 +56,22 @@ def _drain_until_closed(client: StdioClient) -> int:
 
 def server_rate(total_bytes: int, tty: bool) -> float:
     """Payload MB/s of ``head -c N /dev/zero`` streamed through the server."""
+    return server_run(total_bytes, tty)[0]
+
+
+def server_run(total_bytes: int, tty: bool) -> tuple[float, float]:
+    """(payload MB/s, server CPU seconds per GiB of payload) of one run."""
     with StdioClient() as client:
         client.initialize()
+        cpu_before = client.cpu_seconds()
         start = time.perf_counter()
         client.start("p", ["head", "-c", str(total_bytes), "/dev/zero"], tty=tty)
         payload = _drain_until_closed(client)
         seconds = time.perf_counter() - start
+        cpu = client.cpu_seconds() - cpu_before
     if payload != total_bytes:
         raise AssertionError(f"received {payload} bytes of output, expected {total_bytes}")
-    return total_bytes / seconds / 1e6
+    return total_bytes / seconds / 1e6, cpu / (total_bytes / 2**30)
 
 
 def raw_pty_rate(total_bytes: int) -> float:
@@ -128,21 +135,27 @@ def client_decode_rate(reads: list[bytes]) -> float:
     return payload / seconds / 1e6
 
 
-def run(rounds: int = 5, pipe_mib: int = 256, pty_mib: int = 64) -> list[Ratio]:
+def run(rounds: int = 5, pipe_mib: int = 256, pty_mib: int = 64) -> list[Ratio | Series]:
     pipe_bytes = pipe_mib * MiB
     pty_bytes = pty_mib * MiB
     raw: list[float] = []
     raw_one_core: list[float] = []
     server: list[float] = []
+    server_cpu: list[float] = []
     raw_pty: list[float] = []
     server_pty: list[float] = []
+    server_pty_cpu: list[float] = []
     decode: list[float] = []
     for _ in range(rounds):
         raw.append(raw_pipe_rate(pipe_bytes))
         raw_one_core.append(raw_pipe_rate(pipe_bytes, one_core=True))
-        server.append(server_rate(pipe_bytes, tty=False))
+        rate, cpu = server_run(pipe_bytes, tty=False)
+        server.append(rate)
+        server_cpu.append(cpu)
         raw_pty.append(raw_pty_rate(pty_bytes))
-        server_pty.append(server_rate(pty_bytes, tty=True))
+        rate, cpu = server_run(pty_bytes, tty=True)
+        server_pty.append(rate)
+        server_pty_cpu.append(cpu)
     for _ in range(rounds):
         decode.append(client_decode_rate(capture_stream(64 * MiB)))
     pipe_series = Series("server stdout", "MB/s", tuple(server))
@@ -170,7 +183,17 @@ def run(rounds: int = 5, pipe_mib: int = 256, pty_mib: int = 64) -> list[Ratio]:
             Series("client decode", "MB/s", tuple(decode)),
             pipe_series,
         ),
+        Series("server CPU per GiB of pipe output", "CPU-s/GiB", tuple(server_cpu)),
+        Series("server CPU per GiB of pty output", "CPU-s/GiB", tuple(server_pty_cpu)),
     ]
+
+
+def print_figures(figures: list[Ratio | Series]) -> None:
+    for figure in figures:
+        if isinstance(figure, Ratio):
+            print(figure.value.describe())
+            print(figure.baseline.describe())
+        print(figure.describe(), flush=True)
 
 
 def main() -> None:
@@ -180,10 +203,7 @@ def main() -> None:
     parser.add_argument("--pty-mib", type=int, default=64)
     args = parser.parse_args()
     print_header("throughput")
-    for ratio in run(args.rounds, args.pipe_mib, args.pty_mib):
-        print(ratio.value.describe())
-        print(ratio.baseline.describe())
-        print(ratio.describe(), flush=True)
+    print_figures(run(args.rounds, args.pipe_mib, args.pty_mib))
 
 
 if __name__ == "__main__":
