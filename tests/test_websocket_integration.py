@@ -236,6 +236,12 @@ while True:
         send(10, payload)
     elif payload.startswith(b'{"id":2'):
         print("started", flush=True)
+        if sys.argv[4:] == ["spam"]:
+            # Ask for the retained output forever; never read a reply.
+            request = json.dumps({"id": 3, "method": "process/read",
+                                  "params": {"processId": "proc-1"}}).encode()
+            while True:
+                send(1, request)
 """
 
 
@@ -256,13 +262,15 @@ class _ClientScript(ProcessProtocol):
         self.ended.callback(None)
 
 
-async def _start_client_script(server: WsServerProcess, command: str) -> tuple[_ClientScript, Any]:
+async def _start_client_script(
+    server: WsServerProcess, command: str, *mode: str
+) -> tuple[_ClientScript, Any]:
     host, port = server.host_port
     proto = _ClientScript()
     transport = reactor.spawnProcess(
         proto,
         sys.executable,
-        [sys.executable, "-c", CLIENT_SCRIPT, host, str(port), command],
+        [sys.executable, "-c", CLIENT_SCRIPT, host, str(port), command, *mode],
         env={"PATH": os.environ["PATH"]},
         childFDs={0: "w", 1: "r", 2: 2},
     )
@@ -348,6 +356,29 @@ async def test_stalled_client_does_not_grow_server_memory_or_slow_others() -> No
             await other.start_process("bulk", ["head", "-c", str(64 << 20), "/dev/zero"])
             await other.wait_notification("process/closed", "bulk", timeout=60)
             assert len(other.output_of("bulk")) == 64 << 20
+            rss = psutil.Process(server.pid).memory_info().rss
+            assert rss < 300 << 20, f"server RSS {rss >> 20} MiB"
+            await other.close()
+        finally:
+            await _kill_client_script(proto, transport)
+    finally:
+        assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_sending_requests_without_reading_replies_is_throttled() -> None:
+    import psutil
+
+    server = await WsServerProcess.start()
+    try:
+        # Each process/read answers ~1.4 MiB (1 MiB retained, base64); the
+        # client never reads them. The server stops reading its requests.
+        proto, transport = await _start_client_script(server, "head -c 1048576 /dev/zero", "spam")
+        try:
+            other = await connect(server.url)
+            await other.handshake()
+            await other.start_process("bulk", ["head", "-c", str(64 << 20), "/dev/zero"])
+            await other.wait_notification("process/closed", "bulk", timeout=60)
             rss = psutil.Process(server.pid).memory_info().rss
             assert rss < 300 << 20, f"server RSS {rss >> 20} MiB"
             await other.close()

@@ -295,11 +295,49 @@ def test_protocol_violation_closes_with_1008(clock: Clock) -> None:
 # --- lifecycle, flow control, timers --------------------------------------------------------
 
 
-def test_session_is_the_streaming_producer_of_the_tcp_transport(clock: Clock) -> None:
+def test_session_is_paused_and_resumed_by_the_tcp_transport(clock: Clock) -> None:
     proto, transport = open_raw(make_factory(clock))
     assert proto.connection is not None
-    assert transport.producer is proto.connection.session
+    session = proto.connection.session
     assert transport.streaming is True
+    producer: Any = transport.producer
+    assert producer.session is session
+    producer.pauseProducing()  # what TCP does above the high-water mark
+    assert session.paused
+    producer.resumeProducing()  # ...and once its buffer is empty
+    assert not session.paused
+    assert transport.producerState == "producing"
+
+
+def test_requests_stop_being_read_while_replies_pile_up(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from execserver.transports import websocket
+
+    proto, transport = open_raw(make_factory(clock))
+    unsent = 0
+    monkeypatch.setattr(websocket, "unsent_bytes", lambda _t: unsent)
+    request = client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    proto.dataReceived(request)
+    assert transport.producerState == "producing"
+    unsent = websocket.READ_PAUSE_MIN_BYTES + 1
+    # One TCP read holding three requests: the first reply crosses the mark.
+    proto.dataReceived(
+        client_frame(1, b'{"id":2,"method":"nope"}')
+        + client_frame(1, b'{"id":3,"method":"nope"}')
+        + client_frame(1, b'{"id":4,"method":"nope"}')
+    )
+    assert transport.producerState == "paused"  # the socket is not read any more
+    assert proto.connection is not None and not proto.connection.session.paused
+    answered = [json.loads(p)["id"] for _, p in server_frames(transport.value())]
+    assert answered == [1, 2]  # 3 and 4 are held, not answered
+    producer: Any = transport.producer
+    producer.pauseProducing()
+    unsent = 0
+    producer.resumeProducing()  # the buffer drained
+    assert transport.producerState == "producing"
+    answered = [json.loads(p)["id"] for _, p in server_frames(transport.value())]
+    assert answered == [1, 2, 3, 4]
 
 
 def test_connection_loss_ends_the_session(clock: Clock) -> None:
@@ -413,3 +451,50 @@ def test_metrics_render_counts_requests_by_method_and_outcome(clock: Clock) -> N
     assert 'exec_server_requests_total{method="<invalid>",outcome="error"} 1\n' in text
     for line in text.splitlines():
         assert line.startswith("#") or " " in line
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def test_websocket_options_become_settings() -> None:
+    from execserver.service import Options
+
+    options = Options()
+    options.parseOptions(
+        [
+            "--listen",
+            "ws://127.0.0.1:0",
+            "--allow-origin",
+            "http://localhost:3000",
+            "--allow-origin",
+            "null",
+            "--ping-interval-ms",
+            "1500",
+            "--ping-timeout-ms",
+            "2500",
+            "--max-message-bytes",
+            "4096",
+        ]
+    )
+    settings = options.websocket_settings()
+    assert settings.allowed_origins == {"http://localhost:3000", "null"}
+    assert (settings.ping_interval, settings.ping_timeout) == (1.5, 2.5)
+    assert settings.max_message_bytes == 4096
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--allow-origin", "localhost:3000"], "--allow-origin takes an origin like"),
+        (["--allow-origin", "http://x/path"], "--allow-origin takes an origin like"),
+        (["--ping-timeout-ms", "0"], "--ping-timeout-ms must be positive"),
+        (["--ping-interval-ms", "-1"], "--ping-interval-ms must not be negative"),
+    ],
+)
+def test_bad_websocket_options_are_refused(argv: list[str], message: str) -> None:
+    from twisted.python import usage
+
+    from execserver.service import Options
+
+    with pytest.raises(usage.UsageError, match=message):
+        Options().parseOptions(argv)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections import deque
 from collections.abc import Callable
 from typing import IO, Any, Final, cast
 from urllib.parse import urlsplit
@@ -34,12 +35,14 @@ from twisted.internet.interfaces import (
     IAddress,
     IDelayedCall,
     IListeningPort,
+    IPushProducer,
     IReactorTCP,
     IReactorTime,
 )
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from execserver import __version__, metrics
 from execserver.dispatcher import Connection, Dispatcher
@@ -52,6 +55,12 @@ MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
 
 #: Pending TCP connections the kernel queues (many clients may connect at once).
 LISTEN_BACKLOG: Final = 1024
+
+#: Requests stop being read from a connection whose unsent output exceeds
+#: max(READ_PAUSE_MIN_BYTES, READ_PAUSE_FACTOR * output_high_water_bytes).
+#: Far above the high-water mark, so notifications alone never reach it.
+READ_PAUSE_MIN_BYTES: Final = 16 * 1024 * 1024
+READ_PAUSE_FACTOR: Final = 8
 
 #: Close codes sent by the server (RFC 6455 section 7.4.1).
 CLOSE_GOING_AWAY: Final = 1001
@@ -66,6 +75,47 @@ _STATUS_TEXT: Final = {
     426: "Upgrade Required",
     431: "Request Header Fields Too Large",
 }
+
+
+def unsent_bytes(transport: Any) -> int:
+    """Bytes a Twisted TCP transport has accepted but not yet sent."""
+    try:
+        return int(len(transport.dataBuffer) - transport.offset + transport._tempDataLen)
+    except AttributeError:
+        return 0
+
+
+@implementer(IPushProducer)
+class _RequestBackpressure:
+    """The producer registered on a WebSocket's TCP transport.
+
+    Pausing pauses the session (its children's output); resuming, once the
+    transport's buffer is empty, resumes the session and, if the protocol
+    had stopped reading requests, reading too.
+    """
+
+    def __init__(self, session: IPushProducer, transport: Any, release: Callable[[], None]) -> None:
+        self.session = session
+        self._transport = transport
+        self._release = release
+        self.reads_paused = False
+
+    def pause_reads(self) -> None:
+        self.reads_paused = True
+        self._transport.pauseProducing()
+
+    def pauseProducing(self) -> None:
+        self.session.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self.session.resumeProducing()
+        if self.reads_paused:
+            self.reads_paused = False
+            self._transport.resumeProducing()
+            self._release()
+
+    def stopProducing(self) -> None:
+        self.session.stopProducing()
 
 
 def _text_frame_header(length: int) -> bytes:
@@ -113,6 +163,9 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._oversized = False
         self._lost_waiters: list[Deferred[None]] = []
         self._lost = False
+        self._flow: _RequestBackpressure | None = None
+        self._held: deque[bytes | None] = deque()
+        self._read_pause_bytes = 0
 
     @property
     def _transport(self) -> Any:
@@ -213,12 +266,19 @@ class ExecServerProtocol(WebSocketServerProtocol):
         factory = self.factory
         conn = factory.dispatcher.connect(self, f"websocket {self.peer}")
         self.connection = conn
-        set_high_water(self._transport, factory.dispatcher.config.output_high_water_bytes)
+        high_water = factory.dispatcher.config.output_high_water_bytes
+        set_high_water(self._transport, high_water)
         # The session pauses its children's output pipes while this
-        # connection's unsent output is above the high-water mark.
-        self._transport.registerProducer(conn.session, True)
+        # connection's unsent output is above the high-water mark...
+        self._flow = _RequestBackpressure(conn.session, self._transport, self.release_held)
+        self._transport.registerProducer(self._flow, True)
+        # ...and requests stop being read while far more than that is unsent
+        # (responses such as process/read can be large: a client that sends
+        # requests without reading replies must not grow server memory).
+        self._read_pause_bytes = max(READ_PAUSE_MIN_BYTES, READ_PAUSE_FACTOR * high_water)
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
+        self._held.clear()
         conn = self.connection
         if conn is None:
             return
@@ -275,8 +335,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         if not self._oversized and self._size > self.factory.settings.max_message_bytes:
             self._oversized = True
             self._parts = []
-            if self.connection is not None:
-                self.connection.oversized_message()
+            self._deliver(None)
 
     def onMessageFrameData(self, payload: bytes) -> None:
         if not self._oversized:
@@ -289,10 +348,36 @@ class ExecServerProtocol(WebSocketServerProtocol):
         parts, self._parts = self._parts, []
         # failedByMe: Autobahn keeps parsing after failing a connection (to
         # read the close reply) and still delivers the offending message.
-        if self._oversized or self.failedByMe or self.connection is None:
+        if self._oversized or self.failedByMe:
             return
-        # Invalid UTF-8 in a binary frame is answered by the codec (-32700).
-        self.connection.message_received(parts[0] if len(parts) == 1 else b"".join(parts))
+        self._deliver(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _deliver(self, message: bytes | None) -> None:
+        """Hand one message (None: an oversized one) to the dispatcher, in order.
+
+        While requests are paused, messages already read (at most one TCP
+        read's worth) wait here; one read can hold hundreds of requests.
+        """
+        if self._held or (self._flow is not None and self._flow.reads_paused):
+            self._held.append(message)
+            return
+        self._dispatch(message)
+
+    def _dispatch(self, message: bytes | None) -> None:
+        conn = self.connection
+        if conn is None:
+            return
+        if message is None:
+            conn.oversized_message()
+        else:
+            # Invalid UTF-8 in a binary frame is answered by the codec (-32700).
+            conn.message_received(message)
+
+    def release_held(self) -> None:
+        """Requests are read again: dispatch what was held, until paused again."""
+        flow = self._flow
+        while self._held and not (flow is not None and flow.reads_paused):
+            self._dispatch(self._held.popleft())
 
     # --- Outbound ------------------------------------------------------------------
 
@@ -304,6 +389,13 @@ class ExecServerProtocol(WebSocketServerProtocol):
             # the streaming send API is never used) at a fraction of its
             # per-message cost.
             self._transport.writeSequence((_text_frame_header(len(data)), data))
+            flow = self._flow
+            if (
+                flow is not None
+                and not flow.reads_paused
+                and unsent_bytes(self._transport) > self._read_pause_bytes
+            ):
+                flow.pause_reads()
 
     def close_connection(self) -> None:
         """Close after a JSON-RPC protocol violation (the dispatcher logged why)."""
