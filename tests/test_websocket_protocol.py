@@ -218,6 +218,42 @@ def test_text_and_binary_messages_get_text_replies(clock: Clock) -> None:
     assert second == {"id": 2, "error": {"code": -32600, "message": "unknown method: nope"}}
 
 
+def test_many_frames_in_one_read_are_answered_in_order(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    medium = b'{"id":0,"method":"initialize","params":{"clientName":"' + b"m" * 300 + b'"}}'
+    batch = client_frame(1, medium) + b"".join(
+        client_frame(1 + n % 2, b'{"id":%d,"method":"nope"}' % n) for n in range(1, 200)
+    )
+    batch += client_frame(9, b"hello") + client_frame(1, b'{"id":200,"method":"nope"}')
+    # Also with a zero masking key, and split at an awkward place.
+    zero_masked = bytes([0x81, 0x80 | 24]) + b"\0\0\0\0" + b'{"id":201,"method":"no"}'
+    batch += zero_masked
+    proto.dataReceived(batch[:1001])
+    proto.dataReceived(batch[1001:])
+    frames = server_frames(transport.value())
+    assert (10, b"hello") in frames
+    ids = [json.loads(p)["id"] for op, p in frames if op == 1]
+    assert ids == list(range(202))
+
+
+def test_unmasked_client_frame_is_a_protocol_error(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    proto.dataReceived(bytes([0x81, 5]) + b"hello")
+    opcode, payload = server_frames(transport.value())[-1]
+    assert opcode == 8
+    assert struct.unpack(">H", payload[:2])[0] == 1002
+
+
+def test_frame_with_reserved_bits_is_a_protocol_error(clock: Clock) -> None:
+    proto, transport = open_raw(make_factory(clock))
+    frame = bytearray(client_frame(1, b'{"id":1,"method":"nope"}'))
+    frame[0] |= 0x40
+    proto.dataReceived(bytes(frame))
+    opcode, payload = server_frames(transport.value())[-1]
+    assert opcode == 8
+    assert struct.unpack(">H", payload[:2])[0] == 1002
+
+
 def test_fragmented_message_is_reassembled(clock: Clock) -> None:
     proto, transport = open_raw(make_factory(clock))
     message = b'{"id":7,"method":"initialize","params":{"clientName":"fragments"}}'
