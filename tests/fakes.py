@@ -195,9 +195,11 @@ class FakeSpawner:
 class Harness:
     """One dispatcher connection over fakes, driven by JSON lines."""
 
-    def __init__(self, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig | None = None, spawner: FakeSpawner | None = None
+    ) -> None:
         self.clock = Clock()
-        self.spawner = FakeSpawner()
+        self.spawner = spawner or FakeSpawner()
         self.dispatcher = Dispatcher(config or ServerConfig(), self.clock, self.spawner)
         self.outbound = FakeOutbound()
         self.conn: Connection = self.dispatcher.connect(self.outbound, "test")

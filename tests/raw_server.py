@@ -44,6 +44,7 @@ class RawServer:
         self.pid = self.proc.pid
         self._buffer = b""
         self._lines: list[bytes] = []
+        self._backlog: list[dict[str, Any]] = []
         self._next_id = 1
         self.eof = False
 
@@ -66,12 +67,20 @@ class RawServer:
         return request_id
 
     def call(self, method: str, params: Any = None, timeout: float = 10.0) -> Any:
+        """Request and wait for its result; messages read meanwhile stay queued."""
         request_id = self.request(method, params)
-        while True:
-            message = self.read_message(timeout)
-            if message.get("id") == request_id and ("result" in message or "error" in message):
-                assert "error" not in message, message
-                return message["result"]
+        skipped: list[dict[str, Any]] = []
+        try:
+            while True:
+                message = self._read_new(timeout)
+                if message.get("id") == request_id and ("result" in message or "error" in message):
+                    assert "error" not in message, message
+                    return message["result"]
+                skipped.append(message)
+        finally:
+            # Notifications may precede the answer (e.g. a fast child's output
+            # before its process/start result); later reads still see them.
+            self._backlog.extend(skipped)
 
     def handshake(self) -> Any:
         result = self.call("initialize", {"clientName": "raw"})
@@ -100,6 +109,11 @@ class RawServer:
         return self._lines.pop(0)
 
     def read_message(self, timeout: float = 10.0) -> dict[str, Any]:
+        if self._backlog:
+            return self._backlog.pop(0)
+        return self._read_new(timeout)
+
+    def _read_new(self, timeout: float) -> dict[str, Any]:
         message: dict[str, Any] = _decode(self.read_line(timeout))
         return message
 

@@ -16,11 +16,18 @@ from twisted.internet.task import Clock
 from execserver.config import ServerConfig
 from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, SpawnError
-from tests.fakes import FAKE_PID_BASE, FakeKill, FakeProcessTransport, Harness, exec_params
+from tests.fakes import (
+    FAKE_PID_BASE,
+    FakeKill,
+    FakeProcessTransport,
+    FakeSpawner,
+    Harness,
+    exec_params,
+)
 
 
-def ready(config: ServerConfig | None = None) -> Harness:
-    h = Harness(config)
+def ready(config: ServerConfig | None = None, spawner: FakeSpawner | None = None) -> Harness:
+    h = Harness(config, spawner)
     h.handshake()
     h.outbound.take()
     return h
@@ -592,3 +599,44 @@ def test_shutdown_escalates_to_sigkill_after_the_grace() -> None:
     assert h.spawner.kill.signals_to(h.process("a").pid)[-1] == signal.SIGKILL
     h.process("a").exit(signal=signal.SIGKILL)
     assert done.called
+
+
+# --- a child that is gone before its spawn returns ----------------------------------------------
+
+
+class ReapedDuringSpawn(FakeSpawner):
+    """Twisted's ``Process.__init__`` ends with ``registerReapProcessHandler``,
+    which reaps a child that already exited and calls ``processExited``
+    synchronously (Twisted's own comment: "That's probably not ideal"); the
+    exit drain then reads the child's output, still inside ``spawn()``. This
+    is what happens to ``printf hi`` or ``true`` under load.
+    """
+
+    def spawn(self, proto: Any, spec: ProcessSpec) -> FakeProcessTransport:
+        transport = super().spawn(proto, spec)
+        transport.output(b"hi")
+        reason = transport.exit_leaving_group(0)
+        transport.end(reason)
+        return transport
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="session.py/processes.py bug: events delivered during spawn() are sent at once, so "
+    "process/output and process/exited precede the process/start response",
+)
+def test_start_response_precedes_the_events_of_a_child_that_exited_during_spawn() -> None:
+    h = ready(spawner=ReapedDuringSpawn())
+    request_id = h.request("process/start", exec_params("fast", argv=["printf", "hi"]))
+    order = [m.get("id", m.get("method")) for m in h.outbound.messages]
+    assert order[0] == request_id, order
+
+
+def test_events_of_a_child_that_exited_during_spawn_are_all_delivered() -> None:
+    h = ready(spawner=ReapedDuringSpawn())
+    assert h.result("process/start", exec_params("fast")) == {"processId": "fast"}
+    methods = [m.get("method") for m in h.outbound.messages if "method" in m]
+    assert methods == ["process/output", "process/exited", "process/closed"]
+    read = h.result("process/read", {"processId": "fast"})
+    assert read["exited"] is True
+    assert read["chunks"][0]["chunk"] == b64(b"hi")

@@ -204,6 +204,9 @@ def test_stalled_client_bounds_server_memory_then_gets_every_byte_in_order() -> 
                 "arg0": None,
             },
         )
+        # The raw line loop below must see every output notification; `head`
+        # cannot exit before its spawn returns, so none was queued by call().
+        assert not server._backlog
         # Read nothing for three seconds while the child tries to write 1 GiB.
         stall_peak = idle
         stall_end = time.monotonic() + 3.0
