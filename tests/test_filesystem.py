@@ -108,6 +108,14 @@ def test_relative_paths_are_invalid_params(method: str, params: dict[str, Any]) 
     assert error["data"]["kind"] == "relativePath"
 
 
+def test_unknown_fs_method_is_the_baseline_error() -> None:
+    h = ready()
+    assert h.error("fs/rename", {"path": "/"}) == {
+        "code": -32600,
+        "message": "unknown method: fs/rename",
+    }
+
+
 def test_camel_case_params_decode_into_typed_structs() -> None:
     params = msgspec.json.decode(
         b'{"sourcePath":"/a","destinationPath":"/b","recursive":true}', type=p.FsCopyParams
@@ -259,6 +267,54 @@ def test_write_keeps_mode_and_replaces_atomically(tmp: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o751
     assert target.stat().st_ino != before  # a new inode was renamed into place
     assert sorted(os.listdir(tmp)) == ["script.sh"]  # no temporary file left
+
+
+def test_write_through_hard_links_keeps_them_linked(tmp: Path) -> None:
+    h = ready()
+    (tmp / "a").write_bytes(b"old")
+    os.link(tmp / "a", tmp / "b")
+    h.result("fs/writeFile", {"path": str(tmp / "a"), "dataBase64": b64(b"new")})
+    assert (tmp / "b").read_bytes() == b"new"
+    assert (tmp / "a").stat().st_ino == (tmp / "b").stat().st_ino
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file away")
+def test_write_keeps_owner_and_group(tmp: Path) -> None:
+    h = ready()
+    target = tmp / "theirs"
+    target.write_bytes(b"old")
+    os.chown(target, 4321, 4322)
+    target.chmod(0o2750)
+    h.result("fs/writeFile", {"path": str(target), "dataBase64": b64(b"new")})
+    st_ = target.stat()
+    assert (st_.st_uid, st_.st_gid, stat.S_IMODE(st_.st_mode)) == (4321, 4322, 0o2750)
+    assert target.read_bytes() == b"new"
+
+
+def test_write_in_place_when_the_owner_cannot_be_kept(tmp: Path, monkeypatch: Any) -> None:
+    h = ready()
+    target = tmp / "theirs"
+    target.write_bytes(b"old")
+    inode = target.stat().st_ino
+
+    def refuse(fd: int, uid: int, gid: int) -> None:
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr("execserver.filesystem.os.fchown", refuse)
+    real_fstat = os.fstat
+
+    def fstat_as_other_owner(fd: int) -> os.stat_result:
+        result = real_fstat(fd)
+        fields = list(result)
+        fields[4] = result.st_uid + 1  # the temporary file would be ours, not theirs
+        return os.stat_result(fields)
+
+    monkeypatch.setattr("execserver.filesystem.os.fstat", fstat_as_other_owner)
+    h.result("fs/writeFile", {"path": str(target), "dataBase64": b64(b"new")})
+    monkeypatch.undo()
+    assert target.read_bytes() == b"new"
+    assert target.stat().st_ino == inode
+    assert os.listdir(tmp) == ["theirs"]
 
 
 def test_write_new_file_gets_umask_mode(tmp: Path) -> None:
