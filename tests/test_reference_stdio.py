@@ -483,7 +483,7 @@ async def test_spawn_failures_are_errors_with_data_kind(
 
 
 @pytest_twisted.ensureDeferred
-async def test_rpc_failure_helper_reports_code_and_message() -> None:
+async def test_reads_of_unknown_processes_are_rejected() -> None:
     async with serving() as server:
         with pytest.raises(RpcFailure) as info:
             await server.call("process/read", {"processId": "missing"})
