@@ -32,6 +32,7 @@ from tests.ws_harness import (
     connect,
     get_request,
     http_get,
+    observe,
 )
 
 #: Seconds within which a dead client's processes must be gone.
@@ -560,9 +561,16 @@ async def test_stdio_and_two_websocket_listeners_at_once() -> None:
         await server.stop()
 
 
+@pytest.mark.parametrize(
+    ("sig", "twistd"),
+    [("TERM", False), ("INT", False), ("TERM", True)],
+    ids=["term", "int", "twistd"],
+)
 @pytest_twisted.ensureDeferred
-async def test_sigterm_closes_connections_and_terminates_every_process() -> None:
-    server = await WsServerProcess.start()
+async def test_shutdown_closes_connections_and_terminates_every_process(
+    sig: str, twistd: bool
+) -> None:
+    server = await WsServerProcess.start(twistd=twistd)
     try:
         clients = [await connect(server.url) for _ in range(3)]
         for c in clients:
@@ -570,8 +578,13 @@ async def test_sigterm_closes_connections_and_terminates_every_process() -> None
             await c.start_process("proc-1", ["sh", "-c", "sleep 300 & sleep 300"])
         await poll_until(lambda: len(children_of(server)) >= 9, DEFAULT_TIMEOUT, "all sleeps")
         tree = children_of(server)
-        server.signal("TERM")
-        assert await with_timeout(server.ended, REAP_BOUND + 5, "server exit") == 0
+        server.signal(sig)
+        await with_timeout(observe(server.ended), REAP_BOUND + 5, "server exit")
+        if twistd:
+            # twistd re-raises the signal it stopped on, after a clean stop.
+            assert (server.exit_code, server.exit_signal) in ((0, None), (None, signal.SIGTERM))
+        else:
+            assert server.exit_code == 0
         for c in clients:
             was_clean, code, reason = await with_timeout(c.closed, 5, "close")
             assert code == 1001, (was_clean, code, reason)

@@ -35,9 +35,10 @@ from tests.harness import (
 )
 
 BANNER = re.compile(rb"exec-server listening on (ws://\S+)")
+TWISTD = "from twisted.scripts.twistd import run; run()"
 
 
-def _copy(source: Deferred[Any]) -> Deferred[Any]:
+def observe(source: Deferred[Any]) -> Deferred[Any]:
     """A Deferred that fires with ``source``'s result without consuming it."""
     d: Deferred[Any] = Deferred()
 
@@ -60,25 +61,35 @@ class WsServerProcess(ProcessProtocol):
         self.listening: Deferred[list[str]] = Deferred()
         self.ended: Deferred[Any] = Deferred()
         self.exit_code: int | None = None
+        self.exit_signal: int | None = None
         self.pid: int | None = None
 
     @classmethod
     async def start(
-        cls, *args: str, listeners: int = 1, timeout: float = DEFAULT_TIMEOUT
+        cls,
+        *args: str,
+        listeners: int = 1,
+        timeout: float = DEFAULT_TIMEOUT,
+        twistd: bool = False,
     ) -> WsServerProcess:
+        """Start ``exec-server`` (or ``twistd -n exec-server``) with ``args``."""
         if not any(a.startswith("--listen") for a in args):
             args = ("--listen", "ws://127.0.0.1:0", *args)
+        if twistd:
+            launcher = ["-c", TWISTD, "-n", "--pidfile=", "exec-server"]
+        else:
+            launcher = ["-m", "execserver"]
         proto = cls(listeners)
         transport = reactor.spawnProcess(
             proto,
             sys.executable,
-            [sys.executable, "-m", "execserver", *args],
+            [sys.executable, *launcher, *args],
             env=server_env(),
             path=str(REPO_ROOT),
         )
         proto.pid = transport.pid
         try:
-            await with_timeout(_copy(proto.listening), timeout, "the listening banner")
+            await with_timeout(observe(proto.listening), timeout, "the listening banner")
         except BaseException:
             await proto.stop()
             raise
@@ -102,6 +113,7 @@ class WsServerProcess(ProcessProtocol):
 
     def processEnded(self, reason: Failure) -> None:
         self.exit_code = getattr(reason.value, "exitCode", None)
+        self.exit_signal = getattr(reason.value, "signal", None)
         if not self.listening.called:
             self.listening.errback(
                 RuntimeError(f"server exited before listening: {self.stderr.decode()}")
@@ -117,10 +129,10 @@ class WsServerProcess(ProcessProtocol):
         if not self.ended.called:
             self.signal("TERM")
             try:
-                await with_timeout(_copy(self.ended), timeout, "server exit")
+                await with_timeout(observe(self.ended), timeout, "server exit")
             except TimeoutError:
                 self.signal("KILL")
-                await with_timeout(_copy(self.ended), timeout, "server exit after SIGKILL")
+                await with_timeout(observe(self.ended), timeout, "server exit after SIGKILL")
                 raise
         return self.exit_code
 
@@ -281,7 +293,7 @@ class WsClientProtocol(WebSocketClientProtocol):
     async def close(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         if not self.closed.called:
             self.sendClose(1000)
-            await with_timeout(_copy(self.closed), timeout, "the close handshake")
+            await with_timeout(observe(self.closed), timeout, "the close handshake")
 
     def abort(self) -> None:
         """Drop TCP without a close frame (as if the client died)."""
@@ -311,7 +323,7 @@ async def connect(
     proto: WsClientProtocol = await with_timeout(
         endpoint.connect(factory), timeout, f"TCP connect to {url}"
     )
-    await with_timeout(_copy(proto.opened), timeout, f"WebSocket handshake with {url}")
+    await with_timeout(observe(proto.opened), timeout, f"WebSocket handshake with {url}")
     return proto
 
 
@@ -338,7 +350,7 @@ async def http_get(
     )
     proto.transport.write(request)  # type: ignore[union-attr]
     try:
-        raw: bytes = await with_timeout(_copy(proto.done), timeout, "the HTTP response")
+        raw: bytes = await with_timeout(observe(proto.done), timeout, "the HTTP response")
     finally:
         if not proto.done.called:
             proto.transport.abortConnection()  # type: ignore[union-attr]
