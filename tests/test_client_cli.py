@@ -69,7 +69,7 @@ class Cli(ProcessProtocol):
         d: Deferred[None] = Deferred()
         self._watchers.append((re.compile(pattern, re.DOTALL), d))
         self._check()
-        await wait(d, f"{what} (output so far: {self.out[-500:]!r})", TIMEOUT)
+        await wait(d, f"{what} (output so far: {self.out[-500:]!r}, {self.err[-500:]!r})", TIMEOUT)
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
@@ -232,14 +232,17 @@ async def test_pty_session_echo_ctrl_c_and_exit() -> None:
     )  # fmt: skip
     try:
         await cli.output(rb"PROMPT> ", "the first prompt")
+        # (Each command is typed at a prompt: an interactive shell may flush
+        # typed-ahead input when it takes the terminal back from a job.)
         # The window size was sent at start.
         cli.write(b"stty size\r")
-        await cli.output(rb"33 101\r\n", "the remote terminal size")
+        await cli.output(rb"33 101\r\nPROMPT> ", "the remote terminal size")
         # Input is forwarded and echoed by the remote terminal.
         cli.write(b"echo he''llo\r")
-        await cli.output(rb"echo he''llo\r\nhello\r\n", "echo output")
-        # Ctrl-C reaches the remote foreground process.
-        cli.write(b"echo sta''rted; sleep 30\r")
+        await cli.output(rb"echo he''llo\r\nhello\r\nPROMPT> ", "echo output")
+        # Ctrl-C reaches the remote foreground process (which announces itself
+        # once it is the foreground job).
+        cli.write(b"sh -c 'echo sta''rted; exec sleep 30'\r")
         await cli.output(rb"\nstarted\r\n", "sleep to start")
         cli.write(b"\x03")
         await cli.output(rb"\nstarted\r\n.*PROMPT> ", "a prompt after Ctrl-C")
