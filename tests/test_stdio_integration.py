@@ -157,6 +157,39 @@ async def test_sigterm_to_the_server_leaves_no_process_behind() -> None:
         await server.stop()
 
 
+@pytest_twisted.ensureDeferred
+async def test_sigterm_flushes_exit_notifications_and_pending_answers() -> None:
+    """Stopped by SIGTERM, the server ends the session as on stdin EOF: the client
+    still learns that its processes exited and gets answers to what it asked."""
+    server = ServerProcess.start()
+    try:
+        await server.handshake()
+        await server.start_process("sleeper", ["sleep", "300"])
+        server.send(
+            {
+                "id": "poll",
+                "method": "process/read",
+                "params": {"processId": "sleeper", "waitMs": 60000},
+            }
+        )
+        # The read is in the server's hands before the signal.
+        await server.call("process/terminate", {"processId": "nobody"})
+        server.kill("TERM")
+        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        assert code == 0
+        exited = [
+            m
+            for m in server.notifications
+            if m["method"] == "process/exited" and m["params"]["processId"] == "sleeper"
+        ]
+        assert len(exited) == 1
+        poll = [m for m in server.messages if m.get("id") == "poll"]
+        assert len(poll) == 1
+        assert poll[0]["result"]["exited"] is True
+    finally:
+        await server.stop()
+
+
 # --- flow control -----------------------------------------------------------------------------
 
 

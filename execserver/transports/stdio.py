@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from twisted.application.service import Service
-from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore, IReactorTime
 from twisted.internet.process import ProcessWriter
 from twisted.internet.protocol import Protocol
 from twisted.internet.stdio import StandardIO
@@ -20,6 +21,9 @@ from execserver.codec import OVERSIZED, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 
 log = Logger()
+
+#: Seconds beyond the terminate grace that a stop waits for stdout to flush.
+FLUSH_SLACK_SECONDS: Final = 2.0
 
 #: Messages at least this large are written straight to an idle pipe (see
 #: ``LineProtocol.write_message``); smaller ones always go through the queue.
@@ -53,6 +57,8 @@ class LineProtocol(Protocol):
         self._finishing = False
         self._write_lost = False
         self._lost = False
+        self._closed = False
+        self._closed_waiters: list[Deferred[None]] = []
         self.on_closed: Callable[[], None] | None = None
         self._pipe_writer: Any = None
 
@@ -154,10 +160,24 @@ class LineProtocol(Protocol):
             return
         self._lost = True
         conn.transport_closed()
-        d = conn.shutdown()
+        conn.shutdown().addBoth(self._ended)
+
+    def _ended(self, _: object) -> None:
+        self._closed = True
         if self.on_closed is not None:
-            callback = self.on_closed
-            d.addBoth(lambda _: callback())
+            self.on_closed()
+        waiters, self._closed_waiters = self._closed_waiters, []
+        for d in waiters:
+            if not d.called:  # a caller may have given up (timeout)
+                d.callback(None)
+
+    def when_closed(self) -> Deferred[None]:
+        """Fires once the connection is closed and its session has ended."""
+        if self._closed:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._closed_waiters.append(d)
+        return d
 
 
 class StdioService(Service):
@@ -176,6 +196,7 @@ class StdioService(Service):
         os.dup2(2, 1)
         sys.stdout = sys.stderr
         self.protocol: LineProtocol | None = None
+        self._stopping = False
 
     def startService(self) -> None:
         super().startService()
@@ -187,6 +208,24 @@ class StdioService(Service):
             proto, stdin=0, stdout=self._protocol_out, reactor=self._reactor
         )
 
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        proto = self.protocol
+        if proto is None:
+            return None
+        self._stopping = True
+        # Stopped from outside (SIGTERM): end the session as stdin EOF does, so
+        # exit notifications and answers to requests in flight are flushed
+        # before the reactor stops (it would drop them). A client that no
+        # longer reads must not hold the server up: give up once the
+        # processes' grace and some slack have passed.
+        proto.close_connection()
+        limit = self._dispatcher.config.terminate_grace_ms / 1000.0 + FLUSH_SLACK_SECONDS
+        d = proto.when_closed()
+        d.addTimeout(limit, IReactorTime(self._reactor), onTimeoutCancel=lambda r, t: None)
+        return d
+
     def _connection_ended(self) -> None:
-        if self._reactor.running:
+        # While the service is being stopped the reactor is already stopping.
+        if self._reactor.running and not self._stopping:
             self._reactor.stop()
