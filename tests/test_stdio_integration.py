@@ -517,3 +517,39 @@ async def test_exit_is_notified_after_every_byte_the_child_wrote() -> None:
             if m["method"] == "process/output" and m["params"]["processId"] == "burst"
         ]
         assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_sigterm_with_a_stalled_client_still_exits_and_kills_everything() -> None:
+    """The flush on SIGTERM gives up on a client that reads nothing."""
+    server = RawServer("--terminate-grace-ms", "200")
+    pids: list[int] = []
+    try:
+        server.handshake()
+        server.call(
+            "process/start",
+            {
+                "processId": "chatty",
+                "argv": ["sh", "-c", "trap '' TERM; exec yes"],
+                "cwd": str(REPO_ROOT),
+                "env": child_env(),
+                "tty": False,
+                "arg0": None,
+            },
+        )
+        deadline = time.monotonic() + 10
+        while not pids:
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.02)
+            pids = [p for p in descendants(server.pid) if pid_alive(p)]
+        # Not reading: the server's output pipe fills and stays full.
+        server.proc.send_signal(signal.SIGTERM)
+        # 0.2 s grace + 2 s flush slack + the force-close second, with margin.
+        assert server.proc.wait(15) == 0
+        assert not any(pid_alive(pid) for pid in pids)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
