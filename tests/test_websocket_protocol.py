@@ -534,3 +534,13 @@ def test_bad_websocket_options_are_refused(argv: list[str], message: str) -> Non
 
     with pytest.raises(usage.UsageError, match=message):
         Options().parseOptions(argv)
+
+
+def test_nagle_is_disabled_on_accepted_sockets(clock: Clock) -> None:
+    factory = make_factory(clock)
+    proto = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    transport = StringTransport()
+    calls: list[bool] = []
+    transport.setTcpNoDelay = calls.append  # type: ignore[attr-defined]
+    proto.makeConnection(transport)
+    assert calls[-1:] == [True]

@@ -171,6 +171,15 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def _transport(self) -> Any:
         return self.transport
 
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        # Autobahn's own attempt runs before it copies ``tcpNoDelay`` onto
+        # the protocol, fails with AttributeError and is silently skipped,
+        # leaving Nagle on: small replies would wait for the peer's ACK.
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
+
     # --- HTTP, before any upgrade --------------------------------------------------
 
     def processHandshake(self) -> None:
