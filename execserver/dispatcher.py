@@ -184,6 +184,13 @@ class Connection:
             self._count("<invalid>", "error")
             self._send_error(exc.request_id, exc.error)
             return
+        except Exception:
+            # An exception escaping here would end the whole connection (and,
+            # on stdio, the server): one bad line must cost one error reply.
+            self._count("<invalid>", "error")
+            log.failure("unexpected error decoding a message on {label}", label=self.label)
+            self._send_error(None, RpcError.internal("internal error: cannot decode message"))
+            return
         if isinstance(incoming, codec.IncomingRequest):
             self._handle_request(incoming)
         elif isinstance(incoming, codec.IncomingNotification):
@@ -241,21 +248,36 @@ class Connection:
                 errbackArgs=(req,),
             ).addErrback(lambda f: log.failure("sending a response failed", f))
         else:
-            self._count(req.method, "ok")
-            self.send(p.Response(req.id, result))
+            self._respond(req, result)
+
+    def _respond(self, req: codec.IncomingRequest, result: object) -> None:
+        # Encode before counting and writing: a result msgspec cannot encode
+        # must become an error reply, not an exception that ends the connection.
+        try:
+            data = codec.encode(p.Response(req.id, result))
+        except Exception:
+            self._internal_error(req, Failure())
+            return
+        self._count(req.method, "ok")
+        if self._open:
+            self.outbound.write_message(data)
 
     def _deferred_result(self, result: object, req: codec.IncomingRequest) -> None:
-        self._count(req.method, "ok")
-        self.send(p.Response(req.id, result))
-        self._request_done()
+        try:
+            self._respond(req, result)
+        finally:
+            # Always: shutdown waits until no request is in flight.
+            self._request_done()
 
     def _deferred_failure(self, failure: Failure, req: codec.IncomingRequest) -> None:
-        if isinstance(failure.value, RpcError):
-            self._count(req.method, "error")
-            self._send_error(req.id, failure.value)
-        else:
-            self._internal_error(req, failure)
-        self._request_done()
+        try:
+            if isinstance(failure.value, RpcError):
+                self._count(req.method, "error")
+                self._send_error(req.id, failure.value)
+            else:
+                self._internal_error(req, failure)
+        finally:
+            self._request_done()
 
     def _internal_error(self, req: codec.IncomingRequest, failure: Failure) -> None:
         self._count(req.method, "error")

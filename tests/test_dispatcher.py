@@ -326,3 +326,48 @@ def test_invalid_utf8_in_params_is_invalid_params_not_internal_error() -> None:
     [reply] = h.outbound.take()
     assert reply["id"] == 7
     assert reply["error"]["code"] == -32602
+
+
+# --- failures that must not take the connection down ---------------------------------------
+
+
+def test_an_unencodable_result_is_an_internal_error_not_a_dead_connection() -> None:
+    h = Harness()
+    h.dispatcher.add_route("test/odd", p.Empty, lambda conn, params: object(), family=None)
+    error = h.error("test/odd", {})
+    assert error["code"] == -32603
+    assert h.result("initialize", {"clientName": "x"})["protocolVersion"] == "exec-server.v0"
+
+
+def test_an_unencodable_deferred_result_is_answered_and_the_request_completes() -> None:
+    h = Harness()
+    pending: list[Deferred[Any]] = []
+
+    def slow(conn: Any, params: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        pending.append(d)
+        return d
+
+    h.dispatcher.add_route("test/slow", p.Empty, slow, family=None)
+    request_id = h.request("test/slow", {})
+    idle = h.conn.when_idle()
+    pending[0].callback(object())
+    response = h.response(request_id)
+    assert response is not None
+    assert response["error"]["code"] == -32603
+    # Otherwise shutdown (which waits for requests in flight) would never end.
+    assert idle.called
+
+
+def test_an_unexpected_decoding_failure_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness()
+
+    def broken(data: bytes | str) -> Any:
+        raise RuntimeError("simulated decoder bug")
+
+    monkeypatch.setattr("execserver.codec.decode_message", broken)
+    h.conn.message_received(b'{"id":1,"method":"initialize"}')
+    [reply] = h.outbound.take()
+    assert reply["id"] is None
+    assert reply["error"]["code"] == -32603
+    assert not h.outbound.closed
