@@ -44,12 +44,17 @@ class Cli(ProcessProtocol):
         if pty:
             # After the client exits, show the terminal settings it left.
             argv = ["/bin/sh", "-c", '"$@"; rc=$?; stty -a; exit $rc', "sh", *argv]
-        transport = reactor.spawnProcess(
+        reactor.spawnProcess(
             proto, argv[0], argv, env=server_env(), path=str(REPO_ROOT), usePTY=pty
         )
         if pty and size is not None:
-            fcntl.ioctl(transport.fileno(), termios.TIOCSWINSZ, struct.pack("HHHH", *size, 0, 0))
+            proto.resize(*size)
         return proto
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the PTY's window size (the client gets SIGWINCH)."""
+        transport: Any = self.transport
+        fcntl.ioctl(transport.fileno(), termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
     def outReceived(self, data: bytes) -> None:
         self.out += data
@@ -237,6 +242,10 @@ async def test_pty_session_echo_ctrl_c_and_exit() -> None:
         # The window size was sent at start.
         cli.write(b"stty size\r")
         await cli.output(rb"33 101\r\nPROMPT> ", "the remote terminal size")
+        # A local resize (SIGWINCH) is forwarded with process/resize.
+        cli.resize(40, 120)
+        cli.write(b"stty size\r")
+        await cli.output(rb"40 120\r\nPROMPT> ", "the resized remote terminal")
         # Input is forwarded and echoed by the remote terminal.
         cli.write(b"echo he''llo\r")
         await cli.output(rb"echo he''llo\r\nhello\r\nPROMPT> ", "echo output")
@@ -293,3 +302,25 @@ async def test_fs_subcommands(tmp_path: Path) -> None:
     cli = await run("fs", "--stdio", "cat", f"{remote}/sub/file.bin")
     assert cli.exit_code == 1
     assert cli.err.startswith(b"exec-server-client: fs cat: ")
+
+
+@pytest_twisted.ensureDeferred
+async def test_connection_lost_during_run_is_255_with_a_message() -> None:
+    server = await WsServerProcess.start()
+    remote_pid: int | None = None
+    try:
+        cli = Cli.start(
+            "run", "--url", server.url, "--", "sh", "-c", "echo started $$; exec sleep 30"
+        )
+        await cli.output(rb"started (\d+)\n", "the remote process to start")
+        match = re.search(rb"started (\d+)", cli.out)
+        assert match is not None
+        remote_pid = int(match.group(1))
+        server.signal("KILL")
+        assert await cli.finish() == 255
+        assert b"connection lost while `sh` was running" in cli.err
+    finally:
+        await server.stop()
+        if remote_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(remote_pid, 9)

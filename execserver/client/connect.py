@@ -17,6 +17,7 @@ Each one calls :meth:`RpcClient.attach` when it can send,
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 import re
@@ -27,6 +28,7 @@ from typing import Any, cast
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from autobahn.websocket.util import parse_url
 from twisted.internet import error as _error
+from twisted.internet import main as _main
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import (
     HostnameEndpoint,
@@ -196,6 +198,37 @@ class ServerProcessProtocol(ProcessProtocol):
                 self.transport.signalProcess("KILL")
 
 
+_READ_SIZE = 256 * 1024
+
+
+def _read_larger_chunks(transport: Any) -> None:
+    """Read the server's stdout 256 KiB per wakeup instead of Twisted's 8 KiB.
+
+    An output notification is ~87 KiB of JSON: 8 KiB reads cost ~11 reactor
+    wakeups per message (end-to-end rate ~0.67x the benchmarks' lean client).
+    """
+    reader = getattr(transport, "pipes", {}).get(1)
+    if reader is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, _READ_SIZE)
+    fd = reader.fileno()
+
+    def do_read() -> object:
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return _main.CONNECTION_LOST
+        if not data:
+            return _main.CONNECTION_DONE
+        reader.dataReceived(data)
+        return None
+
+    reader.doRead = do_read
+
+
 def default_server_command() -> list[str]:
     return [sys.executable, "-m", "execserver"]
 
@@ -253,13 +286,14 @@ def spawn_local(
     rpc = RpcClient(label="exec-server stdio")
     proto = ServerProcessProtocol(rpc, stderr)
     try:
-        reactor.spawnProcess(
+        transport = reactor.spawnProcess(
             proto,
             argv[0],
             argv,
             env=dict(os.environ) if env is None else env,
             childFDs={0: "w", 1: "r", 2: "r"},
         )
+        _read_larger_chunks(transport)
     except OSError as exc:
         return Deferred.fromCoroutine(_raise(SpawnFailed(f"cannot launch {argv[0]}: {exc}")))
 

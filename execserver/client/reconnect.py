@@ -126,12 +126,13 @@ class ReconnectingClient(ClientApi):
         for d in waiters:
             d.errback(ConnectionClosed("the reconnecting client was stopped"))
         client = self.client
-        stopping: Deferred[Any] = self._service.stopService()
 
         async def run() -> None:
-            await stopping
+            # A WebSocket close handshake first, so the server sees a clean
+            # close; then no more reconnecting.
             if client is not None:
                 await client.close()
+            await self._service.stopService()
 
         return Deferred.fromCoroutine(run())
 
