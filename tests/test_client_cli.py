@@ -38,7 +38,13 @@ class Cli(ProcessProtocol):
         self._watchers: list[tuple[re.Pattern[bytes], Deferred[None]]] = []
 
     @classmethod
-    def start(cls, *args: str, pty: bool = False, size: tuple[int, int] | None = None) -> Cli:
+    def start(
+        cls,
+        *args: str,
+        pty: bool = False,
+        size: tuple[int, int] | None = None,
+        stdin: bytes | None = None,
+    ) -> Cli:
         proto = cls()
         argv = [sys.executable, "-m", "execserver.client.cli", *args]
         if pty:
@@ -49,6 +55,10 @@ class Cli(ProcessProtocol):
         )
         if pty and size is not None:
             proto.resize(*size)
+        if stdin is not None:
+            proto.write(stdin)
+            assert proto.transport is not None
+            proto.transport.closeStdin()
         return proto
 
     def resize(self, rows: int, cols: int) -> None:
@@ -144,6 +154,18 @@ async def test_run_writes_binary_output_byte_exact() -> None:
     assert cli.exit_code == 0, cli.err
     assert len(cli.out) == len(expected)
     assert hashlib.sha256(cli.out).digest() == hashlib.sha256(expected).digest()
+
+
+@pytest_twisted.ensureDeferred
+async def test_run_forwards_stdin_with_dash_i() -> None:
+    data = bytes(range(256)) * 8192  # 2 MiB, more than one pipe's worth
+    cli = Cli.start("run", "-i", "--stdio", "--", "sha256sum", stdin=data)
+    assert await cli.finish() == 0, cli.err
+    assert cli.out.split()[0].decode() == hashlib.sha256(data).hexdigest()
+    # Without -i the remote stdin is closed, as in the baseline.
+    cli = Cli.start("run", "--stdio", "--", "wc", "-c", stdin=b"ignored")
+    assert await cli.finish() == 0, cli.err
+    assert cli.out.strip() == b"0"
 
 
 @pytest_twisted.ensureDeferred

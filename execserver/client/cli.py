@@ -2,6 +2,7 @@
 
     exec-server-client run --url ws://127.0.0.1:8080 -- make test
     exec-server-client run --stdio -- uname -a
+    exec-server-client run -i --stdio -- sha256sum < big.iso
     exec-server-client shell --url ws://127.0.0.1:8080
     exec-server-client fs --stdio ls /tmp
 
@@ -20,6 +21,7 @@ import errno
 import fcntl
 import os
 import select
+import shlex
 import signal
 import struct
 import sys
@@ -151,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_options(run)
     _process_options(run)
     run.add_argument("-t", "--tty", action="store_true", help="interactive, in a remote PTY")
+    run.add_argument(
+        "-i",
+        "--stdin",
+        action="store_true",
+        help="forward stdin to the command (without -t; needs a server with pipeStdin)",
+    )
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
     shell = sub.add_parser("shell", help="an interactive remote shell (run -t)")
@@ -225,11 +233,10 @@ async def connect(reactor: Any, args: argparse.Namespace) -> ExecServerClient:
                 EXIT_USAGE,
             )
         if url is None:
-            command = args.server_command.split() if args.server_command else None
-            stderr_tail = bytearray()
-            return await ExecServerClient.spawn_local(
-                reactor, options, command=command, stderr=stderr_tail.extend
-            )
+            command = shlex.split(args.server_command) if args.server_command else None
+            # The server's stderr (its log) is not shown; its tail is quoted
+            # if it fails to start.
+            return await ExecServerClient.spawn_local(reactor, options, command=command)
         if not (url.startswith("ws://") or url.startswith("wss://")):
             raise CliError(
                 f"invalid --url `{url}`: expected ws://HOST:PORT or wss://...", EXIT_USAGE
@@ -332,13 +339,20 @@ def _spawn_error(exc: ServerError, argv: Sequence[str]) -> CliError:
 
 
 class _StdinForwarder:
-    """Reads local stdin in the reactor and writes it to the remote process."""
+    """Reads local stdin in the reactor and writes it to the remote process.
+
+    One ``process/write`` is in flight at a time (reading pauses meanwhile),
+    so a large input is paced by the remote reader; a write refused because
+    the remote stdin buffer is full is retried. At end of input the remote
+    stdin is closed (``process/closeStdin``; on a PTY, the EOF character).
+    """
 
     def __init__(self, reactor: Any, proc: RemoteProcess, client: ExecServerClient) -> None:
         self._reactor = reactor
         self._proc = proc
         self._client = client
         self._reading = False
+        self._stopped = False
 
     def fileno(self) -> int:
         return 0
@@ -347,13 +361,18 @@ class _StdinForwarder:
         return "stdin"
 
     def start(self) -> None:
-        self._reactor.addReader(self)
-        self._reading = True
+        if not self._stopped and not self._reading:
+            self._reactor.addReader(self)
+            self._reading = True
 
-    def stop(self) -> None:
+    def _pause(self) -> None:
         if self._reading:
             self._reactor.removeReader(self)
             self._reading = False
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._pause()
 
     def doRead(self) -> None:
         try:
@@ -363,14 +382,40 @@ class _StdinForwarder:
         except OSError:
             data = b""
         if not data:
-            self.stop()
-            if self._client.supports(p.PROCESS_CLOSE_STDIN):
-                self._proc.close_stdin().addErrback(_ignore)
+            self._end_of_input()
             return
-        self._proc.write(data).addErrback(_ignore)
+        self._pause()
+        self._send(data)
+
+    def _end_of_input(self) -> None:
+        if self._stopped:
+            return
+        self.stop()
+        if self._client.supports(p.PROCESS_CLOSE_STDIN) and not self._proc.has_exited:
+            self._proc.close_stdin().addErrback(_ignore)
+
+    def _send(self, data: bytes) -> None:
+        d = self._proc.write(data)
+        d.addCallbacks(lambda _: self.start(), self._write_failed, errbackArgs=(data,))
+        d.addErrback(_ignore)
+
+    def _write_failed(self, failure: Failure, data: bytes) -> None:
+        error = failure.value
+        if (
+            isinstance(error, ServerError)
+            and "retry later" in error.message
+            and not self._proc.has_exited
+            and not self._stopped
+        ):
+            self._reactor.callLater(0.05, self._send, data)
+            return
+        # The process exited or closed its input: nothing more to forward.
+        self.stop()
 
     def connectionLost(self, reason: Failure) -> None:
+        # The reactor saw a hangup on stdin (a pipe whose writer is gone).
         self._reading = False
+        self._end_of_input()
 
 
 def _ignore(_: Failure) -> None:
@@ -379,6 +424,7 @@ def _ignore(_: Failure) -> None:
 
 async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) -> int:
     argv = _argv(args, DEFAULT_SHELL if tty_mode else None)
+    forward_stdin = tty_mode or getattr(args, "stdin", False)
     env = _env(args, tty_mode)
     client = await connect(reactor, args)
     stdin_is_tty = os.isatty(0)
@@ -394,6 +440,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 cwd=cwd,
                 env=env,
                 tty=tty_mode,
+                pipe_stdin=forward_stdin and not tty_mode,
                 size=size,
                 timeout_ms=args.timeout_ms,
             )
@@ -419,20 +466,20 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old_handlers[sig] = signal.signal(sig, on_signal)
 
-        if tty_mode:
-            if stdin_is_tty:
-                saved_tty = termios.tcgetattr(0)
-                tty.setraw(0)
-                if client.supports(p.PROCESS_RESIZE):
+        if tty_mode and stdin_is_tty:
+            saved_tty = termios.tcgetattr(0)
+            tty.setraw(0)
+            if client.supports(p.PROCESS_RESIZE):
 
-                    def resized() -> None:
-                        new = terminal_size(0)
-                        if new is not None:
-                            proc.resize(*new).addErrback(_ignore)
+                def resized() -> None:
+                    new = terminal_size(0)
+                    if new is not None:
+                        proc.resize(*new).addErrback(_ignore)
 
-                    old_handlers[signal.SIGWINCH] = signal.signal(
-                        signal.SIGWINCH, lambda s, f: reactor.callFromThread(resized)
-                    )
+                old_handlers[signal.SIGWINCH] = signal.signal(
+                    signal.SIGWINCH, lambda s, f: reactor.callFromThread(resized)
+                )
+        if forward_stdin:
             forwarder = _StdinForwarder(reactor, proc, client)
             forwarder.start()
 

@@ -89,7 +89,7 @@ class _LineInput:
             if self.rpc.is_closed:
                 return
             if item is OVERSIZED:
-                self.rpc._violation(f"message larger than {self._max} bytes")
+                self.rpc.protocol_error(f"message larger than {self._max} bytes")
             else:
                 self.rpc.message_received(item)
 

@@ -20,7 +20,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 import msgspec
-from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.internet.defer import Deferred, fail
 from twisted.logger import Logger
 
 from execserver import codec
@@ -101,11 +101,11 @@ class RpcClient:
         try:
             message = _message_decoder.decode(data)
         except msgspec.DecodeError as exc:
-            self._violation(f"undecodable message from server: {exc}")
+            self.protocol_error(f"undecodable message from server: {exc}")
             return
         if not isinstance(message.method, msgspec.UnsetType):
             if not isinstance(message.id, msgspec.UnsetType):
-                self._violation(f"unexpected JSON-RPC request from server: {message.method}")
+                self.protocol_error(f"unexpected JSON-RPC request from server: {message.method}")
                 return
             params = message.params if isinstance(message.params, msgspec.Raw) else None
             if self.on_notification is not None:
@@ -116,7 +116,7 @@ class RpcClient:
         elif isinstance(message.result, msgspec.Raw) and isinstance(message.id, int | str):
             self._settle_result(message.id, message.result)
         else:
-            self._violation("message from server is neither a response nor a notification")
+            self.protocol_error("message from server is neither a response nor a notification")
 
     def connection_lost(self, reason: str = "connection closed") -> None:
         """The channel is gone: fail every pending call at once."""
@@ -238,13 +238,10 @@ class RpcClient:
             return
         entry.deferred.errback(ServerError(entry.method, error.code, error.message, error.data))
 
-    def _violation(self, reason: str) -> None:
+    def protocol_error(self, reason: str) -> None:
+        """The channel or a message broke the protocol: close, failing every pending call."""
         log.warn("{label}: closing after protocol error: {reason}", label=self.label, reason=reason)
         sink = self._sink
         self.connection_lost(f"protocol error: {reason}")
         if sink is not None:
             sink.close()
-
-
-def is_cancelled(error: BaseException) -> bool:
-    return isinstance(error, CancelledError)
