@@ -6,10 +6,12 @@ Every exchange is scripted over a ``StringTransport``; timeouts run on a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import pytest_twisted
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 
@@ -18,6 +20,7 @@ from execserver.client import (
     ClosedEvent,
     ConnectionClosed,
     DisconnectedEvent,
+    ExecServerClient,
     ExitedEvent,
     InitializeTimeout,
     OutputEvent,
@@ -410,3 +413,54 @@ async def test_close_fails_pending_calls_and_is_idempotent() -> None:
     await closing
     await client.close()
     assert isinstance(_failure_of(pending), ConnectionClosed)
+
+
+@given(
+    st.lists(st.sampled_from(["call", "answer", "error", "cancel"]), max_size=40),
+    st.randoms(use_true_random=False),
+    st.booleans(),
+)
+@settings(max_examples=100, deadline=None)
+def test_id_map_invariants(ops: list[str], rnd: Any, drop_at_end: bool) -> None:
+    """Any interleaving of calls, answers (in any order), errors and
+    cancellations: every call settles exactly once, only answered ids leave the
+    map, and a drop empties it."""
+    server = ScriptedServer()
+    d = server.connect()
+    (init,) = server.expect(1)
+    server.reply(init["id"], {"protocolVersion": "exec-server.v0"})
+    client = cast(ExecServerClient, d.result)
+    server.expect(1)
+    outstanding: dict[int, Deferred[Any]] = {}
+    settled: dict[int, int] = {}
+
+    def track(request_id: int, call: Deferred[Any]) -> None:
+        settled[request_id] = 0
+
+        def done(result: object) -> None:
+            settled[request_id] += 1
+
+        call.addBoth(done)
+
+    for op in ops:
+        if op == "call":
+            call = client.terminate("p")
+            (req,) = server.expect(1)
+            outstanding[req["id"]] = call
+            track(req["id"], call)
+        elif outstanding:
+            request_id = rnd.choice(sorted(outstanding))
+            call = outstanding.pop(request_id)
+            if op == "answer":
+                server.reply(request_id, {"running": True})
+            elif op == "error":
+                server.error(request_id, -32600, "no")
+            else:
+                call.cancel()
+        assert client.pending_request_count == len(outstanding)
+    if drop_at_end:
+        server.drop()
+        outstanding.clear()
+        assert client.pending_request_count == 0
+    assert all(count == 1 for rid, count in settled.items() if rid not in outstanding)
+    assert all(settled[rid] == 0 for rid in outstanding)

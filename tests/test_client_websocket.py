@@ -276,3 +276,22 @@ async def test_reconnecting_client_across_a_real_server_process_restart() -> Non
         await server.stop()
         if restarted is not None:
             await restarted.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_dropping_a_websocket_client_ends_its_session() -> None:
+    import gc
+
+    server = LocalWsServer().start()
+    try:
+        client = await _connect(server.url)
+        await client.start_process(["sleep", "30"], cwd=CWD)
+        await client.list_processes()
+        (connection,) = server.dispatcher.connections
+        managed = next(iter(connection.session.processes.values()))
+        del client
+        gc.collect()
+        await wait(managed.when_closed(), "the dropped client's process to be terminated")
+        await eventually(lambda: not server.protocols, "the server to see the disconnect")
+    finally:
+        await server.stop()
