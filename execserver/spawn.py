@@ -35,6 +35,7 @@ import signal
 import stat
 import struct
 import termios
+import time
 from typing import Any, Final, Protocol
 
 import attrs
@@ -473,24 +474,25 @@ def kill_group(pid: int, sig: int) -> bool:
     return True
 
 
-def group_alive(pgid: int) -> bool:
-    """True while process group ``pgid`` has a member that is not a zombie.
+#: How long one /proc scan answers :func:`group_alive` for every group. When
+#: many processes are terminated at once (a session ending) their groups are
+#: checked in a burst; one scan serves them all. A stale "alive" only costs
+#: a later re-check.
+GROUP_SCAN_TTL: Final = 0.05
+_group_scan: tuple[float, frozenset[int]] | None = None
 
-    ``killpg(pgid, 0)`` alone cannot tell: it succeeds for zombies, and
-    orphans killed with their group stay zombies until init reaps them
-    (which some container inits never do). Only when it succeeds is /proc
-    scanned for a live member.
-    """
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+
+def _live_groups() -> frozenset[int] | None:
+    """Groups with a member that is not a zombie, from /proc (None: no /proc)."""
+    global _group_scan
+    now = time.monotonic()
+    if _group_scan is not None and now - _group_scan[0] < GROUP_SCAN_TTL:
+        return _group_scan[1]
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return True
+        return None
+    live = set()
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -500,9 +502,29 @@ def group_alive(pgid: int) -> bool:
         except (OSError, IndexError):
             continue
         # Fields after the command: state, ppid, pgrp, ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+        if len(fields) > 2 and fields[0] not in (b"Z", b"X"):
+            live.add(int(fields[2]))
+    groups = frozenset(live)
+    _group_scan = (now, groups)
+    return groups
+
+
+def group_alive(pgid: int) -> bool:
+    """True while process group ``pgid`` has a member that is not a zombie.
+
+    ``killpg(pgid, 0)`` alone cannot tell: it succeeds for zombies, and
+    orphans killed with their group stay zombies until init reaps them
+    (which some container inits never do). Only when it succeeds is /proc
+    consulted.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    groups = _live_groups()
+    return groups is None or pgid in groups
 
 
 __all__ = [

@@ -472,3 +472,36 @@ def test_idle_timeout_waits_while_flow_control_stops_reading() -> None:
     assert spawner.group.sent == []
     clock.advance(1.2)
     assert spawner.group.sent[:1] == [signal.SIGTERM]
+
+
+def test_group_alive_ignores_zombies(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import subprocess
+    import time
+
+    from execserver import spawn
+
+    monkeypatch.setattr(spawn, "_group_scan", None)
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo started; wait"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert leader.stdout is not None
+        leader.stdout.readline()
+        assert spawn.group_alive(leader.pid)
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait(10)
+        # The orphaned sleep may linger as a zombie (this container's init
+        # reaps late): it must not count. Poll past the scan cache's lifetime.
+        deadline = time.monotonic() + 10
+        while spawn.group_alive(leader.pid):
+            assert time.monotonic() < deadline, "group still reported alive"
+            time.sleep(spawn.GROUP_SCAN_TTL)
+    finally:
+        if leader.poll() is None:
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.wait()
+        if leader.stdout is not None:
+            leader.stdout.close()
