@@ -202,11 +202,12 @@ class ManagedProcess(ProcessProtocol):
         self._time_out("idle")
 
     def _time_out(self, kind: TimedOut) -> None:
-        if self.closed:
-            return
-        if not self.exited and self.timed_out is None and not self.terminating:
-            self.timed_out = kind
         self._cancel_timeouts()
+        if self.closed or self.terminating:
+            # A terminate already under way keeps the client's grace.
+            return
+        if not self.exited:
+            self.timed_out = kind
         self.terminate(self._timeout_grace)
 
     def _cancel_timeouts(self) -> None:

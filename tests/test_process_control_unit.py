@@ -505,3 +505,14 @@ def test_group_alive_ignores_zombies(monkeypatch: pytest.MonkeyPatch) -> None:
             leader.wait()
         if leader.stdout is not None:
             leader.stdout.close()
+
+
+def test_a_timeout_during_a_client_terminate_keeps_the_clients_grace() -> None:
+    proc, clock, group, _, _ = make_process()
+    proc.start_timeouts(1.0, None, 0.5)
+    proc.terminate(10.0)
+    clock.advance(1.0)  # the wall limit passes
+    clock.advance(0.5)  # the timeout's own grace would end here
+    assert signal.SIGKILL not in group.sent
+    clock.advance(8.5)
+    assert group.sent[-1] == signal.SIGKILL
