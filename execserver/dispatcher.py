@@ -261,6 +261,9 @@ class Connection:
         self._count(req.method, "ok")
         if self._open:
             self.outbound.write_message(data)
+        # Events of a process that finished while it was being started were
+        # held back so that they follow this (its start) response.
+        self.session.release_held()
 
     def _deferred_result(self, result: object, req: codec.IncomingRequest) -> None:
         try:
@@ -358,3 +361,6 @@ class Connection:
     def transport_closed(self) -> None:
         """The transport is gone: nothing more can be sent."""
         self._open = False
+        # Output is discarded from now on; read the children's pipes again so
+        # they are not left blocked on a full pipe while being terminated.
+        self.session.resumeProducing()

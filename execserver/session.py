@@ -103,6 +103,7 @@ class Session:
         self._send = send
         self.processes: dict[str, ManagedProcess] = {}
         self._expiry: dict[str, IDelayedCall] = {}
+        self._held: dict[ManagedProcess, list[object]] = {}
         self._paused = False
         self._closing = False
         #: Closed processes whose terminate still has a SIGKILL to send; kept
@@ -188,12 +189,24 @@ class Session:
         )
         # Reserve the id before spawning: the spawn may deliver events at once.
         self.processes[process_id] = proc
+        # Twisted reaps a child that already exited while constructing its
+        # transport, so output and exit can be reported before spawn()
+        # returns. Hold them until the start response is out (release_held),
+        # so a client never hears of a process before it learns its id.
+        self._held[proc] = []
         try:
             transport = self._spawner.spawn(proc, spec)
         except BaseException:
+            self._held.pop(proc, None)
             if self.processes.get(process_id) is proc:
                 del self.processes[process_id]
             raise
+        if not self._held[proc]:
+            del self._held[proc]
+        else:
+            # Normally the connection releases them right after the response;
+            # this covers callers that start processes without one.
+            self._clock.callLater(0, self.release_held)
         proc.stdin_open = (spec.tty or spec.pipe_stdin) and not proc.closed
         if timeout_ms is not None or idle_timeout_ms is not None:
             proc.start_timeouts(
@@ -406,10 +419,11 @@ class Session:
     ) -> None:
         if self.stats is not None:
             self.stats.output_bytes[stream] += len(data)
-        self._send(
+        self._emit(
+            proc,
             p.Notification(
                 p.PROCESS_OUTPUT, p.OutputNotification(proc.process_id, stream, data, seq)
-            )
+            ),
         )
 
     def process_exited(self, proc: ManagedProcess) -> None:
@@ -422,22 +436,39 @@ class Session:
             params.signal = proc.signal
         if proc.timed_out is not None:
             params.timed_out = proc.timed_out
-        self._send(p.Notification(p.PROCESS_EXITED, params))
+        self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:
         if not proc.finished:
             self._escalating.add(proc)
             proc.when_finished().addCallback(lambda _: self._escalating.discard(proc))
-        self._send(
+        self._emit(
+            proc,
             p.Notification(
                 p.PROCESS_CLOSED, p.ClosedNotification(proc.process_id, proc.output.next_seq - 1)
-            )
+            ),
         )
         if self._closing:
             return
         delay = self.config.exit_retention_ms / 1000.0
         self._expiry[proc.process_id] = self._clock.callLater(delay, self._expire, proc)
         self._evict_retired_beyond_limit()
+
+    def _emit(self, proc: ManagedProcess, message: object) -> None:
+        held = self._held.get(proc)
+        if held is None:
+            self._send(message)
+        else:
+            held.append(message)
+
+    def release_held(self) -> None:
+        """Send the events of processes that reported them while being spawned."""
+        if not self._held:
+            return
+        held, self._held = self._held, {}
+        for messages in held.values():
+            for message in messages:
+                self._send(message)
 
     def _expire(self, proc: ManagedProcess) -> None:
         self._expiry.pop(proc.process_id, None)
@@ -497,7 +528,10 @@ class Session:
         """
         grace = (self.config.terminate_grace_ms if grace_ms is None else grace_ms) / 1000.0
         self._closing = True
-        self.resumeProducing()
+        # Flow control stays as the transport set it: a client that stopped
+        # reading must not make the server buffer the output of the grace
+        # period. Paused children die from the signals regardless, and a pipe
+        # nobody reads is closed by the force-close after SIGKILL.
         waits = []
         for proc in {*self.processes.values(), *self._escalating}:
             if not proc.closed:

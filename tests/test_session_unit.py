@@ -620,11 +620,6 @@ class ReapedDuringSpawn(FakeSpawner):
         return transport
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="session.py/processes.py bug: events delivered during spawn() are sent at once, so "
-    "process/output and process/exited precede the process/start response",
-)
 def test_start_response_precedes_the_events_of_a_child_that_exited_during_spawn() -> None:
     h = ready(spawner=ReapedDuringSpawn())
     request_id = h.request("process/start", exec_params("fast", argv=["printf", "hi"]))
