@@ -61,6 +61,7 @@ class LineProtocol(Protocol):
         self._closed_waiters: list[Deferred[None]] = []
         self.on_closed: Callable[[], None] | None = None
         self._pipe_writer: Any = None
+        self._batch: list[bytes] | None = None
 
     @property
     def _transport(self) -> Any:
@@ -75,7 +76,21 @@ class LineProtocol(Protocol):
         self._transport.registerProducer(self.connection.session, True)
 
     def dataReceived(self, data: bytes) -> None:
-        self._deliver(self._framer.feed(data))
+        # Small messages sent while this read is handled (typically the
+        # answers to the requests in it) are gathered and written at once:
+        # one transport write instead of one per message.
+        self._batch = []
+        try:
+            self._deliver(self._framer.feed(data))
+        finally:
+            self._flush_batch()
+            self._batch = None
+
+    def _flush_batch(self) -> None:
+        batch = self._batch
+        if batch:
+            self._batch = []
+            self._transport.write(b"".join(batch))
 
     def _deliver(self, items: list[bytes | Oversized]) -> None:
         conn = self.connection
@@ -90,6 +105,13 @@ class LineProtocol(Protocol):
     # --- Outbound -----------------------------------------------------------------
 
     def write_message(self, data: bytes) -> None:
+        batch = self._batch
+        if batch is not None:
+            if len(data) < DIRECT_WRITE_BYTES:
+                batch.append(data)
+                batch.append(b"\n")
+                return
+            self._flush_batch()  # keep order: what was gathered goes first
         writer = self._pipe_writer
         if (
             len(data) >= DIRECT_WRITE_BYTES
@@ -118,6 +140,7 @@ class LineProtocol(Protocol):
         self._transport.write(data + b"\n")
 
     def close_connection(self) -> None:
+        self._flush_batch()
         self._finish()
 
     # --- end of input / output ----------------------------------------------------
