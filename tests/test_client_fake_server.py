@@ -464,3 +464,38 @@ def test_id_map_invariants(ops: list[str], rnd: Any, drop_at_end: bool) -> None:
         assert client.pending_request_count == 0
     assert all(count == 1 for rid, count in settled.items() if rid not in outstanding)
     assert all(settled[rid] == 0 for rid in outstanding)
+
+
+@pytest_twisted.ensureDeferred
+async def test_compact_and_reordered_notifications_decode_alike() -> None:
+    server = ScriptedServer()
+    _client, process = await _started(server)
+    got: list[OutputEvent] = []
+    process.add_output_listener(got.append)
+    chunk = b64(b"abc")
+    # As this server writes it (method first, compact): the one-pass path.
+    server.protocol.dataReceived(
+        b'{"method":"process/output","params":{"processId":"proc-1","stream":"stdout",'
+        b'"chunk":"' + chunk.encode() + b'","seq":1}}\n'
+    )
+    # Another key order and spacing: the generic path.
+    server.protocol.dataReceived(
+        b'{"params": {"seq": 2, "chunk": "' + chunk.encode() + b'", "stream": "stderr", '
+        b'"processId": "proc-1"}, "jsonrpc": "2.0", "method": "process/output"}\n'
+    )
+    # Invalid params in either form: logged and dropped, connection kept.
+    server.protocol.dataReceived(
+        b'{"method":"process/output","params":{"processId":"proc-1","stream":"nope"}}\n'
+    )
+    assert got == [
+        OutputEvent("proc-1", "stdout", b"abc", 1),
+        OutputEvent("proc-1", "stderr", b"abc", 2),
+    ]
+    assert server.rpc.is_closed is False
+    # A request disguised with a notification's prefix is still a violation.
+    server.protocol.dataReceived(
+        b'{"method":"process/output","params":{"processId":"proc-1","stream":"stdout",'
+        b'"chunk":""},"id":5}\n'
+    )
+    assert server.rpc.is_closed
+    assert "unexpected JSON-RPC request" in (server.rpc.closed_reason or "")

@@ -34,7 +34,7 @@ from execserver import protocol as p
 from execserver.client.api import ClientApi
 from execserver.client.errors import ExecServerError, InitializeTimeout
 from execserver.client.process import DEFAULT_BACKLOG_BYTES, RemoteProcess
-from execserver.client.rpc import RpcClient, decode_as
+from execserver.client.rpc import RpcClient
 from execserver.client.types import (
     ClientEvent,
     ClosedEvent,
@@ -108,6 +108,9 @@ class ExecServerClient(ClientApi):
         #: With ``spawn_local``: the server's ServerProcessProtocol (pid, stderr_tail).
         self.local_server: Any = None
         rpc.on_notification = _weak(self._on_notification)
+        rpc.on_typed_notification(p.PROCESS_OUTPUT, OutputParams, _weak(self._output_params))
+        rpc.on_typed_notification(p.PROCESS_EXITED, ExitedParams, _weak(self._exited_params))
+        rpc.on_typed_notification(p.PROCESS_CLOSED, ClosedParams, _weak(self._closed_params))
         rpc.add_lost_listener(_weak(self._on_connection_lost))
 
     # --- connecting ---------------------------------------------------------------
@@ -330,19 +333,16 @@ class ExecServerClient(ClientApi):
     # --- notifications --------------------------------------------------------------
 
     def _on_notification(self, method: str, raw: msgspec.Raw | None) -> None:
-        try:
-            if method == p.PROCESS_OUTPUT:
-                out = decode_as(raw, OutputParams)
-                self._output(OutputEvent(out.process_id, out.stream, out.chunk, out.seq))
-            elif method == p.PROCESS_EXITED:
-                ex = decode_as(raw, ExitedParams)
-                self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
-            elif method == p.PROCESS_CLOSED:
-                self._closed(ClosedEvent(decode_as(raw, ClosedParams).process_id))
-            else:
-                log.debug("ignoring unknown notification {method}", method=method)
-        except msgspec.DecodeError as exc:
-            log.warn("invalid {method} notification from server: {exc}", method=method, exc=exc)
+        log.debug("ignoring unknown notification {method}", method=method)
+
+    def _output_params(self, out: OutputParams) -> None:
+        self._output(OutputEvent(out.process_id, out.stream, out.chunk, out.seq))
+
+    def _exited_params(self, ex: ExitedParams) -> None:
+        self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
+
+    def _closed_params(self, closed: ClosedParams) -> None:
+        self._closed(ClosedEvent(closed.process_id))
 
     def _output(self, event: OutputEvent) -> None:
         handle = self._processes.get(event.process_id)

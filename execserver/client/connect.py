@@ -198,14 +198,16 @@ class ServerProcessProtocol(ProcessProtocol):
                 self.transport.signalProcess("KILL")
 
 
-_READ_SIZE = 256 * 1024
+_READ_SIZE = 1024 * 1024
 
 
 def _read_larger_chunks(transport: Any) -> None:
-    """Read the server's stdout 256 KiB per wakeup instead of Twisted's 8 KiB.
+    """Read the server's stdout up to 1 MiB per wakeup, not Twisted's 8 KiB.
 
-    An output notification is ~87 KiB of JSON: 8 KiB reads cost ~11 reactor
-    wakeups per message (end-to-end rate ~0.67x the benchmarks' lean client).
+    An output notification is up to ~350 KiB of JSON (a 256 KiB chunk in
+    base64): 8 KiB reads cost dozens of reactor wakeups and a join per
+    message. With a 1 MiB pipe and 1 MiB reads the end-to-end rate went from
+    ~0.5x to ~0.9x the benchmarks' lean blocking client (bench_client.py).
     """
     reader = getattr(transport, "pipes", {}).get(1)
     if reader is None:

@@ -74,6 +74,16 @@ class _Pending:
 NotificationHandler = Callable[[str, msgspec.Raw | None], None]
 
 
+@attrs.frozen
+class _TypedNotification:
+    params_type: type[Any]
+    handler: Callable[[Any], None]
+    #: How the server starts such a message (``{"method":"NAME"``), and a
+    #: decoder of the whole message straight into ``params_type``.
+    prefix: bytes
+    decoder: msgspec.json.Decoder[Any]
+
+
 class RpcClient:
     """Correlates requests and responses by id over one channel."""
 
@@ -86,6 +96,30 @@ class RpcClient:
         self._closed_reason: str | None = None
         self._close_waiters: list[Deferred[str]] = []
         self._lost_listeners: list[Callable[[str], None]] = []
+        self._typed: dict[str, _TypedNotification] = {}
+
+    def on_typed_notification(
+        self, method: str, params_type: type[T], handler: Callable[[T], None]
+    ) -> None:
+        """Decode ``method``'s params as ``params_type`` and call ``handler``.
+
+        A message that begins ``{"method":"METHOD"`` (how servers encoding in
+        field order write notifications) is decoded in one pass, params
+        included; others go through the generic envelope. Params that do not
+        decode are logged and dropped, the connection stays up.
+        """
+        envelope = msgspec.defstruct(
+            "TypedNotification",
+            [
+                ("method", str),
+                ("params", params_type),
+                ("id", int | str | None | msgspec.UnsetType, msgspec.UNSET),
+            ],
+        )
+        prefix = b'{"method":' + msgspec.json.encode(method)
+        self._typed[method] = _TypedNotification(
+            params_type, handler, prefix, msgspec.json.Decoder(envelope)
+        )
 
     # --- channel side ---------------------------------------------------------
 
@@ -98,6 +132,17 @@ class RpcClient:
         """Handle one complete message from the server."""
         if self._closed_reason is not None:
             return
+        if self._typed and isinstance(data, bytes) and data.startswith(b'{"method":'):
+            for typed in self._typed.values():
+                if data.startswith(typed.prefix):
+                    try:
+                        fast = typed.decoder.decode(data)
+                    except msgspec.DecodeError:
+                        break  # the generic path reports what is wrong
+                    if fast.id is msgspec.UNSET:
+                        typed.handler(fast.params)
+                        return
+                    break
         try:
             message = _message_decoder.decode(data)
         except msgspec.DecodeError as exc:
@@ -108,7 +153,20 @@ class RpcClient:
                 self.protocol_error(f"unexpected JSON-RPC request from server: {message.method}")
                 return
             params = message.params if isinstance(message.params, msgspec.Raw) else None
-            if self.on_notification is not None:
+            entry = self._typed.get(message.method)
+            if entry is not None:
+                try:
+                    value = decode_as(params, entry.params_type)
+                except msgspec.DecodeError as exc:
+                    log.warn(
+                        "{label}: invalid {method} notification: {exc}",
+                        label=self.label,
+                        method=message.method,
+                        exc=exc,
+                    )
+                    return
+                entry.handler(value)
+            elif self.on_notification is not None:
                 self.on_notification(message.method, params)
             return
         if isinstance(message.error, p.ErrorObject):
