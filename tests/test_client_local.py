@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import sys
 from typing import Any
 
@@ -21,7 +23,7 @@ from execserver.client import (
     SpawnFailed,
 )
 from tests.harness import REPO_ROOT, pid_alive, reactor, server_env
-from tests.test_client_support import eventually, make_dispatcher, wait
+from tests.test_client_support import make_dispatcher, wait
 
 OPTIONS = ConnectOptions("test-client", initialize_timeout=5.0)
 CWD = str(REPO_ROOT)
@@ -256,14 +258,23 @@ async def test_spawned_server_that_never_answers_times_out_and_is_killed() -> No
 async def test_server_exit_fails_pending_calls_promptly() -> None:
     client = await _spawned()
     server = client.local_server
-    pending = client.read("nope-but-pending", wait_ms=30_000)
     sleeper = await client.start_process(["sleep", "30"], cwd=CWD)
-    server.kill()
-    with pytest.raises((ConnectionClosed, ServerError)):
-        await wait(pending, "pending call to fail")
-    assert await wait(sleeper.exited(), "handle marked exited") is None
-    await eventually(lambda: not client.is_connected, "disconnect")
-    await wait(client.close(), "close")
+    (listed,) = (await client.list_processes()).processes
+    pending = client.read(sleeper.process_id, after_seq=0, wait_ms=30_000)
+    try:
+        server.kill()  # a crash: nothing pending can be answered
+        with pytest.raises(ConnectionClosed) as info:
+            await wait(pending, "pending call to fail")
+        assert "exec-server" in str(info.value)
+        assert await wait(sleeper.exited(), "handle marked exited") is None
+        assert not client.is_connected
+        assert client.pending_request_count == 0
+        await wait(client.close(), "close")
+    finally:
+        # The killed server could not stop its child.
+        if listed.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(listed.pid, signal.SIGKILL)
 
 
 @pytest_twisted.ensureDeferred
