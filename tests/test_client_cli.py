@@ -44,9 +44,10 @@ class Cli(ProcessProtocol):
         pty: bool = False,
         size: tuple[int, int] | None = None,
         stdin: bytes | None = None,
+        raw: bool = False,
     ) -> Cli:
         proto = cls()
-        argv = [sys.executable, "-m", "execserver.client.cli", *args]
+        argv = list(args) if raw else [sys.executable, "-m", "execserver.client.cli", *args]
         if pty:
             # After the client exits, show the terminal settings it left.
             argv = ["/bin/sh", "-c", '"$@"; rc=$?; stty -a; exit $rc', "sh", *argv]
@@ -346,3 +347,24 @@ async def test_connection_lost_during_run_is_255_with_a_message() -> None:
         if remote_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(remote_pid, 9)
+
+
+@pytest_twisted.ensureDeferred
+async def test_closed_output_reader_terminates_the_remote_process() -> None:
+    # `exec-server-client run -- yes | head -1`: the remote `yes` must not run on.
+    cli = Cli.start(
+        "/bin/sh",
+        "-c",
+        '"$@" | head -c 2 >/dev/null; echo "status ${PIPESTATUS:-done}"',
+        "sh",
+        sys.executable,
+        "-m",
+        "execserver.client.cli",
+        "run",
+        "--stdio",
+        "--",
+        "yes",
+        raw=True,
+    )
+    assert await cli.finish() == 0, cli.err
+    assert cli.out.startswith(b"status")

@@ -27,7 +27,7 @@ import struct
 import sys
 import termios
 import tty
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from twisted.internet.defer import Deferred
@@ -51,6 +51,7 @@ EXIT_USAGE = 2
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 EXIT_CONNECTION = 255
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 #: After ``process/exited``, how long to wait for ``process/closed`` (the rest
 #: of the output); a baseline server never sends it.
 CLOSE_WAIT_SECONDS = 2.0
@@ -272,10 +273,16 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 class _Output:
-    """Writes process output to local fds; a closed reader (EPIPE) stops writing."""
+    """Writes process output to local fds.
 
-    def __init__(self, stdout: int = 1, stderr: int = 2) -> None:
+    When a reader goes away (EPIPE, e.g. ``| head``), writing stops and
+    ``on_broken`` runs once: the remote process is terminated, as a local
+    one would die of SIGPIPE.
+    """
+
+    def __init__(self, on_broken: Callable[[], None], stdout: int = 1, stderr: int = 2) -> None:
         self._fds = {"stdout": stdout, "stderr": stderr, "pty": stdout}
+        self._on_broken = on_broken
         self.broken = False
 
     def __call__(self, event: OutputEvent) -> None:
@@ -287,6 +294,7 @@ class _Output:
             if exc.errno != errno.EPIPE:
                 raise
             self.broken = True
+            self._on_broken()
 
 
 # --- run / shell ------------------------------------------------------------------
@@ -448,7 +456,11 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             raise _spawn_error(exc, argv) from None
         except ExecServerError as exc:
             raise CliError(str(exc), EXIT_CONNECTION) from None
-        output = _Output()
+
+        def reader_gone() -> None:
+            proc.terminate().addErrback(_ignore)
+
+        output = _Output(reader_gone)
         proc.add_output_listener(output)
 
         interrupts = 0
@@ -531,11 +543,15 @@ async def run_fs(reactor: Any, args: argparse.Namespace) -> int:
 
 
 async def _main(reactor: Any, args: argparse.Namespace) -> int:
-    if args.command == "run":
-        return await run_process(reactor, args, tty_mode=args.tty)
-    if args.command == "shell":
-        return await run_process(reactor, args, tty_mode=True)
-    return await run_fs(reactor, args)
+    try:
+        if args.command == "run":
+            return await run_process(reactor, args, tty_mode=args.tty)
+        if args.command == "shell":
+            return await run_process(reactor, args, tty_mode=True)
+        return await run_fs(reactor, args)
+    except BrokenPipeError:
+        # Our output's reader is gone (``| head``): end quietly, as SIGPIPE would.
+        return EXIT_BROKEN_PIPE
 
 
 def _fail(message: str, code: int) -> NoReturn:
