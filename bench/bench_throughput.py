@@ -90,7 +90,9 @@ def raw_pty_rate(total_bytes: int) -> float:
     try:
         while True:
             try:
-                data = os.read(master, 256 * 1024)
+                # 64 KiB: a PTY yields <= 4 KiB a read, and a bigger buffer only
+                # costs an mmap-sized allocation per read (see spawn.PTY_READ_SIZE).
+                data = os.read(master, 64 * 1024)
             except OSError:  # EIO: slave closed and drained
                 break
             if not data:

@@ -41,7 +41,7 @@ def print_table(figures: list[Ratio | Series], markdown: bool) -> None:
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for row in rows[1:]:
-            print("| " + " | ".join(row) + " |")
+            print("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
         return
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
