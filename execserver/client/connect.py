@@ -413,6 +413,7 @@ class ChannelFactory(WebSocketClientFactory):
         proto.rpc = RpcClient(label=f"exec-server {self.url}")
         proto.opened = Deferred()
         proto.url = self.url
+        self.last_built = proto
         return proto
 
 

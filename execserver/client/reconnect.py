@@ -20,11 +20,12 @@ the handles' last seq are what a resume needs, and both are at hand in
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeVar
 
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -46,16 +47,80 @@ T = TypeVar("T")
 log = Logger()
 
 
-@implementer(IStreamClientEndpoint)
-class _RecordingEndpoint:
-    """Remembers why the last connection attempt failed (for NotConnected)."""
+@implementer(IProtocol)
+class _Gate:
+    """Stands between ``ClientService`` and one connection's protocol.
 
-    def __init__(self, endpoint: Any, owner: ReconnectingClient) -> None:
+    ``ClientService`` (Twisted 26.10) raises ``NoTransition`` if a connection
+    it is still preparing, or whose ``prepareConnection`` failed, reports its
+    loss: its state machine has no transition for that. So the loss of a
+    connection is passed on to it only once the handshake succeeded; before
+    that, the failed ``prepareConnection`` alone drives the retry.
+    """
+
+    def __init__(self, outer: IProtocol, channel: WebSocketChannel) -> None:
+        self.outer = outer
+        self.channel = channel
+        self.ready = False
+
+    def makeConnection(self, transport: Any) -> None:
+        self.outer.makeConnection(transport)
+
+    def connectionMade(self) -> None:
+        self.outer.connectionMade()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.outer.dataReceived(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.ready:
+            self.outer.connectionLost(reason)
+        else:
+            self.channel.connectionLost(reason)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.outer, name)
+
+
+@implementer(IProtocolFactory)
+class _GateFactory:
+    def __init__(self, outer: IProtocolFactory, factory: ChannelFactory) -> None:
+        self._outer = outer
+        self._factory = factory
+
+    def buildProtocol(self, addr: Any) -> _Gate | None:
+        outer = self._outer.buildProtocol(addr)
+        if outer is None:
+            return None
+        return _Gate(outer, self._factory.last_built)
+
+    def doStart(self) -> None:
+        self._outer.doStart()
+
+    def doStop(self) -> None:
+        self._outer.doStop()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._outer, name)
+
+
+@implementer(IStreamClientEndpoint)
+class _GatedEndpoint:
+    """Gates each connection (see :class:`_Gate`); remembers why an attempt failed."""
+
+    def __init__(self, endpoint: Any, factory: ChannelFactory, owner: ReconnectingClient) -> None:
         self._endpoint = endpoint
+        self._factory = factory
         self._owner = owner
+        self._gates: dict[int, _Gate] = {}
 
     def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
-        d: Deferred[IProtocol] = self._endpoint.connect(factory)
+        d: Deferred[_Gate] = self._endpoint.connect(_GateFactory(factory, self._factory))
+
+        def connected(gate: _Gate) -> IProtocol:
+            # ClientService insists on getting back the protocol its factory made.
+            self._gates[id(gate.outer)] = gate
+            return gate.outer
 
         def record(failure: Failure) -> Failure:
             self._owner.last_error = ConnectFailed(
@@ -63,7 +128,10 @@ class _RecordingEndpoint:
             )
             return failure
 
-        return d.addErrback(record)
+        return d.addCallbacks(connected, record)
+
+    def gate_of(self, protocol: IProtocol) -> _Gate:
+        return self._gates.pop(id(protocol))
 
 
 class ReconnectingClient(ClientApi):
@@ -97,8 +165,9 @@ class ReconnectingClient(ClientApi):
         )
         if endpoint is None:
             endpoint = websocket_endpoint(reactor, url, connect_timeout)
+        self._endpoint = _GatedEndpoint(endpoint, factory, self)
         self._service = ClientService(
-            _RecordingEndpoint(endpoint, self),
+            self._endpoint,
             factory,
             retryPolicy=policy,
             clock=reactor,
@@ -175,25 +244,31 @@ class ReconnectingClient(ClientApi):
     # --- ClientService hook -------------------------------------------------------
 
     def _prepare(self, proto: IProtocol) -> Deferred[ExecServerClient]:
-        return Deferred.fromCoroutine(self._handshake(cast(WebSocketChannel, proto)))
+        return Deferred.fromCoroutine(self._handshake(self._endpoint.gate_of(proto)))
 
-    async def _handshake(self, proto: WebSocketChannel) -> ExecServerClient:
+    async def _handshake(self, gate: _Gate) -> ExecServerClient:
+        channel = gate.channel
         try:
-            await proto.opened
+            await channel.opened
             client = await ExecServerClient.connect_rpc(
-                proto.rpc,
+                channel.rpc,
                 self._reactor,
                 self._options,
-                closer=lambda: close_channel(proto, self._reactor),
+                closer=lambda: close_channel(channel, self._reactor),
             )
-        except Exception as exc:
-            self.last_error = exc
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                self.last_error = exc
             log.info("connecting to {url} failed: {exc}", url=self.url, exc=exc)
+            transport: Any = channel.transport
+            if transport is not None and not channel.rpc.is_closed:
+                transport.abortConnection()
             raise
+        gate.ready = True
         self.last_error = None
         self.client = client
         self.connect_count += 1
-        proto.rpc.add_lost_listener(lambda reason: self._lost(client, reason))
+        channel.rpc.add_lost_listener(lambda reason: self._lost(client, reason))
         waiters, self._waiters = self._waiters, []
         for d in waiters:
             d.callback(client)

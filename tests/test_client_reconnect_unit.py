@@ -1,0 +1,208 @@
+"""ReconnectingClient on a fake clock, over in-memory WebSocket connections.
+
+A fake endpoint connects each attempt through ``twisted.test.iosim`` to a
+test-local Autobahn server protocol in front of a real dispatcher; the
+``ClientService`` runs on a ``task.Clock`` with ``jitter=lambda: 0``, so the
+backoff schedule, the wait bound of calls made while disconnected and the
+handshake-before-use rule are checked exactly, without sockets or sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+import pytest_twisted
+from autobahn.twisted.websocket import WebSocketServerFactory
+from twisted.internet import task
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.interfaces import IProtocolFactory, IStreamClientEndpoint
+from twisted.logger import ILogObserver, globalLogPublisher
+from twisted.test import iosim
+from zope.interface import implementer
+
+from execserver.client import ConnectionClosed, ConnectOptions, ExecServerClient, NotConnected
+from execserver.client.reconnect import ReconnectingClient
+from tests.test_client_support import LocalWsServer, _ServerProtocol
+
+
+@implementer(IStreamClientEndpoint)
+class MemoryEndpoint:
+    """Each connect: an in-memory link to a fresh server protocol (or refused)."""
+
+    def __init__(self, server: LocalWsServer) -> None:
+        self.server = server
+        self.up = True
+        self.attempts = 0
+        self.pumps: list[iosim.IOPump] = []
+        self.server_protocols: list[_ServerProtocol] = []
+
+    def connect(self, factory: IProtocolFactory) -> Deferred[Any]:
+        self.attempts += 1
+        if not self.up:
+            return fail(ConnectionRefusedError("memory endpoint is down"))
+        address = IPv4Address("TCP", "127.0.0.1", 8765)
+        client = factory.buildProtocol(address)
+        assert client is not None
+
+        class Proto(_ServerProtocol):
+            pass
+
+        Proto.server = self.server
+        server = Proto()
+        server.factory = WebSocketServerFactory()
+        self.server_protocols.append(server)
+        pump = iosim.connect(
+            server,
+            iosim.FakeTransport(server, isServer=True),
+            client,
+            iosim.FakeTransport(client, isServer=False),
+            greet=False,
+        )
+        self.pumps.append(pump)
+        return succeed(client)
+
+    def flush(self) -> None:
+        for _ in range(10):
+            for pump in list(self.pumps):
+                pump.flush()
+
+    def drop_all(self) -> None:
+        for proto in self.server_protocols:
+            if proto.transport is not None:
+                proto.transport.loseConnection()
+        self.flush()
+        self.server_protocols.clear()
+        self.pumps.clear()
+
+
+@pytest.fixture(autouse=True)
+def no_logged_failures() -> Iterator[None]:
+    """Fail on any error logged meanwhile (e.g. a NoTransition in ClientService)."""
+    failures: list[str] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if "log_failure" in event:
+            failures.append(event["log_failure"].getTraceback())
+
+    observer = cast(ILogObserver, observe)
+    globalLogPublisher.addObserver(observer)
+    yield
+    globalLogPublisher.removeObserver(observer)
+    assert not failures, failures[0]
+
+
+def _client(endpoint: MemoryEndpoint, clock: task.Clock, **kwargs: Any) -> ReconnectingClient:
+    client = ReconnectingClient(
+        clock,
+        "ws://127.0.0.1:8765",
+        ConnectOptions("unit", initialize_timeout=5.0),
+        initial_delay=1.0,
+        factor=2.0,
+        max_delay=8.0,
+        jitter=lambda: 0,
+        endpoint=endpoint,
+        **kwargs,
+    )
+    return client
+
+
+@pytest_twisted.ensureDeferred
+async def test_backoff_handshake_waiting_calls_and_reconnect_on_a_fake_clock() -> None:
+    clock = task.Clock()
+    server = LocalWsServer()
+    endpoint = MemoryEndpoint(server)
+    client = _client(endpoint, clock, call_timeout=5.0)
+    events: list[str] = []
+    client.add_connect_listener(lambda c: events.append("connected"))
+    client.add_disconnect_listener(lambda reason: events.append("disconnected"))
+
+    # A call made before anything is connected waits for the handshake.
+    early = client.terminate("p")
+    client.start()
+    assert endpoint.attempts == 1
+    # TCP is "connected" but the WebSocket and initialize are not done yet:
+    # the call must not have been sent (ClientService.whenConnected pitfall).
+    assert not early.called and client.client is None
+    endpoint.flush()
+    assert events == ["connected"]
+    assert client.client is not None and client.client.session_id
+    endpoint.flush()
+    assert (await early).running is False
+
+    # The connection drops: a pending call fails at once.
+    pending = client.read("p", wait_ms=60_000)
+    endpoint.up = False
+    endpoint.drop_all()
+    with pytest.raises(ConnectionClosed):
+        await pending
+    assert events == ["connected", "disconnected"]
+    assert client.client is None
+
+    # Backoff: first retry after initial_delay * factor, then doubling.
+    waiting = client.list_processes()
+    attempts = endpoint.attempts
+    clock.advance(1.99)
+    assert endpoint.attempts == attempts
+    clock.advance(0.02)
+    assert endpoint.attempts == attempts + 1  # refused
+    clock.advance(3.99)
+    assert endpoint.attempts == attempts + 1
+    # The call made while disconnected gives up after call_timeout (5 s).
+    with pytest.raises(NotConnected) as info:
+        clock.advance(0.02)
+        await waiting
+    assert "connection refused" in str(info.value)
+    assert endpoint.attempts == attempts + 2
+
+    # The server is back: the next attempt connects and handshakes again,
+    # and a call waiting for it then runs.
+    endpoint.up = True
+    clock.advance(7.9)
+    assert endpoint.attempts == attempts + 2  # the next retry is 8 s after the last
+    waiting = client.list_processes()
+    clock.advance(0.2)
+    assert endpoint.attempts == attempts + 3
+    assert not waiting.called  # not before the handshake
+    endpoint.flush()
+    assert events == ["connected", "disconnected", "connected"]
+    endpoint.flush()
+    assert (await waiting).processes == []
+    assert client.connect_count == 2
+
+    stopping = client.stop()
+    endpoint.flush()
+    clock.advance(10)
+    endpoint.flush()
+    await stopping
+    await server.dispatcher.shutdown()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_handshake_is_retried_not_used() -> None:
+    clock = task.Clock()
+    server = LocalWsServer(silent=True)  # accepts the WebSocket, never answers
+    endpoint = MemoryEndpoint(server)
+    client = _client(endpoint, clock, call_timeout=30.0)
+    connected: list[ExecServerClient] = []
+    client.add_connect_listener(connected.append)
+    client.start()
+    endpoint.flush()
+    clock.advance(5.0)  # initialize_timeout
+    endpoint.flush()
+    assert connected == []
+    assert "initialize" in str(client.last_error)
+    # The server starts answering: the retry succeeds.
+    server.silent = False
+    clock.advance(8.0)
+    endpoint.flush()
+    assert len(connected) == 1
+    stopping = client.stop()
+    endpoint.flush()
+    clock.advance(10)
+    endpoint.flush()
+    await stopping
+    await server.dispatcher.shutdown()
