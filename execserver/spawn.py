@@ -46,14 +46,20 @@ from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
 from execserver.errors import RpcError
 
 READ_SIZE: Final = 256 * 1024
-# Capacity given to the child's stdout/stderr pipes. Linux's default, 64 KiB,
-# caps every read at 64 KiB whatever READ_SIZE says; a pipe as large as one
-# read lets each wakeup take a full READ_SIZE.
+# Capacity given to a child's stdout/stderr pipe once it fills the default
+# 64 KiB (which caps every read at 64 KiB whatever READ_SIZE says); a pipe as
+# large as one read lets each wakeup take a full READ_SIZE. Growing only busy
+# pipes keeps unprivileged servers inside the kernel's per-user pipe quota
+# (pipe-user-pages-soft) with hundreds of mostly quiet children.
 PIPE_CAPACITY: Final = READ_SIZE
+DEFAULT_PIPE_CAPACITY: Final = 64 * 1024
 # A PTY master yields at most 4 KiB per read (the line discipline's buffer).
 # Asking for READ_SIZE anyway costs an mmap-sized allocation per read (above
 # malloc's 128 KiB threshold) that is shrunk to 4 KiB: ~45% more CPU per byte.
 PTY_READ_SIZE: Final = 64 * 1024
+# What is immediately available on a PTY is gathered, up to this much, into
+# one chunk: one notification per 4 KiB would cost most of the PTY's speed.
+PTY_COALESCE_BYTES: Final = 64 * 1024
 # Glibc's default search path when PATH is unset, as execvp uses.
 DEFAULT_PATH: Final = "/bin:/usr/bin"
 # Bytes read synchronously from a stream when its process exits, so that all
@@ -220,8 +226,11 @@ def _posix_spawn_in(
         os.close(here)
 
 
-def _read_into(fd: int, deliver: Any, size: int = READ_SIZE) -> object:
-    """One read for a reactor reader: None to go on, a reason when the stream ended."""
+def _read_into(fd: int, deliver: Any, size: int = READ_SIZE, filled: Any = None) -> object:
+    """One read for a reactor reader: None to go on, a reason when the stream ended.
+
+    ``filled`` is called when a read took a whole default-size pipe's worth.
+    """
     try:
         data = os.read(fd, size)
     except BlockingIOError:
@@ -231,8 +240,33 @@ def _read_into(fd: int, deliver: Any, size: int = READ_SIZE) -> object:
         return CONNECTION_LOST
     if not data:
         return CONNECTION_DONE
+    if filled is not None and len(data) >= DEFAULT_PIPE_CAPACITY:
+        filled()
     deliver(data)
     return None
+
+
+def _read_coalesced(fd: int, deliver: Any) -> object:
+    """Read what a PTY has ready (up to PTY_COALESCE_BYTES) as one chunk."""
+    pieces: list[bytes] = []
+    total = 0
+    ended: object = None
+    while total < PTY_COALESCE_BYTES:
+        try:
+            data = os.read(fd, PTY_READ_SIZE)
+        except BlockingIOError:
+            break
+        except OSError:
+            ended = CONNECTION_LOST
+            break
+        if not data:
+            ended = CONNECTION_DONE
+            break
+        pieces.append(data)
+        total += len(data)
+    if pieces:
+        deliver(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+    return ended
 
 
 def _drain(fd: int, deliver: Any, size: int = READ_SIZE) -> None:
@@ -249,8 +283,17 @@ def _drain(fd: int, deliver: Any, size: int = READ_SIZE) -> None:
 
 
 class _ChunkReader(_twisted_process.ProcessReader):
+    _grown = False
+
     def doRead(self) -> object:
-        return _read_into(self.fd, self.dataReceived)
+        return _read_into(self.fd, self.dataReceived, READ_SIZE, self._filled)
+
+    def _filled(self) -> None:
+        if not self._grown:
+            self._grown = True
+            # Refused (EPERM) for unprivileged users past their pipe quota.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.fd, fcntl.F_SETPIPE_SZ, PIPE_CAPACITY)
 
     def drain(self) -> None:
         if self.connected and not self.disconnecting:
@@ -284,12 +327,6 @@ class PipeProcess(_twisted_process.Process):
             proto,
             childFDs=child_fds,
         )
-        for child_fd in (1, 2):
-            reader = self.pipes.get(child_fd)
-            if reader is not None:
-                # Refused (EPERM) for unprivileged users past their pipe quota.
-                with contextlib.suppress(OSError):
-                    fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, PIPE_CAPACITY)
 
     def _trySpawnInsteadOfFork(
         self,
@@ -374,7 +411,7 @@ class PtyProcess(_twisted_process.PTYProcess):
     _early_eof: Any = None
 
     def doRead(self) -> object:
-        return _read_into(self.fd, self._deliver, PTY_READ_SIZE)
+        return _read_coalesced(self.fd, self._deliver)
 
     def connectionLost(self, reason: Any) -> None:
         if self.pid is not None and not self.disconnecting:
