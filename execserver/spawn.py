@@ -126,30 +126,35 @@ def resolve_executable(program: str, env: dict[str, str], cwd: str) -> str:
     """Find what ``execvp(program)`` would run with ``env``'s PATH from ``cwd``."""
     if "/" in program:
         candidate = os.path.join(cwd, program)
-        _check_executable(program, candidate)
+        err = _unusable(candidate)
+        if err:
+            raise _exec_error(program, err)
         return candidate
-    denied: int | None = None
+    denied = 0
     for entry in env.get("PATH", DEFAULT_PATH).split(":"):
         candidate = os.path.join(cwd, entry, program)
-        try:
-            _check_executable(program, candidate)
-        except SpawnError as exc:
-            if exc.errno in (errno.EACCES, errno.EISDIR):
-                denied = exc.errno
-            continue
-        return candidate
-    raise _exec_error(program, denied if denied is not None else errno.ENOENT)
+        err = _unusable(candidate)
+        if not err:
+            return candidate
+        if err in (errno.EACCES, errno.EISDIR):
+            denied = err
+    raise _exec_error(program, denied or errno.ENOENT)
 
 
-def _check_executable(program: str, path: str) -> None:
+def _unusable(path: str) -> int:
+    """0 if ``path`` is an executable file, else the errno exec would report.
+
+    Cheap on a miss: a lookup along PATH misses once per entry before the hit.
+    """
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise _exec_error(program, exc.errno or errno.ENOENT) from None
+        return exc.errno or errno.ENOENT
     if stat.S_ISDIR(st.st_mode):
-        raise _exec_error(program, errno.EISDIR)
+        return errno.EISDIR
     if not os.access(path, os.X_OK):
-        raise _exec_error(program, errno.EACCES)
+        return errno.EACCES
+    return 0
 
 
 def seal_inherited_fds() -> None:
