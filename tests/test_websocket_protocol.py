@@ -435,10 +435,11 @@ class RecordingClient(WebSocketClientProtocol):
     def __init__(self) -> None:
         super().__init__()
         self.received: list[tuple[bytes, bool]] = []
-        self.is_open = False
+        # (Not `is_open`: Autobahn keeps a Deferred under that name.)
+        self.opened = False
 
     def onOpen(self) -> None:
-        self.is_open = True
+        self.opened = True
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
         self.received.append((payload, isBinary))
@@ -458,7 +459,7 @@ def test_autobahn_client_round_trip_in_memory(clock: Clock) -> None:
         iosim.FakeTransport(client, isServer=False),
         clock=clock,
     )
-    assert client.is_open
+    assert client.opened
     client.sendMessage(
         b'{"id":"a","method":"initialize","params":{"clientName":"mem"}}', isBinary=True
     )
