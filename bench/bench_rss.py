@@ -104,8 +104,8 @@ def stalled_peak_mib(total_bytes: int, stall_seconds: float) -> tuple[float, flo
         while not closed:
             for message in client.read_batch():
                 if message.method == "process/output":
-                    assert message.params is not None and message.params.chunk is not None
-                    payload += len(message.params.chunk)
+                    assert message.params is not None
+                    payload += len(message.params.data)
                 elif message.method == "process/closed":
                     closed = True
         peak = sampler.stop()

@@ -71,7 +71,7 @@ def server_round(
     for message in client.messages():
         params = message.params
         if message.method == "process/output" and params and params.process_id == process_id:
-            output += params.chunk or b""
+            output += params.data
             if b"ready" in output:
                 break
         elif message.method is None and isinstance(message.error, msgspec.Raw):

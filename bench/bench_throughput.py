@@ -48,8 +48,8 @@ def _drain_until_closed(client: StdioClient) -> int:
         for message in client.read_batch():
             method = message.method
             if method == "process/output":
-                assert message.params is not None and message.params.chunk is not None
-                payload += len(message.params.chunk)
+                assert message.params is not None
+                payload += len(message.params.data)
             elif method == "process/closed":
                 return payload
 
@@ -131,8 +131,8 @@ def client_decode_rate(reads: list[bytes]) -> float:
     for data in reads:
         for message in decoder.feed(data):
             if message.method == "process/output":
-                assert message.params is not None and message.params.chunk is not None
-                payload += len(message.params.chunk)
+                assert message.params is not None
+                payload += len(message.params.data)
     seconds = time.perf_counter() - start
     return payload / seconds / 1e6
 

@@ -20,6 +20,7 @@ from typing import Final, TypeVar
 
 import attrs
 import msgspec
+from pybase64 import b64encode
 
 from execserver import protocol
 from execserver.errors import RpcError
@@ -242,6 +243,29 @@ def decode_params(raw: msgspec.Raw | None, params_type: type[T]) -> T:
 
 _encoder: Final = msgspec.json.Encoder()
 encode: Final = _encoder.encode
+
+
+class OutputEncoder:
+    """Renders the ``process/output`` notifications of one process, fast.
+
+    Output is the bulk of what a server sends. msgspec's base64 runs at about
+    1.3 GB/s here, pybase64's SIMD encoder at tens of GB/s. The message is
+    assembled around the base64 text from pieces rendered once per process,
+    byte for byte what :func:`encode` produces for
+    ``Notification(PROCESS_OUTPUT, OutputNotification(...))``.
+    """
+
+    __slots__ = ("_heads",)
+
+    def __init__(self, process_id: str) -> None:
+        prefix = b'{"method":"process/output","params":{"processId":' + encode(process_id)
+        self._heads = {
+            stream: prefix + b',"stream":"' + stream.encode() + b'","chunk":"'
+            for stream in ("stdout", "stderr", "pty")
+        }
+
+    def encode(self, stream: str, data: bytes, seq: int) -> bytes:
+        return b"".join((self._heads[stream], b64encode(data), b'","seq":', b"%d" % seq, b"}}"))
 
 
 def encode_line(value: object) -> bytes:

@@ -317,8 +317,11 @@ class Connection:
     # --- outgoing ---------------------------------------------------------------
 
     def send(self, message: object) -> None:
+        """Send a wire value, or ``bytes`` that already encode one message."""
         if self._open:
-            self.outbound.write_message(codec.encode(message))
+            self.outbound.write_message(
+                message if type(message) is bytes else codec.encode(message)
+            )
 
     def _send_error(self, request_id: p.RequestId | None, error: RpcError) -> None:
         self.send(p.ErrorResponse(request_id, error.to_wire()))

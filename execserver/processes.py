@@ -71,6 +71,8 @@ class ManagedProcess(ProcessProtocol):
         self.stdin_open = False
         #: "wall" or "idle" once a timeout (not the client) ended the process.
         self.timed_out: TimedOut | None = None
+        #: Renders this process's output notifications (set by the session).
+        self.output_encoder: Any = None
         self._observer = observer
         self._clock = clock
         self._kill = kill

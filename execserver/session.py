@@ -27,6 +27,7 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTim
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from execserver import codec
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
@@ -419,12 +420,10 @@ class Session:
     ) -> None:
         if self.stats is not None:
             self.stats.output_bytes[stream] += len(data)
-        self._emit(
-            proc,
-            p.Notification(
-                p.PROCESS_OUTPUT, p.OutputNotification(proc.process_id, stream, data, seq)
-            ),
-        )
+        encoder = proc.output_encoder
+        if encoder is None:
+            encoder = proc.output_encoder = codec.OutputEncoder(proc.process_id)
+        self._emit(proc, encoder.encode(stream, data, seq))
 
     def process_exited(self, proc: ManagedProcess) -> None:
         if self.stats is not None:
