@@ -512,3 +512,20 @@ def test_damaged_messages_only_ever_raise_protocol_errors(line: bytes) -> None:
             codec.decode_params(msg.params, PARAMS_TYPES[msg.method])
         except RpcError as exc:
             assert exc.code == p.INVALID_PARAMS
+
+
+@given(
+    process_id=st.text(),
+    stream=st.sampled_from(["stdout", "stderr", "pty"]),
+    data=st.binary(max_size=4096),
+    seq=st.integers(min_value=0, max_value=2**63 - 1),
+)
+def test_output_encoder_matches_the_generic_encoding(
+    process_id: str, stream: p.OutputStream, data: bytes, seq: int
+) -> None:
+    # The fast path must be byte-identical to msgspec's rendering of the wire type.
+    fast = codec.OutputEncoder(process_id).encode(stream, data, seq)
+    generic = codec.encode(
+        p.Notification(p.PROCESS_OUTPUT, p.OutputNotification(process_id, stream, data, seq))
+    )
+    assert fast == generic
