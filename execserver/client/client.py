@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import attrs
 import msgspec
+from pybase64 import b64decode
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -336,7 +337,15 @@ class ExecServerClient(ClientApi):
         log.debug("ignoring unknown notification {method}", method=method)
 
     def _output_params(self, out: OutputParams) -> None:
-        self._output(OutputEvent(out.process_id, out.stream, out.chunk, out.seq))
+        try:
+            chunk = b64decode(out.chunk, validate=True)
+        except ValueError:
+            log.warn(
+                "dropping process/output of {process_id} with invalid base64",
+                process_id=out.process_id,
+            )
+            return
+        self._output(OutputEvent(out.process_id, out.stream, chunk, out.seq))
 
     def _exited_params(self, ex: ExitedParams) -> None:
         self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))

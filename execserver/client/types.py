@@ -28,7 +28,9 @@ class InitializeResult(msgspec.Struct, rename="camel"):
 class OutputParams(msgspec.Struct, rename="camel"):
     process_id: str
     stream: p.OutputStream
-    chunk: bytes
+    #: Base64 text; decoded with pybase64 (SIMD), several times faster than
+    #: msgspec's own base64, so the client keeps up with the server.
+    chunk: str
     seq: int | None = None
 
 
