@@ -40,6 +40,11 @@ class Oversized:
 OVERSIZED: Final = Oversized()
 
 _JSON_WHITESPACE: Final = b" \t\r\n"
+# First bytes of a line that may be blank (checked fully only then).
+_BLANK_STARTS: Final = (b"", b" ", b"\t", b"\r", b"\n")
+
+#: One complete message as the framer hands it over.
+Line = bytes | bytearray
 
 
 class LineFramer:
@@ -48,23 +53,27 @@ class LineFramer:
     :meth:`feed` returns, in stream order, each complete non-blank line
     (without its ``\\n`` or a trailing ``\\r``) or :data:`OVERSIZED` once for
     every line whose length exceeds ``max_line_bytes``.
+
+    A line that spans reads is gathered in one ``bytearray`` and handed over
+    as is: growing it is amortised (and, above the allocator's mmap
+    threshold, remapped rather than copied), so a message of N bytes costs
+    about N bytes of memory, not the 2N of joining a list of pieces.
     """
 
-    __slots__ = ("_discarding", "_max", "_pending", "_pieces")
+    __slots__ = ("_discarding", "_max", "_partial")
 
     def __init__(self, max_line_bytes: int) -> None:
         self._max = max_line_bytes
-        self._pieces: list[bytes] = []
-        self._pending = 0
+        self._partial = bytearray()
         self._discarding = False
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes of an incomplete line held in memory."""
-        return self._pending
+        return len(self._partial)
 
-    def feed(self, data: bytes) -> list[bytes | Oversized]:
-        out: list[bytes | Oversized] = []
+    def feed(self, data: bytes) -> list[Line | Oversized]:
+        out: list[Line | Oversized] = []
         start = 0
         size = len(data)
         find = data.find
@@ -75,46 +84,46 @@ class LineFramer:
             if self._discarding:
                 self._discarding = False
             else:
-                if self._pieces:
-                    self._pieces.append(data[start:nl])
-                    line = b"".join(self._pieces)
-                    self._pieces = []
-                    self._pending = 0
+                line: Line
+                if self._partial:
+                    line = self._partial
+                    line += memoryview(data)[start:nl]
+                    self._partial = bytearray()
                 else:
                     line = data[start:nl]
                 self._emit(line, out)
             start = nl + 1
         if start < size and not self._discarding:
-            rest = data[start:] if start else data
-            self._pending += len(rest)
+            rest = memoryview(data)[start:] if start else data
             # One byte of slack: a line of exactly the limit may be followed by
             # the CR of its CRLF, which _emit strips. Without it, whether such a
             # line is accepted would depend on where the reads happen to split.
-            if self._pending > self._max + 1:
+            if len(self._partial) + len(rest) > self._max + 1:
                 out.append(OVERSIZED)
-                self._pieces = []
-                self._pending = 0
+                self._partial = bytearray()
                 self._discarding = True
             else:
-                self._pieces.append(rest)
+                self._partial += rest
         return out
 
-    def finish(self) -> list[bytes | Oversized]:
+    def finish(self) -> list[Line | Oversized]:
         """End of stream: a final line without a newline still counts."""
-        out: list[bytes | Oversized] = []
-        if self._pieces and not self._discarding:
-            self._emit(b"".join(self._pieces), out)
-        self._pieces = []
-        self._pending = 0
+        out: list[Line | Oversized] = []
+        if self._partial and not self._discarding:
+            self._emit(self._partial, out)
+        self._partial = bytearray()
         self._discarding = False
         return out
 
-    def _emit(self, line: bytes, out: list[bytes | Oversized]) -> None:
+    def _emit(self, line: Line, out: list[Line | Oversized]) -> None:
         if line.endswith(b"\r"):
-            line = line[:-1]
+            if isinstance(line, bytearray):
+                del line[-1]  # in place: no copy of a large line
+            else:
+                line = line[:-1]
         if len(line) > self._max:
             out.append(OVERSIZED)
-        elif line.strip(_JSON_WHITESPACE):
+        elif line[:1] not in _BLANK_STARTS or line.strip(_JSON_WHITESPACE):
             # Only JSON whitespace makes an empty message; bytes.isspace() also
             # accepts \x0b and \x0c, which must be answered as a parse error,
             # not dropped silently.
@@ -186,7 +195,7 @@ def _parse_error(detail: object) -> FramingError:
     return FramingError(RpcError(protocol.PARSE_ERROR, f"parse error: {detail}"))
 
 
-def decode_message(data: bytes | str) -> Incoming:
+def decode_message(data: bytes | bytearray | str) -> Incoming:
     """Classify one JSON-RPC message the way the reference does."""
     try:
         env = _envelope_decoder.decode(data)

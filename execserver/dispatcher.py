@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
+import msgspec
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -36,6 +37,9 @@ from execserver.spawn import Spawner
 
 log = Logger()
 
+#: Raw results at least this large are written as pieces, not re-rendered.
+LARGE_RESULT_BYTES = 64 * 1024
+
 
 class Outbound(Protocol):
     """What a transport offers the dispatcher."""
@@ -45,6 +49,9 @@ class Outbound(Protocol):
 
     def close_connection(self) -> None:
         """Close the connection (after flushing what was written)."""
+
+    # Optional: ``write_message_parts(parts)`` sends one message given as
+    # consecutive byte pieces without joining them (used for large results).
 
 
 Handler = Callable[["Connection", Any], Any]
@@ -174,7 +181,7 @@ class Connection:
 
     # --- incoming ---------------------------------------------------------------
 
-    def message_received(self, data: bytes | str) -> None:
+    def message_received(self, data: bytes | bytearray | str) -> None:
         """Handle one complete message (one line, one frame)."""
         if not self._open:
             return
@@ -253,6 +260,19 @@ class Connection:
     def _respond(self, req: codec.IncomingRequest, result: object) -> None:
         # Encode before counting and writing: a result msgspec cannot encode
         # must become an error reply, not an exception that ends the connection.
+        if isinstance(result, msgspec.Raw) and len(result) >= LARGE_RESULT_BYTES:
+            # A large pre-rendered result (fs/readFile) is sent around the
+            # envelope as pieces: rendering the envelope would copy it.
+            self._count(req.method, "ok")
+            if self._open:
+                parts = (b'{"id":', codec.encode(req.id), b',"result":', result, b"}")
+                write_parts = getattr(self.outbound, "write_message_parts", None)
+                if write_parts is not None:
+                    write_parts(parts)
+                else:
+                    self.outbound.write_message(b"".join(parts))
+            self.session.release_held()
+            return
         try:
             data = codec.encode(p.Response(req.id, result))
         except Exception:

@@ -73,7 +73,9 @@ class ServerProcess(ProcessProtocol):
     """A running ``exec-server`` child and a minimal JSON-RPC client for it."""
 
     def __init__(self) -> None:
-        self.buffer = b""
+        # Pieces of an incomplete line: joined once its newline arrives, so a
+        # large line costs linear time, not a re-copy on every read.
+        self.partial: list[bytes] = []
         self.stderr = b""
         self.raw_lines: list[bytes] = []
         self.messages: list[dict[str, Any]] = []
@@ -105,8 +107,15 @@ class ServerProcess(ProcessProtocol):
         pass
 
     def outReceived(self, data: bytes) -> None:
-        self.buffer += data
-        *lines, self.buffer = self.buffer.split(b"\n")
+        if b"\n" not in data:
+            self.partial.append(data)
+            return
+        if self.partial:
+            data = b"".join([*self.partial, data])
+            self.partial = []
+        *lines, rest = data.split(b"\n")
+        if rest:
+            self.partial.append(rest)
         for line in lines:
             if not line:
                 continue

@@ -21,14 +21,14 @@ from execserver.errors import RpcError
 JSON_BLANK = b" \t\r"
 
 
-def model_lines(stream: bytes, max_line: int) -> list[bytes | Oversized]:
+def model_lines(stream: bytes, max_line: int) -> list[codec.Line | Oversized]:
     """What the framer must produce for a whole stream, however it is chunked.
 
     A line is cut at ``\\n``; one trailing ``\\r`` is dropped; a line longer than
     the limit is reported once as OVERSIZED; a line holding only JSON whitespace
     carries no message and is skipped (anything else must reach the decoder).
     """
-    out: list[bytes | Oversized] = []
+    out: list[codec.Line | Oversized] = []
     for raw_line in stream.split(b"\n"):
         line = raw_line[:-1] if raw_line.endswith(b"\r") else raw_line
         if len(line) > max_line:
@@ -38,8 +38,10 @@ def model_lines(stream: bytes, max_line: int) -> list[bytes | Oversized]:
     return out
 
 
-def feed_in_pieces(framer: LineFramer, stream: bytes, cuts: list[int]) -> list[bytes | Oversized]:
-    out: list[bytes | Oversized] = []
+def feed_in_pieces(
+    framer: LineFramer, stream: bytes, cuts: list[int]
+) -> list[codec.Line | Oversized]:
+    out: list[codec.Line | Oversized] = []
     last = 0
     for cut in [*sorted(set(cuts)), len(stream)]:
         out.extend(framer.feed(stream[last:cut]))
@@ -106,7 +108,7 @@ def test_blank_and_crlf_lines() -> None:
 
 def test_oversized_line_is_reported_once_and_the_stream_resynchronises() -> None:
     framer = LineFramer(10)
-    out: list[bytes | Oversized] = []
+    out: list[codec.Line | Oversized] = []
     out += framer.feed(b'{"ok":1}\n' + b"z" * 8)
     out += framer.feed(b"z" * 8)  # crosses the limit here
     out += framer.feed(b"z" * 1000)

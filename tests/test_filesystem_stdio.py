@@ -243,7 +243,7 @@ class BigLineServer(ServerProcess):
         if self.partial_since is None:
             self.partial_since = now
         for line in self.framer.feed(data):
-            assert isinstance(line, bytes)
+            assert isinstance(line, bytes | bytearray)
             message: dict[str, Any] = msgspec.json.decode(line)
             if message.get("method") == "process/output":
                 self.output_times.append(now)

@@ -128,11 +128,11 @@ class RpcClient:
         if self._closed_reason is None:
             self._sink = sink
 
-    def message_received(self, data: bytes | str) -> None:
+    def message_received(self, data: bytes | bytearray | str) -> None:
         """Handle one complete message from the server."""
         if self._closed_reason is not None:
             return
-        if self._typed and isinstance(data, bytes) and data.startswith(b'{"method":'):
+        if self._typed and isinstance(data, bytes | bytearray) and data.startswith(b'{"method":'):
             for typed in self._typed.values():
                 if data.startswith(typed.prefix):
                     try:

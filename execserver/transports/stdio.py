@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
@@ -17,8 +17,11 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from execserver.codec import OVERSIZED, LineFramer, Oversized
+from execserver.codec import OVERSIZED, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = Logger()
 
@@ -92,17 +95,52 @@ class LineProtocol(Protocol):
             self._batch = []
             self._transport.write(b"".join(batch))
 
-    def _deliver(self, items: list[bytes | Oversized]) -> None:
+    def _deliver(self, items: list[Line | Oversized]) -> None:
         conn = self.connection
         assert conn is not None
         for item in items:
             if item is OVERSIZED:
                 conn.oversized_message()
             else:
-                assert isinstance(item, bytes)
+                assert isinstance(item, bytes | bytearray)
                 conn.message_received(item)
 
     # --- Outbound -----------------------------------------------------------------
+
+    def write_message_parts(self, parts: Sequence[Buffer]) -> None:
+        """Send one message given as consecutive pieces, without joining them.
+
+        Used for large results (an ``fs/readFile`` payload): the pieces are
+        handed to the pipe with one ``writev``; only what the pipe does not
+        take at once is copied into the transport's queue (which takes bytes).
+        """
+        self._flush_batch()  # keep order: what was gathered goes first
+        pieces: list[Buffer] = [*parts, b"\n"]
+        writer = self._pipe_writer
+        if (
+            writer is not None
+            and writer.connected
+            and not writer.disconnecting
+            and not writer._tempDataLen
+            and writer.offset == len(writer.dataBuffer)
+        ):
+            try:
+                written = os.writev(writer.fileno(), pieces)
+            except OSError:
+                written = 0  # BlockingIOError, or an error the transport reports
+            views: list[Buffer] = []
+            for piece in pieces:
+                size = memoryview(piece).nbytes
+                if written >= size:
+                    written -= size
+                    continue
+                views.append(memoryview(piece)[written:])
+                written = 0
+            pieces = views
+        if pieces:
+            self._transport.writeSequence(
+                [piece if type(piece) is bytes else bytes(piece) for piece in pieces]
+            )
 
     def write_message(self, data: bytes) -> None:
         batch = self._batch

@@ -22,8 +22,8 @@ from __future__ import annotations
 import struct
 import sys
 from collections import deque
-from collections.abc import Callable
-from typing import IO, Any, Final, cast
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, Final, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -47,6 +47,9 @@ from zope.interface import implementer
 from execserver import __version__, metrics
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.transports.stdio import set_high_water
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = Logger()
 
@@ -447,13 +450,25 @@ class ExecServerProtocol(WebSocketServerProtocol):
     # --- Outbound ------------------------------------------------------------------
 
     def write_message(self, data: bytes) -> None:
+        self.write_message_parts((data,))
+
+    def write_message_parts(self, parts: Sequence[Buffer]) -> None:
+        """Send one message given as consecutive pieces, without joining them."""
         if self.state == WebSocketProtocol.STATE_OPEN:
             # One unfragmented, unmasked text frame, written as header +
             # payload without copying the payload. Equivalent to
             # sendMessage() here (no compression is ever negotiated, and
             # the streaming send API is never used) at a fraction of its
             # per-message cost.
-            self._transport.writeSequence((_text_frame_header(len(data)), data))
+            size = sum(memoryview(part).nbytes for part in parts)
+            # (Twisted's queue takes bytes only; a large non-bytes piece, a
+            # pre-rendered result, is copied once here.)
+            self._transport.writeSequence(
+                [
+                    _text_frame_header(size),
+                    *(part if type(part) is bytes else bytes(part) for part in parts),
+                ]
+            )
             flow = self._flow
             if (
                 flow is not None
