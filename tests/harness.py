@@ -69,60 +69,28 @@ def with_timeout(d: Deferred[Any], seconds: float, what: str) -> Deferred[Any]:
     return d.addTimeout(seconds, reactor, onTimeoutCancel=on_timeout)
 
 
-class ServerProcess(ProcessProtocol):
-    """A running ``exec-server`` child and a minimal JSON-RPC client for it."""
+class RpcTestClient:
+    """JSON-RPC bookkeeping shared by the stdio and WebSocket test clients.
 
-    def __init__(self) -> None:
-        # Pieces of an incomplete line: joined once its newline arrives, so a
-        # large line costs linear time, not a re-copy on every read.
-        self.partial: list[bytes] = []
-        self.stderr = b""
-        self.raw_lines: list[bytes] = []
+    Subclasses call :meth:`_init_rpc` in ``__init__``, implement :meth:`send`,
+    and hand every decoded incoming message to :meth:`_received`.
+    """
+
+    client_name = "test"
+
+    def _init_rpc(self) -> None:
         self.messages: list[dict[str, Any]] = []
         self.notifications: list[dict[str, Any]] = []
         self.pending: dict[Any, Deferred[dict[str, Any]]] = {}
         self.watchers: list[tuple[Callable[[dict[str, Any]], bool], Deferred[Any]]] = []
         self.next_id = 1
-        self.ended: Deferred[Any] = Deferred()
-        self.exit_code: int | None = None
-        self.stdout_closed: Deferred[None] = Deferred()
-        self.pid: int | None = None
 
-    # --- lifecycle ------------------------------------------------------------------
+    def send(self, message: dict[str, Any], binary: bool = False) -> None:
+        raise NotImplementedError
 
-    @classmethod
-    def start(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        proto = cls()
-        transport = reactor.spawnProcess(
-            proto,
-            sys.executable,
-            [sys.executable, "-m", "execserver", *args],
-            env=server_env(env),
-            path=str(REPO_ROOT),
-        )
-        proto.pid = transport.pid
-        return proto
-
-    def connectionMade(self) -> None:
-        pass
-
-    def outReceived(self, data: bytes) -> None:
-        if b"\n" not in data:
-            self.partial.append(data)
-            return
-        if self.partial:
-            data = b"".join([*self.partial, data])
-            self.partial = []
-        *lines, rest = data.split(b"\n")
-        if rest:
-            self.partial.append(rest)
-        for line in lines:
-            if not line:
-                continue
-            self.raw_lines.append(line)
-            message = json.loads(line)
-            self.messages.append(message)
-            self._dispatch(message)
+    def _received(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self._dispatch(message)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         if "id" in message and ("result" in message or "error" in message):
@@ -137,56 +105,11 @@ class ServerProcess(ProcessProtocol):
                 self.watchers.remove(watcher)
                 d.callback(message)
 
-    def errReceived(self, data: bytes) -> None:
-        self.stderr += data
-
-    def outConnectionLost(self) -> None:
-        self.stdout_closed.callback(None)
-
-    def processEnded(self, reason: Failure) -> None:
-        self.exit_code = getattr(reason.value, "exitCode", None)
+    def _fail_pending(self, reason: str) -> None:
         for d in list(self.pending.values()):
             if not d.called:
-                d.errback(ConnectionError("server exited"))
+                d.errback(ConnectionError(reason))
         self.pending.clear()
-        self.ended.callback(self.exit_code)
-
-    async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
-        """Close stdin and wait for exit; kill it if it does not exit in time."""
-        if not self.ended.called:
-            self.transport.closeStdin()  # type: ignore[union-attr]
-            try:
-                await with_timeout(self._ended_copy(), timeout, "server exit")
-            except TimeoutError:
-                self.kill()
-                await with_timeout(self._ended_copy(), timeout, "server exit after SIGKILL")
-                raise
-        return self.exit_code
-
-    def kill(self, sig: str = "KILL") -> None:
-        with contextlib.suppress(ProcessExitedAlready):
-            self.transport.signalProcess(sig)  # type: ignore[union-attr]
-
-    def _ended_copy(self) -> Deferred[Any]:
-        d: Deferred[Any] = Deferred()
-        if self.ended.called:
-            d.callback(self.exit_code)
-        else:
-
-            def forward(outcome: Any) -> Any:
-                d.callback(outcome)
-                return outcome
-
-            self.ended.addBoth(forward)
-        return d
-
-    # --- protocol -------------------------------------------------------------------
-
-    def send_raw(self, data: bytes) -> None:
-        self.transport.write(data)  # type: ignore[union-attr]
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.send_raw(json.dumps(message).encode() + b"\n")
 
     def notify(self, method: str, params: Any = None) -> None:
         message: dict[str, Any] = {"method": method}
@@ -195,7 +118,11 @@ class ServerProcess(ProcessProtocol):
         self.send(message)
 
     async def request(
-        self, method: str, params: Any = None, timeout: float = DEFAULT_TIMEOUT
+        self,
+        method: str,
+        params: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        binary: bool = False,
     ) -> dict[str, Any]:
         """Send a request and return the whole response message."""
         request_id = self.next_id
@@ -205,7 +132,7 @@ class ServerProcess(ProcessProtocol):
         message: dict[str, Any] = {"id": request_id, "method": method}
         if params is not None:
             message["params"] = params
-        self.send(message)
+        self.send(message, binary)
         result: dict[str, Any] = await with_timeout(d, timeout, f"response to {method}")
         return result
 
@@ -217,7 +144,7 @@ class ServerProcess(ProcessProtocol):
         return response["result"]
 
     async def handshake(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self.call("initialize", {"clientName": "test"})
+        result: dict[str, Any] = await self.call("initialize", {"clientName": self.client_name})
         self.notify("initialized", {})
         return result
 
@@ -283,6 +210,104 @@ class ServerProcess(ProcessProtocol):
 
     async def wait_closed(self, process_id: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         await self.wait_notification("process/closed", process_id, timeout)
+
+
+class ServerProcess(RpcTestClient, ProcessProtocol):
+    """A running ``exec-server`` child and a minimal JSON-RPC client for it."""
+
+    def __init__(self) -> None:
+        # Pieces of an incomplete line: joined once its newline arrives, so a
+        # large line costs linear time, not a re-copy on every read.
+        self.partial: list[bytes] = []
+        self.stderr = b""
+        self.raw_lines: list[bytes] = []
+        self._init_rpc()
+        self.ended: Deferred[Any] = Deferred()
+        self.exit_code: int | None = None
+        self.stdout_closed: Deferred[None] = Deferred()
+        self.pid: int | None = None
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        proto = cls()
+        transport = reactor.spawnProcess(
+            proto,
+            sys.executable,
+            [sys.executable, "-m", "execserver", *args],
+            env=server_env(env),
+            path=str(REPO_ROOT),
+        )
+        proto.pid = transport.pid
+        return proto
+
+    def connectionMade(self) -> None:
+        pass
+
+    def outReceived(self, data: bytes) -> None:
+        if b"\n" not in data:
+            self.partial.append(data)
+            return
+        if self.partial:
+            data = b"".join([*self.partial, data])
+            self.partial = []
+        *lines, rest = data.split(b"\n")
+        if rest:
+            self.partial.append(rest)
+        for line in lines:
+            if not line:
+                continue
+            self.raw_lines.append(line)
+            self._received(json.loads(line))
+
+    def errReceived(self, data: bytes) -> None:
+        self.stderr += data
+
+    def outConnectionLost(self) -> None:
+        self.stdout_closed.callback(None)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.exit_code = getattr(reason.value, "exitCode", None)
+        self._fail_pending("server exited")
+        self.ended.callback(self.exit_code)
+
+    async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
+        """Close stdin and wait for exit; kill it if it does not exit in time."""
+        if not self.ended.called:
+            self.transport.closeStdin()  # type: ignore[union-attr]
+            try:
+                await with_timeout(self._ended_copy(), timeout, "server exit")
+            except TimeoutError:
+                self.kill()
+                await with_timeout(self._ended_copy(), timeout, "server exit after SIGKILL")
+                raise
+        return self.exit_code
+
+    def kill(self, sig: str = "KILL") -> None:
+        with contextlib.suppress(ProcessExitedAlready):
+            self.transport.signalProcess(sig)  # type: ignore[union-attr]
+
+    def _ended_copy(self) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        if self.ended.called:
+            d.callback(self.exit_code)
+        else:
+
+            def forward(outcome: Any) -> Any:
+                d.callback(outcome)
+                return outcome
+
+            self.ended.addBoth(forward)
+        return d
+
+    # --- protocol -------------------------------------------------------------------
+
+    def send_raw(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def send(self, message: dict[str, Any], binary: bool = False) -> None:
+        self.send_raw(json.dumps(message).encode() + b"\n")
 
 
 def pid_alive(pid: int) -> bool:

@@ -13,7 +13,6 @@ import contextlib
 import json
 import re
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
@@ -26,11 +25,9 @@ from twisted.python.failure import Failure
 from tests.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
-    RpcFailure,
-    child_env,
+    RpcTestClient,
     reactor,
     server_env,
-    unb64,
     with_timeout,
 )
 
@@ -137,21 +134,20 @@ class WsServerProcess(ProcessProtocol):
         return self.exit_code
 
 
-class WsClientProtocol(WebSocketClientProtocol):
+# (mypy flags Autobahn's own base classes as mutually inconsistent once a
+# second base is added.)
+class WsClientProtocol(RpcTestClient, WebSocketClientProtocol):  # type: ignore[misc]
     """Collects messages; correlates responses by id."""
 
     #: Count bytes only (for floods): skip JSON decoding of process/output.
     count_only = False
+    client_name = "ws-test"
 
     def __init__(self) -> None:
         super().__init__()
         self.opened: Deferred[None] = Deferred()
         self.closed: Deferred[tuple[bool, int | None, str | None]] = Deferred()
-        self.messages: list[dict[str, Any]] = []
-        self.notifications: list[dict[str, Any]] = []
-        self.pending: dict[Any, Deferred[dict[str, Any]]] = {}
-        self.watchers: list[tuple[Callable[[dict[str, Any]], bool], Deferred[Any]]] = []
-        self.next_id = 1
+        self._init_rpc()
         self.bytes_received = 0
         self.binary_frames = 0
 
@@ -159,10 +155,7 @@ class WsClientProtocol(WebSocketClientProtocol):
         self.opened.callback(None)
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
-        for d in list(self.pending.values()):
-            if not d.called:
-                d.errback(ConnectionError(f"connection closed: {code} {reason}"))
-        self.pending.clear()
+        self._fail_pending(f"connection closed: {code} {reason}")
         if not self.opened.called:
             self.opened.errback(ConnectionError(f"handshake failed: {reason}"))
         if not self.closed.called:
@@ -174,99 +167,14 @@ class WsClientProtocol(WebSocketClientProtocol):
             self.binary_frames += 1
         if self.count_only and payload.startswith(b'{"method":"process/output"'):
             return
-        message = json.loads(payload)
-        self.messages.append(message)
-        if "id" in message and ("result" in message or "error" in message):
-            d = self.pending.pop(message["id"], None)
-            if d is not None:
-                d.callback(message)
-        else:
-            self.notifications.append(message)
-        for watcher in list(self.watchers):
-            predicate, d = watcher
-            if not d.called and predicate(message):
-                self.watchers.remove(watcher)
-                d.callback(message)
+        self._received(json.loads(payload))
 
     # --- requests -------------------------------------------------------------------
 
-    def send_json(self, message: dict[str, Any], binary: bool = False) -> None:
+    def send(self, message: dict[str, Any], binary: bool = False) -> None:
         self.sendMessage(json.dumps(message).encode(), isBinary=binary)
 
-    def notify(self, method: str, params: Any = None) -> None:
-        message: dict[str, Any] = {"method": method}
-        if params is not None:
-            message["params"] = params
-        self.send_json(message)
-
-    async def request(
-        self,
-        method: str,
-        params: Any = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        binary: bool = False,
-    ) -> dict[str, Any]:
-        request_id = self.next_id
-        self.next_id += 1
-        d: Deferred[dict[str, Any]] = Deferred()
-        self.pending[request_id] = d
-        message: dict[str, Any] = {"id": request_id, "method": method}
-        if params is not None:
-            message["params"] = params
-        self.send_json(message, binary)
-        result: dict[str, Any] = await with_timeout(d, timeout, f"response to {method}")
-        return result
-
-    async def call(self, method: str, params: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
-        response = await self.request(method, params, timeout)
-        if "error" in response:
-            raise RpcFailure(response["error"])
-        return response["result"]
-
-    async def handshake(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self.call("initialize", {"clientName": "ws-test"})
-        self.notify("initialized", {})
-        return result
-
-    async def start_process(
-        self, process_id: str, argv: list[str], tty: bool = False, **extra: Any
-    ) -> Any:
-        params: dict[str, Any] = {
-            "processId": process_id,
-            "argv": argv,
-            "cwd": str(REPO_ROOT),
-            "env": child_env(),
-            "tty": tty,
-            "arg0": None,
-        }
-        params.update(extra)
-        return await self.call("process/start", params)
-
-    async def wait_for(
-        self,
-        predicate: Callable[[dict[str, Any]], bool],
-        timeout: float = DEFAULT_TIMEOUT,
-        what: str = "a message",
-    ) -> dict[str, Any]:
-        for message in self.messages:
-            if predicate(message):
-                return message
-        d: Deferred[dict[str, Any]] = Deferred()
-        self.watchers.append((predicate, d))
-        result: dict[str, Any] = await with_timeout(d, timeout, what)
-        return result
-
-    async def wait_notification(
-        self, method: str, process_id: str | None = None, timeout: float = DEFAULT_TIMEOUT
-    ) -> dict[str, Any]:
-        def match(m: dict[str, Any]) -> bool:
-            return m.get("method") == method and (
-                process_id is None or m.get("params", {}).get("processId") == process_id
-            )
-
-        message = await self.wait_for(match, timeout, f"{method} for {process_id}")
-        params: dict[str, Any] = message["params"]
-        return params
+    send_json = send
 
     async def wait_output_contains(
         self, process_id: str, needle: bytes, timeout: float = DEFAULT_TIMEOUT
@@ -276,17 +184,6 @@ class WsClientProtocol(WebSocketClientProtocol):
 
         await self.wait_for(match, timeout, f"{needle!r} from {process_id}")
         return self.output_of(process_id)
-
-    def output_of(self, process_id: str, stream: str | None = None) -> bytes:
-        chunks = [
-            m["params"]
-            for m in self.notifications
-            if m.get("method") == "process/output"
-            and m["params"]["processId"] == process_id
-            and (stream is None or m["params"]["stream"] == stream)
-        ]
-        chunks.sort(key=lambda c: c["seq"])
-        return b"".join(unb64(c["chunk"]) for c in chunks)
 
     # --- closing --------------------------------------------------------------------
 
