@@ -34,6 +34,7 @@ from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.session import Session
 from execserver.spawn import Spawner
+from execserver.waiters import Waiters
 
 log = Logger()
 
@@ -176,7 +177,7 @@ class Connection:
         )
         self._open = True
         self._in_flight = 0
-        self._idle_waiters: list[Deferred[None]] = []
+        self._idle: Waiters[None] = Waiters()
         self._shutdown: Deferred[None] | None = None
 
     # --- incoming ---------------------------------------------------------------
@@ -309,10 +310,8 @@ class Connection:
 
     def _request_done(self) -> None:
         self._in_flight -= 1
-        if self._in_flight == 0 and self._idle_waiters:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for d in waiters:
-                d.callback(None)
+        if self._in_flight == 0:
+            self._idle.fire(None)
 
     def _require_handshake(self, family: str) -> None:
         if not self.initialize_requested:
@@ -352,9 +351,7 @@ class Connection:
         """Fires once every request received so far has been answered."""
         if self._in_flight == 0:
             return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._idle_waiters.append(d)
-        return d
+        return self._idle.wait()
 
     def shutdown(self) -> Deferred[None]:
         """Terminate the session's processes, then answer what is in flight.

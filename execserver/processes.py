@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
 from execserver.spawn import group_alive, kill_group
+from execserver.waiters import Latch, Waiters
 
 log = Logger()
 
@@ -80,12 +81,12 @@ class ManagedProcess(ProcessProtocol):
         self._sigkill_sent = False
         self._group_timer: IDelayedCall | None = None
         self._group_delay = 0.0
-        self._waiters: list[Deferred[None]] = []
+        self._changed: Waiters[None] = Waiters()
         self._kill_timer: IDelayedCall | None = None
         self._force_close_timer: IDelayedCall | None = None
-        self._closed_waiters: list[Deferred[None]] = []
-        self._exit_waiters: list[Deferred[None]] = []
-        self._finished_waiters: list[Deferred[None]] = []
+        self._closed: Latch[None] = Latch()
+        self._exited: Latch[None] = Latch()
+        self._finished: Latch[None] = Latch()
         self._timeout_grace = 0.0
         self._wall_timer: IDelayedCall | None = None
         self._idle_timer: IDelayedCall | None = None
@@ -132,9 +133,7 @@ class ManagedProcess(ProcessProtocol):
         self.exited = True
         self._observer.process_exited(self)
         self._wake()
-        waiters, self._exit_waiters = self._exit_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self._exited.fire(None)
 
     def processEnded(self, reason: Failure) -> None:
         if not self.exited:  # pragma: no cover - Twisted always reports exit first
@@ -149,9 +148,7 @@ class ManagedProcess(ProcessProtocol):
             self._check_group()
         self._observer.process_closed(self)
         self._wake()
-        waiters, self._closed_waiters = self._closed_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self._closed.fire(None)
         if self._kill_timer is None:
             self._finish()
 
@@ -308,39 +305,28 @@ class ManagedProcess(ProcessProtocol):
         self._force_close_timer = None
 
     def _finish(self) -> None:
-        waiters, self._finished_waiters = self._finished_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self._finished.fire(None)
 
     # --- waiting --------------------------------------------------------------
 
     def wait_for_change(self) -> Deferred[None]:
         """Fires at the next output, exit or close (or :meth:`wake_all`)."""
-        d: Deferred[None] = Deferred()
-        self._waiters.append(d)
-        return d
+        return self._changed.wait()
+
+    def forget_change_waiter(self, d: Deferred[None]) -> None:
+        """Drop a :meth:`wait_for_change` Deferred its caller no longer needs."""
+        self._changed.forget(d)
 
     def when_closed(self) -> Deferred[None]:
-        d: Deferred[None] = Deferred()
-        if self.closed:
-            d.callback(None)
-        else:
-            self._closed_waiters.append(d)
-        return d
+        return self._closed.wait()
 
     def when_exited(self) -> Deferred[None]:
         """Fires when the process has exited (at once if it has)."""
-        d: Deferred[None] = Deferred()
-        if self.exited:
-            d.callback(None)
-        else:
-            self._exit_waiters.append(d)
-        return d
+        return self._exited.wait()
 
     def forget_exit_waiter(self, d: Deferred[None]) -> None:
         """Drop a :meth:`when_exited` Deferred its caller no longer needs."""
-        if d in self._exit_waiters:
-            self._exit_waiters.remove(d)
+        self._exited.forget(d)
 
     @property
     def finished(self) -> bool:
@@ -350,18 +336,12 @@ class ManagedProcess(ProcessProtocol):
     def when_finished(self) -> Deferred[None]:
         """Fires once :attr:`finished`: nothing of the process can still be running
         that a terminate was asked to stop."""
-        d: Deferred[None] = Deferred()
         if self.finished:
-            d.callback(None)
-        else:
-            self._finished_waiters.append(d)
-        return d
+            self._finished.fire(None)
+        return self._finished.wait()
 
     def wake_all(self) -> None:
         self._wake()
 
     def _wake(self) -> None:
-        if self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for d in waiters:
-                d.callback(None)
+        self._changed.fire(None)

@@ -358,7 +358,7 @@ def test_wait_times_out_and_forgets_its_waiter() -> None:
     assert isinstance(d, Deferred)
     clock.advance(1.0)
     assert d.called
-    assert proc._exit_waiters == []
+    assert proc._exited.waiting == 0  # the timed-out wait left no waiter behind
     result: list[p.WaitResponse] = []
     d.addCallback(result.append)
     assert result == [p.WaitResponse(exited=False, exit_code=None)]

@@ -29,7 +29,7 @@ from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientPr
 from autobahn.websocket.util import parse_url
 from twisted.internet import error as _error
 from twisted.internet import main as _main
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
@@ -51,6 +51,7 @@ from execserver.client.errors import (
 )
 from execserver.client.rpc import RpcClient
 from execserver.codec import OVERSIZED, LineFramer
+from execserver.waiters import Latch
 
 log = Logger()
 
@@ -139,7 +140,7 @@ class ServerProcessProtocol(ProcessProtocol):
         self.exit_code: int | None = None
         self.exit_signal: int | None = None
         self.ended = False
-        self._ended_waiters: list[Deferred[None]] = []
+        self._ended: Latch[None] = Latch()
         self.pid: int | None = None
 
     def connectionMade(self) -> None:
@@ -166,9 +167,7 @@ class ServerProcessProtocol(ProcessProtocol):
         self.exit_signal = getattr(reason.value, "signal", None)
         self.ended = True
         self.rpc.connection_lost(f"exec-server exited ({self.describe_exit()})")
-        waiters, self._ended_waiters = self._ended_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self._ended.fire(None)
 
     def describe_exit(self) -> str:
         if self.exit_signal is not None:
@@ -176,11 +175,7 @@ class ServerProcessProtocol(ProcessProtocol):
         return f"exit code {self.exit_code}"
 
     def when_ended(self) -> Deferred[None]:
-        if self.ended:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._ended_waiters.append(d)
-        return d
+        return self._ended.wait()
 
     # MessageSink
     def send_message(self, data: bytes) -> None:

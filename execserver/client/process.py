@@ -32,6 +32,7 @@ from twisted.logger import Logger
 from execserver import protocol as p
 from execserver.client.errors import OutputLagged
 from execserver.client.types import OutputEvent
+from execserver.waiters import Latch
 
 if TYPE_CHECKING:
     from execserver.client.api import ClientApi
@@ -150,8 +151,8 @@ class RemoteProcess:
         self.timed_out: str | None = None
         self.has_exited = False
         self.is_closed = False
-        self._exit_waiters: list[Deferred[int | None]] = []
-        self._close_waiters: list[Deferred[None]] = []
+        self._exited: Latch[int | None] = Latch()
+        self._closed: Latch[None] = Latch()
         self._listeners: list[Callable[[OutputEvent], None]] = []
         self._subscriptions: list[OutputSubscription] = []
         self._backlog: list[OutputEvent] | None = []
@@ -230,19 +231,11 @@ class RemoteProcess:
 
     def exited(self) -> Deferred[int | None]:
         """Fires with the exit code (None if the connection was lost first)."""
-        if self.has_exited:
-            return succeed(self.exit_code)
-        d: Deferred[int | None] = Deferred()
-        self._exit_waiters.append(d)
-        return d
+        return self._exited.wait()
 
     def closed(self) -> Deferred[None]:
         """Fires when no more output will arrive (``process/closed`` or connection loss)."""
-        if self.is_closed:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._close_waiters.append(d)
-        return d
+        return self._closed.wait()
 
     def mark_exited(
         self, exit_code: int | None, signal: str | None = None, timed_out: str | None = None
@@ -253,9 +246,7 @@ class RemoteProcess:
         self.exit_code = exit_code
         self.signal = signal
         self.timed_out = timed_out
-        waiters, self._exit_waiters = self._exit_waiters, []
-        for d in waiters:
-            d.callback(exit_code)
+        self._exited.fire(exit_code)
 
     def mark_closed(self) -> None:
         if self.is_closed:
@@ -264,9 +255,7 @@ class RemoteProcess:
         subs, self._subscriptions = self._subscriptions, []
         for sub in subs:
             sub.end()
-        waiters, self._close_waiters = self._close_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self._closed.fire(None)
 
     def connection_lost(self) -> None:
         """The transport is gone: exited without an exit code, and closed."""

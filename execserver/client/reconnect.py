@@ -42,6 +42,7 @@ from execserver.client.connect import (
 )
 from execserver.client.errors import ConnectFailed, ConnectionClosed, NotConnected
 from execserver.client.process import RemoteProcess
+from execserver.waiters import Waiters
 
 T = TypeVar("T")
 log = Logger()
@@ -176,7 +177,7 @@ class ReconnectingClient(ClientApi):
         self.client: ExecServerClient | None = None
         self.last_error: Exception | None = None
         self.connect_count = 0
-        self._waiters: list[Deferred[ExecServerClient]] = []
+        self._waiters: Waiters[ExecServerClient] = Waiters()
         self._on_connected: list[Callable[[ExecServerClient], None]] = []
         self._on_disconnected: list[Callable[[str], None]] = []
         self._stopped = False
@@ -191,9 +192,7 @@ class ReconnectingClient(ClientApi):
     def stop(self) -> Deferred[None]:
         """Stop reconnecting, close the connection; waiting calls fail."""
         self._stopped = True
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.errback(ConnectionClosed("the reconnecting client was stopped"))
+        self._waiters.fail(ConnectionClosed("the reconnecting client was stopped"))
         client = self.client
 
         async def run() -> None:
@@ -229,12 +228,7 @@ class ReconnectingClient(ClientApi):
             return failed
         waited = self._call_timeout if timeout is None else timeout
 
-        def cancel(d: Deferred[ExecServerClient]) -> None:
-            if d in self._waiters:
-                self._waiters.remove(d)
-
-        d = Deferred(cancel)
-        self._waiters.append(d)
+        d = self._waiters.wait()  # a timeout cancels it, which forgets it
 
         def timed_out(result: ExecServerClient | Failure, seconds: float) -> NoReturn:
             raise NotConnected(self.url, seconds, self.last_error)
@@ -269,9 +263,7 @@ class ReconnectingClient(ClientApi):
         self.client = client
         self.connect_count += 1
         channel.rpc.add_lost_listener(lambda reason: self._lost(client, reason))
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.callback(client)
+        self._waiters.fire(client)
         for listener in list(self._on_connected):
             try:
                 listener(client)

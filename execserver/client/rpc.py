@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from execserver import codec
 from execserver import protocol as p
 from execserver.client.errors import ConnectionClosed, ProtocolViolation, ServerError
+from execserver.waiters import Latch
 
 T = TypeVar("T")
 log = Logger()
@@ -94,7 +95,7 @@ class RpcClient:
         self._pending: dict[int | str, _Pending] = {}
         self._next_id = 1
         self._closed_reason: str | None = None
-        self._close_waiters: list[Deferred[str]] = []
+        self._closed: Latch[str] = Latch()
         self._lost_listeners: list[Callable[[str], None]] = []
         self._typed: dict[str, _TypedNotification] = {}
 
@@ -185,9 +186,7 @@ class RpcClient:
         pending, self._pending = self._pending, {}
         for entry in pending.values():
             entry.deferred.errback(ConnectionClosed(reason))
-        waiters, self._close_waiters = self._close_waiters, []
-        for d in waiters:
-            d.callback(reason)
+        self._closed.fire(reason)
         for listener in list(self._lost_listeners):
             try:
                 listener(reason)
@@ -214,13 +213,7 @@ class RpcClient:
 
     def when_closed(self) -> Deferred[str]:
         """Fires with the reason once the channel is lost."""
-        if self._closed_reason is not None:
-            d: Deferred[str] = Deferred()
-            d.callback(self._closed_reason)
-            return d
-        d = Deferred()
-        self._close_waiters.append(d)
-        return d
+        return self._closed.wait()
 
     def call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
         """Send a request; the Deferred fires with the decoded result.

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore, IReactorTime
 from twisted.internet.process import ProcessWriter
 from twisted.internet.protocol import Protocol
@@ -19,6 +19,7 @@ from zope.interface import implementer
 
 from execserver.codec import OVERSIZED, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
+from execserver.waiters import Latch
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -60,8 +61,7 @@ class LineProtocol(Protocol):
         self._finishing = False
         self._write_lost = False
         self._lost = False
-        self._closed = False
-        self._closed_waiters: list[Deferred[None]] = []
+        self._closed: Latch[None] = Latch()
         self.on_closed: Callable[[], None] | None = None
         self._pipe_writer: Any = None
         self._batch: list[bytes] | None = None
@@ -224,21 +224,13 @@ class LineProtocol(Protocol):
         conn.shutdown().addBoth(self._ended)
 
     def _ended(self, _: object) -> None:
-        self._closed = True
         if self.on_closed is not None:
             self.on_closed()
-        waiters, self._closed_waiters = self._closed_waiters, []
-        for d in waiters:
-            if not d.called:  # a caller may have given up (timeout)
-                d.callback(None)
+        self._closed.fire(None)
 
     def when_closed(self) -> Deferred[None]:
         """Fires once the connection is closed and its session has ended."""
-        if self._closed:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._closed_waiters.append(d)
-        return d
+        return self._closed.wait()
 
 
 class StdioService(Service):

@@ -30,7 +30,7 @@ import attrs
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
 from autobahn.websocket.protocol import WebSocketProtocol, parseHttpHeader
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import (
     IAddress,
     IDelayedCall,
@@ -47,6 +47,7 @@ from zope.interface import implementer
 from execserver import __version__, metrics
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.transports.stdio import set_high_water
+from execserver.waiters import Latch
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -164,8 +165,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._parts: list[bytes] = []
         self._size = 0
         self._oversized = False
-        self._lost_waiters: list[Deferred[None]] = []
-        self._lost = False
+        self._lost: Latch[None] = Latch()
         self._flow: _RequestBackpressure | None = None
         self._held: deque[bytes | None] = deque()
         self._read_pause_bytes = 0
@@ -309,10 +309,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         super().connectionLost(reason)
         self.factory.protocols.discard(self)
-        self._lost = True
-        waiters, self._lost_waiters = self._lost_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self._lost.fire(None)
 
     def unregisterProducer(self) -> None:
         # Autobahn calls this on every drop, registered or not (e.g. after
@@ -321,11 +318,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
             self._transport.unregisterProducer()
 
     def when_lost(self) -> Deferred[None]:
-        if self._lost:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._lost_waiters.append(d)
-        return d
+        return self._lost.wait()
 
     def processData(self) -> bool:
         """Parse buffered frames: small complete messages here, the rest by Autobahn.
@@ -492,7 +485,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         """Terminate the session's processes, say goodbye, and wait for the TCP close."""
         conn = self.connection
         if conn is None or self.state != WebSocketProtocol.STATE_OPEN:
-            if not self._lost:
+            if not self._lost.done:
                 self._transport.abortConnection()
             return self.when_lost()
         d = conn.shutdown()
