@@ -111,6 +111,8 @@ class Session:
         #: here (not only in the registry, which may release them first) so
         #: shutdown waits for them.
         self._escalating: set[ManagedProcess] = set()
+        #: Started and not exited (what --max-processes limits).
+        self._running: set[ManagedProcess] = set()
         self.started_count = 0
         #: Server-wide counters (``dispatcher.Stats``) or None.
         self.stats = stats
@@ -216,6 +218,8 @@ class Session:
                 self.config.terminate_grace_ms / 1000.0,
             )
         self.started_count += 1
+        if not proc.exited:
+            self._running.add(proc)
         if self.stats is not None:
             self.stats.processes_started += 1
         if self._paused and not proc.closed:
@@ -224,7 +228,7 @@ class Session:
         return proc
 
     def running_count(self) -> int:
-        return sum(1 for proc in self.processes.values() if not proc.exited)
+        return len(self._running)
 
     def lookup(self, process_id: str) -> ManagedProcess:
         proc = self.processes.get(process_id)
@@ -248,9 +252,14 @@ class Session:
     ) -> Deferred[p.ReadResponse]:
         result: Deferred[p.ReadResponse] = Deferred()
         timer: IDelayedCall | None = None
+        change: Deferred[None] | None = None
+
+        def watch() -> None:
+            nonlocal change
+            change = proc.wait_for_change()
+            change.addCallback(check)
 
         def check(_: object = None) -> None:
-            nonlocal timer
             if result.called:
                 return
             response = self._read_now(proc, params)
@@ -260,16 +269,20 @@ class Session:
                     timer.cancel()
                 result.callback(response)
                 return
-            proc.wait_for_change().addCallback(check)
+            watch()
 
         def expire() -> None:
             nonlocal timer
             timer = None
+            # Polls of a silent process time out again and again: each must
+            # take its waiter with it, or they pile up until output arrives.
+            if change is not None:
+                proc.forget_change_waiter(change)
             if not result.called:
                 result.callback(self._read_now(proc, params))
 
         timer = self._clock.callLater(max(0.0, deadline - self._clock.seconds()), expire)
-        proc.wait_for_change().addCallback(check)
+        watch()
         return result
 
     def _read_now(self, proc: ManagedProcess, params: p.ReadParams) -> p.ReadResponse:
@@ -426,6 +439,7 @@ class Session:
         self._emit(proc, encoder.encode(stream, data, seq))
 
     def process_exited(self, proc: ManagedProcess) -> None:
+        self._running.discard(proc)
         if self.stats is not None:
             self.stats.processes_exited += 1
         params = p.ExitedNotification(

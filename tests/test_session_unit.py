@@ -295,6 +295,26 @@ def test_long_poll_times_out_on_the_clock() -> None:
     assert {k: response["result"][k] for k in baseline} == baseline
 
 
+def test_long_polls_of_a_silent_process_that_time_out_leave_no_waiter() -> None:
+    # A client polling a quiet process for hours must not grow the server.
+    h = ready()
+    h.start("proc-1")
+    for _ in range(100):
+        read_id = h.request("process/read", {"processId": "proc-1", "waitMs": 250})
+        h.clock.advance(0.25)
+        assert h.response(read_id) is not None
+    assert h.conn.session.processes["proc-1"]._changed.waiting == 0
+
+
+def test_running_count_follows_starts_and_exits() -> None:
+    h = ready()
+    h.start("a")
+    h.start("b")
+    assert h.conn.session.running_count() == 2
+    h.process("a").exit(0)
+    assert h.conn.session.running_count() == 1
+
+
 def test_read_of_an_exited_process_never_waits() -> None:
     h = ready()
     h.start("proc-1")
