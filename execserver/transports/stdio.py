@@ -110,71 +110,52 @@ class LineProtocol(Protocol):
     def write_message_parts(self, parts: Sequence[Buffer]) -> None:
         """Send one message given as consecutive pieces, without joining them.
 
-        Used for large results (an ``fs/readFile`` payload): the pieces are
-        handed to the pipe with one ``writev``; only what the pipe does not
-        take at once is copied into the transport's queue (which takes bytes).
+        When nothing is queued, the pieces (and the newline) go to the pipe at
+        once with one ``writev``: no copy, no wait for the reactor. Only what
+        the pipe does not take is queued, copied into bytes where Twisted's
+        queue needs them. Used for every large message (output notifications,
+        an ``fs/readFile`` result sent around its envelope).
         """
         self._flush_batch()  # keep order: what was gathered goes first
         pieces: list[Buffer] = [*parts, b"\n"]
-        writer = self._pipe_writer
-        if (
-            writer is not None
-            and writer.connected
-            and not writer.disconnecting
-            and not writer._tempDataLen
-            and writer.offset == len(writer.dataBuffer)
-        ):
+        if self._pipe_idle():
             try:
-                written = os.writev(writer.fileno(), pieces)
+                written = os.writev(self._pipe_writer.fileno(), pieces)
             except OSError:
                 written = 0  # BlockingIOError, or an error the transport reports
-            views: list[Buffer] = []
+            rest: list[Buffer] = []
             for piece in pieces:
                 size = memoryview(piece).nbytes
                 if written >= size:
                     written -= size
                     continue
-                views.append(memoryview(piece)[written:])
+                rest.append(memoryview(piece)[written:] if written else piece)
                 written = 0
-            pieces = views
+            pieces = rest
         if pieces:
             self._transport.writeSequence(
                 [piece if type(piece) is bytes else bytes(piece) for piece in pieces]
             )
 
-    def write_message(self, data: bytes) -> None:
-        batch = self._batch
-        if batch is not None:
-            if len(data) < DIRECT_WRITE_BYTES:
-                batch.append(data)
-                batch.append(b"\n")
-                return
-            self._flush_batch()  # keep order: what was gathered goes first
+    def _pipe_idle(self) -> bool:
         writer = self._pipe_writer
-        if (
-            len(data) >= DIRECT_WRITE_BYTES
-            and writer is not None
+        return bool(
+            writer is not None
             and writer.connected
             and not writer.disconnecting
             and not writer._tempDataLen
             and writer.offset == len(writer.dataBuffer)
-        ):
-            # Nothing is queued: hand a large message to the pipe now, newline
-            # included, without copying it or waiting for the reactor.
-            try:
-                written = os.writev(writer.fileno(), (data, b"\n"))
-            except BlockingIOError:
-                written = 0
-            except OSError:
-                written = 0  # queue it; the transport reports the error
-            if written > len(data):
-                return
-            if written:
-                data = data[written:]
-            self._transport.writeSequence((data, b"\n"))
+        )
+
+    def write_message(self, data: bytes) -> None:
+        if len(data) >= DIRECT_WRITE_BYTES:
+            self.write_message_parts((data,))
             return
-        # Small messages are queued (a burst of answers leaves in one write);
-        # one concatenation is cheaper than writeSequence's bookkeeping.
+        if self._batch is not None:
+            # Small messages sent while one read is handled leave together.
+            self._batch += (data, b"\n")
+            return
+        # One concatenation is cheaper than writeSequence's bookkeeping.
         self._transport.write(data + b"\n")
 
     def close_connection(self) -> None:
