@@ -81,6 +81,11 @@ class ProcessSpec:
     rows: int = 24
     cols: int = 80
 
+    @property
+    def child_args(self) -> list[str]:
+        """The argv the child sees: ``arg0`` (when given) replaces ``argv[0]``."""
+        return [self.arg0 if self.arg0 is not None else self.argv[0], *self.argv[1:]]
+
 
 class SpawnError(RpcError):
     """The process could not be started. ``-32603`` with ``data.kind``/``data.errno``."""
@@ -305,7 +310,39 @@ class _ChunkReader(_twisted_process.ProcessReader):
             _drain(self.fd, self.dataReceived)
 
 
-class PipeProcess(_twisted_process.Process):
+class _PosixSpawned:
+    """The creation step shared by both transports: ``posix_spawn`` in ``cwd``.
+
+    Twisted's ``_fork`` calls this hook first and skips its fork when it
+    returns True.
+    """
+
+    _spec: ProcessSpec
+    pid: Any
+    status: Any
+
+    @staticmethod
+    def _file_actions(kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def _trySpawnInsteadOfFork(
+        self,
+        path: object,
+        uid: object,
+        gid: object,
+        executable: str,
+        args: list[str],
+        environment: dict[str, str],
+        kwargs: dict[str, Any],
+    ) -> bool:
+        self.pid = _posix_spawn_in(
+            self._spec.cwd, executable, args, environment, self._file_actions(kwargs)
+        )
+        self.status = -1
+        return True
+
+
+class PipeProcess(_PosixSpawned, _twisted_process.Process):
     """Twisted's pipe ``Process``, created by ``posix_spawn`` in its own session."""
 
     processReaderFactory = _ChunkReader
@@ -326,33 +363,23 @@ class PipeProcess(_twisted_process.Process):
         super().__init__(
             reactor,
             executable,
-            [spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]],
+            spec.child_args,
             spec.env,
             None,
             proto,
             childFDs=child_fds,
         )
 
-    def _trySpawnInsteadOfFork(
-        self,
-        path: object,
-        uid: object,
-        gid: object,
-        executable: str,
-        args: list[str],
-        environment: dict[str, str],
-        kwargs: dict[str, Any],
-    ) -> bool:
+    @staticmethod
+    def _file_actions(kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
+        # Every fd of ours is close-on-exec, so the child gets exactly fdmap.
         fdmap: dict[int, int] = kwargs["fdmap"]
-        actions = _twisted_process._getFileActions(
+        return _twisted_process._getFileActions(
             [(fd, True) for fd in set(fdmap.values())],
             fdmap,
             doClose=os.POSIX_SPAWN_CLOSE,
             doDup2=os.POSIX_SPAWN_DUP2,
         )
-        self.pid = _posix_spawn_in(self._spec.cwd, executable, args, environment, actions)
-        self.status = -1
-        return True
 
     def drain_output(self) -> None:
         for pipe in list(self.pipes.values()):
@@ -360,7 +387,7 @@ class PipeProcess(_twisted_process.Process):
                 pipe.drain()
 
 
-class PtyProcess(_twisted_process.PTYProcess):
+class PtyProcess(_PosixSpawned, _twisted_process.PTYProcess):
     """Twisted's ``PTYProcess``, created by ``posix_spawn``; the PTY is its controlling tty."""
 
     def __init__(
@@ -377,7 +404,7 @@ class PtyProcess(_twisted_process.PTYProcess):
             super().__init__(
                 reactor,
                 executable,
-                [spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]],
+                spec.child_args,
                 spec.env,
                 None,
                 proto,
@@ -389,28 +416,14 @@ class PtyProcess(_twisted_process.PTYProcess):
                     os.close(fd)
             raise
 
-    def _trySpawnInsteadOfFork(
-        self,
-        path: object,
-        uid: object,
-        gid: object,
-        executable: str,
-        args: list[str],
-        environment: dict[str, str],
-        kwargs: dict[str, Any],
-    ) -> bool:
-        slave_name = os.ttyname(kwargs["slavefd"])
-        actions: list[tuple[Any, ...]] = [
-            (os.POSIX_SPAWN_OPEN, 0, slave_name, os.O_RDWR, 0),
+    @staticmethod
+    def _file_actions(kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
+        # Opened after setsid, the slave becomes the controlling terminal.
+        return [
+            (os.POSIX_SPAWN_OPEN, 0, os.ttyname(kwargs["slavefd"]), os.O_RDWR, 0),
             (os.POSIX_SPAWN_DUP2, 0, 1),
             (os.POSIX_SPAWN_DUP2, 0, 2),
         ]
-        # Twisted declares PTYProcess.pid as None at class level.
-        self.pid = _posix_spawn_in(  # type: ignore[assignment]
-            self._spec.cwd, executable, args, environment, actions
-        )
-        self.status = -1
-        return True
 
     #: Why output ended, when it ended before the child was reaped.
     _early_eof: Any = None
