@@ -33,6 +33,7 @@ from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, Spawner
+from execserver.writebuffer import unsent_bytes
 
 log = Logger()
 
@@ -42,14 +43,6 @@ Send = Callable[[object], None]
 def _validate_text(field: str, value: str) -> None:
     if "\0" in value:
         raise RpcError.invalid_params(f"{field} must not contain NUL characters")
-
-
-def _pending_write_bytes(writer: Any) -> int:
-    """Bytes a Twisted FileDescriptor has buffered but not yet written."""
-    try:
-        return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen)
-    except AttributeError:
-        return 0
 
 
 _REALTIME_SIGNAL = re.compile(r"RT(MIN|MAX)(?:([+-])(\d+))?")
@@ -312,7 +305,7 @@ class Session:
                 )
             raise RpcError.invalid_request(f"stdin is closed for process {params.process_id}")
         writer = transport if proc.tty else transport.pipes.get(0)
-        pending = _pending_write_bytes(writer)
+        pending = unsent_bytes(writer)
         if pending + len(params.chunk) > self.config.max_stdin_buffer_bytes:
             raise RpcError.invalid_request(
                 f"stdin of process {params.process_id} is not being read: "

@@ -20,6 +20,7 @@ from zope.interface import implementer
 from execserver.codec import OVERSIZED, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.waiters import Latch
+from execserver.writebuffer import set_high_water, unsent_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -32,18 +33,6 @@ FLUSH_SLACK_SECONDS: Final = 2.0
 #: Messages at least this large are written straight to an idle pipe (see
 #: ``LineProtocol.write_message``); smaller ones always go through the queue.
 DIRECT_WRITE_BYTES: Final = 16 * 1024
-
-
-def set_high_water(transport: Any, limit: int) -> None:
-    """Make the transport pause its producer once ``limit`` bytes are unsent.
-
-    Twisted's FileDescriptor pauses a streaming producer above ``bufferSize``
-    (64 KiB by default, less than one output notification) and resumes it
-    once its buffer is empty.
-    """
-    target = getattr(transport, "_writer", None) or transport
-    if hasattr(target, "bufferSize"):
-        target.bufferSize = limit
 
 
 @implementer(IHalfCloseableProtocol)
@@ -143,8 +132,7 @@ class LineProtocol(Protocol):
             writer is not None
             and writer.connected
             and not writer.disconnecting
-            and not writer._tempDataLen
-            and writer.offset == len(writer.dataBuffer)
+            and unsent_bytes(writer) == 0
         )
 
     def write_message(self, data: bytes) -> None:

@@ -46,8 +46,8 @@ from zope.interface import implementer
 
 from execserver import __version__, metrics
 from execserver.dispatcher import Connection, Dispatcher
-from execserver.transports.stdio import set_high_water
 from execserver.waiters import Latch
+from execserver.writebuffer import set_high_water, unsent_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -79,14 +79,6 @@ _STATUS_TEXT: Final = {
     426: "Upgrade Required",
     431: "Request Header Fields Too Large",
 }
-
-
-def unsent_bytes(transport: Any) -> int:
-    """Bytes a Twisted TCP transport has accepted but not yet sent."""
-    try:
-        return int(len(transport.dataBuffer) - transport.offset + transport._tempDataLen)
-    except AttributeError:
-        return 0
 
 
 @implementer(IPushProducer)
