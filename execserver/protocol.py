@@ -49,7 +49,14 @@ INVALID_REQUEST = -32600
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: Largest accepted count, sequence number or duration: the largest signed
+#: 64-bit integer (2^63 - 1). The reference declares ``afterSeq``,
+#: ``maxBytes`` and ``waitMs`` as ``u64``; msgspec range-checks integers
+#: only within int64, and no real value comes near either bound. Anything
+#: outside ``0..I64_MAX`` is ``-32602`` naming the field, e.g.
+#: ``Expected `int` <= 9223372036854775807 - at `$.afterSeq```.
+I64_MAX = (1 << 63) - 1
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=I64_MAX)]
 #: A terminal dimension: TIOCSWINSZ stores rows and columns as unsigned shorts.
 WindowDimension = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 TimedOut = Literal["wall", "idle"]

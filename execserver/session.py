@@ -279,7 +279,10 @@ class Session:
         return result
 
     def _read_now(self, proc: ManagedProcess, params: p.ReadParams) -> p.ReadResponse:
-        read = proc.output.read(params.after_seq or 0, params.max_bytes)
+        # afterSeq may be any u64; beyond the next seq nothing is readable
+        # anyway, and clamping keeps the value within what islice() accepts.
+        after_seq = min(params.after_seq or 0, proc.output.next_seq)
+        read = proc.output.read(after_seq, params.max_bytes)
         response = p.ReadResponse(
             chunks=[p.ProcessOutputChunk(c.seq, c.stream, c.data) for c in read.chunks],
             next_seq=read.next_seq,

@@ -1,0 +1,187 @@
+"""Every integer request param is range-checked: ``-32602`` naming the field, never ``-32603``.
+
+The integer fields are found by inspecting the params type of every route
+the dispatcher serves (nested structs included), so a field added later is
+covered without editing this test. Values go through the dispatcher as JSON
+text, exactly as a client sends them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from execserver import protocol as p
+from tests.fakes import Harness, exec_params
+
+I64_MIN = -(1 << 63)
+
+# A minimal valid params object per method; the process "proc-1" exists.
+_BASE: dict[str, dict[str, Any]] = {
+    p.PROCESS_START: exec_params("fresh", tty=True, size={"rows": 24, "cols": 80}),
+    p.PROCESS_WRITE: {"processId": "proc-1", "chunk": ""},
+    p.PROCESS_SIGNAL: {"processId": "proc-1", "signal": 15},
+    p.PROCESS_RESIZE: {"processId": "proc-1", "rows": 24, "cols": 80},
+}
+
+
+def _base(method: str) -> dict[str, Any]:
+    copy: dict[str, Any] = json.loads(json.dumps(_BASE.get(method, {"processId": "proc-1"})))
+    return copy
+
+
+def _int_fields(
+    info: msgspec.inspect.Type, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], int | None, int | None]]:
+    """(wire path, lowest allowed, highest allowed) of every integer field under ``info``."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        return [found for member in info.types for found in _int_fields(member, path)]
+    if isinstance(info, msgspec.inspect.IntType):
+        low = info.ge if info.ge is not None else (info.gt + 1 if info.gt is not None else None)
+        high = info.le if info.le is not None else (info.lt - 1 if info.lt is not None else None)
+        return [(path, low, high)]
+    if isinstance(info, msgspec.inspect.StructType):
+        return [
+            found
+            for field in info.fields
+            for found in _int_fields(field.type, (*path, field.encode_name))
+        ]
+    return []
+
+
+def _all_int_fields() -> list[tuple[str, tuple[str, ...], int | None, int | None]]:
+    routes = Harness().dispatcher.routes
+    return [
+        (method, path, low, high)
+        for method, route in sorted(routes.items())
+        for path, low, high in _int_fields(msgspec.inspect.type_info(route.params_type))
+    ]
+
+
+INT_FIELDS = _all_int_fields()
+FIELD_IDS = [f"{method}:{'.'.join(path)}" for method, path, _, _ in INT_FIELDS]
+
+
+def _with(params: dict[str, Any], path: tuple[str, ...], value: int) -> dict[str, Any]:
+    target = params
+    for key in path[:-1]:
+        target = target.setdefault(key, {})
+    target[path[-1]] = value
+    return params
+
+
+def _harness() -> Harness:
+    h = Harness()
+    h.handshake()
+    h.start("proc-1", tty=True)
+    # The fake PTY accepts any window size (TIOCSWINSZ is not under test).
+    sizes: list[tuple[int, int]] = []
+    setattr(h.process(), "set_window_size", lambda rows, cols: sizes.append((rows, cols)))  # noqa: B010
+    return h
+
+
+def test_the_known_integer_fields_are_all_found_and_bounded() -> None:
+    found = {(method, ".".join(path)): (low, high) for method, path, low, high in INT_FIELDS}
+    i64 = (0, p.I64_MAX)
+    dims = (1, 65535)
+    expected = {
+        (p.PROCESS_START, "timeoutMs"): i64,
+        (p.PROCESS_START, "idleTimeoutMs"): i64,
+        (p.PROCESS_START, "size.rows"): dims,
+        (p.PROCESS_START, "size.cols"): dims,
+        (p.PROCESS_READ, "afterSeq"): i64,
+        (p.PROCESS_READ, "maxBytes"): i64,
+        (p.PROCESS_READ, "waitMs"): i64,
+        (p.PROCESS_TERMINATE, "graceMs"): i64,
+        (p.PROCESS_RESIZE, "rows"): dims,
+        (p.PROCESS_RESIZE, "cols"): dims,
+        (p.PROCESS_WAIT, "timeoutMs"): i64,
+        # A signal number is checked against 1..NSIG-1 by the session.
+        (p.PROCESS_SIGNAL, "signal"): (None, None),
+    }
+    for key, bounds in expected.items():
+        assert found.get(key) == bounds, key
+    # Any other integer field (added later) must carry both bounds.
+    for key, (low, high) in found.items():
+        if key != (p.PROCESS_SIGNAL, "signal"):
+            assert low is not None and high is not None, key
+
+
+def _out_of_range(low: int | None, high: int | None) -> st.SearchStrategy[int]:
+    specials = [-1, I64_MIN, I64_MIN - 1, 1 << 63, 1 << 64, (1 << 64) + 1, 10**30, -(10**30)]
+    options: list[st.SearchStrategy[int]] = []
+    if low is not None:
+        options.append(st.integers(max_value=low - 1))
+    if high is not None:
+        options.append(st.integers(min_value=high + 1))
+    if low is None and high is None:
+        # Checked by the handler (signal numbers): 1..NSIG-1 at most.
+        options += [st.integers(max_value=0), st.integers(min_value=65)]
+    candidates = [
+        v
+        for v in specials
+        if (low is None and high is None and not 1 <= v <= 64)
+        or (low is not None and v < low)
+        or (high is not None and v > high)
+    ]
+    if candidates:
+        options.append(st.sampled_from(candidates))
+    return st.one_of(options)
+
+
+@pytest.mark.parametrize(("method", "path", "low", "high"), INT_FIELDS, ids=FIELD_IDS)
+def test_out_of_range_integers_are_invalid_params_naming_the_field(
+    method: str, path: tuple[str, ...], low: int | None, high: int | None
+) -> None:
+    h = _harness()
+
+    @given(value=_out_of_range(low, high))
+    def check(value: int) -> None:
+        error = h.error(method, _with(_base(method), path, value))
+        assert error["code"] == -32602, error
+        if low is None and high is None:
+            assert path[-1] in error["message"], error
+        else:
+            assert f"$.{'.'.join(path)}`" in error["message"], error
+
+    check()
+
+
+@pytest.mark.parametrize(("method", "path", "low", "high"), INT_FIELDS, ids=FIELD_IDS)
+def test_the_extremes_of_each_range_are_accepted_without_internal_errors(
+    method: str, path: tuple[str, ...], low: int | None, high: int | None
+) -> None:
+    for value in {v for v in (low, high) if v is not None}:
+        h = _harness()
+        request_id = h.request(method, _with(_base(method), path, value))
+        if h.response(request_id) is None:
+            # A long poll or wait: the process's exit answers it.
+            h.process().exit(0)
+        response = h.response(request_id)
+        assert response is not None, (method, path, value)
+        # The value is valid: any error is about the request's meaning
+        # (e.g. resizing an exited process), never a failure of the server.
+        assert response.get("error", {}).get("code") != -32603, response
+        assert response.get("error", {}).get("code") != -32602, response
+
+
+def test_read_after_the_largest_seq_returns_nothing_and_the_next_seq() -> None:
+    h = _harness()
+    h.process().output(b"hello")
+    result = h.result(p.PROCESS_READ, {"processId": "proc-1", "afterSeq": p.I64_MAX})
+    assert result["chunks"] == []
+    assert result["nextSeq"] == 2
+
+
+def test_read_after_seq_two_to_the_63_is_invalid_params() -> None:
+    h = _harness()
+    error = h.error(p.PROCESS_READ, {"processId": "proc-1", "afterSeq": 1 << 63})
+    assert error == {
+        "code": -32602,
+        "message": "Expected `int` <= 9223372036854775807 - at `$.afterSeq`",
+    }
