@@ -1,8 +1,12 @@
 """Integration-test harness: the real server as a subprocess over real stdio.
 
-``ServerProcess.start()`` runs ``python -m execserver`` from this working tree
-(``PYTHONPATH`` points at the repository) and speaks NDJSON to it. Every wait
-has a timeout; :meth:`ServerProcess.stop` always leaves no process behind.
+``ServerProcess.start()`` runs the installed ``exec-server`` console script
+(found next to ``sys.executable``; no path to this checkout is passed on, so
+the code under test is what ``pip install`` shipped) and speaks NDJSON to it.
+Every wait has a timeout; :meth:`ServerProcess.stop` always leaves no process
+behind. At teardown the fixtures in ``conftest.py`` fail the test on a
+traceback in the server's stderr or an exit status it did not declare
+(``tests/server_checks.py``).
 """
 
 from __future__ import annotations
@@ -16,23 +20,45 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest_twisted
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
+from tests.server_checks import ServerChecks
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 reactor: Any = _reactor
 
 DEFAULT_TIMEOUT = 10.0
 
+#: The environment's scripts directory: ``exec-server``, ``exec-server-client``
+#: and ``twistd`` as installed by ``pip install '.[test]'``.
+BIN = Path(sys.executable).parent
+
+
+def console_script(name: str) -> str:
+    """The installed console script ``name`` (an error, not a skip, when missing)."""
+    path = BIN / name
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: install the package under test (pip install '.[test]')"
+        )
+    return str(path)
+
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test's environment minus any ``PYTHONPATH`` entry inside this checkout."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO_ROOT) + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
-    )
+    kept = [
+        entry
+        for entry in env.pop("PYTHONPATH", "").split(os.pathsep)
+        if entry and not Path(entry).resolve().is_relative_to(REPO_ROOT)
+    ]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
     env.pop("COVERAGE_PROCESS_START", None)
     if extra:
         env.update(extra)
@@ -212,7 +238,7 @@ class RpcTestClient:
         await self.wait_notification("process/closed", process_id, timeout)
 
 
-class ServerProcess(RpcTestClient, ProcessProtocol):
+class ServerProcess(RpcTestClient, ServerChecks, ProcessProtocol):
     """A running ``exec-server`` child and a minimal JSON-RPC client for it."""
 
     def __init__(self) -> None:
@@ -224,6 +250,7 @@ class ServerProcess(RpcTestClient, ProcessProtocol):
         self._init_rpc()
         self.ended: Deferred[Any] = Deferred()
         self.exit_code: int | None = None
+        self.exit_signal: int | None = None
         self.stdout_closed: Deferred[None] = Deferred()
         self.pid: int | None = None
 
@@ -232,14 +259,12 @@ class ServerProcess(RpcTestClient, ProcessProtocol):
     @classmethod
     def start(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
         proto = cls()
+        script = console_script("exec-server")
         transport = reactor.spawnProcess(
-            proto,
-            sys.executable,
-            [sys.executable, "-m", "execserver", *args],
-            env=server_env(env),
-            path=str(REPO_ROOT),
+            proto, script, [script, *args], env=server_env(env), path=str(REPO_ROOT)
         )
         proto.pid = transport.pid
+        proto._init_checks(f"exec-server {' '.join(args)} (stdio, pid {proto.pid})")
         return proto
 
     def connectionMade(self) -> None:
@@ -269,6 +294,7 @@ class ServerProcess(RpcTestClient, ProcessProtocol):
 
     def processEnded(self, reason: Failure) -> None:
         self.exit_code = getattr(reason.value, "exitCode", None)
+        self.exit_signal = getattr(reason.value, "signal", None)
         self._fail_pending("server exited")
         self.ended.callback(self.exit_code)
 
@@ -279,14 +305,31 @@ class ServerProcess(RpcTestClient, ProcessProtocol):
             try:
                 await with_timeout(self._ended_copy(), timeout, "server exit")
             except TimeoutError:
-                self.kill()
+                self.harness_killed = True
+                self._signal("KILL")
                 await with_timeout(self._ended_copy(), timeout, "server exit after SIGKILL")
                 raise
         return self.exit_code
 
     def kill(self, sig: str = "KILL") -> None:
+        """Send ``sig`` on purpose: the server may then die of it."""
+        self._signalled_by_test(sig)
+        self._signal(sig)
+
+    def _signal(self, sig: str) -> None:
         with contextlib.suppress(ProcessExitedAlready):
             self.transport.signalProcess(sig)  # type: ignore[union-attr]
+
+    # --- teardown checks ------------------------------------------------------------
+
+    def stderr_bytes(self) -> bytes:
+        return self.stderr
+
+    def exit_status(self) -> tuple[int | None, int | None] | None:
+        return (self.exit_code, self.exit_signal) if self.ended.called else None
+
+    def stop_for_teardown(self) -> None:
+        pytest_twisted.blockon(Deferred.fromCoroutine(self.stop()))
 
     def _ended_copy(self) -> Deferred[Any]:
         d: Deferred[Any] = Deferred()

@@ -2,7 +2,9 @@
 
 For tests that must control exactly when the server's stdout is read (flow
 control) or that drive many hypothesis examples against one server. Every
-read has a deadline; :meth:`RawServer.stop` always leaves no process behind.
+read has a deadline; :meth:`RawServer.stop` always leaves no process behind,
+and at teardown the server's stderr and exit status are checked like every
+harness server's (``tests/server_checks.py``).
 """
 
 from __future__ import annotations
@@ -11,27 +13,28 @@ import contextlib
 import os
 import select
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 import msgspec
 
-from tests.harness import REPO_ROOT, server_env
+from tests.harness import REPO_ROOT, console_script, server_env
+from tests.server_checks import ServerChecks
 
 _decode = msgspec.json.Decoder().decode
 
 
-class RawServer:
+class RawServer(ServerChecks):
     def __init__(
         self, *args: str, command: list[str] | None = None, cwd: str | None = None
     ) -> None:
-        """Run ``python -m execserver ARGS`` (or ``command``), working tree first on PYTHONPATH."""
+        """Run the installed ``exec-server ARGS`` (or ``command``)."""
         # Closed with the RawServer; a context manager cannot span its life.
         self.stderr_file = tempfile.TemporaryFile()  # noqa: SIM115
+        argv = command or [console_script("exec-server"), *args]
         self.proc = subprocess.Popen(
-            command or [sys.executable, "-m", "execserver", *args],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr_file,
@@ -47,6 +50,7 @@ class RawServer:
         self._backlog: list[dict[str, Any]] = []
         self._next_id = 1
         self.eof = False
+        self._init_checks(f"{' '.join(argv)} (raw pipes, pid {self.pid})")
 
     # --- sending ------------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ class RawServer:
                     self.eof = True
             return self.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            self.harness_killed = True
             self.proc.kill()
             self.proc.wait(timeout)
             raise
@@ -140,5 +145,19 @@ class RawServer:
                 self.proc.stdout.close()
 
     def stderr_text(self) -> str:
+        return self.stderr_bytes().decode(errors="replace")
+
+    # --- teardown checks ----------------------------------------------------------------
+
+    def stderr_bytes(self) -> bytes:
         self.stderr_file.seek(0)
-        return self.stderr_file.read().decode(errors="replace")
+        return self.stderr_file.read()
+
+    def exit_status(self) -> tuple[int | None, int | None] | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return (None, -code) if code < 0 else (code, None)
+
+    def stop_for_teardown(self) -> None:
+        self.stop()

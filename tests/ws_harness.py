@@ -1,9 +1,11 @@
 """WebSocket test helpers: the real server on ``ws://127.0.0.1:0`` and a small client.
 
-:class:`WsServerProcess` runs ``python -m execserver --listen ws://127.0.0.1:0``
-and reads the ``exec-server listening on ws://IP:PORT`` lines from its
-stderr. :class:`WsClient` is a test-only JSON-RPC client on Autobahn's
-Twisted WebSocket client (``onMessage`` stays synchronous; size limits set).
+:class:`WsServerProcess` runs the installed ``exec-server --listen
+ws://127.0.0.1:0`` (or ``twistd -n exec-server``) and reads the ``exec-server
+listening on ws://IP:PORT`` lines from its stderr; at teardown its stderr and
+exit status are checked like every harness server's (``tests/server_checks.py``).
+:class:`WsClient` is a test-only JSON-RPC client on Autobahn's Twisted
+WebSocket client (``onMessage`` stays synchronous; size limits set).
 Every wait has a timeout; ``stop`` always leaves no process behind.
 """
 
@@ -12,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import sys
 from typing import Any
 
+import pytest_twisted
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint
@@ -26,13 +28,14 @@ from tests.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     RpcTestClient,
+    console_script,
     reactor,
     server_env,
     with_timeout,
 )
+from tests.server_checks import ServerChecks
 
 BANNER = re.compile(rb"exec-server listening on (ws://\S+)")
-TWISTD = "from twisted.scripts.twistd import run; run()"
 
 
 def observe(source: Deferred[Any]) -> Deferred[Any]:
@@ -48,7 +51,7 @@ def observe(source: Deferred[Any]) -> Deferred[Any]:
     return d
 
 
-class WsServerProcess(ProcessProtocol):
+class WsServerProcess(ServerChecks, ProcessProtocol):
     """The real server listening on WebSocket addresses."""
 
     def __init__(self, expected_urls: int) -> None:
@@ -73,18 +76,15 @@ class WsServerProcess(ProcessProtocol):
         if not any(a.startswith("--listen") for a in args):
             args = ("--listen", "ws://127.0.0.1:0", *args)
         if twistd:
-            launcher = ["-c", TWISTD, "-n", "--pidfile=", "exec-server"]
+            argv = [console_script("twistd"), "-n", "--pidfile=", "exec-server", *args]
         else:
-            launcher = ["-m", "execserver"]
+            argv = [console_script("exec-server"), *args]
         proto = cls(listeners)
         transport = reactor.spawnProcess(
-            proto,
-            sys.executable,
-            [sys.executable, *launcher, *args],
-            env=server_env(),
-            path=str(REPO_ROOT),
+            proto, argv[0], argv, env=server_env(), path=str(REPO_ROOT)
         )
         proto.pid = transport.pid
+        proto._init_checks(f"{' '.join(argv)} (pid {proto.pid})")
         try:
             await with_timeout(observe(proto.listening), timeout, "the listening banner")
         except BaseException:
@@ -118,20 +118,37 @@ class WsServerProcess(ProcessProtocol):
         self.ended.callback(self.exit_code)
 
     def signal(self, sig: str) -> None:
+        """Send ``sig`` on purpose: the server may then die of it."""
+        self._signalled_by_test(sig)
+        self._signal(sig)
+
+    def _signal(self, sig: str) -> None:
         with contextlib.suppress(ProcessExitedAlready, AttributeError):
             self.transport.signalProcess(sig)  # type: ignore[union-attr]
 
     async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
         """SIGTERM and wait for exit; SIGKILL if it does not exit in time."""
         if not self.ended.called:
-            self.signal("TERM")
+            self._signal("TERM")
             try:
                 await with_timeout(observe(self.ended), timeout, "server exit")
             except TimeoutError:
-                self.signal("KILL")
+                self.harness_killed = True
+                self._signal("KILL")
                 await with_timeout(observe(self.ended), timeout, "server exit after SIGKILL")
                 raise
         return self.exit_code
+
+    # --- teardown checks ------------------------------------------------------------
+
+    def stderr_bytes(self) -> bytes:
+        return self.stderr
+
+    def exit_status(self) -> tuple[int | None, int | None] | None:
+        return (self.exit_code, self.exit_signal) if self.ended.called else None
+
+    def stop_for_teardown(self) -> None:
+        pytest_twisted.blockon(Deferred.fromCoroutine(self.stop()))
 
 
 # (mypy flags Autobahn's own base classes as mutually inconsistent once a
