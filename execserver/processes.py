@@ -3,10 +3,12 @@
 :class:`ManagedProcess` is the ``ProcessProtocol`` of one child. It numbers
 and retains output, tells its :class:`ProcessObserver` (the session) about
 output, exit and close, enforces the wall-clock and idle timeouts, and
-escalates termination of the child's whole process group (SIGTERM, then
-SIGKILL after a grace period). It knows nothing of JSON or connections; the
-clock and the signal sender are injected so unit tests drive it with a fake
-clock and fake transports.
+escalates termination of the child's whole tree (SIGTERM, then SIGKILL
+after a grace period): every descendant, as tracked by the
+:class:`~execserver.containment.ProcessTree` the spawner attached to the
+transport, or only the process group when there is none. It knows nothing of
+JSON or connections; the clock and the signal sender are injected so unit
+tests drive it with a fake clock and fake transports.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from execserver.containment import ProcessTree
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
 from execserver.spawn import group_alive, kill_group
@@ -43,6 +46,41 @@ def signal_name(signum: int) -> str:
         return _signal.Signals(signum).name
     except ValueError:
         return f"SIG{signum}"
+
+
+#: After the SIGKILL, how long a tree may take to disappear before the
+#: process counts as finished anyway (a member stuck in uninterruptible
+#: sleep cannot die sooner; waiting for it would hold shutdown forever).
+KILL_WAIT_LIMIT = 5.0
+
+
+class ProcessGroup:
+    """The tree of a process without containment: its process group only.
+
+    Calls ``kill``/``alive`` through the owner at each use, so tests can
+    swap the owner's ``_kill``/``_group_alive`` after construction.
+    """
+
+    def __init__(self, proc: ManagedProcess, pgid: int) -> None:
+        self._proc = proc
+        self._pgid = pgid
+
+    def signal(self, signum: int) -> None:
+        self._proc._kill(self._pgid, signum)
+
+    def kill(self) -> None:
+        self._proc._kill(self._pgid, _signal.SIGKILL)
+
+    def alive(self) -> bool:
+        return self._proc._group_alive(self._pgid)
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        # Nothing sweeps a bare group: a terminate (or the session's end)
+        # finds out.
+        pass
+
+    def release(self) -> None:
+        pass
 
 
 class ManagedProcess(ProcessProtocol):
@@ -81,6 +119,10 @@ class ManagedProcess(ProcessProtocol):
         self._sigkill_sent = False
         self._group_timer: IDelayedCall | None = None
         self._group_delay = 0.0
+        self._tree: ProcessTree | None = None
+        #: Closed while members of the tree still ran (a daemon, say).
+        self._lingering = False
+        self._killed_at: float | None = None
         self._changed: Waiters[None] = Waiters()
         self._kill_timer: IDelayedCall | None = None
         self._force_close_timer: IDelayedCall | None = None
@@ -98,7 +140,14 @@ class ManagedProcess(ProcessProtocol):
 
     def makeConnection(self, transport: Any) -> None:
         self.pid = transport.pid
+        tree = getattr(transport, "tree", None)
+        self._tree = tree if tree is not None else ProcessGroup(self, transport.pid)
         super().makeConnection(transport)
+
+    @property
+    def tree(self) -> ProcessTree:
+        assert self._tree is not None, "not started"
+        return self._tree
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         stream: OutputStream = "pty" if self.tty else ("stderr" if childFD == 2 else "stdout")
@@ -146,10 +195,25 @@ class ManagedProcess(ProcessProtocol):
             # rest of the group is gone too.
             self._group_delay = 0.01
             self._check_group()
+        elif self._sigkill_sent:
+            if self._tree is not None and self._tree.alive():
+                self._killed_at = self._clock.seconds()
+                self._group_delay = 0.01
+                self._check_group()
+        elif self._tree is not None and self._tree.alive():
+            # Members that no longer hold our output live on: the process is
+            # not finished until they are gone (or a terminate ends them).
+            self._lingering = True
+            self._tree.when_empty(self._tree_emptied)
         self._observer.process_closed(self)
         self._wake()
         self._closed.fire(None)
-        if self._kill_timer is None:
+        if self.finished:
+            self._finish()
+
+    def _tree_emptied(self) -> None:
+        if self._lingering and self._kill_timer is None:
+            self._lingering = False
             self._finish()
 
     # --- control --------------------------------------------------------------
@@ -217,49 +281,81 @@ class ManagedProcess(ProcessProtocol):
         self._idle_timer = None
 
     def send_signal(self, signum: int) -> bool:
-        """Send ``signum`` to the whole group; False once the process has exited."""
+        """Send ``signum`` to the process group; False once the process has exited.
+
+        Only the group, as documented for ``process/signal``: a member that
+        left it on purpose (a daemon) is not interrupted; terminate reaches it.
+        """
         if self.exited or self.pid is None:
             return False
         return self._kill(self.pid, signum)
 
     def terminate(self, grace_seconds: float) -> None:
-        """SIGTERM the whole group now, SIGKILL it after ``grace_seconds``.
+        """SIGTERM the whole tree now, SIGKILL it after ``grace_seconds``.
 
-        Also used after the leader exited while others in its group still hold
-        its output open. A second call with a shorter grace brings the SIGKILL
-        forward; a longer one never delays it. Once every stream is closed it
-        only finishes an escalation already under way.
+        Also used after the leader exited while others of its tree still run
+        (holding its output open or not). A second call with a shorter grace
+        brings the SIGKILL forward; a longer one never delays it. Once the
+        process is finished (closed, its tree empty) it does nothing.
         """
-        if self.pid is None or (self.closed and self._kill_timer is None):
+        if self.pid is None or self._tree is None or self.finished:
             return
         self.terminating = True
         if grace_seconds <= 0 or self._sigkill_sent:
             # After a SIGKILL, a polite SIGTERM would only restart the grace.
             self._kill_now()
             return
-        self._kill(self.pid, _signal.SIGTERM)
+        self._tree.signal(_signal.SIGTERM)
         if self.tty:
             # A shell on a PTY ignores SIGTERM; hanging up its terminal is the
             # conventional polite request to leave.
-            self._kill(self.pid, _signal.SIGHUP)
+            self._tree.signal(_signal.SIGHUP)
         # A stopped member would keep SIGTERM pending until the SIGKILL.
-        self._kill(self.pid, _signal.SIGCONT)
+        self._tree.signal(_signal.SIGCONT)
         if self._kill_timer is None:
             self._kill_timer = self._clock.callLater(grace_seconds, self._kill_now)
         elif self._kill_timer.getTime() > self._clock.seconds() + grace_seconds:
             self._kill_timer.reset(grace_seconds)
+        if self.closed:
+            # Nothing will report the end of members that do not hold our
+            # output: watch the tree until it is empty.
+            self._lingering = False
+            self._group_delay = 0.01
+            self._check_group()
 
     def _check_group(self) -> None:
-        """After close, end a pending escalation as soon as the group is empty."""
+        """After close, finish as soon as the tree is empty.
+
+        Before the SIGKILL this ends the pending escalation early; after it,
+        it waits for the kill to take effect (at most KILL_WAIT_LIMIT).
+        """
         self._group_timer = None
-        if self._kill_timer is None:
+        if self._tree is None:
             return
-        if self.pid is None or not self._group_alive(self.pid):
-            self._kill_timer.cancel()
-            self._kill_timer = None
+        if self._killed_at is None and self._kill_timer is None:
+            return
+        if not self._tree.alive():
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
+                self._kill_timer = None
+            self._killed_at = None
             if self.closed:
                 self._finish()
             return
+        if self._killed_at is not None:
+            if self._clock.seconds() - self._killed_at >= KILL_WAIT_LIMIT:
+                log.warn(
+                    "process {process_id} (pid {pid}): members still alive "
+                    "{limit} s after SIGKILL; no longer waiting for them",
+                    process_id=self.process_id,
+                    pid=self.pid,
+                    limit=KILL_WAIT_LIMIT,
+                )
+                self._killed_at = None
+                self._finish()
+                return
+            # A fork that raced the kill leaves a member behind: kill again.
+            self._tree.kill()
         # Members still exiting are usually gone within milliseconds; back
         # off so a TERM-ignoring one costs only a few checks until SIGKILL.
         self._group_timer = self._clock.callLater(self._group_delay, self._check_group)
@@ -271,18 +367,22 @@ class ManagedProcess(ProcessProtocol):
                 timer.cancel()
         self._kill_timer = None
         self._group_timer = None
-        if self.pid is None:
+        if self.pid is None or self._tree is None:
             return
         self._sigkill_sent = True
+        self._lingering = False
         # Sent even after every stream closed: a member that ignores SIGTERM
         # and no longer holds our output must not outlive the terminate.
-        self._kill(self.pid, _signal.SIGKILL)
+        self._tree.kill()
         if self.closed:
-            self._finish()
+            self._killed_at = self._clock.seconds()
+            self._group_delay = 0.01
+            self._check_group()
             return
         if self._force_close_timer is None:
-            # A process that escaped the group (setsid) may still hold our
-            # pipes; stop waiting for it after a second and close our ends.
+            # A member may have passed our pipes to a process that is beyond
+            # reach (without containment: one that left the group); stop
+            # waiting for it after a second and close our ends.
             self._force_close_timer = self._clock.callLater(1.0, self._force_close)
 
     def _force_close(self) -> None:
@@ -305,6 +405,10 @@ class ManagedProcess(ProcessProtocol):
         self._force_close_timer = None
 
     def _finish(self) -> None:
+        if self._finished.done:
+            return
+        if self._tree is not None:
+            self._tree.release()
         self._finished.fire(None)
 
     # --- waiting --------------------------------------------------------------
@@ -330,14 +434,19 @@ class ManagedProcess(ProcessProtocol):
 
     @property
     def finished(self) -> bool:
-        """Closed, and no SIGKILL of a terminate is still pending."""
-        return self.closed and self._kill_timer is None
+        """Closed, and nothing of its tree is known to run: no escalation is
+        under way and no member outlived the close."""
+        return (
+            self.closed
+            and self._kill_timer is None
+            and self._killed_at is None
+            and not self._lingering
+        )
 
     def when_finished(self) -> Deferred[None]:
-        """Fires once :attr:`finished`: nothing of the process can still be running
-        that a terminate was asked to stop."""
+        """Fires once :attr:`finished`: nothing of the process is still running."""
         if self.finished:
-            self._finished.fire(None)
+            self._finish()
         return self._finished.wait()
 
     def wake_all(self) -> None:

@@ -43,6 +43,7 @@ from twisted.internet import process as _twisted_process
 from twisted.internet.interfaces import IProcessProtocol, IReactorCore
 from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
 
+from execserver.containment import Containment, ProcessTree
 from execserver.errors import RpcError
 
 READ_SIZE: Final = 256 * 1024
@@ -318,8 +319,11 @@ class _PosixSpawned:
     """
 
     _spec: ProcessSpec
+    _containment: Containment | None = None
     pid: Any
     status: Any
+    #: Every process this child creates (None: only its process group).
+    tree: ProcessTree | None = None
 
     @staticmethod
     def _file_actions(kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -335,9 +339,15 @@ class _PosixSpawned:
         environment: dict[str, str],
         kwargs: dict[str, Any],
     ) -> bool:
-        self.pid = _posix_spawn_in(
-            self._spec.cwd, executable, args, environment, self._file_actions(kwargs)
-        )
+        def create() -> int:
+            return _posix_spawn_in(
+                self._spec.cwd, executable, args, environment, self._file_actions(kwargs)
+            )
+
+        if self._containment is None:
+            self.pid = create()
+        else:
+            self.pid, self.tree = self._containment.spawn(create)
         self.status = -1
         return True
 
@@ -353,8 +363,10 @@ class PipeProcess(_PosixSpawned, _twisted_process.Process):
         spec: ProcessSpec,
         executable: str,
         proto: IProcessProtocol,
+        containment: Containment | None = None,
     ) -> None:
         self._spec = spec
+        self._containment = containment
         child_fds: dict[int, int | str] = {
             0: "w" if spec.pipe_stdin else _devnull(),
             1: "r",
@@ -396,8 +408,10 @@ class PtyProcess(_PosixSpawned, _twisted_process.PTYProcess):
         spec: ProcessSpec,
         executable: str,
         proto: IProcessProtocol,
+        containment: Containment | None = None,
     ) -> None:
         self._spec = spec
+        self._containment = containment
         master, slave = os.openpty()
         try:
             set_window_size(master, spec.rows, spec.cols)
@@ -507,12 +521,15 @@ class PosixSpawner:
     """The production :class:`Spawner`."""
 
     reactor: IReactorCore
+    #: Started by the service; None (the local client) contains nothing
+    #: beyond the process group.
+    containment: Containment | None = None
 
     def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> Any:
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
         factory = PtyProcess if spec.tty else PipeProcess
         try:
-            return factory(self.reactor, spec, executable, proto)
+            return factory(self.reactor, spec, executable, proto, self.containment)
         except ValueError as exc:
             # posix_spawn's own validation (e.g. an environment name containing "=").
             raise RpcError.invalid_params(str(exc)) from None

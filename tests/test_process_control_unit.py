@@ -36,7 +36,10 @@ class FakeGroup:
     def kill(self, pid: int, sig: int) -> bool:
         assert pid == PID
         self.sent.append(sig)
-        return self.alive
+        alive = self.alive
+        if sig == signal.SIGKILL:
+            self.alive = False
+        return alive
 
     def is_alive(self, pid: int) -> bool:
         return self.alive
@@ -213,11 +216,30 @@ def test_an_empty_group_at_close_finishes_at_once() -> None:
     assert clock.getDelayedCalls() == []
 
 
-def test_terminate_after_close_is_a_no_op() -> None:
+def test_terminate_after_the_whole_tree_is_gone_is_a_no_op() -> None:
     proc, clock, group, _, _ = make_process()
+    group.alive = False
     end(proc, Failure(error.ProcessDone(0)))
+    assert proc.finished
     proc.terminate(1.0)
     assert group.sent == []
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_member_outliving_the_close_keeps_the_process_unfinished_until_terminated() -> None:
+    # The leader exited normally; a member that let go of the output (a
+    # daemon) still runs: the process is closed but not finished, and a
+    # terminate still reaches the tree.
+    proc, clock, group, _, _ = make_process()
+    end(proc, Failure(error.ProcessDone(0)))
+    assert proc.closed
+    assert not proc.finished
+    finished = proc.when_finished()
+    proc.terminate(1.0)
+    assert group.sent == [signal.SIGTERM, signal.SIGCONT]
+    clock.advance(1.0)
+    assert group.sent[-1] == signal.SIGKILL
+    assert finished.called
     assert clock.getDelayedCalls() == []
 
 

@@ -1,0 +1,800 @@
+"""Containment: every descendant of a supervised process stays reachable.
+
+A process started by the server is the leader of a *tree*: itself and every
+process it ever creates, including those that leave its session or process
+group (``setsid``, ``setpgid``, GNU ``timeout``), double-fork or daemonise.
+A :class:`ProcessTree` can signal every member, kill them all and tell
+whether any is still alive. :class:`Containment` is the server-wide part: it
+chooses how trees are tracked when the service starts, creates them around
+each spawn, reaps orphans that become the server's children, and kills
+whatever is left when the server stops.
+
+Two mechanisms (``--process-containment``; ``docs/process-control.md``,
+"Containment", states exactly what each guarantees):
+
+- ``cgroup``: one cgroup v2 per process, below a cgroup of the server's own
+  (``<own cgroup>/exec-server-<pid>-ns<pidns>``). The server enters the
+  child's cgroup around ``posix_spawn`` and returns to its own right after,
+  so the child is inside before it can fork: membership is exact and
+  nothing can leave it (a cgroup is not something an unprivileged
+  descendant can change). SIGKILL is ``cgroup.kill``; "gone" is
+  ``populated 0`` in ``cgroup.events``. No controller is enabled.
+- ``subreaper``: the server is a child subreaper (``PR_SET_CHILD_SUBREAPER``),
+  so every orphaned descendant becomes the server's child instead of init's
+  and the set of all its descendants is always visible in ``/proc``. Each
+  tree is attributed from ``/proc``: the leader's session and process
+  group, parent chains from members, and members remembered as
+  ``(pid, start time)`` so that reparented orphans stay attributed. An
+  orphan whose lineage was never seen (it escaped between two scans) is
+  attributed by elimination: it can only belong to a tree that had started
+  when it was born, so it is killed once every such tree is terminating or
+  gone, and at the latest when the server stops.
+
+The cgroup mode sets the subreaper too: an escapee killed through its cgroup
+whose parent is gone is then the server's zombie to reap, not init's (which
+in some containers never reaps).
+
+Process-wide effects (prctl, cgroups) happen in :meth:`Containment.start`,
+called when the service starts, never at import or construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from typing import Final, Literal, Protocol
+
+import attrs
+from twisted.internet import process as _twisted_process
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+log = Logger()
+
+Mode = Literal["auto", "cgroup", "subreaper"]
+MODES: Final[tuple[Mode, ...]] = ("auto", "cgroup", "subreaper")
+CGROUP_PREFIX: Final = "exec-server-"
+#: Least interval between two periodic /proc scans (subreaper mode).
+MIN_SCAN_INTERVAL: Final = 1.0
+#: A periodic scan may take at most this share of one core; on a host with
+#: many processes scans become rarer rather than costlier.
+MAX_SCAN_SHARE: Final = 0.02
+#: How often trees that outlived their leader's output (a daemon) are checked
+#: for being empty, and unknown zombies reaped, while there are any.
+SWEEP_INTERVAL: Final = 1.0
+_PR_SET_CHILD_SUBREAPER: Final = 36
+_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+
+
+class ContainmentError(Exception):
+    """The requested containment mode cannot be used on this host."""
+
+
+# --- /proc ------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ProcInfo:
+    pid: int
+    ppid: int
+    pgrp: int
+    sid: int
+    #: Start time in clock ticks since boot (``/proc/<pid>/stat`` field 22).
+    start: int
+    zombie: bool
+
+
+def read_proc(pid: int) -> ProcInfo | None:
+    """One process's ``/proc/<pid>/stat``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After the command: state ppid pgrp session tty tpgid flags minflt
+    # cminflt majflt cmajflt utime stime cutime cstime priority nice threads
+    # itrealvalue starttime
+    try:
+        return ProcInfo(
+            pid,
+            int(fields[1]),
+            int(fields[2]),
+            int(fields[3]),
+            int(fields[19]),
+            fields[0] in (b"Z", b"X"),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_table() -> dict[int, ProcInfo]:
+    """Every process visible in ``/proc``."""
+    table: dict[int, ProcInfo] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if entry.isdigit():
+            info = read_proc(int(entry))
+            if info is not None:
+                table[info.pid] = info
+    return table
+
+
+def own_children() -> set[int]:
+    """The server's children, from ``/proc/self/task/*/children`` (no scan)."""
+    children: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return children
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children", "rb") as f:
+                children.update(int(pid) for pid in f.read().split())
+        except OSError:
+            continue
+    return children
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that ``/proc`` start times use."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK)
+
+
+def _signal_pid(pid: int, signum: int) -> bool:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def reap_unknown_children() -> int:
+    """Reap zombie children the server did not spawn itself (reparented orphans).
+
+    Never ``waitpid(-1)``: that would steal the statuses Twisted waits for.
+    Returns how many were reaped.
+    """
+    known = _twisted_process.reapProcessHandlers
+    reaped = 0
+    for pid in own_children():
+        if pid in known:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped += 1
+    return reaped
+
+
+# --- trees ------------------------------------------------------------------------
+
+
+class ProcessTree(Protocol):
+    """Every process of one supervised child (faked in unit tests)."""
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every member (and to the leader's process group)."""
+
+    def kill(self) -> None:
+        """SIGKILL every member."""
+
+    def alive(self) -> bool:
+        """True while a member is running (zombies do not count)."""
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, when a periodic check finds no member left.
+
+        Used for trees that outlive their leader's output (a daemon); a tree
+        without a server-wide sweep never calls it.
+        """
+
+    def release(self) -> None:
+        """The tree is empty and no longer needed: free what tracks it."""
+
+
+class CgroupTree:
+    """The members of one cgroup v2."""
+
+    def __init__(self, owner: Containment, path: str, leader: int) -> None:
+        self.path = path
+        self.leader = leader
+        self._owner = owner
+        self._on_empty: Callable[[], None] | None = None
+        self.released = False
+
+    def pids(self) -> list[int]:
+        try:
+            with open(os.path.join(self.path, "cgroup.procs"), "rb") as f:
+                return [int(pid) for pid in f.read().split()]
+        except OSError:
+            return []
+
+    def signal(self, signum: int) -> None:
+        _signal_group(self.leader, signum)
+        for pid in self.pids():
+            _signal_pid(pid, signum)
+
+    def kill(self) -> None:
+        _signal_group(self.leader, signal.SIGKILL)
+        try:
+            _write(os.path.join(self.path, "cgroup.kill"), "1")
+        except OSError:
+            # Before Linux 5.14: signal each member (a fork racing this is
+            # caught by the next check, which repeats the kill).
+            self.signal(signal.SIGKILL)
+
+    def alive(self) -> bool:
+        try:
+            with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
+                return b"populated 1" in f.read()
+        except OSError:
+            return False
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        self._on_empty = callback
+        self._owner._linger(self)
+
+    def emptied(self) -> None:
+        callback, self._on_empty = self._on_empty, None
+        if callback is not None:
+            callback()
+
+    def release(self) -> None:
+        self._owner._release(self)
+
+
+class ScanTree:
+    """One tree found in ``/proc`` (subreaper mode)."""
+
+    def __init__(self, owner: Containment, leader: int, leader_start: int, born: int) -> None:
+        self.leader = leader
+        self.leader_start = leader_start
+        #: Boot ticks just before the spawn: no member can be older.
+        self.born = born
+        #: pid -> start time of every member seen (remembered after their
+        #: parent dies, when only this tells who they belong to).
+        self.members: dict[int, int] = {leader: leader_start}
+        self.terminating = False
+        self.released = False
+        self._owner = owner
+        self._on_empty: Callable[[], None] | None = None
+
+    def learn(self, table: dict[int, ProcInfo], children: dict[int, list[int]]) -> None:
+        """Recompute the members from a ``/proc`` table."""
+        found: dict[int, int] = {}
+        leader = table.get(self.leader)
+        # A process reusing the leader's pid (once its session is gone)
+        # must not make strangers members through "same session".
+        by_session = leader is None or leader.start == self.leader_start
+        for info in table.values():
+            if info.zombie or info.start < self.born:
+                continue
+            if self.members.get(info.pid) == info.start or (
+                by_session and self.leader in (info.sid, info.pgrp)
+            ):
+                found[info.pid] = info.start
+        pending = list(found)
+        while pending:
+            for child in children.get(pending.pop(), ()):
+                info = table[child]
+                if child not in found and not info.zombie:
+                    found[child] = info.start
+                    pending.append(child)
+        self.members = found
+
+    def adopt(self, table: dict[int, ProcInfo], pid: int) -> None:
+        info = table.get(pid)
+        if info is not None:
+            self.members[pid] = info.start
+
+    def signal(self, signum: int) -> None:
+        # Only a terminate signals a whole tree.
+        self.terminating = True
+        self._owner._rescan()
+        _signal_group(self.leader, signum)
+        for pid in self._checked_members():
+            _signal_pid(pid, signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def alive(self) -> bool:
+        if self._checked_members():
+            return True
+        # Orphans the server has not attributed yet (they were created and
+        # orphaned since the last scan) may be ours: look before answering.
+        if self._owner._has_unattributed_children():
+            self._owner._rescan()
+            return bool(self._checked_members())
+        return False
+
+    def _checked_members(self) -> list[int]:
+        """Members still running, checked one by one (no scan)."""
+        live = []
+        for pid, start in list(self.members.items()):
+            info = read_proc(pid)
+            if info is None or info.start != start or info.zombie:
+                del self.members[pid]
+            else:
+                live.append(pid)
+        return live
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        self._on_empty = callback
+        self._owner._linger(self)
+
+    def emptied(self) -> None:
+        callback, self._on_empty = self._on_empty, None
+        if callback is not None:
+            callback()
+
+    def release(self) -> None:
+        self._owner._release(self)
+
+
+Tree = CgroupTree | ScanTree
+
+
+# --- the server-wide part -----------------------------------------------------------
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def find_cgroup2_mount(mounts: str = "/proc/self/mounts") -> str | None:
+    try:
+        with open(mounts) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            return fields[1].replace("\\040", " ")
+    return None
+
+
+def own_cgroup(path: str = "/proc/self/cgroup") -> str | None:
+    """The server's cgroup v2 path (relative to the hierarchy's root)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def set_child_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+class Containment:
+    """Chooses, creates and cleans up process trees for one server.
+
+    Until :meth:`start` runs (and in the local client, which never starts
+    it), spawns are not contained: :meth:`spawn` returns no tree and the
+    process group is all a terminate reaches.
+    """
+
+    def __init__(self, requested: str = "auto", clock: IReactorTime | None = None) -> None:
+        self.requested = requested
+        #: "none" until started, then "cgroup" or "subreaper".
+        self.mode = "none"
+        self._clock = clock
+        self._cgroup_root = ""
+        self._own_procs = ""
+        self._parent = ""
+        self._serial = 0
+        self._trees: set[Tree] = set()
+        self._lingering: set[Tree] = set()
+        self._timer: IDelayedCall | None = None
+        self._scan_cost = 0.0
+        self._scanned_at = -1.0
+        self._last_scan = 0.0
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Pick the mode (``requested``), set the process-wide state, log it.
+
+        Raises :class:`ContainmentError` if ``cgroup`` was requested and is
+        unusable.
+        """
+        reason = ""
+        if self.requested in ("auto", "cgroup"):
+            try:
+                self._start_cgroup()
+            except (OSError, ContainmentError) as exc:
+                reason = str(exc)
+                if self.requested == "cgroup":
+                    raise ContainmentError(f"cgroup containment is unavailable: {reason}") from None
+            else:
+                self.mode = "cgroup"
+        subreaper = set_child_subreaper()
+        if self.mode != "cgroup":
+            if not subreaper:
+                raise ContainmentError("cannot become a child subreaper (prctl failed)")
+            self.mode = "subreaper"
+        if self.mode == "cgroup":
+            log.info(
+                "process containment: cgroup ({parent}); every descendant of a "
+                "process is killed with it",
+                parent=self._parent,
+            )
+        else:
+            log.info(
+                "process containment: subreaper{why}; descendants are tracked "
+                "from /proc (see docs/process-control.md)",
+                why=f" (no usable cgroup v2: {reason})" if reason else "",
+            )
+
+    def _start_cgroup(self) -> None:
+        root = find_cgroup2_mount()
+        own = own_cgroup()
+        if root is None or own is None:
+            raise ContainmentError("no cgroup v2 hierarchy is mounted")
+        own_dir = os.path.normpath(root + "/" + own)
+        self._cgroup_root = root
+        self._own_procs = os.path.join(own_dir, "cgroup.procs")
+        ns = _pidns()
+        self._cleanup_leftovers(own_dir, ns)
+        parent = os.path.join(own_dir, f"{CGROUP_PREFIX}{os.getpid()}-ns{ns}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(parent)
+        self._parent = parent
+        # Prove the whole cycle once, so a host that refuses any step falls
+        # back now rather than failing a spawn later.
+        probe = os.path.join(parent, "probe")
+        try:
+            os.mkdir(probe)
+            _write(os.path.join(probe, "cgroup.procs"), "0")
+            _write(self._own_procs, "0")
+            os.rmdir(probe)
+            if not os.path.exists(os.path.join(parent, "cgroup.kill")):
+                raise ContainmentError("cgroup.kill is missing (Linux < 5.14)")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                _write(self._own_procs, "0")
+            for path in (probe, parent):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            self._parent = ""
+            raise
+
+    def _cleanup_leftovers(self, own_dir: str, ns: int) -> None:
+        """Kill and remove the cgroups of a server of this pid namespace that died.
+
+        Only names with our pid namespace are considered, and only when their
+        pid is not running, so another live server is never touched.
+        """
+        try:
+            entries = os.listdir(own_dir)
+        except OSError:
+            return
+        suffix = f"-ns{ns}"
+        for name in entries:
+            if not (name.startswith(CGROUP_PREFIX) and name.endswith(suffix)):
+                continue
+            pid_text = name[len(CGROUP_PREFIX) : -len(suffix)]
+            if not pid_text.isdigit() or int(pid_text) == os.getpid():
+                continue
+            if os.path.exists(f"/proc/{pid_text}"):
+                continue
+            leftover = os.path.join(own_dir, name)
+            with contextlib.suppress(OSError):
+                _write(os.path.join(leftover, "cgroup.kill"), "1")
+            removed = _remove_cgroup_tree(leftover, wait=1.0)
+            log.info(
+                "removed {what} cgroup {path} of a server that is gone",
+                what="the" if removed else "(not all of) the",
+                path=leftover,
+            )
+
+    def stop(self) -> Deferred[None]:
+        """Kill every remaining descendant, reap them, remove the cgroups."""
+        if self.mode == "none":
+            return succeed(None)
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        for tree in list(self._trees):
+            tree.kill()
+        # Whatever descends from the server now is an escapee nobody owns.
+        table = proc_table()
+        me = os.getpid()
+        for pid in _descendants(table, me):
+            _signal_pid(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            reap_unknown_children()
+            if not any(t.alive() for t in self._trees) and not self._unknown_alive_children():
+                break
+            time.sleep(0.01)
+        reap_unknown_children()
+        if self._parent:
+            for tree in list(self._trees):
+                if isinstance(tree, CgroupTree):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(tree.path)
+            _remove_cgroup_tree(self._parent, wait=0.5)
+        self._trees.clear()
+        self._lingering.clear()
+        return succeed(None)
+
+    # --- spawning -------------------------------------------------------------------
+
+    def spawn(self, create: Callable[[], int]) -> tuple[int, Tree | None]:
+        """Run ``create`` (which starts one child and returns its pid) contained."""
+        if self.mode == "cgroup":
+            return self._spawn_in_cgroup(create)
+        if self.mode == "subreaper":
+            born = boot_ticks()
+            pid = create()
+            info = read_proc(pid)
+            tree = ScanTree(self, pid, info.start if info is not None else born, born)
+            self._add(tree)
+            return pid, tree
+        return create(), None
+
+    def _spawn_in_cgroup(self, create: Callable[[], int]) -> tuple[int, Tree | None]:
+        self._serial += 1
+        path = os.path.join(self._parent, str(self._serial))
+        procs = os.path.join(path, "cgroup.procs")
+        os.mkdir(path)
+        entered = False
+        try:
+            # The child inherits the cgroup of the thread that creates it,
+            # so it is inside before its first instruction; the server
+            # returns to its own cgroup right after (all its threads move).
+            with contextlib.suppress(OSError):
+                _write(procs, "0")
+                entered = True
+            try:
+                pid = create()
+            finally:
+                if entered:
+                    self._leave(path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            raise
+        if not entered:
+            # Moving the child after the fact leaves a window of a few
+            # microseconds in which it could fork outside its cgroup.
+            try:
+                _write(procs, str(pid))
+            except OSError as exc:
+                log.warn(
+                    "cannot put pid {pid} into its cgroup ({error}); only its "
+                    "process group is contained",
+                    pid=pid,
+                    error=exc,
+                )
+        tree = CgroupTree(self, path, pid)
+        self._add(tree)
+        return pid, tree
+
+    def _leave(self, path: str) -> None:
+        try:
+            _write(self._own_procs, "0")
+        except OSError as exc:
+            # Never raise here: the child exists and must get its transport.
+            log.critical(
+                "cannot leave cgroup {path} after a spawn ({error}); later children share it",
+                path=path,
+                error=exc,
+            )
+
+    # --- bookkeeping ------------------------------------------------------------------
+
+    def _add(self, tree: Tree) -> None:
+        self._trees.add(tree)
+        if isinstance(tree, ScanTree):
+            self._schedule()
+
+    def _linger(self, tree: Tree) -> None:
+        self._lingering.add(tree)
+        self._schedule()
+
+    def _release(self, tree: Tree) -> None:
+        if tree.released:
+            return
+        tree.released = True
+        self._trees.discard(tree)
+        self._lingering.discard(tree)
+        if isinstance(tree, CgroupTree):
+            try:
+                os.rmdir(tree.path)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    # Still populated after all (a race with a fork): kill
+                    # again; stop() removes it at the latest.
+                    tree.kill()
+                    tree.released = False
+                    self._trees.add(tree)
+                    self._lingering.add(tree)
+                    self._schedule()
+                    return
+        reap_unknown_children()
+
+    def _schedule(self) -> None:
+        if self._timer is not None or self._clock is None:
+            return
+        delay = SWEEP_INTERVAL
+        if any(isinstance(t, ScanTree) for t in self._trees):
+            delay = max(MIN_SCAN_INTERVAL, self._scan_cost / MAX_SCAN_SHARE)
+        self._timer = self._clock.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if any(isinstance(t, ScanTree) for t in self._trees):
+            self._rescan(periodic=True)
+        reap_unknown_children()
+        for tree in list(self._lingering):
+            if not tree.alive():
+                self._lingering.discard(tree)
+                tree.emptied()
+        if self._lingering or any(isinstance(t, ScanTree) for t in self._trees):
+            self._schedule()
+
+    # --- subreaper scans ----------------------------------------------------------------
+
+    def _has_unattributed_children(self) -> bool:
+        if self.mode != "subreaper":
+            return False
+        known = _twisted_process.reapProcessHandlers
+        attributed = {pid for t in self._trees if isinstance(t, ScanTree) for pid in t.members}
+        for pid in own_children():
+            if pid in known or pid in attributed:
+                continue
+            info = read_proc(pid)
+            if info is not None and not info.zombie:
+                return True
+        return False
+
+    def _unknown_alive_children(self) -> bool:
+        known = _twisted_process.reapProcessHandlers
+        for pid in own_children():
+            if pid not in known:
+                info = read_proc(pid)
+                if info is not None and not info.zombie:
+                    return True
+        return False
+
+    def _rescan(self, periodic: bool = False) -> None:
+        """Attribute every descendant of the server to its tree from ``/proc``.
+
+        A burst of terminates (a session ending) shares one scan.
+        """
+        trees = [t for t in self._trees if isinstance(t, ScanTree)]
+        if not trees:
+            return
+        now = time.monotonic()
+        if not periodic and now - self._scanned_at < 0.05:
+            return
+        began = time.perf_counter()
+        table = proc_table()
+        children: dict[int, list[int]] = {}
+        for info in table.values():
+            children.setdefault(info.ppid, []).append(info.pid)
+        for tree in trees:
+            tree.learn(table, children)
+        self._attribute_orphans(table, children, trees)
+        self._scanned_at = time.monotonic()
+        self._scan_cost = time.perf_counter() - began
+
+    def _attribute_orphans(
+        self,
+        table: dict[int, ProcInfo],
+        children: dict[int, list[int]],
+        trees: list[ScanTree],
+    ) -> None:
+        known = _twisted_process.reapProcessHandlers
+        attributed = {pid for t in trees for pid in t.members}
+        for pid in children.get(os.getpid(), ()):
+            info = table[pid]
+            if pid in known or pid in attributed or info.zombie:
+                continue
+            # Reparented to us with a lineage never seen: only a tree that
+            # existed when it was born can own it.
+            candidates = [t for t in trees if t.born <= info.start and not t.released]
+            if len(candidates) == 1:
+                owner = candidates[0]
+                owner.members[pid] = info.start
+                owner.learn(table, children)
+            elif not candidates:
+                # Every tree it could belong to is gone.
+                for member in [pid, *_descendants(table, pid)]:
+                    _signal_pid(member, signal.SIGKILL)
+            elif all(t.terminating for t in candidates):
+                # Whichever it belongs to is being terminated: it shares
+                # their fate (and their signals).
+                for owner in candidates:
+                    owner.members[pid] = info.start
+                    owner.learn(table, children)
+
+
+def _descendants(table: dict[int, ProcInfo], root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    found: list[int] = []
+    pending = [root]
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def _remove_cgroup_tree(path: str, wait: float) -> bool:
+    """rmdir ``path`` and its sub-cgroups, waiting up to ``wait`` s for them to empty."""
+    deadline = time.monotonic() + wait
+    while True:
+        leftovers: list[str] = []
+        for dirpath, _dirs, _files in _walk_bottom_up(path):
+            try:
+                os.rmdir(dirpath)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                leftovers.append(dirpath)
+        if not leftovers:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _walk_bottom_up(path: str) -> Iterable[tuple[str, list[str], list[str]]]:
+    return os.walk(path, topdown=False)
+
+
+__all__ = [
+    "MODES",
+    "CgroupTree",
+    "Containment",
+    "ContainmentError",
+    "Mode",
+    "ProcInfo",
+    "ProcessTree",
+    "ScanTree",
+    "boot_ticks",
+    "proc_table",
+    "reap_unknown_children",
+]
