@@ -27,3 +27,6 @@ class ServerConfig:
     max_stdin_buffer_bytes: int = 16 * MiB
     #: Largest file ``fs/readFile`` returns (the reference's limit is 512 MiB).
     max_read_file_bytes: int = 512 * MiB
+    #: How descendants of a process are tracked: "auto", "cgroup" or
+    #: "subreaper" (docs/process-control.md, "Containment").
+    process_containment: str = "auto"

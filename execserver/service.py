@@ -21,6 +21,7 @@ from twisted.python import usage
 
 from execserver import __version__
 from execserver.config import ServerConfig
+from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
 from execserver.spawn import PosixSpawner, seal_inherited_fds
 
@@ -172,6 +173,7 @@ class Options(usage.Options):
         super().__init__()
         self["listen"] = []
         self["allow-origin"] = []
+        self["process-containment"] = "auto"
 
     def opt_allow_origin(self, origin: str) -> None:
         """WebSocket: admit pages from this browser Origin, e.g. http://localhost:3000 (repeatable; any other Origin gets 403)."""  # noqa: E501
@@ -181,6 +183,14 @@ class Options(usage.Options):
                 f"(scheme://host[:port]) or `null`, got `{origin}`"
             )
         self["allow-origin"].append(origin)
+
+    def opt_process_containment(self, mode: str) -> None:
+        """How every descendant of a process is tracked and killed with it: auto (cgroup v2 where writable, else subreaper), cgroup or subreaper [default: auto]."""  # noqa: E501
+        if mode not in MODES:
+            raise usage.UsageError(
+                f"--process-containment takes auto, cgroup or subreaper, got `{mode}`"
+            )
+        self["process-containment"] = mode
 
     def opt_listen(self, url: str) -> None:
         """Listen on URL: stdio:// or ws://IP:PORT (repeatable)."""
@@ -226,24 +236,37 @@ class Options(usage.Options):
             max_processes=self["max-processes"],
             max_message_bytes=self["max-message-bytes"],
             max_read_file_bytes=self["max-read-file-bytes"],
+            process_containment=self["process-containment"],
         )
 
 
 class ExecServerService(MultiService):
     """Owns the dispatcher; stopping it terminates every session's processes."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, containment: Containment | None = None) -> None:
         super().__init__()
         self.dispatcher = dispatcher
+        self.containment = containment
+
+    def startService(self) -> None:
+        if self.containment is not None:
+            # Process-wide (prctl, cgroups): only once the server runs. A
+            # ContainmentError (--process-containment cgroup on a host
+            # without a writable cgroup v2) stops the start.
+            self.containment.start()
+        super().startService()
 
     def stopService(self) -> Deferred[None]:
         d: Deferred[Any] = Deferred.fromCoroutine(self._stop())
         return d
 
     async def _stop(self) -> None:
-        # Stop listeners first (no new sessions), then end every session.
+        # Stop listeners first (no new sessions), then end every session,
+        # then whatever escaped every session.
         await super().stopService()
         await self.dispatcher.shutdown()
+        if self.containment is not None:
+            await self.containment.stop()
 
 
 def tune_allocator() -> None:
@@ -280,8 +303,11 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
     seal_inherited_fds()
     raise_fd_limit()
     tune_allocator()
-    dispatcher = Dispatcher(options.config(), reactor, PosixSpawner(reactor))  # type: ignore[arg-type]
-    root = ExecServerService(dispatcher)
+    config = options.config()
+    containment = Containment(config.process_containment, reactor)  # type: ignore[arg-type]
+    spawner = PosixSpawner(reactor, containment)
+    dispatcher = Dispatcher(config, reactor, spawner)  # type: ignore[arg-type]
+    root = ExecServerService(dispatcher, containment)
     for address in options["listen"]:
         child: Service
         if isinstance(address, StdioAddress):

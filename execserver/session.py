@@ -543,7 +543,8 @@ class Session:
         # nobody reads is closed by the force-close after SIGKILL.
         waits = []
         for proc in {*self.processes.values(), *self._escalating}:
-            if not proc.closed:
+            # Closed ones too: members of its tree may outlive the output.
+            if not proc.finished:
                 proc.terminate(grace)
             if not proc.finished:
                 waits.append(proc.when_finished())
