@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import os
 import re
+import signal
 import socket
 import struct
 import sys
@@ -45,10 +46,11 @@ class Cli(ProcessProtocol):
         size: tuple[int, int] | None = None,
         stdin: bytes | None = None,
         raw: bool = False,
+        show_terminal: bool = True,
     ) -> Cli:
         proto = cls()
         argv = list(args) if raw else [sys.executable, "-m", "execserver.client.cli", *args]
-        if pty:
+        if pty and show_terminal:
             # After the client exits, show the terminal settings it left.
             argv = ["/bin/sh", "-c", '"$@"; rc=$?; stty -a; exit $rc', "sh", *argv]
         reactor.spawnProcess(
@@ -169,17 +171,105 @@ async def test_run_forwards_stdin_with_dash_i() -> None:
     assert cli.out.strip() == b"0"
 
 
-@pytest_twisted.ensureDeferred
-async def test_ctrl_c_terminates_the_remote_process() -> None:
-    cli = Cli.start("run", "--stdio", "--", "sh", "-c", "echo started $$; exec sleep 30")
-    await cli.output(rb"started (\d+)\n", "the remote process to start")
+# A remote command that reports each signal it gets (its `sleep` dies of a
+# group-wide SIGINT; the shell runs the trap and carries on).
+_TRAPPING = (
+    "trap 'echo got INT' INT; trap 'echo got TERM' TERM; echo started $$; "
+    "while :; do sleep 0.2; done"
+)
+
+
+async def _started_pid(cli: Cli) -> int:
+    await cli.output(rb"started (\d+)\r?\n", "the remote process to start")
     match = re.search(rb"started (\d+)", cli.out)
     assert match is not None
-    remote_pid = int(match.group(1))
-    assert pid_alive(remote_pid)
+    return int(match.group(1))
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_sends_sigint_then_terminates_then_kills() -> None:
+    cli = Cli.start("run", "--stdio", "--", "sh", "-c", _TRAPPING)
+    try:
+        remote_pid = await _started_pid(cli)
+        # First Ctrl-C: SIGINT, which the command may catch (and here survives).
+        cli.signal("INT")
+        await cli.output(rb"got INT\n", "the remote SIGINT trap")
+        assert b"got TERM" not in cli.out
+        assert pid_alive(remote_pid)
+        # Second: terminate (SIGTERM; SIGKILL after the server's grace).
+        cli.signal("INT")
+        await cli.output(rb"got TERM\n", "the remote SIGTERM trap")
+        assert b"terminating `sh` (interrupt again to kill it at once)" in cli.err
+        # Third: killed at once.
+        cli.signal("INT")
+        assert await cli.finish() == 128 + 9
+        assert b"killing `sh`" in cli.err
+        assert not pid_alive(remote_pid)
+    finally:
+        if not cli.ended.called:
+            cli.signal("KILL")
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_exit_status_is_the_remote_commands() -> None:
+    # A command that dies of the forwarded SIGINT: 130, as at a local shell.
+    cli = Cli.start("run", "--stdio", "--", "sh", "-c", "echo started $$; exec sleep 30")
+    remote_pid = await _started_pid(cli)
     cli.signal("INT")
+    assert await cli.finish() == 128 + 2
+    assert cli.err == b""
+    assert not pid_alive(remote_pid)
+
+
+@pytest_twisted.ensureDeferred
+async def test_ctrl_c_at_a_terminal_does_not_stop_the_local_server() -> None:
+    # A terminal's Ctrl-C signals its whole foreground process group: the
+    # client and, unless it has a session of its own, the --stdio server,
+    # which would then shut down and SIGTERM the command.
+    cli = Cli.start("run", "--stdio", "--", "sh", "-c", _TRAPPING, pty=True, show_terminal=False)
+    try:
+        remote_pid = await _started_pid(cli)
+        assert cli.transport is not None and cli.transport.pid is not None
+        os.killpg(cli.transport.pid, signal.SIGINT)
+        await cli.output(rb"got INT\r?\n", "the remote SIGINT trap")
+        assert b"got TERM" not in cli.out
+        assert pid_alive(remote_pid)
+        os.killpg(cli.transport.pid, signal.SIGINT)
+        await cli.output(rb"got TERM\r?\n", "the remote SIGTERM trap")
+        os.killpg(cli.transport.pid, signal.SIGINT)
+        assert await cli.finish() == 128 + 9
+        assert not pid_alive(remote_pid)
+    finally:
+        if not cli.ended.called:
+            cli.signal("KILL")
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_of_the_client_terminates_the_remote_process() -> None:
+    cli = Cli.start("run", "--stdio", "--", "sh", "-c", "echo started $$; exec sleep 30")
+    remote_pid = await _started_pid(cli)
+    cli.signal("TERM")
     assert await cli.finish() == 128 + 15
     assert not pid_alive(remote_pid)
+
+
+@pytest_twisted.ensureDeferred
+async def test_timeout_is_reported_and_exits_124() -> None:
+    cli = await run("run", "--stdio", "--timeout-ms", "300", "--", "sleep", "30")
+    assert cli.exit_code == 124
+    assert cli.err == (
+        b"exec-server-client: `sleep` timed out after 300 ms (--timeout-ms) and was terminated\n"
+    )
+    # A command that ends in time keeps its own status.
+    cli = await run("run", "--stdio", "--timeout-ms", "30000", "--", "sh", "-c", "exit 5")
+    assert cli.exit_code == 5 and cli.err == b""
+
+
+@pytest_twisted.ensureDeferred
+async def test_timeout_ms_is_validated() -> None:
+    cli = await run("run", "--stdio", "--timeout-ms", "-1", "--", "true")
+    assert cli.exit_code == 2
+    assert b"--timeout-ms: expected milliseconds >= 0, got `-1`" in cli.err
 
 
 @pytest_twisted.ensureDeferred
@@ -350,21 +440,20 @@ async def test_connection_lost_during_run_is_255_with_a_message() -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_closed_output_reader_terminates_the_remote_process() -> None:
-    # `exec-server-client run -- yes | head -1`: the remote `yes` must not run on.
+async def test_closed_output_reader_terminates_the_remote_process_and_exits_141(
+    tmp_path: Path,
+) -> None:
+    # `exec-server-client run -- yes | head -1`: the remote `yes` must not run
+    # on, and the client ends as a local `yes` would, of SIGPIPE, quietly.
+    script = '"$@" 2>"$ERR" | head -n 1 >/dev/null; echo "status ${PIPESTATUS[0]}"'
+    pid_file = tmp_path / "pid"
     cli = Cli.start(
-        "/bin/sh",
-        "-c",
-        '"$@" | head -c 2 >/dev/null; echo "status ${PIPESTATUS:-done}"',
-        "sh",
-        sys.executable,
-        "-m",
-        "execserver.client.cli",
-        "run",
-        "--stdio",
-        "--",
-        "yes",
+        "/usr/bin/env", f"ERR={tmp_path / 'err'}", "/bin/bash", "-c", script, "bash",
+        sys.executable, "-m", "execserver.client.cli", "run", "--stdio", "--",
+        "sh", "-c", f"echo $$ > {pid_file}; exec yes",
         raw=True,
-    )
+    )  # fmt: skip
     assert await cli.finish() == 0, cli.err
-    assert cli.out.startswith(b"status")
+    assert cli.out == b"status 141\n"
+    assert (tmp_path / "err").read_bytes() == b""
+    assert not pid_alive(int(pid_file.read_text()))

@@ -7,10 +7,16 @@
     exec-server-client fs --stdio ls /tmp
 
 Exit status: the remote command's exit code for ``run``/``shell`` (128+N when
-it died of signal N); 127/126 when the command cannot be found / executed;
-1 for other remote errors; 2 for usage errors; 255 when the server cannot be
-reached, refuses authentication, does not answer the handshake in time or
-the connection is lost.
+it died of signal N); 124 when ``--timeout-ms`` expired; 141 when the reader
+of the output went away; 127/126 when the command cannot be found /
+executed; 1 for other remote errors; 2 for usage errors; 255 when the server
+cannot be reached, refuses authentication, does not answer the handshake in
+time or the connection is lost.
+
+Ctrl-C (SIGINT) while ``run`` waits: the first sends SIGINT to the remote
+process group, the second terminates it (SIGTERM, then SIGKILL after the
+server's grace), the third kills it at once. SIGTERM and SIGHUP start at
+the second step.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 EXIT_CONNECTION = 255
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+#: As GNU ``timeout``: the command ran out of its ``--timeout-ms``.
+EXIT_TIMED_OUT = 124
 #: After ``process/exited``, how long to wait for ``process/closed`` (the rest
 #: of the output); a baseline server never sends it.
 CLOSE_WAIT_SECONDS = 2.0
@@ -121,6 +129,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _milliseconds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole milliseconds, got `{text}`") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got `{text}`")
+    return value
+
+
 def _process_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cwd", help="remote working directory (default: . with --stdio, else /)")
     parser.add_argument(
@@ -137,7 +155,12 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
         help="send this whole environment (default: only PATH, HOME, USER, LANG, ...)",
     )
     parser.add_argument(
-        "--timeout-ms", type=int, default=None, help="wall-clock limit enforced by the server"
+        "--timeout-ms",
+        type=_milliseconds,
+        default=None,
+        metavar="MS",
+        help="wall-clock limit enforced by the server (0: none); on expiry the "
+        "command is terminated and the exit status is 124",
     )
 
 
@@ -145,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Run commands and touch files through an exec-server.",
-        epilog="Exit status: the remote exit code; 126/127 command not executable/found; "
-        "1 other remote error; 2 usage; 255 connection, auth or handshake failure.",
+        epilog="Exit status: the remote exit code (128+N: killed by signal N); "
+        "124 --timeout-ms expired; 141 output reader gone; "
+        "126/127 command not executable/found; 1 other remote error; 2 usage; "
+        "255 connection, auth or handshake failure. "
+        "Ctrl-C: SIGINT to the remote process, again: terminate, again: kill.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -430,6 +456,51 @@ def _ignore(_: Failure) -> None:
     """Writes racing the process's exit fail; the exit is reported anyway."""
 
 
+class _Interrupts:
+    """Escalates on each Ctrl-C: SIGINT, then terminate, then kill at once.
+
+    A remote command is in its own process group on the server, so the
+    terminal's SIGINT never reaches it; the first Ctrl-C forwards it (as
+    ``docker exec`` and ``ssh -t`` users expect: a program may catch it and
+    clean up). SIGTERM and SIGHUP of this client skip the SIGINT step.
+    A server without ``process/signal`` (the baseline) gets terminate first.
+    """
+
+    def __init__(
+        self,
+        proc: RemoteProcess,
+        client: ExecServerClient,
+        argv0: str,
+        note: Callable[[str], None],
+    ) -> None:
+        self._proc = proc
+        self._argv0 = argv0
+        self._note = note
+        self._can_signal = client.supports(p.PROCESS_SIGNAL)
+        self.step = 0
+
+    def on_signal(self, signum: int) -> None:
+        if self._proc.has_exited:
+            return
+        first = 1 if signum == signal.SIGINT and self._can_signal else 2
+        self.step = max(self.step + 1, first)
+        if self.step == 1:
+            self._proc.send_signal("SIGINT").addErrback(_ignore)
+        elif self.step == 2:
+            self._note(f"terminating `{self._argv0}` (interrupt again to kill it at once)")
+            self._proc.terminate().addErrback(_ignore)
+        else:
+            self._note(f"killing `{self._argv0}`")
+            self._proc.terminate(grace_ms=0).addErrback(_ignore)
+
+
+def _note(message: str, raw_terminal: bool = False) -> None:
+    """One line on stderr; a terminal in raw mode needs its carriage return."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"{PROG}: {message}{chr(13) if raw_terminal else ''}\n")
+        sys.stderr.flush()
+
+
 async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) -> int:
     argv = _argv(args, DEFAULT_SHELL if tty_mode else None)
     forward_stdin = tty_mode or getattr(args, "stdin", False)
@@ -439,6 +510,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
     saved_tty: list[Any] | None = None
     old_handlers: dict[int, Any] = {}
     forwarder: _StdinForwarder | None = None
+    timed_out_after: int | None = None
     try:
         cwd = args.cwd or (os.getcwd() if args.stdio else "/")
         size = terminal_size(0) if tty_mode else None
@@ -450,7 +522,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 tty=tty_mode,
                 pipe_stdin=forward_stdin and not tty_mode,
                 size=size,
-                timeout_ms=args.timeout_ms,
+                timeout_ms=args.timeout_ms or None,
             )
         except ServerError as exc:
             raise _spawn_error(exc, argv) from None
@@ -458,22 +530,21 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             raise CliError(str(exc), EXIT_CONNECTION) from None
 
         def reader_gone() -> None:
-            proc.terminate().addErrback(_ignore)
+            # As a local process would die of SIGPIPE; we then exit 141.
+            if forwarder is not None:
+                forwarder.stop()
+            if not proc.has_exited:
+                proc.terminate().addErrback(_ignore)
 
         output = _Output(reader_gone)
         proc.add_output_listener(output)
 
-        interrupts = 0
-
-        def interrupt() -> None:
-            # Ctrl-C: stop the remote process (a second one kills it at once).
-            nonlocal interrupts
-            interrupts += 1
-            grace = 0 if interrupts > 1 else None
-            proc.terminate(grace_ms=grace).addErrback(_ignore)
+        interrupts = _Interrupts(
+            proc, client, argv[0], lambda text: _note(text, raw_terminal=saved_tty is not None)
+        )
 
         def on_signal(signum: int, frame: object) -> None:
-            reactor.callFromThread(interrupt)
+            reactor.callFromThread(interrupts.on_signal, signum)
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old_handlers[sig] = signal.signal(sig, on_signal)
@@ -503,6 +574,12 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 EXIT_CONNECTION,
             )
         await _bounded(proc.closed(), CLOSE_WAIT_SECONDS, reactor)
+        if output.broken:
+            return EXIT_BROKEN_PIPE
+        if proc.timed_out is not None:
+            # Said after the terminal is restored (below).
+            timed_out_after = args.timeout_ms
+            return EXIT_TIMED_OUT
         return code
     finally:
         if forwarder is not None:
@@ -511,6 +588,11 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             termios.tcsetattr(0, termios.TCSADRAIN, saved_tty)
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)
+        if timed_out_after is not None:
+            _note(
+                f"`{argv[0]}` timed out after {timed_out_after} ms (--timeout-ms) "
+                "and was terminated"
+            )
         await client.close()
 
 

@@ -169,6 +169,7 @@ class ExecServerClient(ClientApi):
         env: dict[str, str] | None = None,
         stderr: Callable[[bytes], None] | None = None,
         shutdown_grace: float = 5.0,
+        new_session: bool = True,
     ) -> Deferred[ExecServerClient]:
         """Launch a local server over stdio (default ``python -m execserver``)."""
         from execserver.client.connect import spawn_local
@@ -180,6 +181,7 @@ class ExecServerClient(ClientApi):
             env=env,
             stderr=stderr,
             shutdown_grace=shutdown_grace,
+            new_session=new_session,
         )
 
     @classmethod

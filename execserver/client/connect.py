@@ -230,6 +230,26 @@ def default_server_command() -> list[str]:
     return [sys.executable, "-m", "execserver"]
 
 
+# Starts the server as the leader of a new session: a Ctrl-C at the terminal
+# signals the terminal's foreground process group, and the server must not
+# take it as a request to shut down (and terminate everything) while the
+# program that launched it decides what the Ctrl-C means. The server still
+# ends when its stdin closes, so it never outlives this process.
+_NEW_SESSION = (
+    "import os, sys\n"
+    "os.setsid()\n"
+    "try:\n"
+    "    os.execvp(sys.argv[1], sys.argv[1:])\n"
+    "except OSError as e:\n"
+    "    sys.stderr.write(f'cannot run {sys.argv[1]}: {e.strerror}\\n')\n"
+    "    os._exit(127)\n"
+)
+
+
+def _in_new_session(argv: list[str]) -> list[str]:
+    return [sys.executable, "-S", "-c", _NEW_SESSION, *argv]
+
+
 def _shutdown_process(
     proto: ServerProcessProtocol, clock: IReactorTime, grace: float
 ) -> Deferred[None]:
@@ -271,22 +291,26 @@ def spawn_local(
     env: dict[str, str] | None = None,
     stderr: Callable[[bytes], None] | None = None,
     shutdown_grace: float = 5.0,
+    new_session: bool = True,
 ) -> Deferred[ExecServerClient]:
     """Launch a server and connect to it over its stdin/stdout.
 
     The server's stderr goes to ``stderr`` (its last 8 KiB are quoted in
     errors). ``close()`` closes the server's stdin (it then terminates its
     processes and exits) and kills it after ``shutdown_grace`` seconds; the
-    same happens when the client is garbage-collected.
+    same happens when the client is garbage-collected. With ``new_session``
+    (the default) the server leads a session of its own, so signals sent to
+    this program's terminal (Ctrl-C) do not reach it.
     """
     argv = list(command) if command is not None else default_server_command()
+    spawned = _in_new_session(argv) if new_session else argv
     rpc = RpcClient(label="exec-server stdio")
     proto = ServerProcessProtocol(rpc, stderr)
     try:
         transport = reactor.spawnProcess(
             proto,
-            argv[0],
-            argv,
+            spawned[0],
+            spawned,
             env=dict(os.environ) if env is None else env,
             childFDs={0: "w", 1: "r", 2: "r"},
         )
