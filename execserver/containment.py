@@ -650,6 +650,10 @@ class Containment:
                     self._lingering.add(tree)
                     self._schedule()
                     return
+        elif self._has_unattributed_children():
+            # Orphans nobody could attribute may have had this tree as their
+            # last possible owner.
+            self._rescan(force=True)
         reap_unknown_children()
 
     def _schedule(self) -> None:
@@ -663,7 +667,7 @@ class Containment:
     def _tick(self) -> None:
         self._timer = None
         if any(isinstance(t, ScanTree) for t in self._trees):
-            self._rescan(periodic=True)
+            self._rescan(force=True)
         reap_unknown_children()
         for tree in list(self._lingering):
             if not tree.alive():
@@ -696,16 +700,17 @@ class Containment:
                     return True
         return False
 
-    def _rescan(self, periodic: bool = False) -> None:
+    def _rescan(self, force: bool = False) -> None:
         """Attribute every descendant of the server to its tree from ``/proc``.
 
-        A burst of terminates (a session ending) shares one scan.
+        A burst of terminates (a session ending) shares one scan unless
+        ``force``. Orphans no live tree can own are killed.
         """
         trees = [t for t in self._trees if isinstance(t, ScanTree)]
-        if not trees:
+        if not trees and not self._has_unattributed_children():
             return
         now = time.monotonic()
-        if not periodic and now - self._scanned_at < 0.05:
+        if not force and now - self._scanned_at < 0.05:
             return
         began = time.perf_counter()
         table = proc_table()

@@ -189,7 +189,7 @@ class ManagedProcess(ProcessProtocol):
             self.processExited(reason)
         self.closed = True
         self.stdin_open = False
-        self._cancel_timers()
+        self._cancel_force_close()
         if self._kill_timer is not None:
             # A terminate is under way: its SIGKILL is still due unless the
             # rest of the group is gone too.
@@ -203,8 +203,11 @@ class ManagedProcess(ProcessProtocol):
         elif self._tree is not None and self._tree.alive():
             # Members that no longer hold our output live on: the process is
             # not finished until they are gone (or a terminate ends them).
+            # The wall and idle limits keep running: they bound the tree.
             self._lingering = True
             self._tree.when_empty(self._tree_emptied)
+        if not self._lingering:
+            self._cancel_timeouts()
         self._observer.process_closed(self)
         self._wake()
         self._closed.fire(None)
@@ -221,14 +224,14 @@ class ManagedProcess(ProcessProtocol):
     def start_timeouts(
         self, wall_seconds: float | None, idle_seconds: float | None, grace_seconds: float
     ) -> None:
-        """Terminate the group (with ``grace_seconds``) after a wall or idle limit.
+        """Terminate the tree (with ``grace_seconds``) after a wall or idle limit.
 
-        The limits bound the whole life of the process's output, not only of
-        its leader: one that expires after the leader exited but while group
-        members still hold the output open terminates those members (the exit
-        already reported stays as it was).
+        The limits bound the whole life of the tree, not only of its leader:
+        one that expires after the leader exited but while other members
+        still run (holding the output open or not, like a daemon) terminates
+        them (the exit already reported stays as it was).
         """
-        if self.closed:
+        if self.finished:
             return
         self._timeout_grace = grace_seconds
         if wall_seconds is not None:
@@ -266,7 +269,7 @@ class ManagedProcess(ProcessProtocol):
 
     def _time_out(self, kind: TimedOut) -> None:
         self._cancel_timeouts()
-        if self.closed or self.terminating:
+        if self.finished or self.terminating:
             # A terminate already under way keeps the client's grace.
             return
         if not self.exited:
@@ -396,9 +399,7 @@ class ManagedProcess(ProcessProtocol):
         )
         self.transport.loseConnection()
 
-    def _cancel_timers(self) -> None:
-        """Stop the timeouts and the force-close; the SIGKILL timer is kept."""
-        self._cancel_timeouts()
+    def _cancel_force_close(self) -> None:
         timer = self._force_close_timer
         if timer is not None and timer.active():
             timer.cancel()
@@ -407,6 +408,7 @@ class ManagedProcess(ProcessProtocol):
     def _finish(self) -> None:
         if self._finished.done:
             return
+        self._cancel_timeouts()
         if self._tree is not None:
             self._tree.release()
         self._finished.fire(None)

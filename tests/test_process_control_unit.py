@@ -310,10 +310,27 @@ def test_timeout_after_exit_terminates_the_rest_of_the_group_silently() -> None:
     assert observer.events == [("exited", (0, None, None))]
 
 
-def test_close_cancels_the_timeouts() -> None:
-    proc, clock, _, _, _ = make_process()
+def test_the_end_of_the_whole_tree_cancels_the_timeouts() -> None:
+    proc, clock, group, _, _ = make_process()
     proc.start_timeouts(2.0, 1.0, 0.5)
+    group.alive = False
     end(proc, Failure(error.ProcessDone(0)))
+    assert clock.getDelayedCalls() == []
+
+
+def test_the_wall_timeout_still_ends_a_tree_that_outlived_the_close() -> None:
+    # A daemon left behind by a leader that exited normally.
+    proc, clock, group, observer, _ = make_process()
+    proc.start_timeouts(2.0, None, 0.5)
+    end(proc, Failure(error.ProcessDone(0)))
+    assert not proc.finished
+    clock.advance(2.0)
+    assert group.sent == [signal.SIGTERM, signal.SIGCONT]
+    clock.advance(0.5)
+    assert group.sent[-1] == signal.SIGKILL
+    assert proc.finished
+    assert proc.timed_out is None
+    assert observer.events[-2:] == [("exited", (0, None, None)), ("closed", None)]
     assert clock.getDelayedCalls() == []
 
 

@@ -1,0 +1,243 @@
+"""No process outlives its owner: escapees of every kind, through the real server.
+
+Each kind of descendant leaves the leader's process group on purpose
+(``setsid``, ``setpgid``, GNU ``timeout``, a double fork, a daemon). Each
+runs ``sleep <marker>`` with a marker unique to the test, so its members are
+found in ``/proc`` by their command line wherever they were reparented.
+After each way a process can end (terminate, stdio EOF, WebSocket close,
+wall timeout, server SIGTERM) none may be left, on both containment modes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import task
+
+from tests.harness import DEFAULT_TIMEOUT, ServerProcess, reactor
+from tests.ws_harness import WsServerProcess, connect
+
+GRACE_MS = 300
+MODES = ["cgroup", "subreaper"]
+PY = sys.executable
+
+# Each escapes the process group of the leader it was started from; the
+# leader then waits (or, for the daemon, exits at once: its process is closed
+# while the daemon lives on).
+SETPGID = "import os, sys; os.setpgid(0, 0); os.execvp('sleep', ['sleep', sys.argv[1]])"
+DOUBLE_FORK = """
+import os, sys
+if os.fork() == 0:
+    if os.fork() == 0:
+        os.setpgid(0, 0)
+        os.execvp('sleep', ['sleep', sys.argv[1]])
+    os._exit(0)
+os.wait()
+os.execvp('sleep', ['sleep', sys.argv[1]])
+"""
+DAEMON = """
+import os, sys
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.chdir('/')
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 1024)
+        os.execvp('sleep', ['sleep', sys.argv[1]])
+    os._exit(0)
+os._exit(0)
+"""
+
+
+def escape_argv(kind: str, marker: str) -> list[str]:
+    if kind == "setsid":
+        return ["sh", "-c", f"setsid sleep {marker} & wait"]
+    if kind == "setpgid":
+        return ["sh", "-c", f'{PY} -c "{SETPGID}" {marker} & wait']
+    if kind == "timeout":
+        return ["sh", "-c", f"timeout 1000 sleep {marker}; echo done"]
+    if kind == "double-fork":
+        return [PY, "-c", DOUBLE_FORK, marker]
+    if kind == "daemon":
+        return [PY, "-c", DAEMON, marker]
+    raise AssertionError(kind)
+
+
+KINDS = ["setsid", "setpgid", "timeout", "double-fork", "daemon"]
+#: How many live processes carry the marker once each kind has started
+#: (double fork: the leader and the grandchild both end up as sleeps).
+EXPECTED = {"setsid": 1, "setpgid": 1, "timeout": 2, "double-fork": 2, "daemon": 1}
+
+
+def new_marker() -> str:
+    # A valid sleep duration no other process on the machine uses.
+    return f"1000.{secrets.randbelow(10**9):09d}"
+
+
+def marked(marker: str) -> list[tuple[int, int, str]]:
+    """(pid, ppid, state) of every process whose argv contains ``marker``."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if needle in cmdline:
+            found.append((int(entry), int(fields[1]), fields[0]))
+    return found
+
+
+def live(marker: str) -> list[tuple[int, int, str]]:
+    return [p for p in marked(marker) if p[2] not in ("Z", "X")]
+
+
+async def wait_until(predicate: Callable[[], bool], what: str, timeout: float) -> None:
+    """Poll a /proc condition (the kernel sends no event for it) with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await task.deferLater(reactor, 0.02, lambda: None)
+
+
+async def wait_started(markers: dict[str, str]) -> None:
+    for kind, marker in markers.items():
+        await wait_until(
+            lambda k=kind, m=marker: len(live(m)) >= EXPECTED[k],  # type: ignore[misc]
+            f"the {kind} escapee to start",
+            DEFAULT_TIMEOUT,
+        )
+
+
+async def assert_gone(markers: dict[str, str], server_pid: int | None = None) -> None:
+    """Nothing marked runs; the server's own zombies of them are reaped too.
+
+    The bound is the grace plus the time to notice (the docs promise the
+    SIGKILL at the end of the grace); the wait is generous for a busy host.
+    """
+    for kind, marker in markers.items():
+        await wait_until(lambda m=marker: not live(m), f"every {kind} process to be gone", 10.0)  # type: ignore[misc]
+        if server_pid is not None:
+            await wait_until(
+                lambda m=marker: not [p for p in marked(m) if p[1] == server_pid],  # type: ignore[misc]
+                f"the server to reap its {kind} zombies",
+                10.0,
+            )
+
+
+def server_args(mode: str) -> list[str]:
+    return ["--process-containment", mode, "--terminate-grace-ms", str(GRACE_MS)]
+
+
+async def start_all(client: Any, markers: dict[str, str], **extra: Any) -> None:
+    for kind, marker in markers.items():
+        await client.start_process(kind, escape_argv(kind, marker), **extra)
+
+
+def check_mode_logged(server: Any, mode: str) -> None:
+    assert f"process containment: {mode}".encode() in server.stderr_bytes()
+
+
+# --- the matrix -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_terminate_reaches_every_escapee(mode: str) -> None:
+    server = ServerProcess.start(*server_args(mode))
+    try:
+        await server.handshake()
+        # One at a time: the fallback attributes an orphan whose lineage it
+        # never saw only when a single tree can own it (documented).
+        for kind in KINDS:
+            markers = {kind: new_marker()}
+            await start_all(server, markers)
+            await wait_started(markers)
+            result = await server.call("process/terminate", {"processId": kind})
+            if kind != "daemon":  # its leader exits at once; its tree runs on
+                assert result == {"running": True}
+            await server.wait_closed(kind)
+            await assert_gone(markers, server.pid)
+        check_mode_logged(server, mode)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_stdio_eof_reaches_every_escapee(mode: str) -> None:
+    markers = {kind: new_marker() for kind in KINDS}
+    server = ServerProcess.start(*server_args(mode))
+    try:
+        await server.handshake()
+        await start_all(server, markers)
+        await wait_started(markers)
+    finally:
+        code = await server.stop()
+    assert code == 0
+    await assert_gone(markers)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_websocket_close_reaches_every_escapee(mode: str) -> None:
+    markers = {kind: new_marker() for kind in KINDS}
+    server = await WsServerProcess.start(*server_args(mode))
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        await start_all(client, markers)
+        await wait_started(markers)
+        await client.close()
+        # The server lives on: the session's end alone must clean up.
+        await assert_gone(markers, server.pid)
+        check_mode_logged(server, mode)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_wall_timeout_reaches_every_escapee(mode: str) -> None:
+    markers = {kind: new_marker() for kind in KINDS}
+    server = ServerProcess.start(*server_args(mode))
+    try:
+        await server.handshake()
+        await start_all(server, markers, timeoutMs=1500)
+        await wait_started(markers)
+        for kind in KINDS:
+            await server.wait_closed(kind)
+        await assert_gone(markers, server.pid)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
+async def test_server_sigterm_reaches_every_escapee(mode: str) -> None:
+    markers = {kind: new_marker() for kind in KINDS}
+    server = ServerProcess.start(*server_args(mode))
+    try:
+        await server.handshake()
+        await start_all(server, markers)
+        await wait_started(markers)
+        server.kill("TERM")
+        await server.stop()
+    finally:
+        await server.stop()
+    await assert_gone(markers)
