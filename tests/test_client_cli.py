@@ -47,15 +47,14 @@ class Cli(ProcessProtocol):
         stdin: bytes | None = None,
         raw: bool = False,
         show_terminal: bool = True,
+        cwd: Path = REPO_ROOT,
     ) -> Cli:
         proto = cls()
         argv = list(args) if raw else [sys.executable, "-m", "execserver.client.cli", *args]
         if pty and show_terminal:
             # After the client exits, show the terminal settings it left.
             argv = ["/bin/sh", "-c", '"$@"; rc=$?; stty -a; exit $rc', "sh", *argv]
-        reactor.spawnProcess(
-            proto, argv[0], argv, env=server_env(), path=str(REPO_ROOT), usePTY=pty
-        )
+        reactor.spawnProcess(proto, argv[0], argv, env=server_env(), path=str(cwd), usePTY=pty)
         if pty and size is not None:
             proto.resize(*size)
         if stdin is not None:
@@ -123,8 +122,8 @@ def _copy(d: Deferred[Any]) -> Deferred[Any]:
     return out
 
 
-async def run(*args: str) -> Cli:
-    cli = Cli.start(*args)
+async def run(*args: str, cwd: Path = REPO_ROOT) -> Cli:
+    cli = Cli.start(*args, cwd=cwd)
     await cli.finish()
     return cli
 
@@ -414,7 +413,63 @@ async def test_fs_subcommands(tmp_path: Path) -> None:
     assert not (remote / "sub").exists()
     cli = await run("fs", "--stdio", "cat", f"{remote}/sub/file.bin")
     assert cli.exit_code == 1
-    assert cli.err.startswith(b"exec-server-client: fs cat: ")
+    assert cli.err.startswith(f"exec-server-client: fs cat {remote}/sub/file.bin: ".encode())
+
+
+@pytest_twisted.ensureDeferred
+async def test_fs_with_stdio_resolves_relative_paths_against_the_local_directory(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "a.txt").write_bytes(b"local file\n")
+    cli = await run("fs", "--stdio", "cat", "a.txt", cwd=work)
+    assert (cli.exit_code, cli.out, cli.err) == (0, b"local file\n", b"")
+    cli = await run("fs", "--stdio", "cat", "./../work/a.txt", cwd=work)
+    assert (cli.exit_code, cli.out) == (0, b"local file\n"), cli.err
+    cli = await run("fs", "--stdio", "cp", "a.txt", "b.txt", cwd=work)
+    assert cli.exit_code == 0, cli.err
+    assert (work / "b.txt").read_bytes() == b"local file\n"
+    cli = await run("fs", "--stdio", "mkdir", "-p", "d/e", cwd=work)
+    assert cli.exit_code == 0, cli.err
+    assert (work / "d" / "e").is_dir()
+    cli = await run("fs", "--stdio", "ls", ".", cwd=work)
+    assert cli.out == b"a.txt\nb.txt\nd/\n"
+    cli = await run("fs", "--stdio", "stat", "..", cwd=work)
+    assert cli.out.startswith(f"path: {tmp_path}\ntype: directory\n".encode()), cli.out
+
+
+@pytest_twisted.ensureDeferred
+async def test_fs_errors_name_the_path(tmp_path: Path) -> None:
+    cli = await run("fs", "--stdio", "cat", "missing.txt", cwd=tmp_path)
+    assert cli.exit_code == 1
+    assert cli.err.startswith(f"exec-server-client: fs cat {tmp_path}/missing.txt: ".encode())
+    assert b"AbsolutePathBuf" not in cli.err
+    cli = await run("fs", "--stdio", "cp", "nope", "/nonexistent/dir/x", cwd=tmp_path)
+    assert cli.exit_code == 1
+    assert cli.err.startswith(
+        f"exec-server-client: fs cp {tmp_path}/nope /nonexistent/dir/x: ".encode()
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_fs_with_url_refuses_relative_paths_before_connecting() -> None:
+    # Nothing listens on this port: the path is refused before any connection.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}"
+    cli = await run("fs", "--url", url, "cat", "notes.txt")
+    assert cli.exit_code == 2
+    assert cli.err == (
+        b"exec-server-client: fs cat: `notes.txt` is a relative path: with --url give an "
+        b"absolute remote path (relative paths are resolved against this directory only "
+        b"with --stdio)\n"
+    )
+    cli = await run("fs", "--url", url, "cp", "/tmp/a", "b")
+    assert cli.exit_code == 2 and b"`b` is a relative path" in cli.err
+    cli = await run("fs", "--stdio", "cat", "")
+    assert cli.exit_code == 2 and cli.err == b"exec-server-client: fs cat: empty path\n"
 
 
 @pytest_twisted.ensureDeferred

@@ -207,30 +207,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_REMOTE = "remote path (a relative one is resolved against this directory with --stdio)"
 _FS_COMMANDS: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("cat", "write a remote file to stdout", [("path", "remote absolute path")]),
+    ("cat", "write a remote file to stdout", [("path", _REMOTE)]),
     (
         "put",
         "write stdin or a local file to a remote file",
-        [("local", "local file, or - for stdin"), ("path", "remote absolute path")],
+        [("local", "local file, or - for stdin"), ("path", _REMOTE)],
     ),
-    ("ls", "list a remote directory", [("path", "remote absolute path")]),
-    ("stat", "show a remote path's metadata", [("path", "remote absolute path")]),
+    ("ls", "list a remote directory", [("path", _REMOTE)]),
+    ("stat", "show a remote path's metadata", [("path", _REMOTE)]),
     (
         "rm",
         "remove a remote path",
-        [("path", "remote absolute path"), ("-r", "recursive"), ("-f", "ignore a missing path")],
+        [("path", _REMOTE), ("-r", "recursive"), ("-f", "ignore a missing path")],
     ),
     (
         "cp",
         "copy on the remote host",
-        [("source", "remote source"), ("destination", "remote destination"), ("-r", "recursive")],
+        [("source", _REMOTE), ("destination", _REMOTE), ("-r", "recursive")],
     ),
-    (
-        "mkdir",
-        "create a remote directory",
-        [("path", "remote absolute path"), ("-p", "create parents")],
-    ),
+    ("mkdir", "create a remote directory", [("path", _REMOTE), ("-p", "create parents")]),
 ]
 
 
@@ -608,15 +605,19 @@ async def _bounded(d: Deferred[Any], seconds: float, clock: Any) -> None:
 
 
 async def run_fs(reactor: Any, args: argparse.Namespace) -> int:
-    from execserver.client.fs import run_fs_command
+    from execserver.client.fs import describe, resolve_paths, run_fs_command
 
+    # Before connecting: a path that cannot be sent is a usage error (unless
+    # no server is given at all, which connect() reports).
+    if args.stdio or args.url or os.environ.get("EXEC_SERVER_URL"):
+        resolve_paths(args, local_server=bool(args.stdio))
     client = await connect(reactor, args)
     try:
         return await run_fs_command(client, args)
     except ServerError as exc:
-        raise CliError(f"fs {args.fs_command}: {exc.message}", EXIT_REMOTE_ERROR) from None
+        raise CliError(f"{describe(args)}: {exc.message}", EXIT_REMOTE_ERROR) from None
     except ExecServerError as exc:
-        raise CliError(f"fs {args.fs_command}: {exc}", EXIT_CONNECTION) from None
+        raise CliError(f"{describe(args)}: {exc}", EXIT_CONNECTION) from None
     finally:
         await client.close()
 
@@ -679,4 +680,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the module's own main, not this __main__ copy: fs.py raises the
+    # module's CliError, which a copy's ``except CliError`` would not catch.
+    from execserver.client.cli import main as module_main
+
+    module_main()
