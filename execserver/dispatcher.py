@@ -55,6 +55,18 @@ class Outbound(Protocol):
     # consecutive byte pieces without joining them (used for large results).
 
 
+class _GoneOutbound:
+    """Stands in for a closed transport: nothing can be sent any more."""
+
+    def write_message(self, data: bytes) -> None:
+        pass
+
+    def close_connection(self) -> None:
+        pass
+
+
+_GONE = _GoneOutbound()
+
 Handler = Callable[["Connection", Any], Any]
 
 
@@ -77,6 +89,10 @@ class Stats:
     output_bytes: Counter[str] = attrs.Factory(Counter)
     processes_started: int = 0
     processes_exited: int = 0
+    #: Bytes of incomplete WebSocket messages held, over all connections.
+    partial_message_bytes: int = 0
+    #: Processes started and not yet closed (holding descriptors), all sessions.
+    processes_open: int = 0
 
 
 class Dispatcher:
@@ -377,10 +393,15 @@ class Connection:
         if isinstance(result, Failure):
             log.failure("session shutdown failed", result)
         self.dispatcher._forget(self)
+        if not self._open:
+            self.session.release()
 
     def transport_closed(self) -> None:
         """The transport is gone: nothing more can be sent."""
         self._open = False
+        # Let go of the transport (which points back at this connection):
+        # it is freed as soon as it closes, not at a garbage collection.
+        self.outbound = _GONE
         # Output is discarded from now on; read the children's pipes again so
         # they are not left blocked on a full pipe while being terminated.
         self.session.resumeProducing()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
-from execserver import __version__
+from execserver import __version__, fdlimit
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
@@ -121,5 +121,39 @@ def render(dispatcher: Dispatcher) -> bytes:
             ({"method": method, "outcome": outcome}, count)
             for (method, outcome), count in sorted(stats.requests.items())
         ],
+    )
+    lines += _family(
+        "exec_server_websocket_partial_message_bytes",
+        "gauge",
+        "Bytes of incomplete WebSocket messages held, over all connections "
+        "(capped by --max-partial-message-bytes).",
+        [({}, stats.partial_message_bytes)],
+    )
+    fds = fdlimit.fds_in_use()
+    if fds is not None:
+        lines += _family(
+            "exec_server_open_fds",
+            "gauge",
+            "File descriptors the server has open.",
+            [({}, fds)],
+        )
+    lines += _family(
+        "exec_server_max_fds",
+        "gauge",
+        "The server's soft RLIMIT_NOFILE (raised to the hard limit at start).",
+        [({}, fdlimit.soft_limit())],
+    )
+    lines += _family(
+        "exec_server_processes_open",
+        "gauge",
+        "Processes started and not yet closed (each holds descriptors in the server).",
+        [({}, stats.processes_open)],
+    )
+    lines += _family(
+        "exec_server_process_limit",
+        "gauge",
+        "Processes that may be open at once, server-wide, derived from the "
+        "descriptor limit; a start beyond it is refused with -32600.",
+        [({}, fdlimit.process_limit())],
     )
     return ("\n".join(lines) + "\n").encode()

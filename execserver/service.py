@@ -6,20 +6,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ipaddress
 import re
-import resource
 from typing import TYPE_CHECKING, Any
 
 import attrs
 from twisted.application.service import IServiceCollection, MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorCore
+from twisted.logger import Logger
 from twisted.python import usage
 
-from execserver import __version__
+from execserver import __version__, fdlimit
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 DEFAULT_LISTEN_URL = "stdio://"
 DEFAULT_PING_INTERVAL_MS = 20_000
 DEFAULT_PING_TIMEOUT_MS = 20_000
+log = Logger()
 _ORIGIN_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 
 
@@ -154,6 +154,14 @@ class Options(usage.Options):
             _positive("max-read-file-bytes"),
         ],
         [
+            "max-partial-message-bytes",
+            None,
+            256 * 1024 * 1024,
+            "WebSocket: bytes of incomplete messages held over all connections; a "
+            "connection that would exceed it is closed with code 1013 (try again later).",
+            _positive("max-partial-message-bytes"),
+        ],
+        [
             "ping-interval-ms",
             None,
             DEFAULT_PING_INTERVAL_MS,
@@ -213,6 +221,8 @@ class Options(usage.Options):
             raise usage.UsageError("stdio:// can be listened on only once")
         if self["max-message-bytes"] < 1024:
             raise usage.UsageError("--max-message-bytes must be at least 1024")
+        if self["max-partial-message-bytes"] < 1024:
+            raise usage.UsageError("--max-partial-message-bytes must be at least 1024")
         if self["max-processes"] < 1:
             raise usage.UsageError("--max-processes must be at least 1")
         if self["ping-interval-ms"] and not self["ping-timeout-ms"]:
@@ -226,6 +236,7 @@ class Options(usage.Options):
             ping_interval=self["ping-interval-ms"] / 1000.0,
             ping_timeout=self["ping-timeout-ms"] / 1000.0,
             allowed_origins=frozenset(self["allow-origin"]),
+            max_partial_message_bytes=self["max-partial-message-bytes"],
         )
 
     def config(self) -> ServerConfig:
@@ -249,6 +260,9 @@ class ExecServerService(MultiService):
         self.containment = containment
 
     def startService(self) -> None:
+        # Process-wide, so only once the server runs (not when built, e.g.
+        # by a test): a higher soft limit before the first process starts.
+        raise_fd_limit(self.dispatcher.config.max_processes)
         if self.containment is not None:
             # Process-wide (prctl, cgroups): only once the server runs. A
             # ContainmentError (--process-containment cgroup on a host
@@ -288,20 +302,31 @@ def tune_allocator() -> None:
     mallopt(m_trim_threshold, 16 * 1024 * 1024)
 
 
-def raise_fd_limit() -> None:
-    """Use the hard RLIMIT_NOFILE: every child costs the server 2-3 descriptors."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+def raise_fd_limit(max_processes: int) -> None:
+    """Use the hard RLIMIT_NOFILE and log the process limit it implies.
+
+    Every process costs the server descriptors (``execserver.fdlimit``); the
+    limit derived from them is logged as a warning when it is below
+    ``--max-processes``, where it is the one a session meets first.
+    """
+    before, after = fdlimit.raise_soft_limit()
+    limit = fdlimit.process_limit(after)
+    emit = log.warn if limit < max_processes else log.info
+    emit(
+        "open-file limit {after} descriptors{raised}: at most {limit} processes "
+        "server-wide ({per} descriptors each, {reserved} kept for connections and files)",
+        after=after,
+        raised=f" (raised from {before})" if after != before else "",
+        limit=limit,
+        per=fdlimit.FDS_PER_PROCESS,
+        reserved=fdlimit.reserved_fds(after),
+    )
 
 
 def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
     from execserver.transports.stdio import StdioService
 
     seal_inherited_fds()
-    raise_fd_limit()
     tune_allocator()
     config = options.config()
     containment = Containment(config.process_containment, reactor)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ timers and the escalation themselves live in :class:`ManagedProcess`.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -27,17 +28,21 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTim
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from execserver import codec
+from execserver import codec, fdlimit
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.processes import ManagedProcess
-from execserver.spawn import ProcessSpec, Spawner
+from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.writebuffer import unsent_bytes
 
 log = Logger()
 
 Send = Callable[[object], None]
+
+
+def _discard(message: object) -> None:
+    """The sender of a released session."""
 
 
 def _validate_text(field: str, value: str) -> None:
@@ -89,6 +94,7 @@ class Session:
         send: Send,
         session_id: str | None = None,
         stats: Any = None,
+        process_limit: Callable[[], int] = fdlimit.process_limit,
     ) -> None:
         self.config = config
         self.session_id = session_id or secrets.token_urlsafe(24)
@@ -109,6 +115,10 @@ class Session:
         self.started_count = 0
         #: Server-wide counters (``dispatcher.Stats``) or None.
         self.stats = stats
+        #: Server-wide limit on processes holding descriptors (with ``stats``).
+        self._process_limit = process_limit
+        #: Spawned and not yet closed: each holds descriptors in the server.
+        self._holding_fds: set[ManagedProcess] = set()
 
     # --- process/start ----------------------------------------------------------
 
@@ -142,6 +152,15 @@ class Session:
                 f"too many running processes: this session already runs {running}, "
                 f"the limit set by --max-processes is {self.config.max_processes}"
             )
+        if self.stats is not None:
+            holding = self.stats.processes_open
+            limit = self._process_limit()
+            if holding >= limit:
+                raise RpcError.invalid_request(
+                    f"too many running processes: the server already runs {holding}, "
+                    f"the limit derived from its open-file limit "
+                    f"({fdlimit.soft_limit()} descriptors) is {limit}"
+                )
         # pipeStdin only changes pipe processes (a PTY's input is always
         # open) and size only PTYs; each is ignored where it has no meaning.
         size = params.size
@@ -190,12 +209,21 @@ class Session:
         # returns. Hold them until the start response is out (release_held),
         # so a client never hears of a process before it learns its id.
         self._held[proc] = []
+        self._hold_fds(proc)
         try:
             transport = self._spawner.spawn(proc, spec)
-        except BaseException:
+        except BaseException as exc:
             self._held.pop(proc, None)
+            self._release_fds(proc)
             if self.processes.get(process_id) is proc:
                 del self.processes[process_id]
+            code = getattr(exc, "errno", None)
+            if isinstance(exc, OSError | SpawnError) and code in (errno.EMFILE, errno.ENFILE):
+                raise RpcError.invalid_request(
+                    f"too many open files: the server cannot start process {process_id} "
+                    f"now ({os.strerror(code)}); retry once other processes have ended",
+                    {"kind": "tooManyOpenFiles", "errno": code},
+                ) from None
             raise
         if not self._held[proc]:
             del self._held[proc]
@@ -222,6 +250,18 @@ class Session:
 
     def running_count(self) -> int:
         return len(self._running)
+
+    def _hold_fds(self, proc: ManagedProcess) -> None:
+        if proc not in self._holding_fds:
+            self._holding_fds.add(proc)
+            if self.stats is not None:
+                self.stats.processes_open += 1
+
+    def _release_fds(self, proc: ManagedProcess) -> None:
+        if proc in self._holding_fds:
+            self._holding_fds.discard(proc)
+            if self.stats is not None:
+                self.stats.processes_open -= 1
 
     def lookup(self, process_id: str) -> ManagedProcess:
         proc = self.processes.get(process_id)
@@ -448,6 +488,7 @@ class Session:
         self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:
+        self._release_fds(proc)
         if not proc.finished:
             self._escalating.add(proc)
             proc.when_finished().addCallback(lambda _: self._escalating.discard(proc))
@@ -556,3 +597,16 @@ class Session:
             return succeed(None)
         done: Deferred[None] = DeferredList(waits).addCallback(lambda _: None)
         return done
+
+    def release(self) -> None:
+        """After shutdown: drop the processes and the sender.
+
+        Each process points back at this session and the sender at its
+        connection; without this the whole session (retained output
+        included) would wait for a full garbage collection.
+        """
+        self.processes.clear()
+        self._held.clear()
+        self._escalating.clear()
+        self._running.clear()
+        self._send = _discard

@@ -15,6 +15,14 @@ Size limits are ours, not Autobahn's: Autobahn's ``maxMessagePayloadSize``
 also caps *outgoing* messages and closes the connection, whereas a too-large
 message here is discarded as it streams in, answered with an ``id: null``
 error, and the connection stays usable (extensions.md section 5).
+
+Messages still being received (fragments, or one large frame arriving in
+pieces) are held in memory until complete. Their bytes, over all
+connections of the server, are capped by ``max_partial_message_bytes``
+(``--max-partial-message-bytes``): a connection whose data would exceed it is
+closed with code 1013 (Try Again Later), which frees what it held. A lost
+connection frees its partial message at once, and drops its references to
+the session so that reference counting, not a garbage collection, frees it.
 """
 
 from __future__ import annotations
@@ -66,9 +74,15 @@ LISTEN_BACKLOG: Final = 1024
 READ_PAUSE_MIN_BYTES: Final = 16 * 1024 * 1024
 READ_PAUSE_FACTOR: Final = 8
 
-#: Close codes sent by the server (RFC 6455 section 7.4.1).
+#: Close codes sent by the server (RFC 6455 section 7.4.1; 1013 is in the
+#: IANA WebSocket close code registry).
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_POLICY_VIOLATION: Final = 1008
+CLOSE_TRY_AGAIN_LATER: Final = 1013
+
+#: Default of ``--max-partial-message-bytes``: room for two incomplete
+#: messages of the default ``--max-message-bytes`` at once.
+DEFAULT_MAX_PARTIAL_MESSAGE_BYTES: Final = 256 * 1024 * 1024
 
 _STATUS_TEXT: Final = {
     200: "OK",
@@ -123,6 +137,11 @@ def _text_frame_header(length: int) -> bytes:
     return struct.pack("!BBQ", 0x81, 127, length)
 
 
+def partial_limit_reason(limit: int) -> str:
+    """Close reason sent with 1013 (at most 123 bytes, as close reasons must be)."""
+    return f"incomplete messages exceed the server limit of {limit} bytes; retry later"
+
+
 def normalize_origin(origin: str) -> str:
     """Origins compare case-insensitively, without a trailing slash."""
     return origin.strip().rstrip("/").lower()
@@ -144,6 +163,8 @@ class WebSocketSettings:
     open_handshake_timeout: float = 5.0
     #: Seconds the server waits for the client's close reply before dropping TCP.
     close_handshake_timeout: float = 1.0
+    #: Bytes of incomplete incoming messages held over all connections.
+    max_partial_message_bytes: int = DEFAULT_MAX_PARTIAL_MESSAGE_BYTES
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -155,6 +176,8 @@ class ExecServerProtocol(WebSocketServerProtocol):
         super().__init__()
         self.connection: Connection | None = None
         self._parts: list[bytes] = []
+        #: Bytes in ``_parts`` (counted in the server-wide partial total).
+        self._parts_bytes = 0
         self._size = 0
         self._oversized = False
         self._lost: Latch[None] = Latch()
@@ -301,6 +324,17 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         super().connectionLost(reason)
         self.factory.protocols.discard(self)
+        # Free at once what a half-sent message and unparsed input hold,
+        # and break the reference cycles through this protocol (its
+        # connection and flow controller point back at it; Autobahn's
+        # ``is_closed`` Deferred holds it as its result), so it is freed
+        # by reference counting, not at the next full garbage collection.
+        self._release_parts()
+        self.data = b""
+        self._held.clear()
+        self._flow = None
+        self.connection = None
+        self.is_closed = None
         self._lost.fire(None)
 
     def unregisterProducer(self) -> None:
@@ -376,7 +410,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
     # --- incoming messages, size-limited as they stream in -------------------------
 
     def onMessageBegin(self, isBinary: bool) -> None:
-        self._parts = []
+        self._release_parts()
         self._size = 0
         self._oversized = False
 
@@ -387,21 +421,52 @@ class ExecServerProtocol(WebSocketServerProtocol):
             return
         if not self._oversized and self._size > self.factory.settings.max_message_bytes:
             self._oversized = True
-            self._parts = []
+            self._release_parts()
             self._deliver(None)
 
     def onMessageFrameData(self, payload: bytes) -> None:
-        if not self._oversized:
-            self._parts.append(payload)
+        if self._oversized or self.state != WebSocketProtocol.STATE_OPEN:
+            return
+        size = len(payload)
+        stats = self.factory.dispatcher.stats
+        limit = self.factory.settings.max_partial_message_bytes
+        if stats.partial_message_bytes + size > limit:
+            held = stats.partial_message_bytes
+            self._oversized = True
+            self._release_parts()
+            log.warn(
+                "closing {peer}: incomplete messages would exceed {limit} bytes "
+                "(all connections hold {held}, --max-partial-message-bytes)",
+                peer=self.peer,
+                limit=limit,
+                held=held,
+            )
+            self.sendCloseFrame(
+                code=CLOSE_TRY_AGAIN_LATER,
+                reasonUtf8=partial_limit_reason(limit).encode(),
+                isReply=False,
+            )
+            return
+        self._parts.append(payload)
+        self._parts_bytes += size
+        stats.partial_message_bytes += size
+
+    def _release_parts(self) -> None:
+        """Forget the message being received, and its share of the server-wide total."""
+        self._parts = []
+        if self._parts_bytes:
+            self.factory.dispatcher.stats.partial_message_bytes -= self._parts_bytes
+            self._parts_bytes = 0
 
     def onMessageFrameEnd(self) -> None:
         pass
 
     def onMessageEnd(self) -> None:
-        parts, self._parts = self._parts, []
+        parts = self._parts
+        self._release_parts()
         # failedByMe: Autobahn keeps parsing after failing a connection (to
         # read the close reply) and still delivers the offending message.
-        if self._oversized or self.failedByMe:
+        if self._oversized or self.failedByMe or self.state != WebSocketProtocol.STATE_OPEN:
             return
         self._deliver(parts[0] if len(parts) == 1 else b"".join(parts))
 
