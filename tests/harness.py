@@ -353,6 +353,32 @@ class ServerProcess(RpcTestClient, ServerChecks, ProcessProtocol):
         self.send_raw(json.dumps(message).encode() + b"\n")
 
 
+def _status_field(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` now."""
+    return _status_field(pid, "VmRSS")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Restart ``pid``'s peak-RSS count (``VmHWM``) from its current RSS."""
+    # clear_refs "5" (Linux >= 4.0); without permission the peak simply
+    # keeps counting from the start, which only makes the check stricter.
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Highest RSS of ``pid`` since it started or since :func:`reset_peak_rss`."""
+    return _status_field(pid, "VmHWM")
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

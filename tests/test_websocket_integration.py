@@ -25,7 +25,17 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from tests.harness import DEFAULT_TIMEOUT, descendants, pid_alive, reactor, with_timeout
+from tests.bounds import REPLY_BACKLOG_RSS_GROWTH, STALL_RSS_GROWTH, MiB
+from tests.harness import (
+    DEFAULT_TIMEOUT,
+    descendants,
+    peak_rss_bytes,
+    pid_alive,
+    reactor,
+    reset_peak_rss,
+    rss_bytes,
+    with_timeout,
+)
 from tests.ws_harness import (
     WsClientProtocol,
     WsServerProcess,
@@ -343,10 +353,11 @@ async def test_frozen_client_is_detected_by_ping_timeout() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_stalled_client_does_not_grow_server_memory_or_slow_others() -> None:
-    import psutil
-
     server = await WsServerProcess.start()
     try:
+        assert server.pid is not None
+        idle = rss_bytes(server.pid)
+        reset_peak_rss(server.pid)
         proto, transport = await _start_client_script(server, "yes")
         try:
             os.kill(transport.pid, signal.SIGSTOP)  # stops reading; TCP stays up
@@ -357,8 +368,9 @@ async def test_stalled_client_does_not_grow_server_memory_or_slow_others() -> No
             await other.start_process("bulk", ["head", "-c", str(64 << 20), "/dev/zero"])
             await other.wait_notification("process/closed", "bulk", timeout=60)
             assert len(other.output_of("bulk")) == 64 << 20
-            rss = psutil.Process(server.pid).memory_info().rss
-            assert rss < 300 << 20, f"server RSS {rss >> 20} MiB"
+            growth = peak_rss_bytes(server.pid) - idle
+            print(f"\nstalled WebSocket client: server peak RSS {growth / MiB:.1f} MiB over idle")
+            assert growth <= STALL_RSS_GROWTH, f"server RSS grew {growth / MiB:.1f} MiB over idle"
             await other.close()
         finally:
             await _kill_client_script(proto, transport)
@@ -368,10 +380,11 @@ async def test_stalled_client_does_not_grow_server_memory_or_slow_others() -> No
 
 @pytest_twisted.ensureDeferred
 async def test_client_sending_requests_without_reading_replies_is_throttled() -> None:
-    import psutil
-
     server = await WsServerProcess.start()
     try:
+        assert server.pid is not None
+        idle = rss_bytes(server.pid)
+        reset_peak_rss(server.pid)
         # Each process/read answers ~1.4 MiB (1 MiB retained, base64); the
         # client never reads them. The server stops reading its requests.
         proto, transport = await _start_client_script(server, "head -c 1048576 /dev/zero", "spam")
@@ -380,8 +393,9 @@ async def test_client_sending_requests_without_reading_replies_is_throttled() ->
             await other.handshake()
             await other.start_process("bulk", ["head", "-c", str(64 << 20), "/dev/zero"])
             await other.wait_notification("process/closed", "bulk", timeout=60)
-            rss = psutil.Process(server.pid).memory_info().rss
-            assert rss < 300 << 20, f"server RSS {rss >> 20} MiB"
+            growth = peak_rss_bytes(server.pid) - idle
+            print(f"\nclient not reading replies: server peak RSS {growth / MiB:.1f} MiB over idle")
+            assert growth <= REPLY_BACKLOG_RSS_GROWTH, f"RSS grew {growth / MiB:.1f} MiB over idle"
             await other.close()
         finally:
             await _kill_client_script(proto, transport)

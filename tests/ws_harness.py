@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from typing import Any
 
@@ -24,6 +25,9 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
+from tests.harness import (
+    BIN as BIN_DIR,
+)
 from tests.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
@@ -280,3 +284,91 @@ async def http_get(
 
 def get_request(path: str, extra: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n".encode()
+
+
+# --- another client's output, timed in processes of its own ---------------------------------
+
+#: A remote child printing a line every 2 ms until the file named by argv[1] exists.
+TICKER = (
+    "import os, sys, time\n"
+    "while not os.path.exists(sys.argv[1]):\n"
+    "    print(time.monotonic(), flush=True)\n"
+    "    time.sleep(0.002)\n"
+)
+
+#: Reads stdin, prints "flowing" once output arrives steadily, then at EOF one
+#: JSON line: every pause between two reads longer than 20 ms, as (start, end)
+#: in CLOCK_MONOTONIC seconds (the same clock in every process).
+GAP_METER = (
+    "import json, os, sys, time\n"
+    "last = None; reads = 0; gaps = []\n"
+    "while True:\n"
+    "    data = os.read(0, 1 << 16)\n"
+    "    now = time.monotonic()\n"
+    "    if not data:\n"
+    "        break\n"
+    "    if last is not None and now - last > 0.02:\n"
+    "        gaps.append((last, now))\n"
+    "    last = now; reads += 1\n"
+    "    if reads == 20:\n"
+    "        print('flowing', flush=True)\n"
+    "print(json.dumps({'gaps': gaps, 'last': last, 'reads': reads}), flush=True)\n"
+)
+
+
+class OutputGapObserver(ProcessProtocol):
+    """Another client, timed apart from the test process.
+
+    ``exec-server-client run`` (the installed script) runs :data:`TICKER` on
+    the server; its output is piped into :data:`GAP_METER`. Both run in their
+    own processes, so a busy test reactor (say, receiving a 266 MiB response)
+    cannot show up as a pause of the server.
+    """
+
+    def __init__(self, stop_file: str) -> None:
+        self.stop_file = stop_file
+        self.out = b""
+        self.flowing: Deferred[None] = Deferred()
+        self.ended: Deferred[Any] = Deferred()
+
+    @classmethod
+    async def start(
+        cls, url: str, stop_file: str, timeout: float = DEFAULT_TIMEOUT
+    ) -> OutputGapObserver:
+        proto = cls(stop_file)
+        pipeline = 'exec-server-client run --url "$1" -- python3 -u -c "$2" "$3" | python3 -c "$4"'
+        argv = ["/bin/sh", "-c", pipeline, "sh", url, TICKER, stop_file, GAP_METER]
+        env = server_env()
+        env["PATH"] = f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}"
+        reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
+        await with_timeout(observe(proto.flowing), timeout, "the other client's output to flow")
+        return proto
+
+    def outReceived(self, data: bytes) -> None:
+        self.out += data
+        if b"flowing\n" in self.out and not self.flowing.called:
+            self.flowing.callback(None)
+
+    def processEnded(self, reason: Failure) -> None:
+        if not self.flowing.called:
+            self.flowing.errback(RuntimeError(f"observer ended early: {self.out!r}"))
+        self.ended.callback(None)
+
+    async def finish(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Stop the ticker; the meter's report."""
+        with open(self.stop_file, "w"):
+            pass
+        await with_timeout(observe(self.ended), timeout, "the observer to finish")
+        report: dict[str, Any] = json.loads(self.out.splitlines()[-1])
+        return report
+
+    @staticmethod
+    def longest_pause(report: dict[str, Any], start: float, end: float) -> float:
+        """Longest pause overlapping [start, end]; the whole window if nothing arrived in it."""
+        longest = 0.0
+        for a, b in report["gaps"]:
+            if b >= start and a <= end:
+                longest = max(longest, b - a)
+        if report["last"] is None or report["last"] < end:
+            longest = max(longest, end - (report["last"] or start))
+        return longest
