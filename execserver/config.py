@@ -30,3 +30,11 @@ class ServerConfig:
     #: How descendants of a process are tracked: "auto", "cgroup" or
     #: "subreaper" (docs/process-control.md, "Containment").
     process_containment: str = "auto"
+    #: fs/readFile reply bytes being built or not yet sent, per server and per
+    #: connection (the per-connection default fits the largest readable file).
+    reply_budget_bytes: int = 1536 * MiB
+    connection_reply_budget_bytes: int = 768 * MiB
+    #: Longest an fs request waits for a pool thread or for reply budget.
+    fs_wait_timeout_ms: int = 30_000
+    #: /readyz fails once every fs pool thread is this long on one operation.
+    fs_stall_ms: int = 10_000

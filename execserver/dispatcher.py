@@ -17,14 +17,14 @@ and :meth:`Connection.shutdown`.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 import msgspec
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -35,11 +35,26 @@ from execserver.errors import RpcError
 from execserver.session import Session
 from execserver.spawn import Spawner
 from execserver.waiters import Waiters
+from execserver.writebuffer import discard_unsent, unsent_bytes
 
 log = Logger()
 
 #: Raw results at least this large are written as pieces, not re-rendered.
 LARGE_RESULT_BYTES = 64 * 1024
+
+#: Seconds between checks of whether a charged reply (fs/readFile) has been
+#: sent, while one is queued: its reply budget is released within this.
+SENT_POLL_SECONDS = 0.02
+
+
+def _write_buffer(outbound: object) -> Any:
+    """The Twisted FileDescriptor holding what ``outbound`` has not yet sent.
+
+    Both transports are Twisted protocols: a WebSocket's ``transport`` is its
+    TCP connection; stdio's is a StandardIO whose writer holds the buffer.
+    """
+    transport = getattr(outbound, "transport", None)
+    return getattr(transport, "_writer", None) or transport
 
 
 class Outbound(Protocol):
@@ -136,7 +151,7 @@ class Dispatcher:
             )
             if method not in self.capabilities
         )
-        filesystem.register(self)
+        self.fs = filesystem.register(self)
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"
@@ -154,6 +169,10 @@ class Dispatcher:
         if conn in self.connections:
             self.connections.discard(conn)
             self.stats.connections_active -= 1
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server should not get new work now (for /readyz), or None."""
+        return self.fs.stall_reason()
 
     def shutdown(self) -> Deferred[None]:
         """Shut every connection down (terminating all processes)."""
@@ -195,6 +214,11 @@ class Connection:
         self._in_flight = 0
         self._idle: Waiters[None] = Waiters()
         self._shutdown: Deferred[None] | None = None
+        #: Bytes handed to the transport so far, and the charged replies
+        #: (fs/readFile) among them: (end offset, charge), oldest first.
+        self._written = 0
+        self._charges: deque[tuple[int, filesystem.Charge]] = deque()
+        self._sent_poll: IDelayedCall | None = None
 
     # --- incoming ---------------------------------------------------------------
 
@@ -275,6 +299,23 @@ class Connection:
             self._respond(req, result)
 
     def _respond(self, req: codec.IncomingRequest, result: object) -> None:
+        charge = None
+        if isinstance(result, filesystem.Charged):
+            charge = result.charge
+            result = result.result
+        try:
+            self._respond_with(req, result)
+        finally:
+            if charge is not None:
+                # Held until the transport has sent the reply; at once if it
+                # was not written (closed connection: the reply is dropped).
+                if self._open:
+                    self._charges.append((self._written, charge))
+                    self._check_sent()
+                else:
+                    charge.release()
+
+    def _respond_with(self, req: codec.IncomingRequest, result: object) -> None:
         # Encode before counting and writing: a result msgspec cannot encode
         # must become an error reply, not an exception that ends the connection.
         if isinstance(result, msgspec.Raw) and len(result) >= LARGE_RESULT_BYTES:
@@ -283,6 +324,7 @@ class Connection:
             self._count(req.method, "ok")
             if self._open:
                 parts = (b'{"id":', codec.encode(req.id), b',"result":', result, b"}")
+                self._written += sum(len(part) for part in parts)
                 write_parts = getattr(self.outbound, "write_message_parts", None)
                 if write_parts is not None:
                     write_parts(parts)
@@ -297,10 +339,34 @@ class Connection:
             return
         self._count(req.method, "ok")
         if self._open:
+            self._written += len(data)
             self.outbound.write_message(data)
         # Events of a process that finished while it was being started were
         # held back so that they follow this (its start) response.
         self.session.release_held()
+
+    def _check_sent(self) -> None:
+        """Release the charges of replies the transport has sent.
+
+        ``written - unsent`` undercounts what was sent (the transport's own
+        framing is unsent too but not in ``written``), so a charge is never
+        released early; once the buffer drains, every charge is released.
+        """
+        self._sent_poll = None
+        if not self._charges:
+            return
+        sent = self._written - unsent_bytes(_write_buffer(self.outbound))
+        while self._charges and self._charges[0][0] <= sent:
+            self._charges.popleft()[1].release()
+        if self._charges:
+            self._sent_poll = self.dispatcher.clock.callLater(SENT_POLL_SECONDS, self._check_sent)
+
+    def _release_charges(self) -> None:
+        if self._sent_poll is not None and self._sent_poll.active():
+            self._sent_poll.cancel()
+        self._sent_poll = None
+        while self._charges:
+            self._charges.popleft()[1].release()
 
     def _deferred_result(self, result: object, req: codec.IncomingRequest) -> None:
         try:
@@ -354,9 +420,9 @@ class Connection:
     def send(self, message: object) -> None:
         """Send a wire value, or ``bytes`` that already encode one message."""
         if self._open:
-            self.outbound.write_message(
-                message if type(message) is bytes else codec.encode(message)
-            )
+            data = message if type(message) is bytes else codec.encode(message)
+            self._written += len(data)
+            self.outbound.write_message(data)
 
     def _send_error(self, request_id: p.RequestId | None, error: RpcError) -> None:
         self.send(p.ErrorResponse(request_id, error.to_wire()))
@@ -399,6 +465,12 @@ class Connection:
     def transport_closed(self) -> None:
         """The transport is gone: nothing more can be sent."""
         self._open = False
+        # What the transport still holds will never be sent: free it now
+        # (a closed Twisted transport keeps its buffer), with the reply
+        # budget it was charged to, and drop fs requests not yet started.
+        discard_unsent(_write_buffer(self.outbound))
+        self._release_charges()
+        self.dispatcher.fs.connection_closed(self)
         # Let go of the transport (which points back at this connection):
         # it is freed as soon as it closes, not at a garbage collection.
         self.outbound = _GONE

@@ -1,10 +1,22 @@
 """The seven ``fs/*`` methods, with the reference's behaviour and error texts.
 
-Paths arrive as absolute path strings and are normalised lexically (``.``
-and ``..`` removed, like the reference's ``AbsolutePathBuf``); a relative
-path is ``-32602``. The blocking work runs on a small dedicated thread pool,
-never on the reactor thread; because the reactor thread changes directory
-around ``posix_spawn``, everything here works on absolute paths only.
+Paths arrive as absolute path strings; ``.`` and empty components are
+dropped on arrival and ``..`` is resolved on the pool the way the kernel
+resolves it (after a symlink, ``..`` is the parent of the link's target;
+see :func:`resolve_path`); a relative path is ``-32602``. ``fs/remove``
+refuses the root directory in every spelling. The blocking work runs on a
+small dedicated thread pool (:class:`PoolRunner`), never on the reactor
+thread; because the reactor thread changes directory around
+``posix_spawn``, everything here works on absolute paths only.
+
+No operation may hold a pool thread without bound: nothing non-regular
+(FIFO, device, socket) is ever opened for reading or writing, everything is
+opened ``O_NONBLOCK`` and checked with ``fstat`` first; a request waits for
+a free thread at most ``fs_wait_timeout_ms``; and the pool reports itself
+wedged (``/readyz``) when every thread has been busy on one operation for
+longer than ``fs_stall_ms``. ``fs/readFile`` replies are charged to a
+:class:`ReplyBudget` (per connection and per server) from before the file
+is read until the transport has sent them.
 
 Errors follow the reference's mapping: its invalid-input errors are
 ``-32600`` with its message texts; every OS error is ``-32603`` with the
@@ -30,13 +42,15 @@ import secrets
 import shutil
 import stat
 import struct
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NoReturn, ParamSpec, TypeVar
 
 import attrs
 import msgspec
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.threads import deferToThreadPool
+from twisted.internet.interfaces import IDelayedCall
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from execserver import protocol as p
@@ -58,6 +72,7 @@ FAMILY: Final = "filesystem"
 _B64_SLICE: Final = 3 * 1024 * 1024
 _RELATIVE_PATH_MESSAGE: Final = "AbsolutePathBuf deserialized without a base path"
 _NUL_MESSAGE: Final = "file name contained an unexpected NUL byte"
+ROOT_MESSAGE: Final = "fs/remove refuses to remove the root directory `/`"
 
 # --- errors -------------------------------------------------------------------
 
@@ -83,6 +98,7 @@ _KINDS: Final[dict[int, str]] = {
     errno.EINVAL: "invalidInput",
     errno.ENXIO: "noSuchDeviceOrAddress",
     errno.EIO: "io",
+    errno.EAGAIN: "wouldBlock",
 }
 
 
@@ -114,11 +130,11 @@ def _raise_errno(code: int) -> NoReturn:
 
 
 def absolute_path(value: str, field: str = "path") -> str:
-    """Validate an absolute path and normalise it lexically, as the reference does.
+    """Validate an absolute path; drop ``.`` and empty components (no disk access).
 
-    ``/a/./b/../c`` becomes ``/a/c`` without looking at the file system (so
-    ``..`` after a symlink goes back to the link's directory, as in the
-    reference). Relative paths are ``-32602``.
+    ``..`` components stay: :func:`resolve_path` resolves them on the pool
+    as the kernel would. A leading ``..`` is dropped (``/..`` is ``/``).
+    Relative paths are ``-32602``.
     """
     if not value.startswith("/"):
         raise RpcError.invalid_params(
@@ -130,12 +146,36 @@ def absolute_path(value: str, field: str = "path") -> str:
     for part in value.split("/"):
         if part in ("", "."):
             continue
-        if part == "..":
-            if parts:
-                parts.pop()
-        else:
-            parts.append(part)
+        if part == ".." and not parts:
+            continue
+        parts.append(part)
     return "/" + "/".join(parts)
+
+
+def resolve_path(path: str) -> str:
+    """Resolve the ``..`` components of an :func:`absolute_path` as the kernel does.
+
+    Blocking (it looks at the disk): runs on the pool. Everything up to the
+    last ``..`` is resolved physically, so ``..`` after a symlink is the
+    parent of the link's target, exactly what ``open(2)`` would reach; a
+    missing or non-directory component before a ``..`` is the kernel's
+    error (``notFound``, ``notADirectory``). What follows the last ``..``
+    is kept as given, so a symlink there is still seen as a symlink
+    (``fs/remove`` unlinks it, ``getMetadata`` reports ``isSymlink``).
+    Paths without ``..`` are returned unchanged, without a system call.
+    """
+    parts = path.split("/")
+    try:
+        last = len(parts) - 1 - parts[::-1].index("..")
+    except ValueError:
+        return path
+    head = "/".join(parts[: last + 1])
+    os.stat(head)  # the kernel's own errors for an unreachable prefix
+    resolved = os.path.realpath(head)
+    rest = "/".join(parts[last + 1 :])
+    if not rest:
+        return resolved
+    return resolved.rstrip("/") + "/" + rest
 
 
 def _lossy(name: str) -> str:
@@ -347,19 +387,48 @@ def _oserrors(func: Callable[_P, _T]) -> Callable[_P, _T]:
     return wrapper
 
 
+def _not_regular(method: str) -> RpcError:
+    return _invalid(f"{method} only supports regular files", "notRegularFile")
+
+
+def _too_large(limit: int) -> RpcError:
+    return _invalid(f"file is too large to read: limit is {limit} bytes", "fileTooLarge")
+
+
+@_oserrors
+def stat_for_read(path: str, limit: int) -> tuple[str, int]:
+    """The first step of ``fs/readFile``: resolve, check, and size the file.
+
+    ``stat`` never opens anything, so it cannot block on a FIFO or device.
+    Returns the resolved path and the size to charge to the reply budget.
+    """
+    path = resolve_path(path)
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        _raise_errno(errno.EISDIR)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular("fs/readFile")
+    if st.st_size > limit:
+        raise _too_large(limit)
+    return path, st.st_size
+
+
 @_oserrors
 def read_file(path: str, limit: int) -> msgspec.Raw:
-    # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOCTTY: a
-    # terminal never becomes the server's controlling terminal.
+    path = resolve_path(path)
+    # O_NONBLOCK: opening a FIFO must not wait for a writer, and a file that
+    # blocks on read (/proc/kmsg) fails with EAGAIN instead of hanging a
+    # pool thread; the descriptor stays non-blocking. O_NOCTTY: a terminal
+    # never becomes the server's controlling terminal.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             _raise_errno(errno.EISDIR)
         if not stat.S_ISREG(st.st_mode):
-            raise _invalid("fs/readFile only supports regular files", "notRegularFile")
+            raise _not_regular("fs/readFile")
         if st.st_size > limit:
-            raise _invalid(f"file is too large to read: limit is {limit} bytes", "fileTooLarge")
+            raise _too_large(limit)
         # One read into one exactly sized buffer; files whose size lies
         # (/proc) or that grow or shrink while read are read to their end,
         # up to the limit.
@@ -374,13 +443,18 @@ def read_file(path: str, limit: int) -> msgspec.Raw:
                 total += len(more)
                 pieces.append(more)
             if total > limit:
-                raise _invalid(f"file is too large to read: limit is {limit} bytes", "fileTooLarge")
+                raise _too_large(limit)
             if len(pieces) > 1:
                 data = b"".join(pieces)
             del pieces
     finally:
         os.close(fd)
     return encode_read_response(data)
+
+
+def encoded_result_size(size: int) -> int:
+    """Bytes of the ``{"dataBase64": ...}`` result for a file of ``size`` bytes."""
+    return len(b'{"dataBase64":""}') + 4 * ((size + 2) // 3)
 
 
 def _write_all(fd: int, data: bytearray) -> None:
@@ -390,13 +464,30 @@ def _write_all(fd: int, data: bytearray) -> None:
         view = view[written:]
 
 
-def _write_in_place(path: str, data: bytearray) -> None:
-    # What the reference does (create or truncate, then write); O_NONBLOCK
-    # keeps a FIFO without a reader from hanging a pool thread.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-    fd = os.open(path, flags, 0o666)
+def _open_regular_for_writing(path: str, mode: int, refusal: Callable[[], RpcError]) -> int:
+    """Open ``path`` for writing (creating it), only if it is a regular file.
+
+    ``O_NONBLOCK`` makes opening a FIFO or a device return at once, and the
+    ``fstat`` check runs before anything could block or truncate: only a
+    regular file is ever truncated and written (where ``O_NONBLOCK`` has no
+    effect).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    fd = os.open(path, flags, mode)
     try:
-        os.set_blocking(fd, True)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refusal()
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_in_place(path: str, data: bytearray) -> None:
+    # What the reference does (create or truncate, then write).
+    fd = _open_regular_for_writing(path, 0o666, lambda: _not_regular("fs/writeFile"))
+    try:
+        os.ftruncate(fd, 0)
         _write_all(fd, data)
     finally:
         os.close(fd)
@@ -404,6 +495,7 @@ def _write_in_place(path: str, data: bytearray) -> None:
 
 @_oserrors
 def write_file(path: str, raw: msgspec.Raw) -> None:
+    path = resolve_path(path)
     data = decode_base64_field(raw)
     del raw
     try:
@@ -412,9 +504,13 @@ def write_file(path: str, raw: msgspec.Raw) -> None:
         st = None  # a new file (or a dangling symlink to one)
     if st is not None and stat.S_ISDIR(st.st_mode):
         _raise_errno(errno.EISDIR)
-    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
-        # Devices, FIFOs: never replace the node. Hard links: renaming would
-        # detach this name from the others; write through, as the reference.
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # FIFOs, devices, sockets: writing could block a pool thread for
+        # ever (a FIFO whose reader never reads); refused like readFile.
+        raise _not_regular("fs/writeFile")
+    if st is not None and st.st_nlink > 1:
+        # Hard links: renaming would detach this name from the others;
+        # write through, as the reference.
         _write_in_place(path, data)
         return
     # A symlink at the path is followed: its final target is replaced.
@@ -459,6 +555,7 @@ def write_file(path: str, raw: msgspec.Raw) -> None:
 
 @_oserrors
 def create_directory(path: str, recursive: bool) -> None:
+    path = resolve_path(path)
     if recursive:
         os.makedirs(path, exist_ok=True)
     else:
@@ -467,6 +564,7 @@ def create_directory(path: str, recursive: bool) -> None:
 
 @_oserrors
 def get_metadata(path: str) -> p.FsGetMetadataResponse:
+    path = resolve_path(path)
     st = os.stat(path)
     is_symlink = stat.S_ISLNK(os.lstat(path).st_mode)
     return p.FsGetMetadataResponse(
@@ -481,6 +579,7 @@ def get_metadata(path: str) -> p.FsGetMetadataResponse:
 
 @_oserrors
 def read_directory(path: str) -> p.FsReadDirectoryResponse:
+    path = resolve_path(path)
     entries: list[p.FsReadDirectoryEntry] = []
     with os.scandir(path) as it:
         for entry in it:
@@ -507,14 +606,41 @@ def read_directory(path: str) -> p.FsReadDirectoryResponse:
     return p.FsReadDirectoryResponse(entries)
 
 
-@_oserrors
-def remove(path: str, recursive: bool, force: bool) -> None:
+def _refuse_root() -> NoReturn:
+    raise _invalid(ROOT_MESSAGE, "rootDirectory")
+
+
+def removal_target(path: str) -> tuple[str, os.stat_result | None]:
+    """What ``fs/remove`` of ``path`` (from :func:`absolute_path`) would remove.
+
+    The decision alone, with no removal: the resolved path and its
+    ``lstat`` (None if it does not exist). Refuses the root directory in
+    every spelling, like ``rm --preserve-root``: ``/`` after resolving
+    ``..`` as the kernel does, and any directory that is the root's inode
+    on the root's device (a bind mount of ``/``). A symlink is a symlink
+    (it is unlinked, never followed), whatever it points at.
+    """
+    path = resolve_path(path)
+    if path == "/":
+        _refuse_root()
     try:
         st = os.lstat(path)
     except FileNotFoundError:
+        return path, None
+    if stat.S_ISDIR(st.st_mode):
+        root = os.stat("/")
+        if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino):
+            _refuse_root()
+    return path, st
+
+
+@_oserrors
+def remove(path: str, recursive: bool, force: bool) -> None:
+    path, st = removal_target(path)
+    if st is None:
         if force:
             return
-        raise
+        _raise_errno(errno.ENOENT)
     if stat.S_ISDIR(st.st_mode):
         if recursive:
             shutil.rmtree(path, onerror=_rmtree_error(path))
@@ -537,6 +663,8 @@ def _rmtree_error(top: str) -> Callable[[Any, str, Any], None]:
 
 @_oserrors
 def copy(source: str, destination: str, recursive: bool) -> None:
+    source = resolve_path(source)
+    destination = resolve_path(destination)
     st = os.lstat(source)
     if stat.S_ISDIR(st.st_mode):
         if not recursive:
@@ -555,10 +683,7 @@ def copy(source: str, destination: str, recursive: bool) -> None:
     elif stat.S_ISREG(st.st_mode):
         _copy_file(source, destination)
     else:
-        raise _invalid(
-            "fs/copy only supports regular files, directories, and symlinks",
-            "unsupportedFileType",
-        )
+        raise _unsupported_copy()
 
 
 def _is_same_or_descendant(source: str, destination: str) -> bool:
@@ -592,32 +717,32 @@ def _copy_tree(source: str, target: str, mode: int) -> None:
         os.chmod(target, stat.S_IMODE(mode))
 
 
+_UNSUPPORTED_COPY: Final = "fs/copy only supports regular files, directories, and symlinks"
+
+
+def _unsupported_copy() -> RpcError:
+    return _invalid(_UNSUPPORTED_COPY, "unsupportedFileType")
+
+
 def _copy_file(source: str, target: str) -> None:
-    """Rust's ``std::fs::copy``: contents and permission bits; follows a symlink at target."""
+    """Rust's ``std::fs::copy``: contents and permission bits; follows a symlink at target.
+
+    Source and destination are opened ``O_NONBLOCK`` and must be regular
+    files (checked with ``fstat`` before anything is read, truncated or
+    written): a FIFO or a device at either end is refused, never waited on.
+    """
     src = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode):
-            raise _invalid(
-                "fs/copy only supports regular files, directories, and symlinks",
-                "unsupportedFileType",
-            )
+            raise _unsupported_copy()
+        dst = _open_regular_for_writing(target, stat.S_IMODE(st.st_mode), _unsupported_copy)
         try:
-            existing = os.stat(target)
-        except FileNotFoundError:
-            existing = None
-        if existing is not None and (existing.st_dev, existing.st_ino) == (st.st_dev, st.st_ino):
-            # The reference would truncate the file to nothing.
-            raise _invalid("fs/copy cannot copy a file to itself", "sameFile")
-        if existing is not None and stat.S_ISFIFO(existing.st_mode):
-            raise _invalid(
-                "fs/copy only supports regular files, directories, and symlinks",
-                "unsupportedFileType",
-            )
-        dst = os.open(
-            target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, stat.S_IMODE(st.st_mode)
-        )
-        try:
+            existing = os.fstat(dst)
+            if (existing.st_dev, existing.st_ino) == (st.st_dev, st.st_ino):
+                # The reference would truncate the file to nothing.
+                raise _invalid("fs/copy cannot copy a file to itself", "sameFile")
+            os.ftruncate(dst, 0)
             _copy_contents(src, dst)
             os.fchmod(dst, stat.S_IMODE(st.st_mode))
         finally:
@@ -657,16 +782,363 @@ class _WriteFileWire(msgspec.Struct, rename="camel"):
 
 Runner = Callable[..., "Deferred[Any]"]
 
+#: ``data.kind`` of requests refused because the server is out of a shared
+#: resource for now (a pool thread, reply budget): retrying later may work.
+BUSY_KIND: Final = "busy"
+
+
+def _closed() -> RpcError:
+    # Never sent (the connection is gone); an RpcError keeps it out of the log.
+    return _invalid("the connection closed before the request ran", "cancelled")
+
+
+# --- the pool -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Job:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    owner: object
+    deferred: Deferred[Any]
+    started_at: float | None = None
+    timer: IDelayedCall | None = None
+
+
+class PoolRunner:
+    """Runs blocking calls on a dedicated, bounded pool tied to the reactor's life.
+
+    The queue is kept here, not in Twisted's ThreadPool: a job is handed to
+    a thread only when one is free, so a queued job can be dropped when its
+    connection closes, fails with a ``busy`` error after ``wait_timeout``
+    seconds without a free thread, and is counted for /metrics. The pool
+    starts on first use and stops when the reactor shuts down.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        threads: int = FS_THREADS,
+        wait_timeout: float = 30.0,
+        stall_after: float = 10.0,
+        clock: Any = None,
+    ) -> None:
+        self._reactor = reactor
+        self._clock = clock if clock is not None else reactor
+        self.threads = threads
+        self.wait_timeout = wait_timeout
+        self.stall_after = stall_after
+        self.pool = ThreadPool(minthreads=0, maxthreads=threads, name="exec-server-fs")
+        self._queue: deque[_Job] = deque()
+        self._running: set[_Job] = set()
+        self._stopped = False
+
+    @property
+    def running(self) -> int:
+        """Operations on a pool thread now."""
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        """Operations waiting for a free pool thread."""
+        return len(self._queue)
+
+    def __call__(self, func: Callable[..., Any], *args: Any, owner: object = None) -> Deferred[Any]:
+        job = _Job(func, args, owner, Deferred(lambda _: self._cancel(job)))
+        if len(self._running) < self.threads:
+            self._start(job)
+        else:
+            job.timer = self._clock.callLater(self.wait_timeout, self._expire, job)
+            self._queue.append(job)
+        return job.deferred
+
+    def _start(self, job: _Job) -> None:
+        if self._stopped:
+            # A stopped ThreadPool cannot start again (the reactor is stopping).
+            job.deferred.errback(_invalid("the server is shutting down", "shuttingDown"))
+            return
+        if not self.pool.started:
+            self.pool.start()
+            self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
+        job.started_at = self._clock.seconds()
+        self._running.add(job)
+
+        def on_result(success: bool, result: Any) -> None:
+            self._reactor.callFromThread(self._finished, job, success, result)
+
+        self.pool.callInThreadWithCallback(on_result, job.func, *job.args)
+
+    def _finished(self, job: _Job, success: bool, result: Any) -> None:
+        self._running.discard(job)
+        while self._queue and len(self._running) < self.threads:
+            waiting = self._queue.popleft()
+            self._stop_timer(waiting)
+            self._start(waiting)
+        if job.deferred.called:
+            return  # cancelled while running: the result is dropped here
+        if success:
+            job.deferred.callback(result)
+        else:
+            job.deferred.errback(result if isinstance(result, Failure) else Failure(result))
+
+    @staticmethod
+    def _stop_timer(job: _Job) -> None:
+        if job.timer is not None and job.timer.active():
+            job.timer.cancel()
+        job.timer = None
+
+    def _cancel(self, job: _Job) -> None:
+        if job in self._queue:
+            self._queue.remove(job)
+            self._stop_timer(job)
+        job.deferred.errback(_closed())
+
+    def _expire(self, job: _Job) -> None:
+        job.timer = None
+        if job not in self._queue:
+            return
+        self._queue.remove(job)
+        waited = round(self.wait_timeout * 1000)
+        job.deferred.errback(
+            _invalid(
+                f"filesystem busy: no worker thread became free within {waited} ms "
+                f"(all {self.threads} are busy; --fs-wait-timeout-ms); retry later",
+                BUSY_KIND,
+            )
+        )
+
+    def cancel_owner(self, owner: object) -> None:
+        """Drop the queued (not yet running) jobs of ``owner``."""
+        for job in [job for job in self._queue if job.owner is owner]:
+            job.deferred.cancel()
+
+    def stall_reason(self) -> str | None:
+        """Why the pool is wedged, or None.
+
+        Wedged: every thread has been busy on one operation for longer than
+        ``stall_after`` seconds, so new requests would wait for them.
+        """
+        if len(self._running) < self.threads:
+            return None
+        now = self._clock.seconds()
+        youngest = max(now if job.started_at is None else job.started_at for job in self._running)
+        if now - youngest <= self.stall_after:
+            return None
+        return (
+            f"filesystem pool wedged: all {self.threads} worker threads have been busy "
+            f"on one operation each for over {self.stall_after:g} s; "
+            f"{len(self._queue)} request(s) waiting"
+        )
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self.pool.started:
+            self.pool.stop()
+
+
+def thread_pool_runner(reactor: Any, threads: int = FS_THREADS, **options: Any) -> PoolRunner:
+    return PoolRunner(reactor, threads, **options)
+
+
+def inline_runner(func: Callable[..., Any], *args: Any, owner: object = None) -> Deferred[Any]:
+    """Run at once (for dispatchers built on a fake clock in unit tests)."""
+    return maybeDeferred(func, *args)
+
+
+# --- reply budget ---------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Charge:
+    """Bytes of one reply, held against a :class:`ReplyBudget` until released."""
+
+    budget: ReplyBudget
+    owner: object
+    size: int
+    released: bool = False
+
+    def resize(self, size: int) -> None:
+        """Charge what the reply actually took (a file may grow while read)."""
+        if not self.released:
+            self.budget._adjust(self, size)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget._adjust(self, 0)
+
+
+@attrs.define(eq=False)
+class _BudgetWait:
+    owner: object
+    size: int
+    deferred: Deferred[Charge]
+    timer: IDelayedCall | None = None
+
+
+class ReplyBudget:
+    """Bytes of replies being built or queued unsent, per connection and per server.
+
+    :meth:`reserve` grants a :class:`Charge` once the reply fits both
+    limits; requests wait in order (a request held back by the server-wide
+    limit holds back all later ones; one held back by its own connection's
+    limit holds back only that connection's later ones), at most
+    ``wait_timeout`` seconds. A reply that could never fit fails at once.
+    """
+
+    def __init__(self, clock: Any, limit: int, connection_limit: int, wait_timeout: float) -> None:
+        self._clock = clock
+        self.limit = limit
+        self.connection_limit = connection_limit
+        self.wait_timeout = wait_timeout
+        self.used = 0
+        self._owned: dict[object, int] = {}
+        self._waits: deque[_BudgetWait] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waits)
+
+    def owned(self, owner: object) -> int:
+        return self._owned.get(owner, 0)
+
+    def reserve(self, owner: object, size: int) -> Deferred[Charge]:
+        if size > min(self.limit, self.connection_limit):
+            flag, cap = (
+                ("--connection-reply-budget-bytes", self.connection_limit)
+                if self.connection_limit <= self.limit
+                else ("--reply-budget-bytes", self.limit)
+            )
+            raise _invalid(
+                f"fs/readFile reply of {size} bytes exceeds the reply budget "
+                f"of {cap} bytes ({flag})",
+                "replyTooLarge",
+            )
+        wait = _BudgetWait(owner, size, Deferred(lambda _: self._cancel(wait)))
+        self._waits.append(wait)
+        self._serve()
+        if not wait.deferred.called:
+            wait.timer = self._clock.callLater(self.wait_timeout, self._expire, wait)
+        return wait.deferred
+
+    def _serve(self) -> None:
+        granted: list[tuple[_BudgetWait, Charge]] = []
+        held: set[int] = set()
+        for wait in list(self._waits):
+            if id(wait.owner) in held:
+                continue
+            if self.owned(wait.owner) + wait.size > self.connection_limit:
+                held.add(id(wait.owner))
+                continue
+            if self.used + wait.size > self.limit:
+                break
+            self._waits.remove(wait)
+            self._stop_timer(wait)
+            self.used += wait.size
+            self._owned[wait.owner] = self.owned(wait.owner) + wait.size
+            granted.append((wait, Charge(self, wait.owner, wait.size)))
+        # Fired after the scan: callbacks may release or reserve again.
+        for wait, charge in granted:
+            wait.deferred.callback(charge)
+
+    def _adjust(self, charge: Charge, size: int) -> None:
+        delta = size - charge.size
+        charge.size = size
+        self.used += delta
+        owned = self.owned(charge.owner) + delta
+        if owned:
+            self._owned[charge.owner] = owned
+        else:
+            self._owned.pop(charge.owner, None)
+        if delta < 0:
+            self._serve()
+
+    @staticmethod
+    def _stop_timer(wait: _BudgetWait) -> None:
+        if wait.timer is not None and wait.timer.active():
+            wait.timer.cancel()
+        wait.timer = None
+
+    def _cancel(self, wait: _BudgetWait) -> None:
+        if wait in self._waits:
+            self._waits.remove(wait)
+        self._stop_timer(wait)
+        wait.deferred.errback(_closed())
+        self._serve()
+
+    def _expire(self, wait: _BudgetWait) -> None:
+        wait.timer = None
+        if wait not in self._waits:
+            return
+        self._waits.remove(wait)
+        waited = round(self.wait_timeout * 1000)
+        wait.deferred.errback(
+            _invalid(
+                f"fs/readFile could not get {wait.size} bytes of reply budget within "
+                f"{waited} ms (--fs-wait-timeout-ms): replies being built or not yet sent "
+                f"hold {self.used} of {self.limit} bytes on this server and "
+                f"{self.owned(wait.owner)} of {self.connection_limit} on this connection; "
+                "retry later",
+                BUSY_KIND,
+            )
+        )
+        self._serve()
+
+    def cancel_owner(self, owner: object) -> None:
+        """Drop the waiting reservations of ``owner`` (its connection closed)."""
+        for wait in [wait for wait in self._waits if wait.owner is owner]:
+            wait.deferred.cancel()
+
+
+@attrs.frozen
+class Charged:
+    """A result charged to the reply budget until the transport has sent it.
+
+    The dispatcher releases :attr:`charge` once the transport's unsent bytes
+    show the reply has left, or at once if the connection is closed.
+    """
+
+    result: msgspec.Raw
+    charge: Charge
+
+
+# --- the handlers ---------------------------------------------------------------
+
 
 @attrs.define
 class FileSystem:
-    """The fs/* handlers; ``run(f, *args)`` runs blocking work off the reactor thread."""
+    """The fs/* handlers; ``run(f, *args, owner=conn)`` runs blocking work off the reactor."""
 
     max_read_file_bytes: int
     run: Runner
+    budget: ReplyBudget
+    pool: PoolRunner | None = None
 
     def read_file(self, conn: Connection, params: p.FsReadFileParams) -> Deferred[Any]:
-        return self.run(read_file, absolute_path(params.path), self.max_read_file_bytes)
+        path = absolute_path(params.path)
+        limit = self.max_read_file_bytes
+
+        def sized(found: tuple[str, int]) -> Deferred[Charged]:
+            resolved, size = found
+            reserved = self.budget.reserve(conn, encoded_result_size(size))
+            return reserved.addCallback(build, resolved)
+
+        def build(charge: Charge, resolved: str) -> Deferred[Charged]:
+            def built(raw: msgspec.Raw) -> Charged:
+                charge.resize(len(raw))
+                return Charged(raw, charge)
+
+            def failed(failure: Failure) -> Failure:
+                charge.release()
+                return failure
+
+            built_d: Deferred[Any] = self.run(read_file, resolved, limit, owner=conn)
+            return built_d.addCallbacks(built, failed)
+
+        # Sized first (stat only), so the reply's bytes are reserved before
+        # the file is read: a reply that must wait holds no memory.
+        first: Deferred[Any] = self.run(stat_for_read, path, limit, owner=conn)
+        return first.addCallback(sized)
 
     def write_file(self, conn: Connection, params: _WriteFileWire) -> Deferred[Any]:
         path = absolute_path(params.path)
@@ -677,74 +1149,81 @@ class FileSystem:
                 msgspec.json.decode(raw, type=str)
             except msgspec.ValidationError as exc:
                 raise RpcError.invalid_params(f"{exc} - at `$.dataBase64`") from None
-        return self.run(write_file, path, raw).addCallback(lambda _: p.Empty())
+        return self.run(write_file, path, raw, owner=conn).addCallback(lambda _: p.Empty())
 
     def create_directory(
         self, conn: Connection, params: p.FsCreateDirectoryParams
     ) -> Deferred[Any]:
         recursive = True if params.recursive is None else params.recursive
-        return self.run(create_directory, absolute_path(params.path), recursive).addCallback(
+        path = absolute_path(params.path)
+        return self.run(create_directory, path, recursive, owner=conn).addCallback(
             lambda _: p.Empty()
         )
 
     def get_metadata(self, conn: Connection, params: p.FsGetMetadataParams) -> Deferred[Any]:
-        return self.run(get_metadata, absolute_path(params.path))
+        return self.run(get_metadata, absolute_path(params.path), owner=conn)
 
     def read_directory(self, conn: Connection, params: p.FsReadDirectoryParams) -> Deferred[Any]:
-        return self.run(read_directory, absolute_path(params.path))
+        return self.run(read_directory, absolute_path(params.path), owner=conn)
 
     def remove(self, conn: Connection, params: p.FsRemoveParams) -> Deferred[Any]:
         recursive = True if params.recursive is None else params.recursive
         force = True if params.force is None else params.force
-        return self.run(remove, absolute_path(params.path), recursive, force).addCallback(
-            lambda _: p.Empty()
-        )
+        path = absolute_path(params.path)
+        return self.run(remove, path, recursive, force, owner=conn).addCallback(lambda _: p.Empty())
 
     def copy(self, conn: Connection, params: p.FsCopyParams) -> Deferred[Any]:
         source = absolute_path(params.source_path, "sourcePath")
         destination = absolute_path(params.destination_path, "destinationPath")
-        return self.run(copy, source, destination, params.recursive).addCallback(
+        return self.run(copy, source, destination, params.recursive, owner=conn).addCallback(
             lambda _: p.Empty()
         )
 
+    # --- state for the dispatcher, /readyz and /metrics ----------------------------
 
-class PoolRunner:
-    """Runs blocking calls on a dedicated, bounded pool tied to the reactor's life.
+    def connection_closed(self, conn: Connection) -> None:
+        """Drop ``conn``'s requests that have not started (nobody will read them)."""
+        if self.pool is not None:
+            self.pool.cancel_owner(conn)
+        self.budget.cancel_owner(conn)
 
-    The pool starts on first use and stops when the reactor shuts down.
-    """
+    def stall_reason(self) -> str | None:
+        return self.pool.stall_reason() if self.pool is not None else None
 
-    def __init__(self, reactor: Any, threads: int = FS_THREADS) -> None:
-        self._reactor = reactor
-        self.pool = ThreadPool(minthreads=0, maxthreads=threads, name="exec-server-fs")
+    @property
+    def running(self) -> int:
+        return self.pool.running if self.pool is not None else 0
 
-    def __call__(self, func: Callable[..., Any], *args: Any) -> Deferred[Any]:
-        if not self.pool.started:
-            self.pool.start()
-            self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
-        return deferToThreadPool(self._reactor, self.pool, func, *args)
-
-    def stop(self) -> None:
-        if self.pool.started:
-            self.pool.stop()
-
-
-def thread_pool_runner(reactor: Any, threads: int = FS_THREADS) -> PoolRunner:
-    return PoolRunner(reactor, threads)
-
-
-def inline_runner(func: Callable[..., Any], *args: Any) -> Deferred[Any]:
-    """Run at once (for dispatchers built on a fake clock in unit tests)."""
-    return maybeDeferred(func, *args)
+    @property
+    def queued(self) -> int:
+        return self.pool.queued if self.pool is not None else 0
 
 
 def register(dispatcher: Dispatcher, run: Runner | None = None) -> FileSystem:
     """Add the seven fs/* routes to ``dispatcher``."""
     clock: Any = dispatcher.clock
+    config = dispatcher.config
+    pool: PoolRunner | None = None
     if run is None:
         real = hasattr(clock, "callFromThread") and hasattr(clock, "addSystemEventTrigger")
-        run = thread_pool_runner(clock) if real else inline_runner
-    fs = FileSystem(dispatcher.config.max_read_file_bytes, run)
+        if real:
+            pool = thread_pool_runner(
+                clock,
+                wait_timeout=config.fs_wait_timeout_ms / 1000.0,
+                stall_after=config.fs_stall_ms / 1000.0,
+            )
+            run = pool
+        else:
+            run = inline_runner
+    elif isinstance(run, PoolRunner):
+        pool = run
+    budget = ReplyBudget(
+        clock,
+        config.reply_budget_bytes,
+        config.connection_reply_budget_bytes,
+        config.fs_wait_timeout_ms / 1000.0,
+    )
+    fs = FileSystem(config.max_read_file_bytes, run, budget, pool)
     dispatcher.add_route(p.FS_READ_FILE, p.FsReadFileParams, fs.read_file, FAMILY)
     dispatcher.add_route(p.FS_WRITE_FILE, _WriteFileWire, fs.write_file, FAMILY)
     dispatcher.add_route(

@@ -104,6 +104,31 @@ def render(dispatcher: Dispatcher) -> bytes:
         "Output bytes retained for process/read across all sessions.",
         [({}, retained)],
     )
+    fs = dispatcher.fs
+    lines += _family(
+        "exec_server_fs_operations_running",
+        "gauge",
+        "Filesystem operations running on the fs pool's threads.",
+        [({}, fs.running)],
+    )
+    lines += _family(
+        "exec_server_fs_operations_queued",
+        "gauge",
+        "Filesystem operations waiting for a free fs pool thread.",
+        [({}, fs.queued)],
+    )
+    lines += _family(
+        "exec_server_reply_bytes_queued",
+        "gauge",
+        "Bytes of fs/readFile replies being built or not yet sent (the reply budget in use).",
+        [({}, fs.budget.used)],
+    )
+    lines += _family(
+        "exec_server_reply_budget_waiting",
+        "gauge",
+        "fs/readFile requests waiting for reply budget.",
+        [({}, fs.budget.waiting)],
+    )
     streams = dict.fromkeys(("stdout", "stderr", "pty"), 0)
     streams.update(stats.output_bytes)
     lines += _family(

@@ -154,6 +154,35 @@ class Options(usage.Options):
             _positive("max-read-file-bytes"),
         ],
         [
+            "reply-budget-bytes",
+            None,
+            _DEFAULTS.reply_budget_bytes,
+            "fs/readFile reply bytes being built or not yet sent, over all connections; "
+            "further reads wait (up to --fs-wait-timeout-ms).",
+            _positive("reply-budget-bytes"),
+        ],
+        [
+            "connection-reply-budget-bytes",
+            None,
+            _DEFAULTS.connection_reply_budget_bytes,
+            "The same budget per connection; a reply larger than either budget is refused.",
+            _positive("connection-reply-budget-bytes"),
+        ],
+        [
+            "fs-wait-timeout-ms",
+            None,
+            _DEFAULTS.fs_wait_timeout_ms,
+            "Longest an fs request waits for a free fs thread or reply budget before failing.",
+            _positive("fs-wait-timeout-ms"),
+        ],
+        [
+            "fs-stall-ms",
+            None,
+            _DEFAULTS.fs_stall_ms,
+            "/readyz answers 503 once every fs thread has been this long on one operation.",
+            _positive("fs-stall-ms"),
+        ],
+        [
             "max-partial-message-bytes",
             None,
             256 * 1024 * 1024,
@@ -247,6 +276,10 @@ class Options(usage.Options):
             max_processes=self["max-processes"],
             max_message_bytes=self["max-message-bytes"],
             max_read_file_bytes=self["max-read-file-bytes"],
+            reply_budget_bytes=self["reply-budget-bytes"],
+            connection_reply_budget_bytes=self["connection-reply-budget-bytes"],
+            fs_wait_timeout_ms=self["fs-wait-timeout-ms"],
+            fs_stall_ms=self["fs-stall-ms"],
             process_containment=self["process-containment"],
         )
 

@@ -29,3 +29,19 @@ def set_high_water(transport: Any, limit: int) -> None:
     target = getattr(transport, "_writer", None) or transport
     if hasattr(target, "bufferSize"):
         target.bufferSize = limit
+
+
+def discard_unsent(writer: Any) -> None:
+    """Drop what a closed FileDescriptor still holds: it will never be sent.
+
+    Twisted keeps a lost connection's buffer until the transport object is
+    collected; a client that stopped reading can leave hundreds of MiB there.
+    Does nothing while the descriptor is still connected.
+    """
+    if writer is None or getattr(writer, "connected", False):
+        return
+    if hasattr(writer, "dataBuffer"):
+        writer.dataBuffer = b""
+        writer.offset = 0
+        writer._tempDataBuffer = []
+        writer._tempDataLen = 0

@@ -92,6 +92,7 @@ _STATUS_TEXT: Final = {
     405: "Method Not Allowed",
     426: "Upgrade Required",
     431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
 }
 
 
@@ -240,7 +241,11 @@ class ExecServerProtocol(WebSocketServerProtocol):
                 )
                 return
             if path == "/readyz":
-                self._http_reply(200, "", head_only=method == "HEAD")
+                reason = self.factory.dispatcher.not_ready_reason()
+                if reason is None:
+                    self._http_reply(200, "", head_only=method == "HEAD")
+                else:
+                    self._http_reply(503, reason + "\n", head_only=method == "HEAD")
             else:
                 self._http_reply(
                     200,
