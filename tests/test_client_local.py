@@ -235,8 +235,12 @@ async def test_spawn_of_missing_program_is_a_clear_error() -> None:
 
 
 @pytest_twisted.ensureDeferred
-async def test_spawned_server_that_never_answers_times_out_and_is_killed() -> None:
-    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+async def test_spawned_server_that_never_answers_times_out_and_is_killed(
+    tmp_path: Any,
+) -> None:
+    pid_file = tmp_path / "pid"
+    # sh records its pid at once (well within the 0.3 s), then becomes the sleep.
+    command = ["/bin/sh", "-c", 'echo $$ > "$1"; exec sleep 60', "sh", str(pid_file)]
     started = reactor.seconds()
     with pytest.raises(InitializeTimeout):
         await wait(
@@ -249,7 +253,8 @@ async def test_spawned_server_that_never_answers_times_out_and_is_killed() -> No
             "initialize timeout",
         )
     assert reactor.seconds() - started < 5
-    # (the child was killed and reaped: spawn_local waits for that before failing)
+    # spawn_local waits for the kill and the reap before failing.
+    assert not pid_alive(int(pid_file.read_text()))
 
 
 @pytest_twisted.ensureDeferred

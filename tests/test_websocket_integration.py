@@ -493,6 +493,23 @@ async def test_browser_origin_is_refused_unless_allowed() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_every_browser_origin_is_refused_by_default() -> None:
+    # No --allow-origin: even a loopback page or a sandboxed one ("null").
+    server = await WsServerProcess.start()
+    try:
+        host, port = server.host_port
+        for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "null"):
+            status, _, body = await http_get(host, port, _upgrade_request(origin))
+            assert status == 403, origin
+            assert b"--allow-origin" in body
+        plain = await connect(server.url)
+        assert (await plain.handshake())["protocolVersion"] == "exec-server.v0"
+        await plain.close()
+    finally:
+        assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
 async def test_plain_http_endpoints() -> None:
     server = await WsServerProcess.start()
     try:
