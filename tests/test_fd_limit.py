@@ -161,3 +161,23 @@ def test_a_server_with_256_descriptors_refuses_starts_with_the_limit_error() -> 
     server.stop()
     log = server.stderr_text()
     assert f"open-file limit {HARD_LIMIT} descriptors: at most {limit} processes" in log
+
+
+def test_metrics_report_descriptors_and_the_process_limit() -> None:
+    from execserver import metrics
+
+    h = Harness()
+    h.handshake()
+    h.start("a")
+    samples = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.render(h.dispatcher).decode().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples["exec_server_processes_open"] == 1
+    assert samples["exec_server_max_fds"] == fdlimit.soft_limit()
+    assert samples["exec_server_process_limit"] == fdlimit.process_limit()
+    assert 3 <= samples["exec_server_open_fds"] <= fdlimit.soft_limit()
+    assert samples["exec_server_websocket_partial_message_bytes"] == 0
+    h.process("a").exit(0)
+    assert b"exec_server_processes_open 0\n" in metrics.render(h.dispatcher)
