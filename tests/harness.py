@@ -15,8 +15,10 @@ import base64
 import contextlib
 import json
 import os
+import socket
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,12 @@ DEFAULT_TIMEOUT = 10.0
 #: The environment's scripts directory: ``exec-server``, ``exec-server-client``
 #: and ``twistd`` as installed by ``pip install '.[test]'``.
 BIN = Path(sys.executable).parent
+
+
+#: A working directory outside the checkout for clients the tests run: an
+#: ``exec-server-client --stdio`` starts ``python -m execserver``, which
+#: would import a checkout in its working directory.
+NEUTRAL_CWD = Path(tempfile.gettempdir())
 
 
 def console_script(name: str) -> str:
@@ -351,6 +359,19 @@ class ServerProcess(RpcTestClient, ServerChecks, ProcessProtocol):
 
     def send(self, message: dict[str, Any], binary: bool = False) -> None:
         self.send_raw(json.dumps(message).encode() + b"\n")
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A 127.0.0.1 port that refuses connections for as long as the block runs.
+
+    The socket stays bound but never listens: connecting gets ECONNREFUSED,
+    and no other process (a parallel test's server) can take the port
+    meanwhile, as it could once a probe socket were closed.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 def _status_field(pid: int, field: str) -> int:

@@ -8,7 +8,6 @@ import hashlib
 import os
 import re
 import signal
-import socket
 import struct
 import sys
 import termios
@@ -21,7 +20,14 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from tests.harness import REPO_ROOT, pid_alive, reactor, server_env
+from tests.harness import (
+    NEUTRAL_CWD,
+    console_script,
+    pid_alive,
+    reactor,
+    refused_port,
+    server_env,
+)
 from tests.test_client_support import LocalWsServer, wait
 from tests.ws_harness import WsServerProcess
 
@@ -47,10 +53,10 @@ class Cli(ProcessProtocol):
         stdin: bytes | None = None,
         raw: bool = False,
         show_terminal: bool = True,
-        cwd: Path = REPO_ROOT,
+        cwd: Path = NEUTRAL_CWD,
     ) -> Cli:
         proto = cls()
-        argv = list(args) if raw else [sys.executable, "-m", "execserver.client.cli", *args]
+        argv = list(args) if raw else [console_script("exec-server-client"), *args]
         if pty and show_terminal:
             # After the client exits, show the terminal settings it left.
             argv = ["/bin/sh", "-c", '"$@"; rc=$?; stty -a; exit $rc', "sh", *argv]
@@ -122,7 +128,7 @@ def _copy(d: Deferred[Any]) -> Deferred[Any]:
     return out
 
 
-async def run(*args: str, cwd: Path = REPO_ROOT) -> Cli:
+async def run(*args: str, cwd: Path = NEUTRAL_CWD) -> Cli:
     cli = Cli.start(*args, cwd=cwd)
     await cli.finish()
     return cli
@@ -302,12 +308,10 @@ async def test_no_server_given_is_a_usage_error() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_unreachable_server_is_255_with_a_message() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cli = await run("run", "--url", f"ws://127.0.0.1:{port}", "--", "true")
-    assert cli.exit_code == 255
-    assert b"cannot connect" in cli.err and b"connection refused" in cli.err
+    with refused_port() as port:
+        cli = await run("run", "--url", f"ws://127.0.0.1:{port}", "--", "true")
+        assert cli.exit_code == 255
+        assert b"cannot connect" in cli.err and b"connection refused" in cli.err
 
 
 @pytest_twisted.ensureDeferred
@@ -455,21 +459,19 @@ async def test_fs_errors_name_the_path(tmp_path: Path) -> None:
 @pytest_twisted.ensureDeferred
 async def test_fs_with_url_refuses_relative_paths_before_connecting() -> None:
     # Nothing listens on this port: the path is refused before any connection.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"ws://127.0.0.1:{port}"
-    cli = await run("fs", "--url", url, "cat", "notes.txt")
-    assert cli.exit_code == 2
-    assert cli.err == (
-        b"exec-server-client: fs cat: `notes.txt` is a relative path: with --url give an "
-        b"absolute remote path (relative paths are resolved against this directory only "
-        b"with --stdio)\n"
-    )
-    cli = await run("fs", "--url", url, "cp", "/tmp/a", "b")
-    assert cli.exit_code == 2 and b"`b` is a relative path" in cli.err
-    cli = await run("fs", "--stdio", "cat", "")
-    assert cli.exit_code == 2 and cli.err == b"exec-server-client: fs cat: empty path\n"
+    with refused_port() as port:
+        url = f"ws://127.0.0.1:{port}"
+        cli = await run("fs", "--url", url, "cat", "notes.txt")
+        assert cli.exit_code == 2
+        assert cli.err == (
+            b"exec-server-client: fs cat: `notes.txt` is a relative path: with --url give an "
+            b"absolute remote path (relative paths are resolved against this directory only "
+            b"with --stdio)\n"
+        )
+        cli = await run("fs", "--url", url, "cp", "/tmp/a", "b")
+        assert cli.exit_code == 2 and b"`b` is a relative path" in cli.err
+        cli = await run("fs", "--stdio", "cat", "")
+        assert cli.exit_code == 2 and cli.err == b"exec-server-client: fs cat: empty path\n"
 
 
 @pytest_twisted.ensureDeferred
@@ -504,7 +506,7 @@ async def test_closed_output_reader_terminates_the_remote_process_and_exits_141(
     pid_file = tmp_path / "pid"
     cli = Cli.start(
         "/usr/bin/env", f"ERR={tmp_path / 'err'}", "/bin/bash", "-c", script, "bash",
-        sys.executable, "-m", "execserver.client.cli", "run", "--stdio", "--",
+        console_script("exec-server-client"), "run", "--stdio", "--",
         "sh", "-c", f"echo $$ > {pid_file}; exec yes",
         raw=True,
     )  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ from execserver.client import (
     NotConnected,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.harness import REPO_ROOT, reactor
+from tests.harness import REPO_ROOT, reactor, refused_port
 from tests.test_client_support import LocalWsServer, eventually, wait
 
 OPTIONS = ConnectOptions("test-client", initialize_timeout=5.0)
@@ -76,12 +75,10 @@ async def test_websocket_wrong_or_missing_token_is_auth_refused() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_websocket_unreachable_server_is_connect_failed() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with pytest.raises(ConnectFailed) as info:
-        await _connect(f"ws://127.0.0.1:{port}")
-    assert "connection refused" in str(info.value)
+    with refused_port() as port:
+        with pytest.raises(ConnectFailed) as info:
+            await _connect(f"ws://127.0.0.1:{port}")
+        assert "connection refused" in str(info.value)
 
 
 @pytest_twisted.ensureDeferred
@@ -210,30 +207,26 @@ async def test_reconnecting_client_survives_a_server_restart() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_reconnecting_client_calls_fail_after_the_wait_bound() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    client = _reconnecting(f"ws://127.0.0.1:{port}", call_timeout=0.3)
-    client.start()
-    try:
-        with pytest.raises(NotConnected) as info:
-            await wait(client.terminate("p"), "NotConnected")
-        assert "connection refused" in str(info.value)
-    finally:
-        await wait(client.stop(), "stop")
+    with refused_port() as port:
+        client = _reconnecting(f"ws://127.0.0.1:{port}", call_timeout=0.3)
+        client.start()
+        try:
+            with pytest.raises(NotConnected) as info:
+                await wait(client.terminate("p"), "NotConnected")
+            assert "connection refused" in str(info.value)
+        finally:
+            await wait(client.stop(), "stop")
 
 
 @pytest_twisted.ensureDeferred
 async def test_stopping_the_reconnecting_client_fails_waiting_calls() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    client = _reconnecting(f"ws://127.0.0.1:{port}", call_timeout=30.0)
-    client.start()
-    waiting = client.terminate("p")
-    await wait(client.stop(), "stop")
-    with pytest.raises(ConnectionClosed):
-        await wait(waiting, "waiting call to fail")
+    with refused_port() as port:
+        client = _reconnecting(f"ws://127.0.0.1:{port}", call_timeout=30.0)
+        client.start()
+        waiting = client.terminate("p")
+        await wait(client.stop(), "stop")
+        with pytest.raises(ConnectionClosed):
+            await wait(waiting, "waiting call to fail")
 
 
 @pytest_twisted.ensureDeferred
