@@ -13,7 +13,7 @@ baseline client sees exactly the baseline shapes.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -49,14 +49,30 @@ INVALID_REQUEST = -32600
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 
-#: Largest accepted count, sequence number or duration: the largest signed
-#: 64-bit integer (2^63 - 1). The reference declares ``afterSeq``,
-#: ``maxBytes`` and ``waitMs`` as ``u64``; msgspec range-checks integers
-#: only within int64, and no real value comes near either bound. Anything
-#: outside ``0..I64_MAX`` is ``-32602`` naming the field, e.g.
-#: ``Expected `int` <= 9223372036854775807 - at `$.afterSeq```.
+#: Largest accepted count or duration of our extensions (timeouts, grace):
+#: the largest signed 64-bit integer (2^63 - 1). msgspec range-checks
+#: integers within int64, so anything outside ``0..I64_MAX`` is ``-32602``
+#: naming the field, e.g. ``Expected `int` >= 0 - at `$.timeoutMs```.
 I64_MAX = (1 << 63) - 1
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=I64_MAX)]
+#: The reference declares ``process/read``'s ``afterSeq``, ``maxBytes`` and
+#: ``waitMs`` as ``u64`` and accepts all of ``0..U64_MAX``; so do we. msgspec
+#: cannot bound an integer beyond int64, so the upper bound is checked after
+#: decoding (:func:`_check_u64`), with the same message shape.
+U64_MAX = (1 << 64) - 1
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def _check_u64(params: msgspec.Struct, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        value = getattr(params, name)
+        if value is not None and value > U64_MAX:
+            wire = name.split("_")[0] + "".join(w.title() for w in name.split("_")[1:])
+            # msgspec turns a ValueError raised here into a ValidationError
+            # (-32602) with exactly this text.
+            raise ValueError(f"Expected `int` <= {U64_MAX} - at `$.{wire}`")
+
+
 #: A terminal dimension: TIOCSWINSZ stores rows and columns as unsigned shorts.
 WindowDimension = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 TimedOut = Literal["wall", "idle"]
@@ -128,9 +144,15 @@ class ExecResponse(_Wire):
 
 class ReadParams(_Wire):
     process_id: str
-    after_seq: NonNegative | None = None
-    max_bytes: NonNegative | None = None
-    wait_ms: NonNegative | None = None
+    after_seq: U64 | None = None
+    max_bytes: U64 | None = None
+    wait_ms: U64 | None = None
+
+    #: The ``u64`` fields whose upper bound is checked after decoding.
+    U64_FIELDS: ClassVar[tuple[str, ...]] = ("after_seq", "max_bytes", "wait_ms")
+
+    def __post_init__(self) -> None:
+        _check_u64(self, self.U64_FIELDS)
 
 
 class ProcessOutputChunk(msgspec.Struct, rename="camel"):

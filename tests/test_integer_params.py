@@ -54,10 +54,17 @@ def _int_fields(
     return []
 
 
+def _upper_checked_after_decoding(params_type: Any, path: tuple[str, ...]) -> int | None:
+    """The bound of a ``u64`` field, checked after decoding (msgspec stops at int64)."""
+    u64_fields = getattr(params_type, "U64_FIELDS", ())
+    names = {field.encode_name: field.name for field in msgspec.structs.fields(params_type)}
+    return p.U64_MAX if len(path) == 1 and names.get(path[0]) in u64_fields else None
+
+
 def _all_int_fields() -> list[tuple[str, tuple[str, ...], int | None, int | None]]:
     routes = Harness().dispatcher.routes
     return [
-        (method, path, low, high)
+        (method, path, low, _upper_checked_after_decoding(route.params_type, path) or high)
         for method, route in sorted(routes.items())
         for path, low, high in _int_fields(msgspec.inspect.type_info(route.params_type))
     ]
@@ -88,15 +95,16 @@ def _harness() -> Harness:
 def test_the_known_integer_fields_are_all_found_and_bounded() -> None:
     found = {(method, ".".join(path)): (low, high) for method, path, low, high in INT_FIELDS}
     i64 = (0, p.I64_MAX)
+    u64 = (0, p.U64_MAX)
     dims = (1, 65535)
     expected = {
         (p.PROCESS_START, "timeoutMs"): i64,
         (p.PROCESS_START, "idleTimeoutMs"): i64,
         (p.PROCESS_START, "size.rows"): dims,
         (p.PROCESS_START, "size.cols"): dims,
-        (p.PROCESS_READ, "afterSeq"): i64,
-        (p.PROCESS_READ, "maxBytes"): i64,
-        (p.PROCESS_READ, "waitMs"): i64,
+        (p.PROCESS_READ, "afterSeq"): u64,
+        (p.PROCESS_READ, "maxBytes"): u64,
+        (p.PROCESS_READ, "waitMs"): u64,
         (p.PROCESS_TERMINATE, "graceMs"): i64,
         (p.PROCESS_RESIZE, "rows"): dims,
         (p.PROCESS_RESIZE, "cols"): dims,
@@ -178,10 +186,20 @@ def test_read_after_the_largest_seq_returns_nothing_and_the_next_seq() -> None:
     assert result["nextSeq"] == 2
 
 
-def test_read_after_seq_two_to_the_63_is_invalid_params() -> None:
+def test_read_after_seq_two_to_the_63_reads_nothing_as_the_reference_does() -> None:
+    # The reference's afterSeq is a u64: 2^63 (which once answered -32603
+    # from islice) is a valid, if empty, read.
     h = _harness()
-    error = h.error(p.PROCESS_READ, {"processId": "proc-1", "afterSeq": 1 << 63})
+    h.process().output(b"hello")
+    result = h.result(p.PROCESS_READ, {"processId": "proc-1", "afterSeq": 1 << 63})
+    assert result["chunks"] == []
+    assert result["nextSeq"] == 2
+
+
+def test_read_after_seq_beyond_u64_is_invalid_params_naming_the_field() -> None:
+    h = _harness()
+    error = h.error(p.PROCESS_READ, {"processId": "proc-1", "afterSeq": 1 << 64})
     assert error == {
         "code": -32602,
-        "message": "Expected `int` <= 9223372036854775807 - at `$.afterSeq`",
+        "message": "Expected `int` <= 18446744073709551615 - at `$.afterSeq`",
     }
