@@ -267,11 +267,17 @@ async def test_terminate_keeps_process_ids_reserved_until_retention_expires() ->
 
 
 @pytest_twisted.ensureDeferred
-async def test_read_paginates_retained_output_without_skipping_omitted_chunks() -> None:
+async def test_read_paginates_retained_output_without_skipping_omitted_chunks(
+    tmp_path: Path,
+) -> None:
     async with serving() as server:
-        # Two chunks on two streams, written one after the other.
-        script = "printf abc; sleep 0.2; printf def >&2"
+        # Two chunks on two streams, in this order: the second is written only
+        # once the first has reached this client (no sleep to hope on).
+        go = tmp_path / "go"
+        script = f'printf abc; while [ ! -e "{go}" ]; do sleep 0.01; done; printf def >&2'
         await server.call("process/start", exec_params(argv=["sh", "-c", script]))
+        await server.wait_notification("process/output", "proc-1")
+        go.touch()
         await server.wait_notification("process/exited", "proc-1")
         first = await server.call(
             "process/read", {"processId": "proc-1", "afterSeq": 0, "maxBytes": 3, "waitMs": 0}
