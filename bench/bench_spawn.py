@@ -8,8 +8,12 @@
   ``reactor.spawnProcess`` of ``/usr/bin/true`` with no ``path`` (Twisted's
   posix_spawn fast path), relaunching on each ``processEnded``, with the same
   depths.
+- containment: the same server loop with ``--process-containment cgroup``
+  and ``subreaper``, each as a ratio to ``--process-containment none`` (the
+  process group only) measured in the same round. The cgroup row is skipped
+  on a host without a writable cgroup v2.
 
-    python bench/bench_spawn.py [--rounds 5] [--count 300]
+    python bench/bench_spawn.py [--rounds 5] [--count 300] [--no-containment]
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from bench._client import (
     child_env,
     print_header,
     render,
+    server_env,
+    server_root,
     start_request,
 )
 
@@ -44,10 +50,23 @@ DEPTHS = (1, 32)
 
 def server_spawn_rate(count: int, depth: int) -> float:
     """Starts per second (start sent -> exited received) through the server."""
-    with StdioClient() as client:
+    return server_spawn_measure(count, depth)[0]
+
+
+def server_spawn_measure(
+    count: int, depth: int, containment: str | None = None
+) -> tuple[float, float]:
+    """Starts per second, and server CPU microseconds per start.
+
+    The CPU figure (user + system of the server, which includes the kernel's
+    cgroup work) is far less disturbed by other load than the rate.
+    """
+    args = ["--process-containment", containment] if containment else []
+    with StdioClient(args) as client:
         client.initialize()
         sent = 0
         done = 0
+        cpu = client.cpu_seconds()
         start = time.perf_counter()
 
         def requests(n: int) -> bytes:
@@ -71,7 +90,8 @@ def server_spawn_rate(count: int, depth: int) -> float:
             if more > 0:
                 client.send_bytes(requests(more))
         seconds = time.perf_counter() - start
-    return count / seconds
+        cpu = client.cpu_seconds() - cpu
+    return count / seconds, cpu / count * 1e6
 
 
 def bare_twisted_rate(count: int, depth: int) -> float:
@@ -122,6 +142,55 @@ def _bare_main(count: int, depth: int) -> None:
     print(json.dumps(result))
 
 
+def cgroup_available() -> bool:
+    """Whether ``--process-containment cgroup`` can start here."""
+    out = subprocess.run(
+        [sys.executable, "-m", "execserver", "--process-containment", "cgroup"],
+        input=b"",
+        capture_output=True,
+        timeout=60,
+        env=server_env(),
+        cwd=server_root(),
+        check=False,
+    )
+    return out.returncode == 0
+
+
+def containment_ratios(rounds: int, count: int) -> list[Ratio]:
+    """Each containment mode against none, interleaved in the same rounds."""
+    modes = ["subreaper", *(["cgroup"] if cgroup_available() else [])]
+    rates: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for depth in DEPTHS:
+            for mode in ("none", *modes):
+                rate, cpu_us = server_spawn_measure(count, depth, mode)
+                rates.setdefault((mode, depth), []).append(rate)
+                cpu.setdefault((mode, depth), []).append(cpu_us)
+    ratios = []
+    for mode in modes:
+        for depth in DEPTHS:
+            label = "sequential" if depth == 1 else f"{depth} in flight"
+            ratios.append(
+                Ratio(
+                    f"start->exited of true, {label} (containment {mode} / none)",
+                    Series(f"server, {mode}, {label}", "starts/s", tuple(rates[(mode, depth)])),
+                    Series(f"server, none, {label}", "starts/s", tuple(rates[("none", depth)])),
+                    target=0.8,
+                )
+            )
+            ratios.append(
+                Ratio(
+                    f"server CPU per start of true, {label} (containment {mode} / none)",
+                    Series(f"server CPU, {mode}, {label}", "us/start", tuple(cpu[(mode, depth)])),
+                    Series(f"server CPU, none, {label}", "us/start", tuple(cpu[("none", depth)])),
+                    target=1.25,
+                    lower_is_better=True,
+                )
+            )
+    return ratios
+
+
 def run(rounds: int = 5, count: int = 300) -> list[Ratio]:
     server: dict[int, list[float]] = {d: [] for d in DEPTHS}
     bare: dict[int, list[float]] = {d: [] for d in DEPTHS}
@@ -160,9 +229,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--count", type=int, default=300)
+    parser.add_argument(
+        "--no-containment", action="store_true", help="skip the containment mode rows"
+    )
+    parser.add_argument(
+        "--containment-only", action="store_true", help="only the containment mode rows"
+    )
     args = parser.parse_args()
     print_header("spawn")
-    for ratio in run(args.rounds, args.count):
+    ratios = [] if args.containment_only else run(args.rounds, args.count)
+    if not args.no_containment:
+        ratios += containment_ratios(args.rounds, args.count)
+    for ratio in ratios:
         print(ratio.value.describe())
         print(ratio.baseline.describe())
         print(ratio.describe(), flush=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import os
 import signal
 import time
@@ -57,8 +56,10 @@ from twisted.logger import Logger
 
 log = Logger()
 
-Mode = Literal["auto", "cgroup", "subreaper"]
-MODES: Final[tuple[Mode, ...]] = ("auto", "cgroup", "subreaper")
+Mode = Literal["auto", "cgroup", "subreaper", "none"]
+#: ``none`` is the behaviour before containment (the process group only),
+#: kept for measurement and comparison; it is not a safe setting.
+MODES: Final[tuple[Mode, ...]] = ("auto", "cgroup", "subreaper", "none")
 CGROUP_PREFIX: Final = "exec-server-"
 #: Least interval between two periodic /proc scans (subreaper mode).
 MIN_SCAN_INTERVAL: Final = 1.0
@@ -68,6 +69,8 @@ MAX_SCAN_SHARE: Final = 0.02
 #: How often trees that outlived their leader's output (a daemon) are checked
 #: for being empty, and unknown zombies reaped, while there are any.
 SWEEP_INTERVAL: Final = 1.0
+#: Empty per-process cgroups kept for reuse.
+CGROUP_POOL: Final = 64
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
@@ -165,21 +168,25 @@ def _signal_group(pgid: int, signum: int) -> bool:
     return True
 
 
-def reap_unknown_children() -> int:
+def reap_unknown_children() -> list[int]:
     """Reap zombie children the server did not spawn itself (reparented orphans).
 
-    Never ``waitpid(-1)``: that would steal the statuses Twisted waits for.
-    Returns how many were reaped.
+    Returns the unknown children still running. Never ``waitpid(-1)``: that
+    would steal the statuses Twisted waits for; each unknown child is waited
+    for by pid (one cheap syscall; there are usually none).
     """
     known = _twisted_process.reapProcessHandlers
-    reaped = 0
+    running = []
     for pid in own_children():
         if pid in known:
             continue
-        with contextlib.suppress(ChildProcessError, OSError):
+        try:
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                reaped += 1
-    return reaped
+                continue
+        except ChildProcessError:
+            continue
+        running.append(pid)
+    return running
 
 
 # --- trees ------------------------------------------------------------------------
@@ -217,6 +224,8 @@ class CgroupTree:
         self._owner = owner
         self._on_empty: Callable[[], None] | None = None
         self.released = False
+        #: The last :meth:`alive` found the cgroup empty (reusable).
+        self.seen_empty = False
 
     def pids(self) -> list[int]:
         try:
@@ -242,9 +251,11 @@ class CgroupTree:
     def alive(self) -> bool:
         try:
             with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
-                return b"populated 1" in f.read()
+                populated = b"populated 1" in f.read()
         except OSError:
-            return False
+            populated = False
+        self.seen_empty = not populated
+        return populated
 
     def when_empty(self, callback: Callable[[], None]) -> None:
         self._on_empty = callback
@@ -262,14 +273,17 @@ class CgroupTree:
 class ScanTree:
     """One tree found in ``/proc`` (subreaper mode)."""
 
-    def __init__(self, owner: Containment, leader: int, leader_start: int, born: int) -> None:
+    def __init__(self, owner: Containment, leader: int, born: int) -> None:
         self.leader = leader
-        self.leader_start = leader_start
         #: Boot ticks just before the spawn: no member can be older.
         self.born = born
         #: pid -> start time of every member seen (remembered after their
         #: parent dies, when only this tells who they belong to).
-        self.members: dict[int, int] = {leader: leader_start}
+        self.members: dict[int, int] = {}
+        #: Whether the leader's session (and group) still exist. Once empty a
+        #: session can never be entered again, and only then can its id be
+        #: reused by a stranger's new session: from then on it proves nothing.
+        self.by_session = True
         self.terminating = False
         self.released = False
         self._owner = owner
@@ -278,17 +292,18 @@ class ScanTree:
     def learn(self, table: dict[int, ProcInfo], children: dict[int, list[int]]) -> None:
         """Recompute the members from a ``/proc`` table."""
         found: dict[int, int] = {}
-        leader = table.get(self.leader)
-        # A process reusing the leader's pid (once its session is gone)
-        # must not make strangers members through "same session".
-        by_session = leader is None or leader.start == self.leader_start
+        in_session = False
         for info in table.values():
-            if info.zombie or info.start < self.born:
+            if info.start < self.born:
                 continue
-            if self.members.get(info.pid) == info.start or (
-                by_session and self.leader in (info.sid, info.pgrp)
-            ):
+            if self.by_session and self.leader in (info.sid, info.pgrp):
+                in_session = True
+                if not info.zombie:
+                    found[info.pid] = info.start
+            elif self.members.get(info.pid) == info.start and not info.zombie:
                 found[info.pid] = info.start
+        if not in_session:
+            self.by_session = False
         pending = list(found)
         while pending:
             for child in children.get(pending.pop(), ()):
@@ -297,11 +312,6 @@ class ScanTree:
                     found[child] = info.start
                     pending.append(child)
         self.members = found
-
-    def adopt(self, table: dict[int, ProcInfo], pid: int) -> None:
-        info = table.get(pid)
-        if info is not None:
-            self.members[pid] = info.start
 
     def signal(self, signum: int) -> None:
         # Only a terminate signals a whole tree.
@@ -319,7 +329,7 @@ class ScanTree:
             return True
         # Orphans the server has not attributed yet (they were created and
         # orphaned since the last scan) may be ours: look before answering.
-        if self._owner._has_unattributed_children():
+        if self._owner._unattributed_children():
             self._owner._rescan()
             return bool(self._checked_members())
         return False
@@ -422,6 +432,10 @@ class Containment:
         self._serial = 0
         self._trees: set[Tree] = set()
         self._lingering: set[Tree] = set()
+        #: Empty cgroups kept for reuse (at most CGROUP_POOL).
+        self._free: list[str] = []
+        #: The last look at the server's children found orphans no tree claims.
+        self._orphans_seen = False
         self._timer: IDelayedCall | None = None
         self._scan_cost = 0.0
         self._scanned_at = -1.0
@@ -435,6 +449,12 @@ class Containment:
         Raises :class:`ContainmentError` if ``cgroup`` was requested and is
         unusable.
         """
+        if self.requested == "none":
+            log.warn(
+                "process containment: none; a descendant that leaves its "
+                "process group survives its process (not for production)"
+            )
+            return
         reason = ""
         if self.requested in ("auto", "cgroup"):
             try:
@@ -456,12 +476,16 @@ class Containment:
                 "process is killed with it",
                 parent=self._parent,
             )
-        else:
-            log.info(
-                "process containment: subreaper{why}; descendants are tracked "
-                "from /proc (see docs/process-control.md)",
-                why=f" (no usable cgroup v2: {reason})" if reason else "",
+        elif reason:
+            # Asked for "auto" and got the weaker guarantee: say so even when
+            # only warnings are logged.
+            log.warn(
+                "process containment: subreaper (no usable cgroup v2: {reason}); "
+                "descendants are tracked from /proc, see docs/process-control.md",
+                reason=reason,
             )
+        else:
+            log.info("process containment: subreaper; descendants are tracked from /proc")
 
     def _start_cgroup(self) -> None:
         root = find_cgroup2_mount()
@@ -541,17 +565,14 @@ class Containment:
             _signal_pid(pid, signal.SIGKILL)
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
-            reap_unknown_children()
-            if not any(t.alive() for t in self._trees) and not self._unknown_alive_children():
+            if not reap_unknown_children() and not any(t.alive() for t in self._trees):
                 break
             time.sleep(0.01)
         reap_unknown_children()
         if self._parent:
-            for tree in list(self._trees):
-                if isinstance(tree, CgroupTree):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(tree.path)
+            # Sub-cgroups (in use or pooled) go with their parent.
             _remove_cgroup_tree(self._parent, wait=0.5)
+            self._free.clear()
         self._trees.clear()
         self._lingering.clear()
         return succeed(None)
@@ -565,17 +586,22 @@ class Containment:
         if self.mode == "subreaper":
             born = boot_ticks()
             pid = create()
-            info = read_proc(pid)
-            tree = ScanTree(self, pid, info.start if info is not None else born, born)
+            # The leader is found through its session at the first scan (it
+            # leads a new one); nothing is read now, when /proc of a process
+            # still in exec is slow to answer.
+            tree = ScanTree(self, pid, born)
             self._add(tree)
             return pid, tree
         return create(), None
 
     def _spawn_in_cgroup(self, create: Callable[[], int]) -> tuple[int, Tree | None]:
-        self._serial += 1
-        path = os.path.join(self._parent, str(self._serial))
+        if self._free:
+            path = self._free.pop()
+        else:
+            self._serial += 1
+            path = os.path.join(self._parent, str(self._serial))
+            os.mkdir(path)
         procs = os.path.join(path, "cgroup.procs")
-        os.mkdir(path)
         entered = False
         try:
             # The child inherits the cgroup of the thread that creates it,
@@ -590,8 +616,7 @@ class Containment:
                 if entered:
                     self._leave(path)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
+            self._free.append(path)
             raise
         if not entered:
             # Moving the child after the fact leaves a window of a few
@@ -638,23 +663,32 @@ class Containment:
         self._trees.discard(tree)
         self._lingering.discard(tree)
         if isinstance(tree, CgroupTree):
-            try:
-                os.rmdir(tree.path)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    # Still populated after all (a race with a fork): kill
-                    # again; stop() removes it at the latest.
+            if tree.seen_empty and len(self._free) < CGROUP_POOL:
+                # Entering a cgroup for the first time costs the kernel
+                # several times a later entry (and mkdir/rmdir on top):
+                # empty ones are kept for the next spawns.
+                self._free.append(tree.path)
+            else:
+                try:
+                    os.rmdir(tree.path)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    # Still populated (a fork raced the kill, or a member
+                    # would not die): kill again and keep watching it;
+                    # stop() removes it at the latest.
                     tree.kill()
                     tree.released = False
                     self._trees.add(tree)
                     self._lingering.add(tree)
                     self._schedule()
                     return
-        elif self._has_unattributed_children():
+            # Escapees whose parent died are our zombies now.
+            reap_unknown_children()
+        elif self._orphans_seen and self._unattributed_children():
             # Orphans nobody could attribute may have had this tree as their
             # last possible owner.
             self._rescan(force=True)
-        reap_unknown_children()
 
     def _schedule(self) -> None:
         if self._timer is not None or self._clock is None:
@@ -678,27 +712,16 @@ class Containment:
 
     # --- subreaper scans ----------------------------------------------------------------
 
-    def _has_unattributed_children(self) -> bool:
-        if self.mode != "subreaper":
-            return False
-        known = _twisted_process.reapProcessHandlers
+    def _unattributed_children(self) -> list[int]:
+        """Reap unknown zombie children; return the running ones no tree claims."""
+        running = reap_unknown_children()
+        self._orphans_seen = False
+        if not running or self.mode != "subreaper":
+            return []
         attributed = {pid for t in self._trees if isinstance(t, ScanTree) for pid in t.members}
-        for pid in own_children():
-            if pid in known or pid in attributed:
-                continue
-            info = read_proc(pid)
-            if info is not None and not info.zombie:
-                return True
-        return False
-
-    def _unknown_alive_children(self) -> bool:
-        known = _twisted_process.reapProcessHandlers
-        for pid in own_children():
-            if pid not in known:
-                info = read_proc(pid)
-                if info is not None and not info.zombie:
-                    return True
-        return False
+        found = [pid for pid in running if pid not in attributed]
+        self._orphans_seen = bool(found)
+        return found
 
     def _rescan(self, force: bool = False) -> None:
         """Attribute every descendant of the server to its tree from ``/proc``.
@@ -707,7 +730,7 @@ class Containment:
         ``force``. Orphans no live tree can own are killed.
         """
         trees = [t for t in self._trees if isinstance(t, ScanTree)]
-        if not trees and not self._has_unattributed_children():
+        if not trees and not self._unattributed_children():
             return
         now = time.monotonic()
         if not force and now - self._scanned_at < 0.05:

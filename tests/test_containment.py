@@ -141,7 +141,8 @@ async def assert_gone(markers: dict[str, str], server_pid: int | None = None) ->
 
 
 def server_args(mode: str) -> list[str]:
-    return ["--process-containment", mode, "--terminate-grace-ms", str(GRACE_MS)]
+    # -v: the line naming the mode in force is informational.
+    return ["-v", "--process-containment", mode, "--terminate-grace-ms", str(GRACE_MS)]
 
 
 async def start_all(client: Any, markers: dict[str, str], **extra: Any) -> None:
