@@ -222,11 +222,9 @@ class Options(usage.Options):
         self["allow-origin"].append(origin)
 
     def opt_process_containment(self, mode: str) -> None:
-        """How every descendant of a process is tracked and killed with it: auto (cgroup v2 where writable, else subreaper), cgroup or subreaper [default: auto]."""  # noqa: E501
+        """How every descendant of a process is tracked and killed with it: auto (cgroup v2 where writable, else subreaper), cgroup, subreaper, or none (process group only; for measurement) [default: auto]."""  # noqa: E501
         if mode not in MODES:
-            raise usage.UsageError(
-                f"--process-containment takes auto, cgroup or subreaper, got `{mode}`"
-            )
+            raise usage.UsageError(f"--process-containment takes {', '.join(MODES)}, got `{mode}`")
         self["process-containment"] = mode
 
     def opt_listen(self, url: str) -> None:
