@@ -1,0 +1,188 @@
+"""Unit tests of the containment bookkeeping over fake ``/proc`` tables.
+
+The subreaper mode's attribution (who belongs to which tree) is pure logic
+over a snapshot of ``/proc``: these tests hand it tables, never touch real
+processes, and record the signals it would send.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from execserver import containment as c
+from execserver.containment import Containment, ProcInfo, ScanTree
+
+ME = os.getpid()
+BORN = 1000
+
+
+def info(
+    pid: int, ppid: int, sid: int, start: int = BORN, pgrp: int | None = None, zombie: bool = False
+) -> ProcInfo:
+    return ProcInfo(pid, ppid, pgrp if pgrp is not None else sid, sid, start, zombie)
+
+
+def index(*rows: ProcInfo) -> tuple[dict[int, ProcInfo], dict[int, list[int]]]:
+    table = {row.pid: row for row in rows}
+    children: dict[int, list[int]] = {}
+    for row in rows:
+        children.setdefault(row.ppid, []).append(row.pid)
+    return table, children
+
+
+@pytest.fixture
+def killed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    sent: list[tuple[int, int]] = []
+
+    def record(pid: int, signum: int) -> bool:
+        sent.append((pid, signum))
+        return True
+
+    monkeypatch.setattr(c, "_signal_pid", record)
+    return sent
+
+
+def owner() -> Containment:
+    # Never started: no process-wide side effects, no clock.
+    return Containment("subreaper")
+
+
+def test_members_are_the_session_its_descendants_and_remembered_orphans() -> None:
+    tree = ScanTree(owner(), 100, BORN)
+    table, children = index(
+        info(100, ME, 100),  # the leader
+        info(101, 100, 100),  # same session
+        info(102, 101, 102),  # left the session (setsid): found by its parent
+        info(103, 102, 103),  # and its child
+        info(200, 1, 200),  # a stranger
+        info(104, 100, 100, zombie=True),  # zombies are not members
+    )
+    tree.learn(table, children)
+    assert set(tree.members) == {100, 101, 102, 103}
+    # 102's parent dies; 102 is reparented to the server and keeps its
+    # membership through (pid, start time).
+    table, children = index(info(100, ME, 100), info(102, ME, 102), info(103, 102, 103))
+    tree.learn(table, children)
+    assert set(tree.members) == {100, 102, 103}
+    # The same pid with another start time is someone else.
+    table, children = index(info(100, ME, 100), info(102, ME, 102, start=BORN + 50))
+    tree.learn(table, children)
+    assert set(tree.members) == {100}
+
+
+def test_processes_older_than_the_tree_never_belong_to_it() -> None:
+    tree = ScanTree(owner(), 100, BORN)
+    table, children = index(info(100, ME, 100), info(150, 1, 100, start=BORN - 1))
+    tree.learn(table, children)
+    assert set(tree.members) == {100}
+
+
+def test_a_reused_session_id_proves_nothing_once_the_session_was_empty() -> None:
+    tree = ScanTree(owner(), 100, BORN)
+    table, children = index(info(101, ME, 101))  # only an escapee is left
+    tree.members = {101: BORN}
+    tree.learn(table, children)
+    assert tree.by_session is False
+    # Later a stranger reuses pid 100 and leads a new session 100.
+    table, children = index(info(101, ME, 101), info(100, 1, 100, start=BORN + 900))
+    tree.learn(table, children)
+    assert set(tree.members) == {101}
+
+
+def test_an_orphan_only_one_running_tree_can_own_is_attributed_to_it(
+    killed: list[tuple[int, int]],
+) -> None:
+    containment = owner()
+    older = ScanTree(containment, 100, BORN)
+    newer = ScanTree(containment, 300, BORN + 500)
+    # A daemon born before `newer` started, with no visible lineage.
+    table, children = index(
+        info(100, ME, 100),
+        info(300, ME, 300, start=BORN + 500),
+        info(150, ME, 150, start=BORN + 10),
+    )
+    containment._attribute_orphans(table, children, [older, newer])
+    assert 150 in older.members
+    assert 150 not in newer.members
+    assert killed == []
+
+
+def test_an_ambiguous_orphan_waits_until_all_its_possible_owners_terminate(
+    killed: list[tuple[int, int]],
+) -> None:
+    containment = owner()
+    a = ScanTree(containment, 100, BORN)
+    b = ScanTree(containment, 300, BORN)
+    table, children = index(
+        info(100, ME, 100), info(300, ME, 300), info(150, ME, 150, start=BORN + 10)
+    )
+    containment._attribute_orphans(table, children, [a, b])
+    assert 150 not in a.members and 150 not in b.members
+    a.terminating = True
+    containment._attribute_orphans(table, children, [a, b])
+    assert 150 not in a.members, "b may own it and is not being terminated"
+    b.terminating = True
+    containment._attribute_orphans(table, children, [a, b])
+    assert 150 in a.members and 150 in b.members
+    assert killed == []
+
+
+def test_an_orphan_whose_possible_owners_all_ended_is_killed_with_its_children(
+    killed: list[tuple[int, int]],
+) -> None:
+    containment = owner()
+    later = ScanTree(containment, 300, BORN + 500)
+    table, children = index(
+        info(300, ME, 300, start=BORN + 500),
+        info(150, ME, 150, start=BORN + 10),
+        info(151, 150, 150, start=BORN + 11),
+    )
+    containment._attribute_orphans(table, children, [later])
+    assert sorted(killed) == [(150, signal.SIGKILL), (151, signal.SIGKILL)]
+    assert 150 not in later.members
+
+
+def test_children_the_reactor_spawned_are_never_orphans(
+    killed: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from twisted.internet import process
+
+    monkeypatch.setitem(process.reapProcessHandlers, 150, object())
+    containment = owner()
+    table, children = index(info(150, ME, 150, start=BORN + 10))
+    containment._attribute_orphans(table, children, [])
+    assert killed == []
+
+
+def test_mount_and_cgroup_parsing(tmp_path: object) -> None:
+    from pathlib import Path
+
+    base = Path(str(tmp_path))
+    mounts = base / "mounts"
+    mounts.write_text(
+        "cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n"
+        "cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n"
+    )
+    assert c.find_cgroup2_mount(str(mounts)) == "/sys/fs/cgroup/unified"
+    mounts.write_text("proc /proc proc rw 0 0\n")
+    assert c.find_cgroup2_mount(str(mounts)) is None
+    groups = base / "cgroup"
+    groups.write_text("4:memory:/x\n0::/user.slice/app.service\n")
+    assert c.own_cgroup(str(groups)) == "/user.slice/app.service"
+    groups.write_text("4:memory:/x\n")
+    assert c.own_cgroup(str(groups)) is None
+
+
+def test_read_proc_of_this_process() -> None:
+    me = c.read_proc(ME)
+    assert me is not None
+    assert me.pid == ME
+    assert me.ppid == os.getppid()
+    assert me.sid == os.getsid(0)
+    assert me.pgrp == os.getpgrp()
+    assert 0 < me.start <= c.boot_ticks()
+    assert not me.zombie
+    assert c.read_proc(2**22 + 7) is None
