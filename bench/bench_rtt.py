@@ -1,10 +1,17 @@
 """Request round trips over stdio, as a ratio to a bare Twisted echo-RPC.
 
-- server: ``process/read`` of a process that has exited and closed (so every
-  request is answered at once), at 1 and 64 requests in flight.
-- baseline: ``bench/echo_server.py``, a bare Twisted ``LineOnlyReceiver``
-  answering ``{"id", "result": params}`` with msgspec, over the same kind of
-  pipes with the same client and the same depths.
+Two methods, each at 1 and 64 requests in flight:
+
+- a cheap one: ``process/read`` of a process that has exited and closed (so
+  every request is answered at once from memory);
+- ``fs/getMetadata`` of a directory: the server ``stat``s it on its thread
+  pool and answers from there.
+
+Baseline: ``bench/echo_server.py``, a bare Twisted ``LineOnlyReceiver`` with
+msgspec that, like the server, writes the replies to one read's requests in
+one write; it echoes the params for the cheap method and answers
+``fs/getMetadata`` with an inline ``os.stat`` of the path. Same pipes, same
+client, same depths.
 
 The client keeps ``depth`` requests outstanding: for each batch of answers it
 reads, it writes as many new requests in one write.
@@ -34,13 +41,16 @@ from bench._client import (
 
 DEPTHS = (1, 64)
 ECHO_SERVER = Path(__file__).resolve().parent / "echo_server.py"
+#: method name -> request template (one ``%d`` for the id)
+METHODS: dict[str, bytes] = {
+    "process/read": b'{"id":%d,"method":"process/read","params":{"processId":"p"}}\n',
+    "fs/getMetadata": b'{"id":%d,"method":"fs/getMetadata","params":{"path":"/tmp"}}\n',
+}
 
 
-def _read_request(request_id: int) -> bytes:
-    return b'{"id":%d,"method":"process/read","params":{"processId":"p"}}\n' % request_id
-
-
-def pipelined_rate(client: StdioClient, count: int, depth: int) -> float:
+def pipelined_rate(
+    client: StdioClient, count: int, depth: int, template: bytes = METHODS["process/read"]
+) -> float:
     """Requests per second with ``depth`` in flight; every answer is checked."""
     sent = 0
     answered = 0
@@ -49,7 +59,7 @@ def pipelined_rate(client: StdioClient, count: int, depth: int) -> float:
         nonlocal sent
         first = sent
         sent += n
-        return b"".join(_read_request(i) for i in range(first, sent))
+        return b"".join(template % i for i in range(first, sent))
 
     start = time.perf_counter()
     client.send_bytes(requests(min(depth, count)))
@@ -67,39 +77,44 @@ def pipelined_rate(client: StdioClient, count: int, depth: int) -> float:
     return count / (time.perf_counter() - start)
 
 
-def server_rate(count: int, depth: int) -> float:
+def server_rate(count: int, depth: int, method: str = "process/read") -> float:
     with StdioClient(["--exit-retention-ms", "3600000"]) as client:
         client.initialize()
         client.start("p", ["true"])
         for message in client.messages():
             if message.method == "process/closed":
                 break
-        return pipelined_rate(client, count, depth)
+        # Warm up as echo_rate does (for fs/*: the thread pool starts).
+        pipelined_rate(client, 100, 1, METHODS[method])
+        return pipelined_rate(client, count, depth, METHODS[method])
 
 
-def echo_rate(count: int, depth: int) -> float:
+def echo_rate(count: int, depth: int, method: str = "process/read") -> float:
     with StdioClient(argv=[sys.executable, str(ECHO_SERVER)]) as client:
         # Wait out the interpreter's start-up, as server_rate does.
-        pipelined_rate(client, 100, 1)
-        return pipelined_rate(client, count, depth)
+        pipelined_rate(client, 100, 1, METHODS[method])
+        return pipelined_rate(client, count, depth, METHODS[method])
 
 
 def run(rounds: int = 5, count: int = 200000) -> list[Ratio]:
-    server: dict[int, list[float]] = {d: [] for d in DEPTHS}
-    echo: dict[int, list[float]] = {d: [] for d in DEPTHS}
+    keys = [(method, depth) for method in METHODS for depth in DEPTHS]
+    server: dict[tuple[str, int], list[float]] = {k: [] for k in keys}
+    echo: dict[tuple[str, int], list[float]] = {k: [] for k in keys}
     for _ in range(rounds):
-        for depth in DEPTHS:
+        for method, depth in keys:
             n = count if depth > 1 else count // 10
-            echo[depth].append(echo_rate(n, depth))
-            server[depth].append(server_rate(n, depth))
+            if method != "process/read":
+                n //= 4  # a stat per request; keeps the run short
+            echo[method, depth].append(echo_rate(n, depth, method))
+            server[method, depth].append(server_rate(n, depth, method))
     return [
         Ratio(
-            f"process/read round trips, depth {depth} (server / bare LineOnlyReceiver echo)",
-            Series(f"server, depth {depth}", "req/s", tuple(server[depth])),
-            Series(f"echo-RPC, depth {depth}", "req/s", tuple(echo[depth])),
-            target=0.35 if depth == 64 else None,
+            f"{method} round trips, depth {depth} (server / batching echo-RPC)",
+            Series(f"server {method}, depth {depth}", "req/s", tuple(server[method, depth])),
+            Series(f"echo-RPC {method}, depth {depth}", "req/s", tuple(echo[method, depth])),
+            target=0.35 if (method, depth) == ("process/read", 64) else None,
         )
-        for depth in DEPTHS
+        for method, depth in keys
     ]
 
 

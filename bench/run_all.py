@@ -1,6 +1,12 @@
-"""Run every benchmark and print a summary table of ratios to same-run baselines.
+"""Run every benchmark: the source of every table in docs/performance.md.
 
     python bench/run_all.py [--rounds N] [--quick] [--markdown]
+
+Throughput, spawn, round trips and memory end in one summary table of ratios
+to same-run baselines; the WebSocket, filesystem, termination and client
+scripts run afterwards in the same run and their output is printed as is.
+The run states its date, commit and the load average before and after
+every section, so the doc can quote when and under what load.
 
 ``--quick`` runs fewer rounds on smaller inputs (a smoke test of the
 scripts, not figures to quote). Set ``BENCH_SERVER_ROOT`` to benchmark
@@ -10,7 +16,9 @@ another checkout of the server (e.g. a ``git worktree`` of an older commit).
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,7 +64,15 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
     started = time.monotonic()
-    print(f"server from {server_root()}, {os.cpu_count()} CPUs", flush=True)
+    commit = subprocess.run(
+        ["git", "-C", server_root(), "log", "-1", "--format=%h %s"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"run of {now}; server from {server_root()} at {commit or '?'}", flush=True)
+    print(f"{os.cpu_count()} CPUs, load average {_load()} at the start", flush=True)
     figures: list[Ratio | Series] = []
 
     print_header("throughput")
@@ -90,6 +106,32 @@ def main() -> None:
     print()
     print_header(f"summary ({time.monotonic() - started:.0f} s)")
     print_table(figures, args.markdown)
+
+    here = Path(__file__).resolve().parent
+    sections: list[tuple[str, str, list[str]]] = [
+        (
+            "websocket",
+            "bench_websocket.py",
+            ["--rounds", "1", "--mib", "32", "--connections", "20"],
+        ),
+        ("filesystem", "bench_fs.py", ["--size-mib", "8", "--repeat", "1", "--seconds", "0.5"]),
+        ("termination", "bench_terminate.py", ["--rounds", "2"]),
+        ("client library", "bench_client.py", ["--rounds", "1", "--mib", "16"]),
+    ]
+    for title, script, quick in sections:
+        print()
+        print_header(title)
+        subprocess.run(
+            [sys.executable, str(here / script), *(quick if args.quick else [])],
+            check=True,
+        )
+    print()
+    print(f"end of run ({time.monotonic() - started:.0f} s), load average {_load()}", flush=True)
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 if __name__ == "__main__":
