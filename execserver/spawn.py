@@ -2,17 +2,19 @@
 
 Twisted's ``reactor.spawnProcess`` machinery is kept (its ``Process`` and
 ``PTYProcess`` transports, pipes, readers and SIGCHLD reaping) but the
-moment of creation is ours, because the stock paths cost too much here
-(``shared/notes/twisted-pitfalls.md``):
+moment of creation is ours, because the stock paths cost too much here:
 
 - Twisted uses ``posix_spawnp`` only without a working directory and never
   for PTYs; otherwise it forks and closes every fd from Python (~6 ms a
   spawn). We always ``posix_spawn``: the working directory is entered around
   the call (the reactor thread is the only one that spawns, and no code in
   this server resolves relative paths), ``setsid`` gives every child its own
-  session and process group (so one ``killpg`` reaches the whole tree), and a
-  PTY becomes the child's controlling terminal by being opened after
-  ``setsid``.
+  session and process group (so one ``killpg`` reaches the members that stay
+  in it), and a PTY becomes the child's controlling terminal by being opened
+  after ``setsid``. The server's :class:`~execserver.containment.Containment`
+  wraps the call, so that the child starts inside its own cgroup (or is
+  tracked as a subreaper's descendant): its ``tree`` reaches every
+  descendant.
 - Twisted scans every open fd on each spawn (~9 ms with 1,000 children). All
   our descriptors are close-on-exec (Python's default; :func:`seal_inherited_fds`
   marks the ones the server inherited), so the child gets exactly fds 0-2.
