@@ -351,15 +351,18 @@ class Connection:
         ``written - unsent`` undercounts what was sent (the transport's own
         framing is unsent too but not in ``written``), so a charge is never
         released early; once the buffer drains, every charge is released.
+        While any remains, one timer checks again.
         """
-        self._sent_poll = None
-        if not self._charges:
-            return
-        sent = self._written - unsent_bytes(_write_buffer(self.outbound))
-        while self._charges and self._charges[0][0] <= sent:
-            self._charges.popleft()[1].release()
         if self._charges:
-            self._sent_poll = self.dispatcher.clock.callLater(SENT_POLL_SECONDS, self._check_sent)
+            sent = self._written - unsent_bytes(_write_buffer(self.outbound))
+            while self._charges and self._charges[0][0] <= sent:
+                self._charges.popleft()[1].release()
+        if self._charges and self._sent_poll is None:
+            self._sent_poll = self.dispatcher.clock.callLater(SENT_POLL_SECONDS, self._poll_sent)
+
+    def _poll_sent(self) -> None:
+        self._sent_poll = None
+        self._check_sent()
 
     def _release_charges(self) -> None:
         if self._sent_poll is not None and self._sent_poll.active():

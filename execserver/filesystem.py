@@ -42,6 +42,7 @@ import secrets
 import shutil
 import stat
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NoReturn, ParamSpec, TypeVar
@@ -395,12 +396,18 @@ def _too_large(limit: int) -> RpcError:
     return _invalid(f"file is too large to read: limit is {limit} bytes", "fileTooLarge")
 
 
+#: fs/readFile of a file up to this size takes one pool trip: its reply's
+#: budget for this size is reserved up front, and the file read at once.
+SMALL_READ_BYTES: Final = 64 * 1024
+
+
 @_oserrors
-def stat_for_read(path: str, limit: int) -> tuple[str, int]:
+def stat_for_read(path: str, limit: int, small: int = 0) -> tuple[str, int] | msgspec.Raw:
     """The first step of ``fs/readFile``: resolve, check, and size the file.
 
     ``stat`` never opens anything, so it cannot block on a FIFO or device.
-    Returns the resolved path and the size to charge to the reply budget.
+    Returns the resolved path and the size to charge to the reply budget,
+    or, for a file of at most ``small`` bytes, its rendered result at once.
     """
     path = resolve_path(path)
     st = os.stat(path)
@@ -410,6 +417,8 @@ def stat_for_read(path: str, limit: int) -> tuple[str, int]:
         raise _not_regular("fs/readFile")
     if st.st_size > limit:
         raise _too_large(limit)
+    if st.st_size <= small:
+        return read_file(path, limit)
     return path, st.st_size
 
 
@@ -808,11 +817,13 @@ class _Job:
 class PoolRunner:
     """Runs blocking calls on a dedicated, bounded pool tied to the reactor's life.
 
-    The queue is kept here, not in Twisted's ThreadPool: a job is handed to
-    a thread only when one is free, so a queued job can be dropped when its
-    connection closes, fails with a ``busy`` error after ``wait_timeout``
-    seconds without a free thread, and is counted for /metrics. The pool
-    starts on first use and stops when the reactor shuts down.
+    The queue is kept here, not in Twisted's ThreadPool: at most ``threads``
+    workers run, each taking the next queued job itself when it finishes one
+    (no round trip through the reactor between jobs). So a queued job can be
+    dropped when its connection closes, fails with a ``busy`` error after
+    ``wait_timeout`` seconds without a free thread, and is counted for
+    /metrics. The pool starts on first use and stops when the reactor shuts
+    down.
     """
 
     def __init__(
@@ -829,8 +840,11 @@ class PoolRunner:
         self.wait_timeout = wait_timeout
         self.stall_after = stall_after
         self.pool = ThreadPool(minthreads=0, maxthreads=threads, name="exec-server-fs")
+        # Shared with the workers: the queue, the running set, the worker count.
+        self._lock = threading.Lock()
         self._queue: deque[_Job] = deque()
         self._running: set[_Job] = set()
+        self._workers = 0
         self._stopped = False
 
     @property
@@ -845,41 +859,59 @@ class PoolRunner:
 
     def __call__(self, func: Callable[..., Any], *args: Any, owner: object = None) -> Deferred[Any]:
         job = _Job(func, args, owner, Deferred(lambda _: self._cancel(job)))
-        if len(self._running) < self.threads:
-            self._start(job)
-        else:
-            job.timer = self._clock.callLater(self.wait_timeout, self._expire, job)
-            self._queue.append(job)
-        return job.deferred
-
-    def _start(self, job: _Job) -> None:
         if self._stopped:
             # A stopped ThreadPool cannot start again (the reactor is stopping).
             job.deferred.errback(_invalid("the server is shutting down", "shuttingDown"))
-            return
-        if not self.pool.started:
-            self.pool.start()
-            self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
+            return job.deferred
+        with self._lock:
+            start = self._workers < self.threads
+            if start:
+                self._workers += 1
+                self._begin(job)
+            else:
+                self._queue.append(job)
+        if start:
+            if not self.pool.started:
+                self.pool.start()
+                self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
+            self.pool.callInThread(self._work, job)
+        else:
+            job.timer = self._clock.callLater(self.wait_timeout, self._expire, job)
+        return job.deferred
+
+    def _begin(self, job: _Job) -> None:
+        # (Called with the lock held.)
         job.started_at = self._clock.seconds()
         self._running.add(job)
 
-        def on_result(success: bool, result: Any) -> None:
-            self._reactor.callFromThread(self._finished, job, success, result)
+    def _work(self, job: _Job | None) -> None:
+        """A worker: run jobs until the queue is empty (on a pool thread)."""
+        while job is not None:
+            try:
+                result: Any = job.func(*job.args)
+                success = True
+            except BaseException:
+                result = Failure()
+                success = False
+            with self._lock:
+                self._running.discard(job)
+                following = self._queue.popleft() if self._queue and not self._stopped else None
+                if following is None:
+                    self._workers -= 1
+                else:
+                    self._begin(following)
+            self._reactor.callFromThread(self._finished, job, success, result, following)
+            job = following
 
-        self.pool.callInThreadWithCallback(on_result, job.func, *job.args)
-
-    def _finished(self, job: _Job, success: bool, result: Any) -> None:
-        self._running.discard(job)
-        while self._queue and len(self._running) < self.threads:
-            waiting = self._queue.popleft()
-            self._stop_timer(waiting)
-            self._start(waiting)
+    def _finished(self, job: _Job, success: bool, result: Any, following: _Job | None) -> None:
+        if following is not None:
+            self._stop_timer(following)
         if job.deferred.called:
             return  # cancelled while running: the result is dropped here
         if success:
             job.deferred.callback(result)
         else:
-            job.deferred.errback(result if isinstance(result, Failure) else Failure(result))
+            job.deferred.errback(result)
 
     @staticmethod
     def _stop_timer(job: _Job) -> None:
@@ -887,17 +919,22 @@ class PoolRunner:
             job.timer.cancel()
         job.timer = None
 
+    def _unqueue(self, job: _Job) -> bool:
+        with self._lock:
+            if job in self._queue:
+                self._queue.remove(job)
+                return True
+            return False
+
     def _cancel(self, job: _Job) -> None:
-        if job in self._queue:
-            self._queue.remove(job)
+        if self._unqueue(job):
             self._stop_timer(job)
         job.deferred.errback(_closed())
 
     def _expire(self, job: _Job) -> None:
         job.timer = None
-        if job not in self._queue:
-            return
-        self._queue.remove(job)
+        if not self._unqueue(job):
+            return  # a worker took it meanwhile
         waited = round(self.wait_timeout * 1000)
         job.deferred.errback(
             _invalid(
@@ -909,7 +946,9 @@ class PoolRunner:
 
     def cancel_owner(self, owner: object) -> None:
         """Drop the queued (not yet running) jobs of ``owner``."""
-        for job in [job for job in self._queue if job.owner is owner]:
+        with self._lock:
+            mine = [job for job in self._queue if job.owner is owner]
+        for job in mine:
             job.deferred.cancel()
 
     def stall_reason(self) -> str | None:
@@ -918,16 +957,19 @@ class PoolRunner:
         Wedged: every thread has been busy on one operation for longer than
         ``stall_after`` seconds, so new requests would wait for them.
         """
-        if len(self._running) < self.threads:
+        with self._lock:
+            started = [job.started_at for job in self._running]
+            waiting = len(self._queue)
+        if len(started) < self.threads:
             return None
         now = self._clock.seconds()
-        youngest = max(now if job.started_at is None else job.started_at for job in self._running)
+        youngest = max(now if at is None else at for at in started)
         if now - youngest <= self.stall_after:
             return None
         return (
             f"filesystem pool wedged: all {self.threads} worker threads have been busy "
             f"on one operation each for over {self.stall_after:g} s; "
-            f"{len(self._queue)} request(s) waiting"
+            f"{waiting} request(s) waiting"
         )
 
     def stop(self) -> None:
@@ -1001,6 +1043,16 @@ class ReplyBudget:
 
     def owned(self, owner: object) -> int:
         return self._owned.get(owner, 0)
+
+    def try_reserve(self, owner: object, size: int) -> Charge | None:
+        """A charge at once if nothing waits and ``size`` fits now, else None."""
+        if self._waits or self.used + size > self.limit:
+            return None
+        if self.owned(owner) + size > self.connection_limit:
+            return None
+        self.used += size
+        self._owned[owner] = self.owned(owner) + size
+        return Charge(self, owner, size)
 
     def reserve(self, owner: object, size: int) -> Deferred[Charge]:
         if size > min(self.limit, self.connection_limit):
@@ -1117,11 +1169,28 @@ class FileSystem:
     def read_file(self, conn: Connection, params: p.FsReadFileParams) -> Deferred[Any]:
         path = absolute_path(params.path)
         limit = self.max_read_file_bytes
+        # A small file is read in the first pool trip, against budget
+        # reserved up front for its largest reply; larger ones are sized
+        # first (stat only), so their reply's bytes are reserved before the
+        # file is read: a reply that must wait holds no memory.
+        early = self.budget.try_reserve(conn, encoded_result_size(SMALL_READ_BYTES))
+        small = SMALL_READ_BYTES if early is not None else 0
 
-        def sized(found: tuple[str, int]) -> Deferred[Charged]:
+        def sized(found: tuple[str, int] | msgspec.Raw) -> Any:
+            if isinstance(found, msgspec.Raw):
+                assert early is not None
+                early.resize(len(found))
+                return Charged(found, early)
+            if early is not None:
+                early.release()
             resolved, size = found
             reserved = self.budget.reserve(conn, encoded_result_size(size))
             return reserved.addCallback(build, resolved)
+
+        def unsized(failure: Failure) -> Failure:
+            if early is not None:
+                early.release()
+            return failure
 
         def build(charge: Charge, resolved: str) -> Deferred[Charged]:
             def built(raw: msgspec.Raw) -> Charged:
@@ -1135,10 +1204,8 @@ class FileSystem:
             built_d: Deferred[Any] = self.run(read_file, resolved, limit, owner=conn)
             return built_d.addCallbacks(built, failed)
 
-        # Sized first (stat only), so the reply's bytes are reserved before
-        # the file is read: a reply that must wait holds no memory.
-        first: Deferred[Any] = self.run(stat_for_read, path, limit, owner=conn)
-        return first.addCallback(sized)
+        first: Deferred[Any] = self.run(stat_for_read, path, limit, small, owner=conn)
+        return first.addCallbacks(sized, unsized)
 
     def write_file(self, conn: Connection, params: _WriteFileWire) -> Deferred[Any]:
         path = absolute_path(params.path)

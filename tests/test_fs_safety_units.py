@@ -291,15 +291,47 @@ def test_a_reply_is_charged_until_the_transport_has_sent_it(tmp_path: Path) -> N
     _read_request(conn, 1, tmp_path / "f")
     assert base64.b64decode(outbound.responses()[1]["result"]["dataBase64"]) == b"x" * size
     assert budget.used == reply
+    _read_request(conn, 2, tmp_path / "f")
+    _read_request(conn, 3, tmp_path / "f")
+    assert budget.used == 3 * reply
+    assert len(clock.getDelayedCalls()) == 1  # one check timer per connection, not per reply
     outbound.transport.send(reply // 2)
     clock.advance(SENT_POLL_SECONDS)
-    assert budget.used == reply
+    assert budget.used == 3 * reply
+    outbound.transport.send(reply)
+    clock.advance(SENT_POLL_SECONDS)
+    assert budget.used == 2 * reply
+    assert len(clock.getDelayedCalls()) == 1
     text = metrics.render(dispatcher).decode()
-    assert f"exec_server_reply_bytes_queued {reply}\n" in text
+    assert f"exec_server_reply_bytes_queued {2 * reply}\n" in text
     outbound.transport.send(outbound.transport._tempDataLen)
     clock.advance(SENT_POLL_SECONDS)
     assert budget.used == 0
     assert "exec_server_reply_bytes_queued 0\n" in metrics.render(dispatcher).decode()
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_small_file_is_read_at_once_and_charged_what_its_reply_took(tmp_path: Path) -> None:
+    clock = Clock()
+    (tmp_path / "small").write_bytes(b"s" * 1000)
+    (tmp_path / "big").write_bytes(b"b" * 300_000)
+    big = fs.encoded_result_size(300_000)
+    dispatcher, outbound, conn = _connect(clock, connection_reply_budget_bytes=big)
+    budget = dispatcher.fs.budget
+    _read_request(conn, 1, tmp_path / "small")
+    assert budget.used == fs.encoded_result_size(1000)
+    # A small read beyond the budget waits like any other.
+    _read_request(conn, 2, tmp_path / "big")
+    _read_request(conn, 3, tmp_path / "small")
+    assert sorted(outbound.responses()) == [0, 1]
+    assert budget.waiting == 2
+    outbound.transport.send(outbound.transport._tempDataLen)
+    clock.advance(SENT_POLL_SECONDS)
+    assert sorted(outbound.responses()) == [0, 1, 2]
+    outbound.transport.send(outbound.transport._tempDataLen)
+    clock.advance(SENT_POLL_SECONDS)
+    assert sorted(outbound.responses()) == [0, 1, 2, 3]
+    assert base64.b64decode(outbound.responses()[3]["result"]["dataBase64"]) == b"s" * 1000
 
 
 def test_requests_beyond_the_connection_budget_wait_for_it(tmp_path: Path) -> None:
