@@ -30,7 +30,7 @@ import pytest_twisted
 
 from execserver import filesystem as fs
 from execserver.errors import RpcError
-from tests.harness import REPO_ROOT, ServerProcess, server_env
+from tests.harness import ServerProcess, server_env
 from tests.raw_server import RawServer
 
 ROOT_ERROR = {
@@ -161,7 +161,7 @@ def test_a_bind_mount_of_root_is_refused(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env=server_env(),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == '{"kind": "rootDirectory"}'
