@@ -235,11 +235,16 @@ class CgroupTree:
             return []
 
     def signal(self, signum: int) -> None:
+        if self.released:
+            # The cgroup may already serve another process.
+            return
         _signal_group(self.leader, signum)
         for pid in self.pids():
             _signal_pid(pid, signum)
 
     def kill(self) -> None:
+        if self.released:
+            return
         _signal_group(self.leader, signal.SIGKILL)
         try:
             _write(os.path.join(self.path, "cgroup.kill"), "1")

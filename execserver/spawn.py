@@ -200,9 +200,13 @@ def _ignored_signals() -> list[int]:
     return _RESET_SIGNALS
 
 
-_RESET_SIGNALS: Final = [
-    sig for sig in range(1, signal.NSIG) if sig not in (signal.SIGKILL, signal.SIGSTOP)
-]
+# valid_signals() leaves out those the C library reserves (32 and 33 on glibc),
+# which posix_spawn would warn about.
+_RESET_SIGNALS: Final = sorted(
+    int(sig)
+    for sig in signal.valid_signals()
+    if sig not in (signal.SIGKILL, signal.SIGSTOP) and int(sig) < signal.NSIG
+)
 
 
 def _posix_spawn_in(

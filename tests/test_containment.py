@@ -185,6 +185,23 @@ async def test_terminate_reaches_every_escapee(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest_twisted.ensureDeferred
+async def test_terminate_reaches_escapees_of_a_pty_process(mode: str) -> None:
+    server = ServerProcess.start(*server_args(mode))
+    try:
+        await server.handshake()
+        for kind in ("setsid", "daemon"):
+            markers = {kind: new_marker()}
+            await start_all(server, markers, tty=True)
+            await wait_started(markers)
+            await server.call("process/terminate", {"processId": kind})
+            await server.wait_closed(kind)
+            await assert_gone(markers, server.pid)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest_twisted.ensureDeferred
 async def test_stdio_eof_reaches_every_escapee(mode: str) -> None:
     markers = {kind: new_marker() for kind in KINDS}
     server = ServerProcess.start(*server_args(mode))
