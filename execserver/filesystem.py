@@ -39,7 +39,6 @@ import ctypes.util
 import errno
 import os
 import secrets
-import shutil
 import stat
 import struct
 import threading
@@ -652,22 +651,70 @@ def remove(path: str, recursive: bool, force: bool) -> None:
         _raise_errno(errno.ENOENT)
     if stat.S_ISDIR(st.st_mode):
         if recursive:
-            shutil.rmtree(path, onerror=_rmtree_error(path))
+            _remove_tree(path, st)
         else:
             os.rmdir(path)
     else:
         os.unlink(path)
 
 
-def _rmtree_error(top: str) -> Callable[[Any, str, Any], None]:
-    def onerror(func: Any, path: str, exc_info: Any) -> None:
-        exc = exc_info[1]
-        # Like Rust's remove_dir_all: entries that vanish meanwhile are fine.
-        if isinstance(exc, FileNotFoundError) and path != top:
-            return
-        raise exc
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    return onerror
+
+def _same_inode(st: os.stat_result, other: os.stat_result) -> bool:
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+
+
+def _remove_tree(path: str, expected: os.stat_result) -> None:
+    """Remove a directory tree, like Rust's ``remove_dir_all`` / ``shutil.rmtree``.
+
+    Walks with directory descriptors (``O_NOFOLLOW``, ``*at`` calls), so a
+    symlink is unlinked, never followed, even if swapped in meanwhile; and
+    entries that vanish meanwhile are fine. Unlike them, it never enters the
+    root directory: a bind mount of ``/`` inside the tree stops the removal
+    with the ``rootDirectory`` error (what was removed before it stays
+    removed; the root's contents are untouched).
+    """
+    root = os.stat("/")
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        if not _same_inode(os.fstat(fd), expected):
+            _raise_errno(errno.ENOENT)  # replaced since it was looked at
+        _remove_contents(fd, root)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _remove_contents(dir_fd: int, root: os.stat_result) -> None:
+    with os.scandir(dir_fd) as it:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in it]
+    for name, is_dir in entries:
+        if is_dir and _remove_subtree(dir_fd, name, root):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def _remove_subtree(dir_fd: int, name: str, root: os.stat_result) -> bool:
+    """Remove the directory ``name``; False if it is no longer a directory."""
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            return False  # replaced by a file or a symlink meanwhile: unlink that
+        raise
+    try:
+        if _same_inode(os.fstat(child), root):
+            _refuse_root()
+        _remove_contents(child, root)
+    finally:
+        os.close(child)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=dir_fd)
+    return True
 
 
 @_oserrors

@@ -115,6 +115,20 @@ def test_a_symlink_to_root_is_a_symlink_to_unlink(links: Path) -> None:
     assert st is not None and os.path.islink(path)
 
 
+def test_a_tree_is_removed_without_following_its_symlinks(links: Path) -> None:
+    outside = links / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text("keep")
+    tree = links / "tree"
+    (tree / "d" / "e").mkdir(parents=True)
+    (tree / "d" / "e" / "f").write_text("x")
+    (tree / "d" / "to-outside").symlink_to(outside)
+    (tree / "dangling").symlink_to(links / "missing")
+    fs.remove(str(tree), True, False)
+    assert not tree.exists()
+    assert (outside / "sentinel").read_text() == "keep"
+
+
 def test_an_ordinary_directory_is_not_root(links: Path) -> None:
     path, st = decide(f"{links}/a/b")
     assert path == f"{links}/a/b" and st is not None
@@ -268,6 +282,10 @@ ln -s ../.. "$root/tmp/a/escape"
 ln -s ../../.. "$root/tmp/a/b/up"
 mkdir "$root/tmp/dir"
 ln -s / "$root/tmp/dir/rootlink"
+mkdir -p "$root/tmp/tree/a" "$root/tmp/tree/m/rootbind"
+echo x > "$root/tmp/tree/a/f"
+ln -s / "$root/tmp/tree/link"
+mount --bind "$root" "$root/tmp/tree/m/rootbind"
 cd /
 exec chroot "$root" "$EXEC_SERVER_PYTHON" -m execserver
 """
@@ -359,5 +377,9 @@ def test_remove_refuses_every_spelling_of_root_through_the_real_server(
     }
     after = sandbox.answer("fs/readDirectory", {"path": "/tmp/dir"})["result"]["entries"]
     assert after == []
+    # A tree holding a bind mount of / is removed up to it, never into it.
+    assert sandbox.answer("fs/remove", {"path": "/tmp/tree"}).get("error") == ROOT_ERROR
+    meta = sandbox.answer("fs/getMetadata", {"path": "/tmp/tree/m/rootbind/sentinel"})
+    assert meta["result"]["isFile"] is True
     data = sandbox.answer("fs/readFile", {"path": "/sentinel"})
     assert base64.b64decode(data["result"]["dataBase64"]) == b"keep\n"
