@@ -1,8 +1,8 @@
 """The two ways to run the server: ``twistd exec-server`` and the ``exec-server`` script.
 
 The twistd plugin is found only when the package is installed (``pip install
-.``, as CI and the README do); the server code itself always comes from this
-working tree (PYTHONPATH points at it).
+.``, as CI and the README do); the scripts run are the installed ones next to
+``sys.executable``, with no path to this checkout (``tests/test_installed.py``).
 """
 
 from __future__ import annotations
