@@ -10,8 +10,9 @@ thread; because the reactor thread changes directory around
 ``posix_spawn``, everything here works on absolute paths only.
 
 No operation may hold a pool thread without bound: nothing non-regular
-(FIFO, device, socket) is ever opened for reading or writing, everything is
-opened ``O_NONBLOCK`` and checked with ``fstat`` first; a request waits for
+(FIFO, device, socket) is ever opened for reading or writing (files are
+opened ``O_NONBLOCK`` and checked with ``fstat`` before any read or write,
+directories ``O_DIRECTORY``); a request waits for
 a free thread at most ``fs_wait_timeout_ms``; and the pool reports itself
 wedged (``/readyz``) when every thread has been busy on one operation for
 longer than ``fs_stall_ms``. ``fs/readFile`` replies are charged to a
