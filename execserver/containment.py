@@ -76,7 +76,11 @@ _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
 
 class ContainmentError(Exception):
-    """The requested containment mode cannot be used on this host."""
+    """The requested containment mode cannot be used, or a process cannot be contained."""
+
+    def __init__(self, message: str, errno: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 # --- /proc ------------------------------------------------------------------------
@@ -605,7 +609,15 @@ class Containment:
         else:
             self._serial += 1
             path = os.path.join(self._parent, str(self._serial))
-            os.mkdir(path)
+            try:
+                os.mkdir(path)
+            except OSError as exc:
+                # E.g. cgroup.max.descendants reached: refuse the process
+                # rather than start it uncontained.
+                raise ContainmentError(
+                    f"cannot create a cgroup for the process: {exc.strerror}",
+                    exc.errno or 0,
+                ) from None
         procs = os.path.join(path, "cgroup.procs")
         entered = False
         try:

@@ -45,7 +45,7 @@ from twisted.internet import process as _twisted_process
 from twisted.internet.interfaces import IProcessProtocol, IReactorCore
 from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
 
-from execserver.containment import Containment, ProcessTree
+from execserver.containment import Containment, ContainmentError, ProcessTree
 from execserver.errors import RpcError
 
 READ_SIZE: Final = 256 * 1024
@@ -357,7 +357,10 @@ class _PosixSpawned:
         if self._containment is None:
             self.pid = create()
         else:
-            self.pid, self.tree = self._containment.spawn(create)
+            try:
+                self.pid, self.tree = self._containment.spawn(create)
+            except ContainmentError as exc:
+                raise SpawnError("spawnFailed", exc.errno, str(exc)) from None
         self.status = -1
         return True
 

@@ -10,6 +10,7 @@ wall timeout, server SIGTERM) none may be left, on both containment modes.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shlex
@@ -361,3 +362,42 @@ def own_cgroup_dir() -> str:
     """The cgroup the test (and so every server it starts) runs in."""
     assert CGROUP2 is not None
     return os.path.normpath(f"{CGROUP2}/{own_cgroup()}")
+
+
+@needs_cgroup
+@pytest_twisted.ensureDeferred
+async def test_a_process_that_cannot_get_a_cgroup_is_refused_not_started_uncontained() -> None:
+    server = ServerProcess.start(*server_args("cgroup"))
+    try:
+        await server.handshake()
+        (parent,) = [
+            name
+            for name in os.listdir(own_cgroup_dir())
+            if name.startswith(f"exec-server-{server.pid}-ns")
+        ]
+        # One per-process cgroup at most under the server's.
+        with open(os.path.join(own_cgroup_dir(), parent, "cgroup.max.descendants"), "w") as f:
+            f.write("1")
+        await server.start_process("first", ["sleep", "300"])
+        response = await server.request(
+            "process/start",
+            {
+                "processId": "second",
+                "argv": ["sleep", "300"],
+                "cwd": "/",
+                "env": child_env(),
+                "tty": False,
+                "arg0": None,
+            },
+        )
+        assert response["error"]["code"] == -32603
+        assert response["error"]["message"] == (
+            "cannot create a cgroup for the process: Resource temporarily unavailable"
+        )
+        assert response["error"]["data"] == {"kind": "spawnFailed", "errno": errno.EAGAIN}
+        listed = await server.call("process/list", {})
+        assert [p["processId"] for p in listed["processes"]] == ["first"]
+        await server.call("process/terminate", {"processId": "first"})
+        await server.wait_closed("first")
+    finally:
+        await server.stop()

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from twisted.internet import error, task
+from twisted.python.failure import Failure
 
 from execserver import containment as c
 from execserver.containment import Containment, ProcInfo, ScanTree
+from execserver.processes import KILL_WAIT_LIMIT, ManagedProcess
 
 ME = os.getpid()
 BORN = 1000
@@ -186,3 +191,132 @@ def test_read_proc_of_this_process() -> None:
     assert 0 < me.start <= c.boot_ticks()
     assert not me.zombie
     assert c.read_proc(2**22 + 7) is None
+
+
+# --- ManagedProcess over a fake tree ---------------------------------------------------------
+
+
+class FakeTree:
+    """A tree whose members die only when told to."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.kills = 0
+        self.members = 1
+        self.released = False
+        self.on_empty: Callable[[], None] | None = None
+
+    def signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+    def kill(self) -> None:
+        self.kills += 1
+
+    def alive(self) -> bool:
+        return self.members > 0
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        self.on_empty = callback
+
+    def release(self) -> None:
+        self.released = True
+
+
+class Transport:
+    pid = 4242
+
+    def __init__(self, tree: FakeTree) -> None:
+        self.tree = tree
+
+    def loseConnection(self) -> None:
+        pass
+
+
+class Quiet:
+    def process_output(self, proc: ManagedProcess, stream: Any, data: bytes, seq: int) -> None:
+        pass
+
+    def process_exited(self, proc: ManagedProcess) -> None:
+        pass
+
+    def process_closed(self, proc: ManagedProcess) -> None:
+        pass
+
+
+def contained() -> tuple[ManagedProcess, FakeTree, task.Clock]:
+    clock = task.Clock()
+    tree = FakeTree()
+    proc = ManagedProcess("p", False, 1 << 20, Quiet(), clock)
+    proc.makeConnection(Transport(tree))
+    return proc, tree, clock
+
+
+def close(proc: ManagedProcess, reason: Failure) -> None:
+    proc.processExited(reason)
+    proc.processEnded(reason)
+
+
+def test_terminate_signals_the_tree_not_only_the_group() -> None:
+    proc, tree, clock = contained()
+    proc.terminate(1.0)
+    assert tree.signals == [signal.SIGTERM, signal.SIGCONT]
+    clock.advance(1.0)
+    assert tree.kills == 1
+
+
+def test_finished_only_once_the_tree_is_empty_after_the_sigkill() -> None:
+    proc, tree, clock = contained()
+    proc.terminate(0)
+    close(proc, Failure(error.ProcessTerminated(None, signal.SIGKILL, None)))
+    assert proc.closed
+    assert not proc.finished  # a member (say, mid-fork) is still there
+    kills = tree.kills
+    clock.advance(0.01)
+    assert tree.kills > kills, "the kill is repeated while members remain"
+    tree.members = 0
+    clock.advance(0.02)
+    assert proc.finished
+    assert tree.released
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_member_that_cannot_die_is_given_up_on_after_the_limit() -> None:
+    proc, _, clock = contained()
+    proc.terminate(0)
+    close(proc, Failure(error.ProcessTerminated(None, signal.SIGKILL, None)))
+    finished = proc.when_finished()
+    clock.pump([0.5] * int(KILL_WAIT_LIMIT / 0.5 - 1))
+    assert not finished.called
+    clock.pump([0.5, 0.5])
+    assert finished.called
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_tree_that_empties_on_its_own_finishes_a_lingering_process() -> None:
+    proc, tree, _ = contained()
+    close(proc, Failure(error.ProcessDone(0)))
+    assert not proc.finished
+    assert tree.on_empty is not None
+    tree.members = 0
+    tree.on_empty()
+    assert proc.finished
+    assert tree.released
+    proc.terminate(1.0)
+    assert tree.signals == []
+
+
+def test_containment_sweep_reports_emptied_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweep must not reap this test process's own children.
+    monkeypatch.setattr(c, "reap_unknown_children", list)
+    clock = task.Clock()
+    containment = Containment("subreaper", clock)
+    tree = FakeTree()
+    emptied: list[bool] = []
+    tree.emptied = lambda: emptied.append(True)  # type: ignore[attr-defined]
+    containment._linger(tree)  # type: ignore[arg-type]
+    clock.advance(c.SWEEP_INTERVAL)
+    assert emptied == []
+    tree.members = 0
+    clock.advance(c.SWEEP_INTERVAL)
+    assert emptied == [True]
+    assert clock.getDelayedCalls() == []
