@@ -1,38 +1,114 @@
-"""The ``exec-server`` console script: the same service as the twistd plugin."""
+"""The ``exec-server`` console script: the same service as the twistd plugin.
+
+Differences from ``twistd exec-server``: log lines go to stderr (stdout
+carries protocol messages only), only warnings and errors are logged unless
+``-v`` is given, and a server reading requests from a terminal says how to
+type one.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import TextIO
 
+from twisted.logger import (
+    FilteringLogObserver,
+    ILogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    textFileLogObserver,
+)
 from twisted.python import usage
+
+from execserver.service import Options, StdioAddress
+
+PROG = "exec-server"
+
+#: The last line of ``--help``, kept on a line of its own.
+SECURITY_NOTE = "Security: anyone who can connect can run commands; bind to loopback (127.0.0.1)."
+
+#: Printed on stderr when stdin is a terminal and stdio:// is listened on.
+TTY_HINT = (
+    f"{PROG}: reading JSON-RPC requests from this terminal, one per line, e.g. "
+    '{"id":1,"method":"initialize","params":{"clientName":"me"}}'
+    " - Ctrl-D quits"
+)
+
+
+class ServerOptions(Options):
+    """The twistd plugin's options, plus the script's own ``--verbose``."""
+
+    synopsis = f"Usage: {PROG} [--listen URL]... [options]"
+    longdesc = (
+        "Serve the exec-server JSON-RPC protocol: start and steer processes and read "
+        "and write files for a client. By default it speaks JSON-RPC on its "
+        "stdin/stdout, one message per line (--listen stdio://); --listen "
+        "ws://IP:PORT serves WebSocket clients (repeatable)."
+    )
+    optFlags = [
+        [
+            "verbose",
+            "v",
+            "Also log informational messages (listeners, connections, shutdown); "
+            "warnings and errors are always logged.",
+        ],
+    ]
+
+    def getUsage(self, width: int | None = None) -> str:
+        return f"{super().getUsage(width)}\n{SECURITY_NOTE}"
+
+
+def log_observer(stream: TextIO, verbose: bool) -> ILogObserver:
+    """Text lines on ``stream``: warnings and worse, or everything with ``verbose``."""
+    level = LogLevel.info if verbose else LogLevel.warn
+    return FilteringLogObserver(
+        textFileLogObserver(stream), [LogLevelFilterPredicate(defaultLogLevel=level)]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    from execserver.service import Options
-
-    options = Options()
+    options = ServerOptions()
     try:
         options.parseOptions(sys.argv[1:] if argv is None else argv)
     except usage.UsageError as exc:
-        print(f"exec-server: {exc}", file=sys.stderr)
-        print("Try `exec-server --help` for usage.", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(f"Try `{PROG} --help` for usage.", file=sys.stderr)
         raise SystemExit(2) from None
 
     from twisted.internet import reactor
-    from twisted.logger import globalLogBeginner, textFileLogObserver
+    from twisted.logger import globalLogBeginner
 
-    globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stderr)], redirectStandardIO=False)
+    globalLogBeginner.beginLoggingTo(
+        [log_observer(sys.stderr, bool(options["verbose"]))], redirectStandardIO=False
+    )
     from execserver.service import build_service
 
     try:
         service = build_service(options, reactor)
-        service.startService()
     except Exception as exc:
-        print(f"exec-server: cannot start: {exc}", file=sys.stderr)
+        print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
+    failed: list[int] = []
+
+    def start() -> None:
+        # Started once the reactor runs, so its SIGTERM/SIGINT handlers are
+        # in place before a listener is announced: a supervisor that signals
+        # the server as soon as it reads "listening on" gets a clean stop.
+        try:
+            service.startService()
+        except Exception as exc:
+            print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
+            failed.append(1)
+            reactor.stop()
+            return
+        reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
+        if os.isatty(0) and any(isinstance(a, StdioAddress) for a in options["listen"]):
+            print(TTY_HINT, file=sys.stderr, flush=True)
+
+    reactor.callWhenRunning(start)
     reactor.run()
-    raise SystemExit(getattr(service, "exit_code", 0))
+    raise SystemExit(failed[0] if failed else getattr(service, "exit_code", 0))
 
 
 if __name__ == "__main__":
