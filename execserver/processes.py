@@ -54,6 +54,11 @@ def signal_name(signum: int) -> str:
 KILL_WAIT_LIMIT = 5.0
 
 
+#: How often a process group that outlived its leader's output is checked
+#: for being empty (without containment; the containment sweeps its own).
+GROUP_SWEEP_INTERVAL = 1.0
+
+
 class ProcessGroup:
     """The tree of a process without containment: its process group only.
 
@@ -64,6 +69,8 @@ class ProcessGroup:
     def __init__(self, proc: ManagedProcess, pgid: int) -> None:
         self._proc = proc
         self._pgid = pgid
+        self._sweep: IDelayedCall | None = None
+        self._on_empty: Callable[[], None] | None = None
 
     def signal(self, signum: int) -> None:
         self._proc._kill(self._pgid, signum)
@@ -75,12 +82,22 @@ class ProcessGroup:
         return self._proc._group_alive(self._pgid)
 
     def when_empty(self, callback: Callable[[], None]) -> None:
-        # Nothing sweeps a bare group: a terminate (or the session's end)
-        # finds out.
-        pass
+        self._on_empty = callback
+        self._sweep = self._proc._clock.callLater(GROUP_SWEEP_INTERVAL, self._check)
+
+    def _check(self) -> None:
+        self._sweep = None
+        if self.alive():
+            self._sweep = self._proc._clock.callLater(GROUP_SWEEP_INTERVAL, self._check)
+            return
+        callback, self._on_empty = self._on_empty, None
+        if callback is not None:
+            callback()
 
     def release(self) -> None:
-        pass
+        if self._sweep is not None and self._sweep.active():
+            self._sweep.cancel()
+        self._sweep = None
 
 
 class ManagedProcess(ProcessProtocol):

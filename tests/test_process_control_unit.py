@@ -318,6 +318,19 @@ def test_the_end_of_the_whole_tree_cancels_the_timeouts() -> None:
     assert clock.getDelayedCalls() == []
 
 
+def test_a_group_that_outlived_the_close_finishes_once_it_is_empty() -> None:
+    proc, clock, group, _, _ = make_process()
+    finished = proc.when_finished()
+    end(proc, Failure(error.ProcessDone(0)))
+    clock.advance(1.0)
+    assert not finished.called
+    group.alive = False  # the background member exits on its own
+    clock.advance(1.0)
+    assert finished.called
+    assert group.sent == []
+    assert clock.getDelayedCalls() == []
+
+
 def test_the_wall_timeout_still_ends_a_tree_that_outlived_the_close() -> None:
     # A daemon left behind by a leader that exited normally.
     proc, clock, group, observer, _ = make_process()
