@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,18 @@ def server_on_a_terminal(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], 
             if stream is not None:
                 stream.close()
         os.close(master)
+
+
+def wait_for_sigterm_handler(pid: int) -> None:
+    """Until ``pid`` catches SIGTERM (its ``SigCgt`` mask in /proc), bounded."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+        if int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)):
+            return
+        select.select([], [], [], 0.01)
+    raise TimeoutError(f"pid {pid} installed no SIGTERM handler within {TIMEOUT}s")
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess[str]:
@@ -222,6 +235,37 @@ def test_warnings_are_logged_without_verbose() -> None:
     server.send_raw(b'{"id":7,"result":{}}\n')
     assert server.stop() == 0
     assert "protocol error" in server.stderr_text()
+
+
+def test_twistd_foreground_logs_to_stdout_with_websocket_listeners_only(tmp_path: Path) -> None:
+    # What docs/operations.md says of `twistd -n` (for stdio, where the log
+    # goes to stderr, see test_twistd_and_cli.py).
+    proc = subprocess.Popen(
+        [console_script("twistd"), "-n", "exec-server", "--listen", "ws://127.0.0.1:0"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=server_env(),
+        cwd=str(tmp_path),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        err = Reader(proc.stderr.fileno())
+        assert err.line().startswith(b"exec-server listening on ws://127.0.0.1:")
+        # twistd announces listeners before its reactor runs and takes SIGTERM.
+        wait_for_sigterm_handler(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        # After a clean stop twistd exits by re-raising the signal that stopped it.
+        assert proc.wait(TIMEOUT) == -signal.SIGTERM
+        out = Reader(proc.stdout.fileno()).rest()
+        assert b"Main loop terminated." in out
+        assert err.rest() == b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(TIMEOUT)
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 # --- README's 30-second session -------------------------------------------------------------
