@@ -339,21 +339,22 @@ async def test_a_restarted_server_kills_what_a_crashed_one_left_in_its_cgroups()
     await wait_started(markers)
     crashed.kill("KILL")
     await crashed.stop()
-    # SIGKILL gives the server no chance: its processes live on in its cgroups.
-    assert all(live(marker) for marker in markers.values())
-    leftovers = [
+    # SIGKILL gives the server no chance: its processes live on in its
+    # cgroups until a server starts in the same cgroup. (On a shared host
+    # any server started meanwhile, e.g. by a parallel test run, may be the
+    # one that cleans up, so neither the survivors nor the log line are
+    # asserted here: only that nothing is left once ours has started.)
+    leftover = [
         name
         for name in os.listdir(own_cgroup_dir())
         if name.startswith(f"exec-server-{crashed.pid}-ns")
     ]
-    assert len(leftovers) == 1
     server = ServerProcess.start(*server_args("cgroup"))
     try:
         await server.handshake()
-        # (Any server started here meanwhile, e.g. by a parallel test run,
-        # may be the one that cleans up: the stderr line is not asserted.)
         await assert_gone(markers)
-        assert not os.path.exists(os.path.join(own_cgroup_dir(), leftovers[0]))
+        for name in leftover:
+            assert not os.path.exists(os.path.join(own_cgroup_dir(), name))
     finally:
         await server.stop()
 

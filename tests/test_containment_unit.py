@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from twisted.internet import error, task
@@ -320,3 +320,51 @@ def test_containment_sweep_reports_emptied_trees(monkeypatch: pytest.MonkeyPatch
     clock.advance(c.SWEEP_INTERVAL)
     assert emptied == [True]
     assert clock.getDelayedCalls() == []
+
+
+# --- leftovers of a crashed server (real cgroups) ----------------------------------------------
+
+CGROUP2 = c.find_cgroup2_mount()
+OWN_DIR = os.path.normpath(f"{CGROUP2}/{c.own_cgroup()}") if CGROUP2 else ""
+
+
+@pytest.mark.skipif(
+    not OWN_DIR or not os.access(OWN_DIR, os.W_OK), reason="no writable cgroup v2 here"
+)
+def test_leftover_cgroups_of_a_dead_server_are_emptied_and_removed() -> None:
+    import subprocess
+
+    from twisted.logger import ILogObserver, globalLogPublisher
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that is no longer running
+    # A pid namespace id no real server has: only this call considers it.
+    fake_ns = 1
+    leftover = os.path.join(OWN_DIR, f"{c.CGROUP_PREFIX}{gone.pid}-ns{fake_ns}")
+    alive_server = os.path.join(OWN_DIR, f"{c.CGROUP_PREFIX}{os.getpid()}-ns{fake_ns}")
+    os.makedirs(os.path.join(leftover, "7"))
+    os.mkdir(alive_server)
+    member = subprocess.Popen(["sleep", "300"])
+    events: list[dict[str, Any]] = []
+    observer = cast(ILogObserver, events.append)
+    globalLogPublisher.addObserver(observer)
+    try:
+        with open(os.path.join(leftover, "7", "cgroup.procs"), "w") as f:
+            f.write(str(member.pid))
+        Containment()._cleanup_leftovers(OWN_DIR, fake_ns)
+        assert member.wait(10) == -signal.SIGKILL
+        assert not os.path.exists(leftover)
+        # The cgroup of a server that still runs (this process) is kept.
+        assert os.path.isdir(alive_server)
+        assert any(
+            e.get("log_format", "").startswith("removed {what} cgroup") and e["path"] == leftover
+            for e in events
+        )
+    finally:
+        globalLogPublisher.removeObserver(observer)
+        if member.poll() is None:
+            member.kill()
+            member.wait()
+        for path in (os.path.join(leftover, "7"), leftover, alive_server):
+            if os.path.isdir(path):
+                os.rmdir(path)
