@@ -30,7 +30,22 @@ from tests.raw_server import RawServer
 from tests.ws_harness import WsServerProcess, connect
 
 GRACE_MS = 300
-MODES = ["cgroup", "subreaper"]
+CGROUP2 = find_cgroup2_mount()
+_OWN = own_cgroup()
+#: The cgroup the test (and so every server it starts) runs in.
+OWN_CGROUP_DIR = os.path.normpath(f"{CGROUP2}/{_OWN}") if CGROUP2 and _OWN is not None else ""
+needs_cgroup = pytest.mark.skipif(
+    not OWN_CGROUP_DIR or not os.access(OWN_CGROUP_DIR, os.W_OK),
+    reason="no writable cgroup v2 here",
+)
+needs_mount_namespace = pytest.mark.skipif(
+    CGROUP2 is None or os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root, unshare and a cgroup v2 mount to hide",
+)
+
+# The cgroup mode refuses to start where cgroup v2 is not writable (e.g. an
+# unprivileged container): its half of the matrix is skipped there.
+MODES = [pytest.param("cgroup", marks=needs_cgroup), "subreaper"]
 PY = sys.executable
 
 # Each escapes the process group of the leader it was started from; the
@@ -268,15 +283,6 @@ async def test_server_sigterm_reaches_every_escapee(mode: str) -> None:
 
 # --- choosing the mode; a crashed server --------------------------------------------------
 
-CGROUP2 = find_cgroup2_mount()
-needs_cgroup = pytest.mark.skipif(
-    CGROUP2 is None or not os.access(CGROUP2, os.W_OK), reason="no writable cgroup v2 here"
-)
-needs_mount_namespace = pytest.mark.skipif(
-    CGROUP2 is None or os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="needs root, unshare and a cgroup v2 mount to hide",
-)
-
 
 def without_cgroup2(*args: str) -> list[str]:
     """exec-server ARGS in a mount namespace where cgroup v2 is not mounted."""
@@ -360,9 +366,8 @@ async def test_a_restarted_server_kills_what_a_crashed_one_left_in_its_cgroups()
 
 
 def own_cgroup_dir() -> str:
-    """The cgroup the test (and so every server it starts) runs in."""
-    assert CGROUP2 is not None
-    return os.path.normpath(f"{CGROUP2}/{own_cgroup()}")
+    assert OWN_CGROUP_DIR
+    return OWN_CGROUP_DIR
 
 
 @needs_cgroup
