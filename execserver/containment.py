@@ -211,8 +211,7 @@ class ProcessTree(Protocol):
     def when_empty(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, when a periodic check finds no member left.
 
-        Used for trees that outlive their leader's output (a daemon); a tree
-        without a server-wide sweep never calls it.
+        Used for trees that outlive their leader's output (a daemon).
         """
 
     def release(self) -> None:
@@ -667,6 +666,8 @@ class Containment:
     def _add(self, tree: Tree) -> None:
         self._trees.add(tree)
         if isinstance(tree, ScanTree):
+            # A scan from before this tree existed knows none of its members.
+            self._scanned_at = -1.0
             self._schedule()
 
     def _linger(self, tree: Tree) -> None:

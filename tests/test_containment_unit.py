@@ -368,3 +368,24 @@ def test_leftover_cgroups_of_a_dead_server_are_emptied_and_removed() -> None:
         for path in (os.path.join(leftover, "7"), leftover, alive_server):
             if os.path.isdir(path):
                 os.rmdir(path)
+
+
+def test_a_burst_of_signals_shares_one_scan_but_a_new_tree_forces_a_fresh_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scans: list[int] = []
+
+    def table() -> dict[int, ProcInfo]:
+        scans.append(1)
+        return {}
+
+    monkeypatch.setattr(c, "proc_table", table)
+    monkeypatch.setattr(c, "reap_unknown_children", list)
+    containment = owner()
+    containment._add(ScanTree(containment, 100, BORN))
+    containment._rescan()
+    containment._rescan()
+    assert len(scans) == 1
+    containment._add(ScanTree(containment, 300, BORN + 5))
+    containment._rescan()
+    assert len(scans) == 2
