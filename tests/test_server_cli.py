@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,6 +211,7 @@ def test_default_logging_is_quiet_and_verbose_brings_it_back() -> None:
 
 
 def test_websocket_listener_logs_only_its_banner_by_default() -> None:
+    # A client connects, runs a command and leaves; a probe asks /readyz.
     for args, noisy in (((), False), (("--verbose",), True)):
         with server_on_a_terminal("--listen", "ws://127.0.0.1:0", *args) as (proc, _):
             assert proc.stderr is not None
@@ -217,6 +219,19 @@ def test_websocket_listener_logs_only_its_banner_by_default() -> None:
             banner = b""
             while b"listening on" not in banner:
                 banner = err.line()
+            url = banner.split()[-1].decode()
+            client = subprocess.run(
+                [console_script("exec-server-client"), "run", "--url", url, "--", "true"],
+                check=False,
+                capture_output=True,
+                timeout=30,
+                env=server_env(),
+                stdin=subprocess.DEVNULL,
+            )
+            assert client.returncode == 0, client.stderr
+            host_port = url.removeprefix("ws://")
+            with urllib.request.urlopen(f"http://{host_port}/readyz", timeout=TIMEOUT) as r:
+                assert r.status == 200
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(TIMEOUT) == 0
             rest = err.data + err.rest()
