@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest_twisted
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
@@ -380,6 +380,73 @@ async def test_pty_session_echo_ctrl_c_and_exit() -> None:
     finally:
         if not cli.ended.called:
             cli.signal("KILL")
+
+
+class _FakeProc:
+    """What _Interrupts asks of a RemoteProcess, recorded."""
+
+    def __init__(self) -> None:
+        self.has_exited = False
+        self.calls: list[str] = []
+
+    def send_signal(self, name: str) -> Deferred[None]:
+        self.calls.append(f"signal {name}")
+        return succeed(None)
+
+    def terminate(self, grace_ms: int | None = None) -> Deferred[None]:
+        self.calls.append(f"terminate grace={grace_ms}")
+        return succeed(None)
+
+
+class _FakeClient:
+    def __init__(self, methods: set[str]) -> None:
+        self.methods = methods
+
+    def supports(self, method: str) -> bool:
+        return method in self.methods
+
+
+def _interrupts(signals: list[int], server_signals: bool = True) -> tuple[list[str], list[str]]:
+    from execserver.client.cli import _Interrupts
+
+    proc = _FakeProc()
+    notes: list[str] = []
+    client = _FakeClient({"process/signal"} if server_signals else set())
+    interrupts = _Interrupts(proc, client, "make", notes.append)  # type: ignore[arg-type]
+    for signum in signals:
+        interrupts.on_signal(signum)
+    return proc.calls, notes
+
+
+def test_interrupt_escalation_steps() -> None:
+    sigint, sigterm = signal.SIGINT, signal.SIGTERM
+    calls, notes = _interrupts([sigint, sigint, sigint, sigint])
+    assert calls == [
+        "signal SIGINT",
+        "terminate grace=None",
+        "terminate grace=0",
+        "terminate grace=0",
+    ]
+    assert notes[0] == "terminating `make` (interrupt again to kill it at once)"
+    assert notes[1:] == ["killing `make`", "killing `make`"]
+    # SIGTERM (or SIGHUP) of the client skips the SIGINT step.
+    assert _interrupts([sigterm, sigint])[0] == ["terminate grace=None", "terminate grace=0"]
+    assert _interrupts([sigint, sigterm])[0] == ["signal SIGINT", "terminate grace=None"]
+    # A baseline server has no process/signal: terminate comes first.
+    assert _interrupts([sigint, sigint], server_signals=False)[0] == [
+        "terminate grace=None",
+        "terminate grace=0",
+    ]
+
+
+def test_no_interrupt_is_sent_once_the_process_exited() -> None:
+    from execserver.client.cli import _Interrupts
+
+    proc = _FakeProc()
+    proc.has_exited = True
+    interrupts = _Interrupts(proc, _FakeClient({"process/signal"}), "x", print)  # type: ignore[arg-type]
+    interrupts.on_signal(signal.SIGINT)
+    assert proc.calls == []
 
 
 def test_terminal_size_helper_ignores_non_terminals() -> None:
