@@ -1,4 +1,4 @@
-"""Server settings, with the defaults documented in extensions.md §5."""
+"""Server settings, with the defaults documented in docs/operations.md."""
 
 from __future__ import annotations
 

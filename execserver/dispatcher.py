@@ -132,7 +132,7 @@ class Dispatcher:
         self.add_route(p.PROCESS_READ, p.ReadParams, lambda c, a: c.session.read(a))
         self.add_route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: c.session.write(a))
         self.add_route(p.PROCESS_TERMINATE, p.TerminateParams, lambda c, a: c.session.terminate(a))
-        # Process-control extensions (extensions.md §4), listed in capabilities.
+        # Process-control extensions (docs/process-control.md), listed in capabilities.
         self.add_route(p.PROCESS_SIGNAL, p.SignalParams, lambda c, a: c.session.signal(a))
         self.add_route(
             p.PROCESS_CLOSE_STDIN, p.CloseStdinParams, lambda c, a: c.session.close_stdin(a)

@@ -7,7 +7,7 @@ fields travel as standard base64 strings, which msgspec encodes and decodes
 in C.
 
 Baseline fields come first, in the reference's order; fields this server
-adds (see ``extensions.md``) follow and are omitted when unset, so a
+adds (see ``docs/protocol.md``) follow and are omitted when unset, so a
 baseline client sees exactly the baseline shapes.
 """
 
@@ -127,7 +127,7 @@ class ExecParams(_Wire):
     tty: bool
     arg0: str | None = None
     sandbox: SandboxConfig | None = None
-    # Extensions (extensions.md §2); each default is the baseline behaviour.
+    # Extensions (docs/process-control.md); each default is the baseline behaviour.
     pipe_stdin: bool = False
     size: TerminalSize | None = None
     #: 0 or absent: no limit.
@@ -218,7 +218,7 @@ class ClosedNotification(msgspec.Struct, rename="camel"):
     seq: int
 
 
-# --- process control extensions (extensions.md §4) --------------------------
+# --- process control extensions (docs/process-control.md) -----------------
 
 
 class SignalParams(_Wire):

@@ -8,7 +8,7 @@ output (long-polling on output or exit), and emits ``process/output``,
 also the flow-control producer of its connection: when the transport's
 outgoing buffer is full, every child's output pipe stops being read.
 
-The process-control extensions (``extensions.md`` §2-§4: signal, closeStdin,
+The process-control extensions (``docs/process-control.md``: signal, closeStdin,
 resize, wait, list, timeouts, graceful terminate) are handled here too; the
 timers and the escalation themselves live in :class:`ManagedProcess`.
 """

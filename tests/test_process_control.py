@@ -1,6 +1,6 @@
 """Process control beyond the reference (issue 5), through the real server over stdio.
 
-Covers extensions.md §2-§4: ``pipeStdin``, ``size``, ``timeoutMs``,
+Covers docs/process-control.md: ``pipeStdin``, ``size``, ``timeoutMs``,
 ``idleTimeoutMs``, ``process/signal``, ``process/closeStdin``,
 ``process/resize``, ``process/wait``, ``process/list``, ``graceMs``, the
 ``signal``/``timedOut`` exit fields and ``process/closed``; process trees are

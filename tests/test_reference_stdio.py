@@ -1,6 +1,6 @@
 """The reference's wire-observable behaviour, ported, against the real server over stdio.
 
-Sources (``/work/shared/spec``): the handler tests, the routing tests,
+Sources (the reference implementation's own test suite): the handler tests, the routing tests,
 ``tests/stdio_smoke.rs`` and the client tests that describe what the server
 does. Each test names the reference test it ports where there is one.
 """

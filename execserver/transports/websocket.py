@@ -14,7 +14,7 @@ upgrade, so no web framework sits in front of the socket.
 Size limits are ours, not Autobahn's: Autobahn's ``maxMessagePayloadSize``
 also caps *outgoing* messages and closes the connection, whereas a too-large
 message here is discarded as it streams in, answered with an ``id: null``
-error, and the connection stays usable (extensions.md section 5).
+error, and the connection stays usable (docs/protocol.md, "Bad framing is answered, not fatal").
 
 Messages still being received (fragments, or one large frame arriving in
 pieces) are held in memory until complete. Their bytes, over all
