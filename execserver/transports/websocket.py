@@ -662,7 +662,15 @@ class WebSocketService(Service):
         bound = self.port.getHost()
         url = type(self.address)(bound.host, bound.port)  # type: ignore[attr-defined]
         self.url = str(url)
-        self._banner(f"exec-server listening on {self.url}")
+        # twistd starts services before the reactor runs, i.e. before its
+        # SIGTERM/SIGINT handlers exist: announce the listener only once they
+        # do, so a supervisor that signals on "listening on" gets a clean stop.
+        # (Under a running reactor this is immediate.)
+        when_running = getattr(self.reactor, "callWhenRunning", None)
+        if when_running is None:
+            self._banner(f"exec-server listening on {self.url}")
+        else:
+            when_running(self._banner, f"exec-server listening on {self.url}")
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
