@@ -100,6 +100,10 @@ _KINDS: Final[dict[int, str]] = {
     errno.ENXIO: "noSuchDeviceOrAddress",
     errno.EIO: "io",
     errno.EAGAIN: "wouldBlock",
+    # The server's descriptors ran out (processes hold most of them): the
+    # same kind process/start reports, so a client can back off either way.
+    errno.EMFILE: "tooManyOpenFiles",
+    errno.ENFILE: "tooManyOpenFiles",
 }
 
 

@@ -172,6 +172,9 @@ def test_os_errors_read_like_rust() -> None:
     error = fs.os_error(OSError(errno.EINVAL, "x"))
     assert (error.code, error.data["kind"]) == (-32600, "invalidInput")
     assert fs.os_error(OSError(errno.ENOSPC, "x")).data == {"kind": "noSpace", "errno": 28}
+    error = fs.os_error(OSError(errno.EMFILE, "x"))
+    assert (error.code, error.message) == (-32603, "Too many open files (os error 24)")
+    assert error.data == {"kind": "tooManyOpenFiles", "errno": 24}
 
 
 # --- readFile / writeFile -------------------------------------------------------
