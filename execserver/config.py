@@ -38,3 +38,7 @@ class ServerConfig:
     fs_wait_timeout_ms: int = 30_000
     #: /readyz fails once every fs pool thread is this long on one operation.
     fs_stall_ms: int = 10_000
+    #: Longest a session may outlive its connection (0: sessions end with it).
+    max_session_ttl_ms: int = 600_000
+    #: Session lifetime after a disconnect for clients that do not ask.
+    default_session_ttl_ms: int = 0

@@ -32,6 +32,7 @@ from execserver import __version__, codec, filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
+from execserver.registry import ANONYMOUS, SessionRegistry
 from execserver.session import Session
 from execserver.spawn import Spawner
 from execserver.waiters import Waiters
@@ -126,6 +127,9 @@ class Dispatcher:
         self.capabilities = list(capabilities)
         self.stats = Stats()
         self.connections: set[Connection] = set()
+        #: Sessions that may outlive their connection (server-wide).
+        self.sessions = SessionRegistry(clock)
+        self._stopping = False
         self.routes: dict[str, Route] = {}
         self.add_route(p.INITIALIZE, p.InitializeParams, _initialize, family=None)
         self.add_route(p.PROCESS_START, p.ExecParams, lambda c, a: c.session.start(a))
@@ -174,22 +178,52 @@ class Dispatcher:
         """Why the server should not get new work now (for /readyz), or None."""
         return self.fs.stall_reason()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     def shutdown(self) -> Deferred[None]:
-        """Shut every connection down (terminating all processes)."""
+        """Shut every connection down and end detached sessions (terminating all processes)."""
+        self._stopping = True
         waits = [conn.shutdown() for conn in list(self.connections)]
+        waits.append(self.sessions.shutdown())
         return DeferredList(waits).addCallback(lambda _: None)
 
 
 def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:
     if conn.initialize_requested:
         raise RpcError.invalid_request("initialize may only be sent once per connection")
+    config = conn.dispatcher.config
+    registry = conn.dispatcher.sessions
+    if params.resume_session_id is not None:
+        # Checked before anything changes: a refused resume leaves this
+        # connection as it was (it may initialize again or resume later).
+        session = registry.take_over(params.resume_session_id, conn.identity)
+        conn.adopt(session)
+    else:
+        session = conn.session
+        session.owner = conn.identity
+        if params.on_detached_full is not None:
+            session.on_detached_full = params.on_detached_full
+    if conn.resumable:
+        asked = params.session_ttl_ms
+        if asked is None:
+            asked = session.ttl_ms if params.resume_session_id else config.default_session_ttl_ms
+        session.ttl_ms = min(asked, config.max_session_ttl_ms)
+    if session.ttl_ms > 0:
+        registry.register(session)
+    else:
+        registry.forget(session)
     conn.initialize_requested = True
     conn.client_name = params.client_name
     return p.InitializeResponse(
         protocol_version=p.PROTOCOL_VERSION,
-        session_id=conn.session.session_id,
+        session_id=session.session_id,
         server_info=p.ServerInfo(p.SERVER_NAME, __version__),
         capabilities=conn.dispatcher.capabilities,
+        session_ttl_ms=session.ttl_ms,
+        on_detached_full=session.on_detached_full,
+        retained_output_bytes=config.retained_output_bytes,
     )
 
 
@@ -203,6 +237,11 @@ class Connection:
         self.initialize_requested = False
         self.initialized = False
         self.client_name: str | None = None
+        #: Who is connected: a session is resumed only by the identity that
+        #: created it. An authenticating transport sets ``identity`` on itself.
+        self.identity: object = getattr(outbound, "identity", ANONYMOUS)
+        #: False where one connection lives as long as the server (stdio).
+        self.resumable: bool = getattr(outbound, "resumable", True)
         self.session = Session(
             dispatcher.config,
             dispatcher.clock,
@@ -211,6 +250,8 @@ class Connection:
             stats=dispatcher.stats,
         )
         self._open = True
+        #: The session was detached (kept for its TTL), not ended, at close.
+        self._detached = False
         self._in_flight = 0
         self._idle: Waiters[None] = Waiters()
         self._shutdown: Deferred[None] | None = None
@@ -438,14 +479,41 @@ class Connection:
             return succeed(None)
         return self._idle.wait()
 
+    def adopt(self, session: Session) -> None:
+        """Carry the resumed ``session`` from now on (instead of this connection's own)."""
+        placeholder = self.session
+        # The transport registered the placeholder as its flow-control
+        # producer; it steers the resumed session's pipes from now on.
+        placeholder.steer_flow_of(session)
+        placeholder.release()
+        session.attach(self.send)
+        self.session = session
+
     def shutdown(self) -> Deferred[None]:
         """Terminate the session's processes, then answer what is in flight.
 
         Idempotent; the returned Deferred fires when every process is closed
-        and every request has been answered.
+        and every request has been answered. A session with a TTL whose
+        connection was lost is detached instead (kept for its TTL); on server
+        shutdown it is terminated like any other.
         """
         if self._shutdown is None:
-            d = self.session.shutdown()
+            session = self.session
+            registry = self.dispatcher.sessions
+            if (
+                not self._open
+                and session.ttl_ms > 0
+                and not self.dispatcher.stopping
+                and session.session_id in registry
+            ):
+                registry.detach(session)
+                self._detached = True
+                d = self.when_idle()
+                d.addBoth(self._finished)
+                self._shutdown = d
+                return self.shutdown()
+            registry.forget(session)
+            d = session.shutdown()
             d.addCallback(lambda _: self.when_idle())
             d.addBoth(self._finished)
             self._shutdown = d
@@ -462,7 +530,7 @@ class Connection:
         if isinstance(result, Failure):
             log.failure("session shutdown failed", result)
         self.dispatcher._forget(self)
-        if not self._open:
+        if not self._open and not self._detached:
             self.session.release()
 
     def transport_closed(self) -> None:

@@ -123,6 +123,13 @@ class ManagedProcess(ProcessProtocol):
         self.signal: str | None = None
         self.exited = False
         self.closed = False
+        #: The seqs of the exit and the close, once they happened.
+        self.exit_seq: int | None = None
+        self.close_seq: int | None = None
+        #: Recent ``process/write`` writeIds, so a retried write is not repeated.
+        self.write_ids: dict[str, None] = {}
+        #: Reading stopped because protected output fills the retained cap.
+        self.full_paused = False
         self.terminating = False
         self.stdin_open = False
         #: "wall" or "idle" once a timeout (not the client) ended the process.
@@ -197,6 +204,9 @@ class ManagedProcess(ProcessProtocol):
         else:
             self.exit_code = code if code is not None else -1
         self.exited = True
+        # One counter per process (as the reference): exit takes the seq
+        # after the output read so far, close the one after everything.
+        self.exit_seq = self.output.mark()
         self._observer.process_exited(self)
         self._wake()
         self._exited.fire(None)
@@ -225,6 +235,7 @@ class ManagedProcess(ProcessProtocol):
             self._tree.when_empty(self._tree_emptied)
         if not self._lingering:
             self._cancel_timeouts()
+        self.close_seq = self.output.mark()
         self._observer.process_closed(self)
         self._wake()
         self._closed.fire(None)

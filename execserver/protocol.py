@@ -91,8 +91,15 @@ class _Out(msgspec.Struct, rename="camel", omit_defaults=True):
 # --- initialize -------------------------------------------------------------
 
 
+OnDetachedFull = Literal["drop", "pause"]
+
+
 class InitializeParams(_Wire):
     client_name: str
+    # Resumable sessions (docs/protocol.md, "Resumable sessions").
+    resume_session_id: str | None = None
+    session_ttl_ms: NonNegative | None = None
+    on_detached_full: OnDetachedFull | None = None
 
 
 class ServerInfo(_Out):
@@ -105,6 +112,11 @@ class InitializeResponse(msgspec.Struct, rename="camel"):
     session_id: str
     server_info: ServerInfo
     capabilities: list[str]
+    #: The granted session lifetime after a disconnect (0: none).
+    session_ttl_ms: int = 0
+    on_detached_full: OnDetachedFull = "drop"
+    #: Per-process retention cap (what a "pause" client must acknowledge within).
+    retained_output_bytes: int | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/start ----------------------------------------------------------
@@ -155,6 +167,11 @@ class ReadParams(_Wire):
         _check_u64(self, self.U64_FIELDS)
 
 
+class SeqGap(msgspec.Struct, rename="camel"):
+    from_seq: int
+    to_seq: int
+
+
 class ProcessOutputChunk(msgspec.Struct, rename="camel"):
     seq: int
     stream: OutputStream
@@ -171,6 +188,11 @@ class ReadResponse(msgspec.Struct, rename="camel"):
     closed: bool | msgspec.UnsetType = msgspec.UNSET
     signal: str | msgspec.UnsetType = msgspec.UNSET
     timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
+    #: Where the exit and the close fall in the process's seq order.
+    exited_seq: int | msgspec.UnsetType = msgspec.UNSET
+    closed_seq: int | msgspec.UnsetType = msgspec.UNSET
+    #: Output seqs of the requested range that are no longer retained.
+    gap: SeqGap | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/write, process/terminate ---------------------------------------
@@ -179,10 +201,15 @@ class ReadResponse(msgspec.Struct, rename="camel"):
 class WriteParams(_Wire):
     process_id: str
     chunk: bytes
+    #: A retried write with the same id is acknowledged, not written again.
+    write_id: str | None = None
 
 
 class WriteResponse(_Wire):
     accepted: bool
+    #: The reference's current dialect (whose clients always send a
+    #: ``writeId``) reports the outcome as ``status``; sent with a writeId.
+    status: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class TerminateParams(_Wire):

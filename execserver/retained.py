@@ -27,21 +27,35 @@ class RetainedChunk:
 class ReadResult:
     chunks: list[RetainedChunk]
     next_seq: int
-    #: First seq the caller asked for that is no longer retained, with the
-    #: end of that range (exclusive), or None when nothing was skipped.
+    #: The output seqs the caller asked for that are no longer retained
+    #: (first and last, inclusive), or None when nothing was skipped.
     gap: tuple[int, int] | None
 
 
 class RetainedOutput:
     """Output chunks numbered 1, 2, 3, ... across all streams of a process.
 
-    Holds at most ``cap_bytes`` (data plus :data:`CHUNK_OVERHEAD_BYTES` per
-    chunk); when a new chunk pushes it over, the oldest chunks are dropped.
-    Retained chunks always form one contiguous seq range
-    ``[first_seq, next_seq)``.
+    One counter per process, as the reference numbers it: output chunks, the
+    exit and the close each take the next seq (:meth:`mark` takes one for an
+    event that is not output). Holds at most ``cap_bytes`` (data plus
+    :data:`CHUNK_OVERHEAD_BYTES` per chunk); when a new chunk pushes it over,
+    the oldest chunks are dropped -- unless :meth:`protect` was called: then
+    only chunks at or below the acknowledged seq are dropped, and
+    :attr:`full` tells the owner to stop reading until an acknowledgement
+    frees room. Retained chunks cover the seq range ``[first_seq, next_seq)``
+    minus the marked seqs.
     """
 
-    __slots__ = ("_cap", "_chunks", "_first_seq", "_next_seq", "_size")
+    __slots__ = (
+        "_acked",
+        "_cap",
+        "_chunks",
+        "_first_seq",
+        "_marks",
+        "_next_seq",
+        "_size",
+        "dropped",
+    )
 
     def __init__(self, cap_bytes: int) -> None:
         self._cap = cap_bytes
@@ -49,6 +63,13 @@ class RetainedOutput:
         self._size = 0
         self._first_seq = 1
         self._next_seq = 1
+        #: Seqs taken by exit and close (at most two).
+        self._marks: list[int] = []
+        #: None: drop the oldest when over the cap; else the highest seq the
+        #: client acknowledged (only chunks up to it may be dropped).
+        self._acked: int | None = None
+        #: Chunks dropped so far (reported as gaps).
+        self.dropped = 0
 
     @property
     def next_seq(self) -> int:
@@ -67,17 +88,57 @@ class RetainedOutput:
     def __len__(self) -> int:
         return len(self._chunks)
 
+    @property
+    def full(self) -> bool:
+        """Protected, and unacknowledged output fills the cap."""
+        acked = self._acked
+        return (
+            acked is not None
+            and self._size >= self._cap
+            and bool(self._chunks)
+            and self._chunks[0].seq > acked
+        )
+
+    @property
+    def protected(self) -> bool:
+        return self._acked is not None
+
+    def protect(self) -> None:
+        """From now on drop only acknowledged chunks (``onDetachedFull: pause``)."""
+        if self._acked is None:
+            self._acked = self._first_seq - 1
+
+    def acknowledge(self, seq: int) -> None:
+        """The client has every seq up to ``seq``: those chunks may be dropped."""
+        if self._acked is not None and seq > self._acked:
+            self._acked = min(seq, self._next_seq - 1)
+            self._evict()
+
+    def mark(self) -> int:
+        """Take the next seq for an event that is not output (exit, close)."""
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._marks.append(seq)
+        if not self._chunks:
+            self._first_seq = self._next_seq
+        return seq
+
     def append(self, stream: OutputStream, data: bytes) -> int:
         seq = self._next_seq
         self._next_seq = seq + 1
         self._chunks.append(RetainedChunk(seq, stream, data))
         self._size += len(data) + CHUNK_OVERHEAD_BYTES
+        self._evict()
+        return seq
+
+    def _evict(self) -> None:
         chunks = self._chunks
-        while self._size > self._cap and chunks:
+        acked = self._acked
+        while self._size > self._cap and chunks and (acked is None or chunks[0].seq <= acked):
             evicted = chunks.popleft()
             self._size -= len(evicted.data) + CHUNK_OVERHEAD_BYTES
+            self.dropped += 1
         self._first_seq = chunks[0].seq if chunks else self._next_seq
-        return seq
 
     def read(self, after_seq: int, max_bytes: int | None) -> ReadResult:
         """Chunks with seq > ``after_seq``, as the reference paginates them.
@@ -90,13 +151,23 @@ class RetainedOutput:
         """
         start_seq = after_seq + 1
         gap = None
-        if start_seq < self._first_seq:
-            gap = (start_seq, self._first_seq)
-            start_seq = self._first_seq
+        first = self._first_seq
+        if start_seq < first:
+            # Seqs of the exit and close are events, not lost output.
+            low, high = start_seq, first - 1
+            while low <= high and low in self._marks:
+                low += 1
+            while high >= low and high in self._marks:
+                high -= 1
+            if low <= high:
+                gap = (low, high)
+            start_seq = first
+        # A marked seq between retained chunks has no slot in the deque.
+        skip = start_seq - first - sum(1 for m in self._marks if first <= m < start_seq)
         out: list[RetainedChunk] = []
         next_seq = self._next_seq
         total = 0
-        for chunk in islice(self._chunks, start_seq - self._first_seq, None):
+        for chunk in islice(self._chunks, skip, None):
             size = len(chunk.data)
             if max_bytes is not None and out and total + size > max_bytes:
                 break

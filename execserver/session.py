@@ -38,6 +38,9 @@ from execserver.writebuffer import unsent_bytes
 
 log = Logger()
 
+#: Recent writeIds remembered per process (a retry comes right after a drop).
+WRITE_IDS_KEPT = 1024
+
 Send = Callable[[object], None]
 
 
@@ -119,6 +122,21 @@ class Session:
         self._process_limit = process_limit
         #: Spawned and not yet closed: each holds descriptors in the server.
         self._holding_fds: set[ManagedProcess] = set()
+        # --- resumption (docs/protocol.md, "Resumable sessions") ---
+        #: How long the session outlives a disconnect, in ms (0: it does not).
+        self.ttl_ms = 0
+        #: "drop": the oldest output goes when the retained cap is reached;
+        #: "pause": only output the client acknowledged (by a process/read's
+        #: afterSeq) is dropped, and a child whose unacknowledged output
+        #: fills the cap is not read until an acknowledgement frees room.
+        self.on_detached_full: p.OnDetachedFull = "drop"
+        #: Who created the session: only the same identity may resume it.
+        self.owner: object = None
+        #: True while a connection carries the session.
+        self.attached = True
+        #: The session whose pipes this one's flow control steers instead
+        #: (set on the placeholder session of a connection that resumed).
+        self._flow_target: Session | None = None
 
     # --- process/start ----------------------------------------------------------
 
@@ -202,6 +220,8 @@ class Session:
             self._clock,
             argv=spec.argv,
         )
+        if self.on_detached_full == "pause":
+            proc.output.protect()
         # Reserve the id before spawning: the spawn may deliver events at once.
         self.processes[process_id] = proc
         # Twisted reaps a child that already exited while constructing its
@@ -273,6 +293,10 @@ class Session:
 
     def read(self, params: p.ReadParams) -> p.ReadResponse | Deferred[p.ReadResponse]:
         proc = self.lookup(params.process_id)
+        if proc.output.protected and params.after_seq:
+            # afterSeq acknowledges everything up to it ("pause" sessions).
+            proc.output.acknowledge(params.after_seq)
+            self._refill(proc)
         response = self._read_now(proc, params)
         wait_ms = params.wait_ms or 0
         if response.chunks or proc.exited or wait_ms <= 0:
@@ -334,12 +358,24 @@ class Session:
             response.signal = proc.signal
         if proc.timed_out is not None:
             response.timed_out = proc.timed_out
+        if proc.exit_seq is not None:
+            response.exited_seq = proc.exit_seq
+        if proc.close_seq is not None:
+            response.closed_seq = proc.close_seq
+        if read.gap is not None:
+            response.gap = p.SeqGap(*read.gap)
         return response
 
     # --- process/write ----------------------------------------------------------
 
     def write(self, params: p.WriteParams) -> p.WriteResponse:
+        write_id = params.write_id
+        if write_id is not None and not write_id:
+            raise RpcError.invalid_params("writeId must not be empty")
         proc = self.lookup(params.process_id)
+        if write_id is not None and write_id in proc.write_ids:
+            # A retry of a write whose answer was lost: written once already.
+            return p.WriteResponse(accepted=True, status="accepted")
         transport: Any = proc.transport
         if not proc.stdin_open or transport is None:
             if proc.tty:
@@ -357,7 +393,12 @@ class Session:
             )
         if params.chunk:
             transport.write(params.chunk)
-        return p.WriteResponse(accepted=True)
+        if write_id is None:
+            return p.WriteResponse(accepted=True)
+        proc.write_ids[write_id] = None
+        if len(proc.write_ids) > WRITE_IDS_KEPT:
+            del proc.write_ids[next(iter(proc.write_ids))]
+        return p.WriteResponse(accepted=True, status="accepted")
 
     # --- process/terminate ------------------------------------------------------
 
@@ -473,6 +514,22 @@ class Session:
         if encoder is None:
             encoder = proc.output_encoder = codec.OutputEncoder(proc.process_id)
         self._emit(proc, encoder.encode(stream, data, seq))
+        if proc.output.full and not proc.full_paused:
+            transport: Any = proc.transport
+            if transport is not None and not proc.closed:
+                proc.full_paused = True
+                if not self._paused:
+                    transport.pauseProducing()
+                    proc.set_reading_paused(True)
+
+    def _refill(self, proc: ManagedProcess) -> None:
+        """Read a child again once acknowledged output made room."""
+        if proc.full_paused and not proc.output.full:
+            proc.full_paused = False
+            transport: Any = proc.transport
+            if not self._paused and not proc.closed and transport is not None:
+                transport.resumeProducing()
+                proc.set_reading_paused(False)
 
     def process_exited(self, proc: ManagedProcess) -> None:
         self._running.discard(proc)
@@ -481,6 +538,8 @@ class Session:
         params = p.ExitedNotification(
             proc.process_id, proc.exit_code if proc.exit_code is not None else -1
         )
+        if proc.exit_seq is not None:
+            params.seq = proc.exit_seq
         if proc.signal is not None:
             params.signal = proc.signal
         if proc.timed_out is not None:
@@ -495,7 +554,11 @@ class Session:
         self._emit(
             proc,
             p.Notification(
-                p.PROCESS_CLOSED, p.ClosedNotification(proc.process_id, proc.output.next_seq - 1)
+                p.PROCESS_CLOSED,
+                p.ClosedNotification(
+                    proc.process_id,
+                    proc.close_seq if proc.close_seq is not None else proc.output.next_seq - 1,
+                ),
             ),
         )
         if self._closing:
@@ -539,27 +602,63 @@ class Session:
     # --- flow control (IPushProducer) -------------------------------------------
 
     def pauseProducing(self) -> None:
+        if self._flow_target is not None:
+            self._flow_target.pauseProducing()
+            return
         if self._paused:
             return
         self._paused = True
         for proc in self.processes.values():
+            if proc.full_paused:
+                continue
             transport: Any = proc.transport
             if not proc.closed and transport is not None:
                 transport.pauseProducing()
                 proc.set_reading_paused(True)
 
     def resumeProducing(self) -> None:
+        if self._flow_target is not None:
+            self._flow_target.resumeProducing()
+            return
         if not self._paused:
             return
         self._paused = False
         for proc in self.processes.values():
+            if proc.full_paused:
+                continue
             transport: Any = proc.transport
             if not proc.closed and transport is not None:
                 transport.resumeProducing()
                 proc.set_reading_paused(False)
 
     def stopProducing(self) -> None:
-        self.shutdown()
+        if self._flow_target is None:
+            self.shutdown()
+
+    # --- resumption -------------------------------------------------------------
+
+    def steer_flow_of(self, target: Session) -> None:
+        """Let this (empty) session's transport flow control steer ``target``.
+
+        A transport registers its connection's first session as its
+        producer; after a resume the connection carries another one.
+        """
+        self._flow_target = target
+        if self._paused:
+            self._paused = False
+            target.pauseProducing()
+
+    def detach(self) -> None:
+        """The connection is gone: keep running, retain output, send nothing."""
+        self.attached = False
+        self._send = _discard
+        # Nothing throttles the output of a detached session but its cap.
+        self.resumeProducing()
+
+    def attach(self, send: Send) -> None:
+        """A new connection took the session over."""
+        self.attached = True
+        self._send = send
 
     @property
     def paused(self) -> bool:

@@ -110,7 +110,7 @@ def test_a_chunk_larger_than_the_cap_leaves_nothing_retained() -> None:
     result = out.read(0, None)
     assert result.chunks == []
     assert result.next_seq == 3
-    assert result.gap == (1, 3)
+    assert result.gap == (1, 2)
 
 
 def test_reading_evicted_output_reports_the_gap() -> None:
@@ -119,7 +119,7 @@ def test_reading_evicted_output_reports_the_gap() -> None:
         out.append("stdout", b"%04d" % i)
     assert out.first_seq == 4
     result = out.read(1, None)
-    assert result.gap == (2, 4)
+    assert result.gap == (2, 3)
     assert [c.seq for c in result.chunks] == [4, 5]
     assert out.read(3, None).gap is None
 
@@ -168,6 +168,52 @@ def test_gap_is_exactly_the_evicted_part_of_the_requested_range(
         out.append(stream, data)
     result = out.read(after, None)
     if after + 1 < out.first_seq:
-        assert result.gap == (after + 1, out.first_seq)
+        assert result.gap == (after + 1, out.first_seq - 1)
     else:
         assert result.gap is None
+
+
+def test_exit_and_close_take_seqs_that_reads_skip_without_a_gap() -> None:
+    out = RetainedOutput(1 << 20)
+    assert out.append("stdout", b"a") == 1
+    assert out.mark() == 2  # exit
+    assert out.append("stdout", b"late") == 3  # a grandchild still writes
+    assert out.mark() == 4  # close
+    result = out.read(0, None)
+    assert [(c.seq, c.data) for c in result.chunks] == [(1, b"a"), (3, b"late")]
+    assert result.gap is None
+    assert [c.seq for c in out.read(2, None).chunks] == [3]
+    assert out.read(3, None).next_seq == 5
+
+
+def test_a_gap_never_names_the_exit_or_close_seq_alone() -> None:
+    out = RetainedOutput(2 * (4 + CHUNK_OVERHEAD_BYTES))
+    out.append("stdout", b"aaaa")
+    out.mark()
+    for _ in range(3):
+        out.append("stdout", b"bbbb")
+    # seq 1 and 3 dropped, 2 is the exit: the gap is 1..3 (output 1 and 3).
+    assert out.first_seq == 4
+    assert out.read(0, None).gap == (1, 3)
+    assert out.read(1, None).gap == (3, 3)
+    assert out.read(2, None).gap == (3, 3)
+
+
+def test_protected_output_is_dropped_only_once_acknowledged() -> None:
+    chunk = 4 + CHUNK_OVERHEAD_BYTES
+    out = RetainedOutput(2 * chunk)
+    out.protect()
+    for _ in range(4):
+        out.append("stdout", b"cccc")
+    assert out.full
+    assert [c.seq for c in out.read(0, None).chunks] == [1, 2, 3, 4]
+    assert out.dropped == 0
+    out.acknowledge(3)
+    # Acknowledged output is still kept while it fits.
+    assert [c.seq for c in out.read(0, None).chunks] == [3, 4]
+    assert out.read(0, None).gap == (1, 2)
+    assert not out.full
+    assert out.dropped == 2
+    out.append("stdout", b"dddd")
+    assert [c.seq for c in out.read(0, None).chunks] == [4, 5]
+    assert out.full

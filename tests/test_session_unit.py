@@ -187,7 +187,7 @@ def test_exit_by_signal_reports_128_plus_signal_and_its_name() -> None:
     assert exited["signal"] == "SIGKILL"
 
 
-def test_closed_is_notified_once_after_exited_with_the_last_seq() -> None:
+def test_exit_and_close_take_the_next_seqs_of_the_one_counter() -> None:
     h = ready()
     h.start("proc-1")
     proc = h.process("proc-1")
@@ -200,7 +200,13 @@ def test_closed_is_notified_once_after_exited_with_the_last_seq() -> None:
     methods = [m.get("method") for m in h.outbound.messages]
     assert methods.count("process/closed") == 1
     assert methods.index("process/exited") < methods.index("process/closed")
-    assert h.outbound.notifications("process/closed") == [{"processId": "proc-1", "seq": 3}]
+    # As the reference numbers them: a=1, b=2, exit=3, c=4 (after the exit), close=5.
+    assert h.outbound.notifications("process/exited")[0]["seq"] == 3
+    assert [n["seq"] for n in h.outbound.notifications("process/output")] == [1, 2, 4]
+    assert h.outbound.notifications("process/closed") == [{"processId": "proc-1", "seq": 5}]
+    read = h.result("process/read", {"processId": "proc-1", "afterSeq": 0})
+    assert (read["exitedSeq"], read["closedSeq"]) == (3, 5)
+    assert [c["seq"] for c in read["chunks"]] == [1, 2, 4]
 
 
 # --- process/read -----------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Sessions that outlive their connection (docs/protocol.md, "Resumable sessions").
+
+The :class:`SessionRegistry` is server-wide. A session that asked for a
+lifetime after a disconnect (``initialize`` ``sessionTtlMs``) is registered
+under its id; when its connection goes it is *detached*: its processes keep
+running, their output is retained, their timers run and they count against
+every limit. Within the TTL a new connection may take it over with
+``resumeSessionId``; when the TTL expires its processes are terminated
+(whole trees) and the id becomes unknown. Server shutdown terminates
+detached sessions too.
+
+Ownership: a session records the identity of the connection that created
+it and is resumed only by a connection with an equal identity. Until
+authentication exists every listener connection has :data:`ANONYMOUS`; an
+authenticating transport sets ``identity`` on its protocol object (the
+dispatcher's ``Outbound``) and nothing else changes. A mismatch answers
+exactly like an unknown id, so ids cannot be probed across owners.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from execserver.errors import RpcError
+from execserver.session import Session
+
+log = Logger()
+
+#: The identity of every connection until a transport authenticates.
+ANONYMOUS: Final = "anonymous"
+
+
+class SessionRegistry:
+    """Resumable sessions by id, with their expiry timers."""
+
+    def __init__(self, clock: IReactorTime) -> None:
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._expiry: dict[str, IDelayedCall] = {}
+        #: Expired sessions still terminating, so shutdown waits for them.
+        self._ending: set[Deferred[None]] = set()
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    @property
+    def detached_count(self) -> int:
+        return len(self._expiry)
+
+    def register(self, session: Session) -> None:
+        self._sessions[session.session_id] = session
+
+    def forget(self, session: Session) -> None:
+        """The session ended (its connection closed without a TTL)."""
+        if self._sessions.get(session.session_id) is session:
+            del self._sessions[session.session_id]
+        self._cancel_expiry(session.session_id)
+
+    def take_over(self, session_id: str, identity: object) -> Session:
+        """The detached session ``session_id`` for a connection of ``identity``.
+
+        Raises the exact errors of the contract: ``unknown session id ID``
+        (never created, expired, ended, or owned by someone else) and
+        ``session ID is already attached``.
+        """
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != identity:
+            raise RpcError.invalid_request(f"unknown session id {session_id}")
+        if session.attached:
+            raise RpcError.invalid_request(f"session {session_id} is already attached")
+        self._cancel_expiry(session_id)
+        return session
+
+    def detach(self, session: Session) -> None:
+        """Its connection is gone: keep it for ``ttl_ms``, then end it."""
+        session.detach()
+        self._cancel_expiry(session.session_id)
+        self._expiry[session.session_id] = self._clock.callLater(
+            session.ttl_ms / 1000.0, self._expire, session
+        )
+
+    def _cancel_expiry(self, session_id: str) -> None:
+        timer = self._expiry.pop(session_id, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _expire(self, session: Session) -> None:
+        self._expiry.pop(session.session_id, None)
+        if self._sessions.get(session.session_id) is session:
+            del self._sessions[session.session_id]
+        log.info(
+            "session {session_id} expired after {ttl} ms detached; terminating its processes",
+            session_id=session.session_id,
+            ttl=session.ttl_ms,
+        )
+        self._end(session)
+
+    def _end(self, session: Session) -> Deferred[None]:
+        d = session.shutdown()
+        self._ending.add(d)
+
+        def done(result: object) -> object:
+            self._ending.discard(d)
+            session.release()
+            return result
+
+        d.addBoth(done)
+        return d
+
+    def shutdown(self) -> Deferred[None]:
+        """Terminate every detached session (server stop)."""
+        for sid in list(self._expiry):
+            self._cancel_expiry(sid)
+            session = self._sessions.pop(sid, None)
+            if session is not None:
+                self._end(session)
+        if not self._ending:
+            return succeed(None)
+        return DeferredList(list(self._ending)).addCallback(lambda _: None)
