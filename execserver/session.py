@@ -632,7 +632,9 @@ class Session:
                 proc.set_reading_paused(False)
 
     def stopProducing(self) -> None:
-        if self._flow_target is None:
+        # A lost transport stops its producer; a session with a TTL is
+        # detached by its connection instead (Connection.shutdown decides).
+        if self._flow_target is None and self.ttl_ms == 0:
             self.shutdown()
 
     # --- resumption -------------------------------------------------------------
