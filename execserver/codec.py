@@ -280,3 +280,17 @@ class OutputEncoder:
 def encode_line(value: object) -> bytes:
     """Encode one message followed by ``\\n``."""
     return _encoder.encode(value) + b"\n"
+
+
+@attrs.frozen
+class RenderedParts:
+    """A result already rendered as JSON, as consecutive pieces.
+
+    The dispatcher sends them around the response envelope without joining
+    them (``fs/readFile`` results: the base64 text exists once, in pieces).
+    """
+
+    parts: tuple[bytes, ...]
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)

@@ -28,7 +28,8 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__, codec, filesystem
+from execserver import __version__, codec
+from execserver import fs as filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
@@ -359,15 +360,18 @@ class Connection:
     def _respond_with(self, req: codec.IncomingRequest, result: object) -> None:
         # Encode before counting and writing: a result msgspec cannot encode
         # must become an error reply, not an exception that ends the connection.
-        if isinstance(result, msgspec.Raw) and len(result) >= LARGE_RESULT_BYTES:
+        rendered = isinstance(result, codec.RenderedParts)
+        if rendered or (isinstance(result, msgspec.Raw) and len(result) >= LARGE_RESULT_BYTES):
             # A large pre-rendered result (fs/readFile) is sent around the
             # envelope as pieces: rendering the envelope would copy it.
             self._count(req.method, "ok")
             if self._open:
-                parts = (b'{"id":', codec.encode(req.id), b',"result":', result, b"}")
-                self._written += sum(len(part) for part in parts)
+                pieces = result.parts if isinstance(result, codec.RenderedParts) else (result,)
+                parts = (b'{"id":', codec.encode(req.id), b',"result":', *pieces, b"}")
+                size = sum(len(part) for part in parts)
+                self._written += size
                 write_parts = getattr(self.outbound, "write_message_parts", None)
-                if write_parts is not None:
+                if write_parts is not None and size >= LARGE_RESULT_BYTES:
                     write_parts(parts)
                 else:
                     self.outbound.write_message(b"".join(parts))

@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     _process_options(shell)
     shell.add_argument("argv", nargs=argparse.REMAINDER, metavar="[-- CMD [ARGS...]]")
 
-    fs = sub.add_parser("fs", help="file operations: cat put ls stat rm cp mkdir")
+    fs = sub.add_parser("fs", help="file operations: cat put get ls stat rm cp mkdir")
     _connection_options(fs)
     fs_sub = fs.add_subparsers(dest="fs_command", required=True, metavar="OP")
     for name, help_text, args in _FS_COMMANDS:
@@ -212,8 +212,13 @@ _FS_COMMANDS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("cat", "write a remote file to stdout", [("path", _REMOTE)]),
     (
         "put",
-        "write stdin or a local file to a remote file",
+        "write stdin or a local file to a remote file (in 8 MiB ranges; progress on a terminal)",
         [("local", "local file, or - for stdin"), ("path", _REMOTE)],
+    ),
+    (
+        "get",
+        "copy a remote file to a local file or stdout (in 8 MiB ranges; progress on a terminal)",
+        [("path", _REMOTE), ("local", "local file, or - for stdout")],
     ),
     ("ls", "list a remote directory", [("path", _REMOTE)]),
     ("stat", "show a remote path's metadata", [("path", _REMOTE)]),

@@ -33,7 +33,13 @@ from twisted.python.failure import Failure
 
 from execserver import protocol as p
 from execserver.client.api import ClientApi
-from execserver.client.errors import ExecServerError, InitializeTimeout
+from execserver.client.errors import (
+    ConnectionClosed,
+    ExecServerError,
+    InitializeTimeout,
+    ServerError,
+)
+from execserver.client.fs import FileTransfers
 from execserver.client.process import DEFAULT_BACKLOG_BYTES, RemoteProcess
 from execserver.client.rpc import RpcClient
 from execserver.client.types import (
@@ -67,6 +73,12 @@ class ConnectOptions:
 
     client_name: str = "exec-server-client"
     initialize_timeout: float = 10.0
+    #: Ask the server to keep the session this long after a disconnect (ms).
+    session_ttl_ms: int | None = None
+    #: Take over this detached session instead of creating one.
+    resume_session_id: str | None = None
+    #: "drop" or "pause" (docs/protocol.md, "Resumable sessions").
+    on_detached_full: str | None = None
 
 
 Closer = Callable[[], Deferred[None]]
@@ -84,7 +96,7 @@ def _weak(method: Callable[..., None]) -> Callable[..., None]:
     return forward
 
 
-class ExecServerClient(ClientApi):
+class ExecServerClient(ClientApi, FileTransfers):
     """A connected, initialized exec-server client."""
 
     def __init__(
@@ -104,6 +116,8 @@ class ExecServerClient(ClientApi):
         self._linger: dict[str, IDelayedCall] = {}
         self._listeners: list[Callable[[ClientEvent], None]] = []
         self._next_process = 1
+        #: Lost the connection of a resumable session; handles kept.
+        self._suspended = False
         self._closing: Deferred[None] | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         #: With ``spawn_local``: the server's ServerProcessProtocol (pid, stderr_tail).
@@ -150,9 +164,16 @@ class ExecServerClient(ClientApi):
         return self
 
     def _initialize(self, options: ConnectOptions) -> Deferred[InitializeResult]:
-        d = self._rpc.call(
-            p.INITIALIZE, p.InitializeParams(client_name=options.client_name), InitializeResult
-        )
+        # Only what is asked for goes on the wire: a baseline client's
+        # initialize stays exactly {"clientName": ...}.
+        params: dict[str, object] = {"clientName": options.client_name}
+        if options.session_ttl_ms is not None:
+            params["sessionTtlMs"] = options.session_ttl_ms
+        if options.resume_session_id is not None:
+            params["resumeSessionId"] = options.resume_session_id
+        if options.on_detached_full is not None:
+            params["onDetachedFull"] = options.on_detached_full
+        d = self._rpc.call(p.INITIALIZE, params, InitializeResult)
 
         def timed_out(result: InitializeResult | Failure, timeout: float) -> NoReturn:
             raise InitializeTimeout(timeout)
@@ -350,15 +371,25 @@ class ExecServerClient(ClientApi):
         self._output(OutputEvent(out.process_id, out.stream, chunk, out.seq))
 
     def _exited_params(self, ex: ExitedParams) -> None:
+        handle = self._processes.get(ex.process_id)
+        if handle is not None and not handle.accept_exit(
+            ex.seq, ex.exit_code, ex.signal, ex.timed_out
+        ):
+            return
         self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
 
     def _closed_params(self, closed: ClosedParams) -> None:
+        handle = self._processes.get(closed.process_id)
+        if handle is not None and not handle.accept_close(closed.seq):
+            return
         self._closed(ClosedEvent(closed.process_id))
 
     def _output(self, event: OutputEvent) -> None:
         handle = self._processes.get(event.process_id)
         if handle is not None:
-            handle.deliver_output(event)
+            if not handle.accept_output(event):
+                return
+            self._acknowledge(handle, len(event.chunk))
         self._emit(event)
 
     def _exited(self, event: ExitedEvent) -> None:
@@ -391,10 +422,90 @@ class ExecServerClient(ClientApi):
             if timer.active():
                 timer.cancel()
         self._linger.clear()
+        if self.resumable and self._closing is None:
+            # The session lives on in the server: the handles wait for a
+            # new connection to adopt them (or for fail_suspended).
+            self._suspended = True
+            self._emit(DisconnectedEvent(reason))
+            return
         handles, self._processes = self._processes, {}
         for handle in handles.values():
             handle.connection_lost()
         self._emit(DisconnectedEvent(reason))
+
+    # --- resumed sessions -----------------------------------------------------------
+
+    @property
+    def resumable(self) -> bool:
+        """The server keeps this client's session after a disconnect."""
+        result = self.initialize_result
+        return result is not None and result.session_ttl_ms > 0
+
+    def suspended_processes(self) -> list[RemoteProcess]:
+        """Handles waiting for a resume (after a drop of a resumable session)."""
+        return list(self._processes.values()) if self._suspended else []
+
+    def fail_suspended(self, error: Exception) -> None:
+        """The session will not be resumed: every waiting handle fails with ``error``."""
+        handles, self._processes = self._processes, {}
+        self._suspended = False
+        for handle in handles.values():
+            handle.fail(error)
+
+    def adopt(self, old: ExecServerClient, api: ClientApi | None = None) -> Deferred[None]:
+        """Take over ``old``'s handles after resuming its session, and catch them up.
+
+        Each handle gets, in seq order and never twice, what it missed: the
+        output retained meanwhile (a :class:`GapEvent` where some was
+        dropped), then its exit and close; live notifications that arrive
+        meanwhile wait their turn.
+        """
+        handles = old.suspended_processes()
+        old._processes = {}
+        old._suspended = False
+        for handle in handles:
+            if handle._api is old:
+                handle._api = api or self
+            handle.begin_catch_up()
+            self._processes[handle.process_id] = handle
+        return Deferred.fromCoroutine(self._catch_up_all(handles))
+
+    async def _catch_up_all(self, handles: list[RemoteProcess]) -> None:
+        for handle in handles:
+            try:
+                while handle.catch_up(
+                    await self.read(handle.process_id, after_seq=handle.last_seq)
+                ):
+                    pass
+            except ServerError as exc:
+                # Its id expired in the server (closed longer than the
+                # exit retention) or the process is otherwise gone.
+                handle.fail(exc)
+                self._processes.pop(handle.process_id, None)
+                continue
+            except ConnectionClosed:
+                return  # dropped again: the next resume catches up
+            handle.end_catch_up()
+            if handle.is_closed:
+                self._forget(handle.process_id, handle)
+
+    def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
+        """With "pause", tell the server (a read's afterSeq) what has arrived.
+
+        The server drops only acknowledged output and stops reading a child
+        whose unacknowledged output fills its retention; acknowledging at a
+        quarter of it keeps the child running.
+        """
+        result = self.initialize_result
+        if result is None or result.on_detached_full != "pause" or handle.last_seq == 0:
+            return
+        cap = result.retained_output_bytes or 0
+        handle.unacked_bytes += size + 96
+        if handle.unacked_bytes * 4 < cap or self._rpc.is_closed:
+            return
+        handle.unacked_bytes = 0
+        d = self.read(handle.process_id, after_seq=handle.last_seq, max_bytes=1, wait_ms=0)
+        d.addCallbacks(handle.catch_up, lambda f: None)
 
     def _emit(self, event: ClientEvent) -> None:
         for listener in list(self._listeners):

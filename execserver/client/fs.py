@@ -1,4 +1,9 @@
-"""The ``fs`` subcommands of ``exec-server-client`` over the typed fs methods.
+"""Whole-file transfers in ranges, and the ``fs`` subcommands of ``exec-server-client``.
+
+:func:`upload` and :func:`download` move a file of any size as a sequence
+of ranged ``fs/writeFile`` / ``fs/readFile`` calls (8 MiB each by default),
+so neither side ever holds more than one range; :class:`FileTransfers`
+offers them as client methods.
 
 Paths on the wire are absolute. A relative path on the command line is
 resolved against this process's working directory when the server is local
@@ -12,8 +17,184 @@ import argparse
 import datetime
 import os
 import sys
+import time
+from collections.abc import Callable
+from typing import BinaryIO, TextIO
 
-from execserver.client.client import ExecServerClient
+import msgspec
+from twisted.internet.defer import Deferred
+
+from execserver import protocol as p
+from execserver.client.api import ClientApi
+
+#: Bytes per ranged call of :func:`upload` and :func:`download`.
+TRANSFER_CHUNK_BYTES = 8 * 1024 * 1024
+
+#: ``progress(done, total)``: bytes moved so far, and the file's size when known.
+Progress = Callable[[int, "int | None"], None]
+
+
+class _RangedRead(msgspec.Struct, rename="camel"):
+    path: str
+    offset: int
+    length: int
+
+
+class _RangedReadResult(msgspec.Struct, rename="camel"):
+    data_base64: bytes
+    size: int
+
+
+class _RangedWrite(msgspec.Struct, rename="camel", omit_defaults=True):
+    path: str
+    data_base64: bytes
+    offset: int | None = None
+    truncate: bool | None = None
+
+
+def _open_local(
+    local_file: str | os.PathLike[str] | BinaryIO, write: bool
+) -> tuple[BinaryIO, bool]:
+    """The file to use, and whether it was opened here (and so is closed here)."""
+    if isinstance(local_file, str | os.PathLike):
+        return (open(local_file, "wb") if write else open(local_file, "rb")), True
+    return local_file, False
+
+
+async def download(
+    client: ClientApi,
+    path: str,
+    local_file: str | os.PathLike[str] | BinaryIO,
+    *,
+    chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+    progress: Progress | None = None,
+) -> int:
+    """Copy the remote file ``path`` into ``local_file`` (a path or a binary file).
+
+    Reads ranges of ``chunk_bytes`` until the end of the file; returns the
+    bytes copied. Each range is read when asked for: a file that changes
+    meanwhile is copied as the ranges found it.
+    """
+    out, owned = _open_local(local_file, write=True)
+    try:
+        offset = 0
+        while True:
+            params = _RangedRead(path, offset, chunk_bytes)
+            got = await client._call(p.FS_READ_FILE, params, _RangedReadResult)
+            data = got.data_base64
+            out.write(data)
+            offset += len(data)
+            if progress is not None:
+                progress(offset, got.size)
+            if len(data) < chunk_bytes or offset >= got.size:
+                return offset
+    finally:
+        if owned:
+            out.close()
+
+
+async def upload(
+    client: ClientApi,
+    path: str,
+    local_file: str | os.PathLike[str] | BinaryIO,
+    *,
+    chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+    progress: Progress | None = None,
+) -> int:
+    """Copy ``local_file`` (a path or a binary file, e.g. stdin) to the remote ``path``.
+
+    A file that fits in one chunk is written with one plain ``fs/writeFile``
+    (an atomic replacement). A larger one is written in place, range by
+    range: the first range truncates the remote file (``offset: 0,
+    truncate: true``), each next one extends it; until the last range
+    arrives, readers see a partial file. Returns the bytes copied.
+    """
+    source, owned = _open_local(local_file, write=False)
+    try:
+        try:
+            total: int | None = os.fstat(source.fileno()).st_size
+        except (OSError, ValueError, AttributeError):
+            total = None
+        data = source.read(chunk_bytes)
+        following = source.read(chunk_bytes) if len(data) == chunk_bytes else b""
+        if not following:
+            await client._call(p.FS_WRITE_FILE, p.FsWriteFileParams(path, data), p.Empty)
+            if progress is not None:
+                progress(len(data), len(data))
+            return len(data)
+        offset = 0
+        while data:
+            params = _RangedWrite(path, data, offset, truncate=True if offset == 0 else None)
+            await client._call(p.FS_WRITE_FILE, params, p.Empty)
+            offset += len(data)
+            if progress is not None:
+                progress(offset, total)
+            data, following = following, source.read(chunk_bytes) if following else b""
+        return offset
+    finally:
+        if owned:
+            source.close()
+
+
+class FileTransfers:
+    """:func:`upload` and :func:`download` as methods of a client."""
+
+    def upload(
+        self,
+        path: str,
+        local_file: str | os.PathLike[str] | BinaryIO,
+        *,
+        chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+        progress: Progress | None = None,
+    ) -> Deferred[int]:
+        assert isinstance(self, ClientApi)
+        return Deferred.fromCoroutine(
+            upload(self, path, local_file, chunk_bytes=chunk_bytes, progress=progress)
+        )
+
+    def download(
+        self,
+        path: str,
+        local_file: str | os.PathLike[str] | BinaryIO,
+        *,
+        chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+        progress: Progress | None = None,
+    ) -> Deferred[int]:
+        assert isinstance(self, ClientApi)
+        return Deferred.fromCoroutine(
+            download(self, path, local_file, chunk_bytes=chunk_bytes, progress=progress)
+        )
+
+
+class ProgressBar:
+    """A one-line progress display on a terminal (stderr), at most 10 updates/s."""
+
+    def __init__(self, label: str, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.1 and (total is None or done < total):
+            return
+        self._last = now
+        mib = done / (1024 * 1024)
+        if total:
+            whole = total / (1024 * 1024)
+            text = f"{self.label}: {mib:.1f} / {whole:.1f} MiB ({100 * done // total}%)"
+        else:
+            text = f"{self.label}: {mib:.1f} MiB"
+        self.stream.write(f"\r{text}\x1b[K")
+        self.stream.flush()
+        self._shown = True
+
+    def finish(self) -> None:
+        if self._shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
 
 #: The positional arguments of each fs operation that name remote paths.
 REMOTE_PATH_ARGS = ("path", "source", "destination")
@@ -78,23 +259,42 @@ def describe(args: argparse.Namespace) -> str:
     return " ".join(["fs", args.fs_command, *paths])
 
 
-async def run_fs_command(client: ExecServerClient, args: argparse.Namespace) -> int:
+def _progress(label: str) -> ProgressBar | None:
+    return ProgressBar(label) if sys.stderr.isatty() else None
+
+
+async def _transfer(client: ClientApi, args: argparse.Namespace) -> None:
+    """``fs put LOCAL PATH`` / ``fs get PATH LOCAL`` in ranges (``-``: stdin/stdout)."""
+    from execserver.client.cli import EXIT_USAGE, CliError
+
+    bar = _progress(f"{args.fs_command} {args.path}")
+    try:
+        if args.fs_command == "put":
+            local: str | BinaryIO = sys.stdin.buffer if args.local == "-" else args.local
+            try:
+                await upload(client, args.path, local, progress=bar)
+            except OSError as exc:
+                raise CliError(f"cannot read {args.local}: {exc.strerror}", EXIT_USAGE) from None
+        else:
+            local = sys.stdout.buffer if args.local == "-" else args.local
+            try:
+                await download(client, args.path, local, progress=bar)
+            except OSError as exc:
+                raise CliError(f"cannot write {args.local}: {exc.strerror}", EXIT_USAGE) from None
+            if args.local == "-":
+                sys.stdout.buffer.flush()
+    finally:
+        if bar is not None:
+            bar.finish()
+
+
+async def run_fs_command(client: ClientApi, args: argparse.Namespace) -> int:
     op = args.fs_command
     if op == "cat":
         response = await client.fs_read_file(args.path)
         _write_stdout(response.data_base64)
-    elif op == "put":
-        if args.local == "-":
-            data = sys.stdin.buffer.read()
-        else:
-            from execserver.client.cli import EXIT_USAGE, CliError
-
-            try:
-                with open(args.local, "rb") as f:
-                    data = f.read()
-            except OSError as exc:
-                raise CliError(f"cannot read {args.local}: {exc.strerror}", EXIT_USAGE) from None
-        await client.fs_write_file(args.path, data)
+    elif op in ("put", "get"):
+        await _transfer(client, args)
     elif op == "ls":
         listing = await client.fs_read_directory(args.path)
         lines = []

@@ -1,0 +1,179 @@
+"""The reply budget: bytes of ``fs/readFile`` replies being built or not yet sent."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
+
+from execserver.codec import RenderedParts
+from execserver.fs.paths import BUSY_KIND, closed_error, invalid
+
+# --- reply budget ---------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Charge:
+    """Bytes of one reply, held against a :class:`ReplyBudget` until released."""
+
+    budget: ReplyBudget
+    owner: object
+    size: int
+    released: bool = False
+
+    def resize(self, size: int) -> None:
+        """Charge what the reply actually took (a file may grow while read)."""
+        if not self.released:
+            self.budget._adjust(self, size)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget._adjust(self, 0)
+
+
+@attrs.define(eq=False)
+class _BudgetWait:
+    owner: object
+    size: int
+    deferred: Deferred[Charge]
+    timer: IDelayedCall | None = None
+
+
+class ReplyBudget:
+    """Bytes of replies being built or queued unsent, per connection and per server.
+
+    :meth:`reserve` grants a :class:`Charge` once the reply fits both
+    limits; requests wait in order (a request held back by the server-wide
+    limit holds back all later ones; one held back by its own connection's
+    limit holds back only that connection's later ones), at most
+    ``wait_timeout`` seconds. A reply that could never fit fails at once.
+    """
+
+    def __init__(self, clock: Any, limit: int, connection_limit: int, wait_timeout: float) -> None:
+        self._clock = clock
+        self.limit = limit
+        self.connection_limit = connection_limit
+        self.wait_timeout = wait_timeout
+        self.used = 0
+        self._owned: dict[object, int] = {}
+        self._waits: deque[_BudgetWait] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waits)
+
+    def owned(self, owner: object) -> int:
+        return self._owned.get(owner, 0)
+
+    def try_reserve(self, owner: object, size: int) -> Charge | None:
+        """A charge at once if nothing waits and ``size`` fits now, else None."""
+        if self._waits or self.used + size > self.limit:
+            return None
+        if self.owned(owner) + size > self.connection_limit:
+            return None
+        self.used += size
+        self._owned[owner] = self.owned(owner) + size
+        return Charge(self, owner, size)
+
+    def reserve(self, owner: object, size: int) -> Deferred[Charge]:
+        if size > min(self.limit, self.connection_limit):
+            flag, cap = (
+                ("--connection-reply-budget-bytes", self.connection_limit)
+                if self.connection_limit <= self.limit
+                else ("--reply-budget-bytes", self.limit)
+            )
+            raise invalid(
+                f"fs/readFile reply of {size} bytes exceeds the reply budget "
+                f"of {cap} bytes ({flag})",
+                "replyTooLarge",
+            )
+        wait = _BudgetWait(owner, size, Deferred(lambda _: self._cancel(wait)))
+        self._waits.append(wait)
+        self._serve()
+        if not wait.deferred.called:
+            wait.timer = self._clock.callLater(self.wait_timeout, self._expire, wait)
+        return wait.deferred
+
+    def _serve(self) -> None:
+        granted: list[tuple[_BudgetWait, Charge]] = []
+        held: set[int] = set()
+        for wait in list(self._waits):
+            if id(wait.owner) in held:
+                continue
+            if self.owned(wait.owner) + wait.size > self.connection_limit:
+                held.add(id(wait.owner))
+                continue
+            if self.used + wait.size > self.limit:
+                break
+            self._waits.remove(wait)
+            self._stop_timer(wait)
+            self.used += wait.size
+            self._owned[wait.owner] = self.owned(wait.owner) + wait.size
+            granted.append((wait, Charge(self, wait.owner, wait.size)))
+        # Fired after the scan: callbacks may release or reserve again.
+        for wait, charge in granted:
+            wait.deferred.callback(charge)
+
+    def _adjust(self, charge: Charge, size: int) -> None:
+        delta = size - charge.size
+        charge.size = size
+        self.used += delta
+        owned = self.owned(charge.owner) + delta
+        if owned:
+            self._owned[charge.owner] = owned
+        else:
+            self._owned.pop(charge.owner, None)
+        if delta < 0:
+            self._serve()
+
+    @staticmethod
+    def _stop_timer(wait: _BudgetWait) -> None:
+        if wait.timer is not None and wait.timer.active():
+            wait.timer.cancel()
+        wait.timer = None
+
+    def _cancel(self, wait: _BudgetWait) -> None:
+        if wait in self._waits:
+            self._waits.remove(wait)
+        self._stop_timer(wait)
+        wait.deferred.errback(closed_error())
+        self._serve()
+
+    def _expire(self, wait: _BudgetWait) -> None:
+        wait.timer = None
+        if wait not in self._waits:
+            return
+        self._waits.remove(wait)
+        waited = round(self.wait_timeout * 1000)
+        wait.deferred.errback(
+            invalid(
+                f"fs/readFile could not get {wait.size} bytes of reply budget within "
+                f"{waited} ms (--fs-wait-timeout-ms): replies being built or not yet sent "
+                f"hold {self.used} of {self.limit} bytes on this server and "
+                f"{self.owned(wait.owner)} of {self.connection_limit} on this connection; "
+                "retry later",
+                BUSY_KIND,
+            )
+        )
+        self._serve()
+
+    def cancel_owner(self, owner: object) -> None:
+        """Drop the waiting reservations of ``owner`` (its connection closed)."""
+        for wait in [wait for wait in self._waits if wait.owner is owner]:
+            wait.deferred.cancel()
+
+
+@attrs.frozen
+class Charged:
+    """A result charged to the reply budget until the transport has sent it.
+
+    The dispatcher releases :attr:`charge` once the transport's unsent bytes
+    show the reply has left, or at once if the connection is closed.
+    """
+
+    result: RenderedParts
+    charge: Charge

@@ -1,0 +1,278 @@
+"""The ``fs/*`` handlers and their registration with a dispatcher.
+
+This module knows the dispatcher only through :class:`Router` (what it
+needs: ``add_route``, the clock, the config), so the dispatcher can import
+the fs package without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import msgspec
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+
+from execserver import protocol as p
+from execserver.codec import RenderedParts
+from execserver.config import ServerConfig
+from execserver.errors import RpcError
+from execserver.fs import local, ops
+from execserver.fs.budget import Charge, Charged, ReplyBudget
+from execserver.fs.local import Locality
+from execserver.fs.paths import FAMILY, absolute_path, invalid
+from execserver.fs.pool import PoolRunner, Runner, inline_runner, thread_pool_runner
+
+# --- wire types -------------------------------------------------------------------
+
+
+class ReadFileWire(msgspec.Struct, rename="camel"):
+    """fs/readFile params: the reference's ``path``, plus an optional range (extension)."""
+
+    path: str
+    offset: p.NonNegative | None = None
+    length: p.NonNegative | None = None
+
+
+class WriteFileWire(msgspec.Struct, rename="camel"):
+    """fs/writeFile params as received: ``dataBase64`` stays raw until decoded on the pool.
+
+    ``offset``, ``append`` and ``truncate`` are extensions (in-place writes).
+    """
+
+    path: str
+    data_base64: msgspec.Raw
+    offset: p.NonNegative | None = None
+    append: bool | None = None
+    truncate: bool | None = None
+
+
+class Router(Protocol):
+    """What :func:`register` needs of a dispatcher."""
+
+    @property
+    def clock(self) -> Any: ...
+
+    @property
+    def config(self) -> ServerConfig: ...
+
+    def add_route(
+        self, method: str, params_type: type[Any], handler: Any, family: str | None = ...
+    ) -> None: ...
+
+
+# --- the handlers ---------------------------------------------------------------
+
+
+def _verified(locality: Locality, directory: str, func: Any, *args: Any) -> Any:
+    """Run ``func`` (on the pool), then consider ``directory`` for inline calls."""
+    result = func(*args)
+    locality.verify(directory)
+    return result
+
+
+@attrs.define
+class FileSystem:
+    """The fs/* handlers; ``run(f, *args, owner=conn)`` runs blocking work off the reactor.
+
+    With ``locality`` set (a real pool), small calls that the inline rule
+    allows run on the reactor thread (:mod:`execserver.fs.local`).
+    """
+
+    max_read_file_bytes: int
+    run: Runner
+    budget: ReplyBudget
+    pool: PoolRunner | None = None
+    locality: Locality | None = None
+
+    def read_file(self, conn: object, params: ReadFileWire) -> Deferred[Any] | Charged:
+        path = absolute_path(params.path)
+        limit = self.max_read_file_bytes
+        ranged = params.offset is not None or params.length is not None
+        span = ops.ReadRange(params.offset or 0, params.length, ranged) if ranged else ops.WHOLE
+        # A small file is read in the first trip, against budget reserved
+        # up front for its largest reply; larger ones are sized first (stat
+        # only), so their reply's bytes are reserved before the file is
+        # read: a reply that must wait holds no memory.
+        early = self.budget.try_reserve(
+            conn, ops.encoded_result_size(ops.SMALL_READ_BYTES, p.I64_MAX if ranged else None)
+        )
+        small = ops.SMALL_READ_BYTES if early is not None else 0
+        directory = local.parent_of(path)
+        if (
+            early is not None
+            and not ranged
+            and self.locality is not None
+            and local.inline_eligible(self.locality, path, directory)
+        ):
+            try:
+                rendered = local.read_small_file(path, min(small, limit))
+            except local.NotInline:
+                pass
+            else:
+                early.resize(len(rendered))
+                return Charged(rendered, early)
+
+        def sized(found: tuple[str, int] | RenderedParts) -> Any:
+            if isinstance(found, RenderedParts):
+                assert early is not None
+                early.resize(len(found))
+                return Charged(found, early)
+            if early is not None:
+                early.release()
+            resolved, reply_size = found
+            reserved = self.budget.reserve(conn, reply_size)
+            return reserved.addCallback(build, resolved)
+
+        def unsized(failure: Failure) -> Failure:
+            if early is not None:
+                early.release()
+            return failure
+
+        def build(charge: Charge, resolved: str) -> Deferred[Charged]:
+            def built(rendered: RenderedParts) -> Charged:
+                charge.resize(len(rendered))
+                return Charged(rendered, charge)
+
+            def failed(failure: Failure) -> Failure:
+                charge.release()
+                return failure
+
+            built_d: Deferred[Any] = self.run(ops.read_file, resolved, limit, span, owner=conn)
+            return built_d.addCallbacks(built, failed)
+
+        first: Deferred[Any] = self._run_verified(
+            directory, ops.stat_for_read, path, limit, small, span, owner=conn
+        )
+        return first.addCallbacks(sized, unsized)
+
+    def _run_verified(self, directory: str, func: Any, *args: Any, owner: object) -> Deferred[Any]:
+        if self.locality is None:
+            return self.run(func, *args, owner=owner)
+        return self.run(_verified, self.locality, directory, func, *args, owner=owner)
+
+    def write_file(self, conn: object, params: WriteFileWire) -> Deferred[Any]:
+        path = absolute_path(params.path)
+        raw = params.data_base64
+        if bytes(memoryview(raw)[:1]) != b'"':
+            # Not a string: the same -32602 a typed decode would give.
+            try:
+                msgspec.json.decode(raw, type=str)
+            except msgspec.ValidationError as exc:
+                raise RpcError.invalid_params(f"{exc} - at `$.dataBase64`") from None
+        append = params.append is True
+        if append and params.offset is not None:
+            raise invalid(
+                "fs/writeFile takes either offset or append: true, not both", "invalidRange"
+            )
+        if params.offset is None and not append:
+            done = self.run(ops.write_file, path, raw, owner=conn)
+        else:
+            truncate = params.truncate is True
+            done = self.run(ops.write_range, path, raw, params.offset, append, truncate, owner=conn)
+        return done.addCallback(lambda _: p.Empty())
+
+    def create_directory(self, conn: object, params: p.FsCreateDirectoryParams) -> Deferred[Any]:
+        recursive = True if params.recursive is None else params.recursive
+        path = absolute_path(params.path)
+        return self.run(ops.create_directory, path, recursive, owner=conn).addCallback(
+            lambda _: p.Empty()
+        )
+
+    def get_metadata(
+        self, conn: object, params: p.FsGetMetadataParams
+    ) -> Deferred[Any] | p.FsGetMetadataResponse:
+        path = absolute_path(params.path)
+        directory = local.parent_of(path)
+        if self.locality is not None and local.inline_eligible(self.locality, path, directory):
+            try:
+                return local.get_metadata(path)
+            except local.NotInline:
+                pass
+        return self._run_verified(directory, ops.get_metadata, path, owner=conn)
+
+    def read_directory(
+        self, conn: object, params: p.FsReadDirectoryParams
+    ) -> Deferred[Any] | p.FsReadDirectoryResponse:
+        path = absolute_path(params.path)
+        if self.locality is not None and local.inline_eligible(self.locality, path, path):
+            try:
+                return local.read_directory(self.locality, path)
+            except local.NotInline:
+                pass
+        return self._run_verified(path, ops.read_directory, path, owner=conn)
+
+    def remove(self, conn: object, params: p.FsRemoveParams) -> Deferred[Any]:
+        recursive = True if params.recursive is None else params.recursive
+        force = True if params.force is None else params.force
+        path = absolute_path(params.path)
+        return self.run(ops.remove, path, recursive, force, owner=conn).addCallback(
+            lambda _: p.Empty()
+        )
+
+    def copy(self, conn: object, params: p.FsCopyParams) -> Deferred[Any]:
+        source = absolute_path(params.source_path, "sourcePath")
+        destination = absolute_path(params.destination_path, "destinationPath")
+        return self.run(ops.copy, source, destination, params.recursive, owner=conn).addCallback(
+            lambda _: p.Empty()
+        )
+
+    # --- state for the dispatcher, /readyz and /metrics ----------------------------
+
+    def connection_closed(self, conn: object) -> None:
+        """Drop ``conn``'s requests that have not started (nobody will read them)."""
+        if self.pool is not None:
+            self.pool.cancel_owner(conn)
+        self.budget.cancel_owner(conn)
+
+    def stall_reason(self) -> str | None:
+        return self.pool.stall_reason() if self.pool is not None else None
+
+    @property
+    def running(self) -> int:
+        return self.pool.running if self.pool is not None else 0
+
+    @property
+    def queued(self) -> int:
+        return self.pool.queued if self.pool is not None else 0
+
+
+def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
+    """Add the seven fs/* routes to ``dispatcher``."""
+    clock: Any = dispatcher.clock
+    config = dispatcher.config
+    pool: PoolRunner | None = None
+    if run is None:
+        real = hasattr(clock, "callFromThread") and hasattr(clock, "addSystemEventTrigger")
+        if real:
+            pool = thread_pool_runner(
+                clock,
+                wait_timeout=config.fs_wait_timeout_ms / 1000.0,
+                stall_after=config.fs_stall_ms / 1000.0,
+            )
+            run = pool
+        else:
+            run = inline_runner
+    elif isinstance(run, PoolRunner):
+        pool = run
+    budget = ReplyBudget(
+        clock,
+        config.reply_budget_bytes,
+        config.connection_reply_budget_bytes,
+        config.fs_wait_timeout_ms / 1000.0,
+    )
+    # Inline calls only beside a real pool (with a fake clock everything
+    # already runs at once).
+    locality = Locality() if pool is not None else None
+    fs = FileSystem(config.max_read_file_bytes, run, budget, pool, locality)
+    dispatcher.add_route(p.FS_READ_FILE, ReadFileWire, fs.read_file, FAMILY)
+    dispatcher.add_route(p.FS_WRITE_FILE, WriteFileWire, fs.write_file, FAMILY)
+    dispatcher.add_route(
+        p.FS_CREATE_DIRECTORY, p.FsCreateDirectoryParams, fs.create_directory, FAMILY
+    )
+    dispatcher.add_route(p.FS_GET_METADATA, p.FsGetMetadataParams, fs.get_metadata, FAMILY)
+    dispatcher.add_route(p.FS_READ_DIRECTORY, p.FsReadDirectoryParams, fs.read_directory, FAMILY)
+    dispatcher.add_route(p.FS_REMOVE, p.FsRemoveParams, fs.remove, FAMILY)
+    dispatcher.add_route(p.FS_COPY, p.FsCopyParams, fs.copy, FAMILY)
+    return fs

@@ -1,0 +1,602 @@
+"""The blocking operations of the ``fs/*`` methods (run on the pool).
+
+No operation may hold a pool thread without bound: nothing non-regular
+(FIFO, device, socket) is ever opened for reading or writing (files are
+opened ``O_NONBLOCK`` and checked with ``fstat`` before any read or write,
+directories ``O_DIRECTORY``). Because the reactor thread changes directory
+around ``posix_spawn``, everything here works on absolute paths only.
+Large payloads are moved in slices: ``fs/readFile`` reads and encodes the
+file a slice at a time into the result's pieces; ``fs/writeFile`` decodes
+the request's text a slice at a time into the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Callable
+from typing import Final, NoReturn
+
+import attrs
+import msgspec
+import pybase64
+
+from execserver import protocol as p
+from execserver.codec import RenderedParts
+from execserver.errors import RpcError
+from execserver.fs import b64
+from execserver.fs.paths import (
+    ROOT_MESSAGE,
+    created_at_ms,
+    invalid,
+    lossy,
+    not_regular,
+    oserrors,
+    raise_errno,
+    resolve_path,
+    too_large,
+    unix_ms,
+)
+
+#: fs/readFile of a file up to this size takes one pool trip: its reply's
+#: budget for this size is reserved up front, and the file read at once.
+SMALL_READ_BYTES: Final = 64 * 1024
+
+_READ_PREFIX: Final = b'{"dataBase64":"'
+
+
+@attrs.frozen
+class ReadRange:
+    """The optional range of an ``fs/readFile``: ``offset`` and ``length``.
+
+    ``ranged`` is whether either was given: then the result also reports the
+    file's ``size``, and the read limit applies to the range, not the file.
+    """
+
+    offset: int = 0
+    length: int | None = None
+    ranged: bool = False
+
+    def bytes_of(self, file_size: int) -> int:
+        """Bytes this range covers in a file of ``file_size`` bytes."""
+        available = max(0, file_size - self.offset)
+        return available if self.length is None else min(self.length, available)
+
+
+WHOLE: Final = ReadRange()
+
+
+def encoded_result_size(size: int, file_size: int | None = None) -> int:
+    """Bytes of the ``{"dataBase64": ...}`` result for ``size`` bytes of data.
+
+    With ``file_size`` (a ranged read), ``,"size":N`` is counted too.
+    """
+    extra = 0 if file_size is None else len(b',"size":') + len(str(file_size))
+    return len(b'{"dataBase64":""}') + 4 * ((size + 2) // 3) + extra
+
+
+@oserrors
+def stat_for_read(
+    path: str, limit: int, small: int = 0, span: ReadRange = WHOLE
+) -> tuple[str, int] | RenderedParts:
+    """The first step of ``fs/readFile``: resolve, check, and size the file.
+
+    ``stat`` never opens anything, so it cannot block on a FIFO or device.
+    Returns the resolved path and the size of the reply to charge to the
+    reply budget, or, for at most ``small`` bytes, the rendered result at once.
+    """
+    path = resolve_path(path)
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise_errno(errno.EISDIR)
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular("fs/readFile")
+    size = span.bytes_of(st.st_size)
+    if size > limit:
+        raise too_large(limit)
+    if size <= small:
+        return read_file(path, limit, span)
+    return path, encoded_result_size(size, st.st_size if span.ranged else None)
+
+
+def _open_regular_for_reading(path: str, extra: int = 0) -> tuple[int, os.stat_result]:
+    # O_NONBLOCK: opening a FIFO must not wait for a writer, and a file that
+    # blocks on read (/proc/kmsg) fails with EAGAIN instead of hanging a
+    # pool thread; the descriptor stays non-blocking. O_NOCTTY: a terminal
+    # never becomes the server's controlling terminal.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | extra)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise_errno(errno.EISDIR)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular("fs/readFile")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+@oserrors
+def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
+    """``fs/readFile``: the result rendered as pieces, the file read a slice at a time.
+
+    Each slice of the file is read into one reused buffer and base64-encoded
+    into its own piece, so the reply's text exists once and the file's bytes
+    never exist whole. A file read whole must stay within ``limit``; a
+    range's bytes must (the file may be larger).
+    """
+    fd, st = _open_regular_for_reading(resolve_path(path))
+    try:
+        if not span.ranged and st.st_size > limit:
+            raise too_large(limit)
+        if span.offset:
+            os.lseek(fd, span.offset, os.SEEK_SET)
+        # Files whose size lies (/proc) or that grow or shrink while read
+        # are read to their end (or the range's), up to the limit.
+        want = limit + 1 if span.length is None else min(span.length, limit + 1)
+        pieces, total = _read_encoded(fd, want)
+        if total > limit:
+            raise too_large(limit)
+        # A range reports the file's size (as it is after the read).
+        tail = b'","size":%d}' % os.fstat(fd).st_size if span.ranged else b'"}'
+    finally:
+        os.close(fd)
+    return RenderedParts((_READ_PREFIX, *pieces, tail))
+
+
+def _read_encoded(fd: int, want: int) -> tuple[list[bytes], int]:
+    """Read up to ``want`` bytes from ``fd``: their base64, one piece per slice."""
+    buffer = bytearray(min(want, b64.B64_SLICE) if want < b64.B64_SLICE else b64.B64_SLICE)
+    view = memoryview(buffer)
+    pieces: list[bytes] = []
+    total = 0
+    filled = 0  # bytes in the buffer not yet encoded
+    while total < want:
+        count = os.readv(fd, [view[filled : min(len(view), filled + want - total)]])
+        if not count:
+            break
+        total += count
+        filled += count
+        usable = filled - filled % 3
+        if filled == len(view) or (usable and total >= want):
+            pieces.append(pybase64.b64encode(view[:usable]))
+            view[: filled - usable] = view[usable:filled]
+            filled -= usable
+    if filled:
+        pieces.append(pybase64.b64encode(view[:filled]))
+    return pieces, total
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None = None) -> int:
+    """Write all of ``data`` (at ``offset``, or at the file position); its length."""
+    view = memoryview(data)
+    size = len(view)
+    while view:
+        if offset is None:
+            written = os.write(fd, view[: 1 << 30])
+        else:
+            written = os.pwrite(fd, view[: 1 << 30], offset)
+            offset += written
+        view = view[written:]
+    return size
+
+
+def _write_pieces(fd: int, raw: msgspec.Raw, slow: bytes | None, offset: int | None = None) -> int:
+    """Write the decoded ``raw`` (or the already decoded ``slow``); bytes written."""
+    total = 0
+    for piece in (slow,) if slow is not None else b64.decoded_pieces(raw):
+        total += _write_all(fd, piece, None if offset is None else offset + total)
+    return total
+
+
+def _open_regular_for_writing(
+    path: str, mode: int, refusal: Callable[[], RpcError], extra: int = 0
+) -> int:
+    """Open ``path`` for writing (creating it), only if it is a regular file.
+
+    ``O_NONBLOCK`` makes opening a FIFO or a device return at once, and the
+    ``fstat`` check runs before anything could block or truncate: only a
+    regular file is ever truncated and written (where ``O_NONBLOCK`` has no
+    effect).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | extra
+    fd = os.open(path, flags, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refusal()
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_in_place(path: str, raw: msgspec.Raw) -> None:
+    # What the reference does (create or truncate, then write), once the
+    # text is known to decode: nothing is truncated for invalid base64.
+    slow = b64.validate(raw)
+    fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"))
+    try:
+        os.ftruncate(fd, 0)
+        _write_pieces(fd, raw, slow)
+    finally:
+        os.close(fd)
+
+
+def _check_write_target(path: str) -> os.stat_result | None:
+    try:
+        st: os.stat_result | None = os.stat(path)
+    except FileNotFoundError:
+        st = None  # a new file (or a dangling symlink to one)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise_errno(errno.EISDIR)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # FIFOs, devices, sockets: writing could block a pool thread for
+        # ever (a FIFO whose reader never reads); refused like readFile.
+        raise not_regular("fs/writeFile")
+    return st
+
+
+@oserrors
+def write_file(path: str, raw: msgspec.Raw) -> None:
+    """``fs/writeFile`` without a range: atomic replacement (see docs/filesystem.md).
+
+    The text is decoded a slice at a time straight into the temporary file.
+    On any failure the text's own error, if it has one, is reported instead,
+    as the reference (which decodes before anything else) would.
+    """
+    try:
+        _write_file(path, raw)
+    except (OSError, RpcError):
+        b64.validate(raw)  # raises the text's error, which comes first
+        raise
+
+
+def _write_file(path: str, raw: msgspec.Raw) -> None:
+    path = resolve_path(path)
+    st = _check_write_target(path)
+    if st is not None and st.st_nlink > 1:
+        # Hard links: renaming would detach this name from the others;
+        # write through, as the reference.
+        _write_in_place(path, raw)
+        return
+    # A symlink at the path is followed: its final target is replaced.
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    temp = os.path.join(directory, f".exec-server-{secrets.token_hex(8)}.tmp")
+    try:
+        # Mode 0o666 lets the kernel apply the umask (and default ACLs) to a
+        # new file exactly as for the reference's File::create.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            _write_in_place(path, raw)  # directory not writable
+            return
+        raise
+    try:
+        try:
+            if st is not None:
+                own = os.fstat(fd)
+                if (own.st_uid, own.st_gid) != (st.st_uid, st.st_gid):
+                    os.fchown(fd, st.st_uid, st.st_gid)
+                os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        except PermissionError:
+            # The owner cannot be kept (someone else's file we may write to):
+            # replacing it would change who owns it; write through instead.
+            os.close(fd)
+            fd = -1
+            os.unlink(temp)
+            _write_in_place(path, raw)
+            return
+        try:
+            _write_pieces(fd, raw, None)
+        except b64.NotFast:
+            # JSON escapes or invalid base64: start over with the exact decoder.
+            slow = b64.decode_slow(raw)
+            os.ftruncate(fd, 0)
+            _write_all(fd, slow, 0)
+        os.close(fd)
+        fd = -1
+        os.rename(temp, target)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+@oserrors
+def write_range(
+    path: str, raw: msgspec.Raw, offset: int | None, append: bool, truncate: bool
+) -> None:
+    """``fs/writeFile`` with ``offset`` or ``append``: write in place.
+
+    The text is checked first (nothing is written for invalid base64), then
+    decoded a slice at a time into the file: at ``offset`` (a gap past the
+    end reads as zeros) or at its end with ``append``. Afterwards the file
+    reaches at least the write's end; ``truncate`` with an offset ends it
+    there. The file is created if missing; only a regular file is opened.
+    """
+    path = resolve_path(path)
+    slow = b64.validate(raw)
+    _check_write_target(path)
+    extra = os.O_APPEND if append else 0
+    fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"), extra)
+    try:
+        written = _write_pieces(fd, raw, slow, None if append else offset or 0)
+        end = (offset or 0) + written
+        # The file ends at the write's end with truncate, and reaches it in
+        # any case (an empty write past the end extends the file too).
+        if not append and (truncate or os.fstat(fd).st_size < end):
+            os.ftruncate(fd, end)
+    finally:
+        os.close(fd)
+
+
+@oserrors
+def create_directory(path: str, recursive: bool) -> None:
+    path = resolve_path(path)
+    if recursive:
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.mkdir(path)
+
+
+@oserrors
+def get_metadata(path: str) -> p.FsGetMetadataResponse:
+    path = resolve_path(path)
+    st = os.stat(path)
+    is_symlink = stat.S_ISLNK(os.lstat(path).st_mode)
+    return p.FsGetMetadataResponse(
+        is_directory=stat.S_ISDIR(st.st_mode),
+        is_file=stat.S_ISREG(st.st_mode),
+        created_at_ms=created_at_ms(path),
+        modified_at_ms=unix_ms(st.st_mtime_ns),
+        is_symlink=is_symlink,
+        size=st.st_size,
+    )
+
+
+@oserrors
+def read_directory(path: str) -> p.FsReadDirectoryResponse:
+    path = resolve_path(path)
+    entries: list[p.FsReadDirectoryEntry] = []
+    with os.scandir(path) as it:
+        for entry in it:
+            is_symlink = entry.is_symlink()
+            try:
+                st = os.stat(entry.path)
+            except (FileNotFoundError, OSError) as exc:
+                if exc.errno not in (errno.ENOENT, errno.ELOOP):
+                    raise
+                if not is_symlink:
+                    continue  # removed while we listed
+                is_dir = is_file = False  # a dangling or looping symlink
+            else:
+                is_dir = stat.S_ISDIR(st.st_mode)
+                is_file = stat.S_ISREG(st.st_mode)
+            entries.append(
+                p.FsReadDirectoryEntry(
+                    file_name=lossy(entry.name),
+                    is_directory=is_dir,
+                    is_file=is_file,
+                    is_symlink=is_symlink,
+                )
+            )
+    return p.FsReadDirectoryResponse(entries)
+
+
+def _refuse_root() -> NoReturn:
+    raise invalid(ROOT_MESSAGE, "rootDirectory")
+
+
+def removal_target(path: str) -> tuple[str, os.stat_result | None]:
+    """What ``fs/remove`` of ``path`` (from :func:`absolute_path`) would remove.
+
+    The decision alone, with no removal: the resolved path and its
+    ``lstat`` (None if it does not exist). Refuses the root directory in
+    every spelling, like ``rm --preserve-root``: ``/`` after resolving
+    ``..`` as the kernel does, and any directory that is the root's inode
+    on the root's device (a bind mount of ``/``). A symlink is a symlink
+    (it is unlinked, never followed), whatever it points at.
+    """
+    path = resolve_path(path)
+    if path == "/":
+        _refuse_root()
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path, None
+    if stat.S_ISDIR(st.st_mode):
+        root = os.stat("/")
+        if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino):
+            _refuse_root()
+    return path, st
+
+
+@oserrors
+def remove(path: str, recursive: bool, force: bool) -> None:
+    path, st = removal_target(path)
+    if st is None:
+        if force:
+            return
+        raise_errno(errno.ENOENT)
+    if stat.S_ISDIR(st.st_mode):
+        if recursive:
+            _remove_tree(path, st)
+        else:
+            os.rmdir(path)
+    else:
+        os.unlink(path)
+
+
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _same_inode(st: os.stat_result, other: os.stat_result) -> bool:
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+
+
+def _remove_tree(path: str, expected: os.stat_result) -> None:
+    """Remove a directory tree, like Rust's ``remove_dir_all`` / ``shutil.rmtree``.
+
+    Walks with directory descriptors (``O_NOFOLLOW``, ``*at`` calls), so a
+    symlink is unlinked, never followed, even if swapped in meanwhile; and
+    entries that vanish meanwhile are fine. Unlike them, it never enters the
+    root directory: a bind mount of ``/`` inside the tree stops the removal
+    with the ``rootDirectory`` error (what was removed before it stays
+    removed; the root's contents are untouched).
+    """
+    root = os.stat("/")
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        if not _same_inode(os.fstat(fd), expected):
+            raise_errno(errno.ENOENT)  # replaced since it was looked at
+        _remove_contents(fd, root)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _remove_contents(dir_fd: int, root: os.stat_result) -> None:
+    with os.scandir(dir_fd) as it:
+        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in it]
+    for name, is_dir in entries:
+        if is_dir and _remove_subtree(dir_fd, name, root):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def _remove_subtree(dir_fd: int, name: str, root: os.stat_result) -> bool:
+    """Remove the directory ``name``; False if it is no longer a directory."""
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            return False  # replaced by a file or a symlink meanwhile: unlink that
+        raise
+    try:
+        if _same_inode(os.fstat(child), root):
+            _refuse_root()
+        _remove_contents(child, root)
+    finally:
+        os.close(child)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=dir_fd)
+    return True
+
+
+@oserrors
+def copy(source: str, destination: str, recursive: bool) -> None:
+    source = resolve_path(source)
+    destination = resolve_path(destination)
+    st = os.lstat(source)
+    if stat.S_ISDIR(st.st_mode):
+        if not recursive:
+            raise invalid(
+                "fs/copy requires recursive: true when sourcePath is a directory",
+                "recursiveRequired",
+            )
+        if _is_same_or_descendant(source, destination):
+            raise invalid(
+                "fs/copy cannot copy a directory to itself or one of its descendants",
+                "copyIntoItself",
+            )
+        _copy_tree(source, destination, st.st_mode)
+    elif stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(source), destination)
+    elif stat.S_ISREG(st.st_mode):
+        _copy_file(source, destination)
+    else:
+        raise _unsupported_copy()
+
+
+def _is_same_or_descendant(source: str, destination: str) -> bool:
+    src = os.path.realpath(source, strict=True)
+    # The reference resolves the longest existing prefix of the (lexically
+    # normalised) destination and appends the rest.
+    existing = destination
+    suffix: list[str] = []
+    while not os.path.exists(existing) and existing != "/":
+        existing, name = os.path.split(existing)
+        suffix.append(name)
+    resolved = os.path.join(os.path.realpath(existing, strict=True), *reversed(suffix))
+    return src in ("/", resolved) or resolved.startswith(src + "/")
+
+
+def _copy_tree(source: str, target: str, mode: int) -> None:
+    created = not os.path.isdir(target)
+    os.makedirs(target, exist_ok=True)
+    with os.scandir(source) as it:
+        for entry in it:
+            child = os.path.join(target, entry.name)
+            if entry.is_dir(follow_symlinks=False):
+                _copy_tree(entry.path, child, entry.stat(follow_symlinks=False).st_mode)
+            elif entry.is_file(follow_symlinks=False):
+                _copy_file(entry.path, child)
+            elif entry.is_symlink():
+                os.symlink(os.readlink(entry.path), child)
+            # Other types (FIFOs, sockets, devices) are skipped, as the reference does.
+    if created:
+        # Applied last so a read-only source directory can still be filled.
+        os.chmod(target, stat.S_IMODE(mode))
+
+
+_UNSUPPORTED_COPY: Final = "fs/copy only supports regular files, directories, and symlinks"
+
+
+def _unsupported_copy() -> RpcError:
+    return invalid(_UNSUPPORTED_COPY, "unsupportedFileType")
+
+
+def _copy_file(source: str, target: str) -> None:
+    """Rust's ``std::fs::copy``: contents and permission bits; follows a symlink at target.
+
+    Source and destination are opened ``O_NONBLOCK`` and must be regular
+    files (checked with ``fstat`` before anything is read, truncated or
+    written): a FIFO or a device at either end is refused, never waited on.
+    """
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode):
+            raise _unsupported_copy()
+        dst = _open_regular_for_writing(target, stat.S_IMODE(st.st_mode), _unsupported_copy)
+        try:
+            existing = os.fstat(dst)
+            if (existing.st_dev, existing.st_ino) == (st.st_dev, st.st_ino):
+                # The reference would truncate the file to nothing.
+                raise invalid("fs/copy cannot copy a file to itself", "sameFile")
+            os.ftruncate(dst, 0)
+            _copy_contents(src, dst)
+            os.fchmod(dst, stat.S_IMODE(st.st_mode))
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _copy_contents(src: int, dst: int) -> None:
+    try:
+        while os.copy_file_range(src, dst, 1 << 30):
+            pass
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    offset = os.lseek(src, 0, os.SEEK_CUR)
+    os.lseek(dst, offset, os.SEEK_SET)
+    while True:
+        chunk = os.read(src, 1024 * 1024)
+        if not chunk:
+            return
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(dst, view) :]

@@ -1,0 +1,229 @@
+"""Paths and errors of the ``fs/*`` methods (no blocking work, no Twisted).
+
+Paths arrive as absolute path strings; ``.`` and empty components are
+dropped on arrival (:func:`absolute_path`) and ``..`` is resolved the way
+the kernel resolves it (:func:`resolve_path`, which looks at the disk and
+so runs off the reactor). Errors follow the reference's mapping: its
+invalid-input errors are ``-32600`` with its message texts; every OS error
+is ``-32603`` with the message Rust prints (``No such file or directory (os
+error 2)``). Each error also carries ``data: {"kind": ..., "errno": ...}``
+(``errno`` only for OS errors) so clients can branch without parsing text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import struct
+from collections.abc import Callable
+from typing import Any, Final, NoReturn, ParamSpec, TypeVar
+
+from execserver.errors import RpcError
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+#: Family named in "client must call initialize before using filesystem methods".
+FAMILY: Final = "filesystem"
+#: Slice of a large payload base64-encoded or decoded per C call; a multiple of
+#: 3 and 4 so slices join seamlessly. Small enough that other threads (the
+#: reactor) get the GIL between slices.
+B64_SLICE: Final = 3 * 1024 * 1024
+_RELATIVE_PATH_MESSAGE: Final = "AbsolutePathBuf deserialized without a base path"
+NUL_MESSAGE: Final = "file name contained an unexpected NUL byte"
+ROOT_MESSAGE: Final = "fs/remove refuses to remove the root directory `/`"
+# --- errors -------------------------------------------------------------------
+
+#: errno -> ``data.kind`` (Rust's io::ErrorKind names in camelCase).
+_KINDS: Final[dict[int, str]] = {
+    errno.ENOENT: "notFound",
+    errno.EACCES: "permissionDenied",
+    errno.EPERM: "permissionDenied",
+    errno.EISDIR: "isADirectory",
+    errno.ENOTDIR: "notADirectory",
+    errno.EEXIST: "alreadyExists",
+    errno.ENOSPC: "noSpace",
+    errno.EDQUOT: "noSpace",
+    errno.ENOTEMPTY: "directoryNotEmpty",
+    errno.EROFS: "readOnlyFilesystem",
+    errno.ELOOP: "filesystemLoop",
+    errno.ENAMETOOLONG: "invalidFilename",
+    errno.EXDEV: "crossesDevices",
+    errno.EBUSY: "resourceBusy",
+    errno.ETXTBSY: "executableFileBusy",
+    errno.EFBIG: "fileTooLarge",
+    errno.EMLINK: "tooManyLinks",
+    errno.EINVAL: "invalidInput",
+    errno.ENXIO: "noSuchDeviceOrAddress",
+    errno.EIO: "io",
+    errno.EAGAIN: "wouldBlock",
+    # The server's descriptors ran out (processes hold most of them): the
+    # same kind process/start reports, so a client can back off either way.
+    errno.EMFILE: "tooManyOpenFiles",
+    errno.ENFILE: "tooManyOpenFiles",
+}
+
+
+def os_error(exc: OSError) -> RpcError:
+    """An OSError as the reference reports it: ``{strerror} (os error N)``.
+
+    Like Rust's ``io::Error``, EINVAL is "invalid input" and so ``-32600``;
+    every other OS error is ``-32603``.
+    """
+    code = exc.errno
+    if code is None:
+        return RpcError.internal(str(exc), {"kind": "other"})
+    message = f"{os.strerror(code)} (os error {code})"
+    data = {"kind": _KINDS.get(code, "other"), "errno": code}
+    if code == errno.EINVAL:
+        return RpcError.invalid_request(message, data)
+    return RpcError.internal(message, data)
+
+
+def invalid(message: str, kind: str) -> RpcError:
+    return RpcError.invalid_request(message, {"kind": kind})
+
+
+def raise_errno(code: int) -> NoReturn:
+    raise OSError(code, os.strerror(code))
+
+
+# --- paths --------------------------------------------------------------------
+
+
+def absolute_path(value: str, field: str = "path") -> str:
+    """Validate an absolute path; drop ``.`` and empty components (no disk access).
+
+    ``..`` components stay: :func:`resolve_path` resolves them on the pool
+    as the kernel would. A leading ``..`` is dropped (``/..`` is ``/``).
+    Relative paths are ``-32602``.
+    """
+    if not value.startswith("/"):
+        raise RpcError.invalid_params(
+            _RELATIVE_PATH_MESSAGE, {"kind": "relativePath", "field": field, "path": value}
+        )
+    if "\0" in value:
+        raise RpcError.invalid_request(NUL_MESSAGE, {"kind": "invalidInput", "field": field})
+    parts: list[str] = []
+    for part in value.split("/"):
+        if part in ("", "."):
+            continue
+        if part == ".." and not parts:
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def resolve_path(path: str) -> str:
+    """Resolve the ``..`` components of an :func:`absolute_path` as the kernel does.
+
+    Blocking (it looks at the disk): runs on the pool. Everything up to the
+    last ``..`` is resolved physically, so ``..`` after a symlink is the
+    parent of the link's target, exactly what ``open(2)`` would reach; a
+    missing or non-directory component before a ``..`` is the kernel's
+    error (``notFound``, ``notADirectory``). What follows the last ``..``
+    is kept as given, so a symlink there is still seen as a symlink
+    (``fs/remove`` unlinks it, ``getMetadata`` reports ``isSymlink``).
+    Paths without ``..`` are returned unchanged, without a system call.
+    """
+    parts = path.split("/")
+    try:
+        last = len(parts) - 1 - parts[::-1].index("..")
+    except ValueError:
+        return path
+    head = "/".join(parts[: last + 1])
+    os.stat(head)  # the kernel's own errors for an unreachable prefix
+    resolved = os.path.realpath(head)
+    rest = "/".join(parts[last + 1 :])
+    if not rest:
+        return resolved
+    return resolved.rstrip("/") + "/" + rest
+
+
+def lossy(name: str) -> str:
+    """A directory entry name as valid UTF-8 (invalid bytes become U+FFFD)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return name
+
+
+# --- creation time (statx) ----------------------------------------------------
+
+_STATX_BTIME: Final = 0x800
+_AT_FDCWD: Final = -100
+
+
+def _load_statx() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        func = libc.statx
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    func.restype = ctypes.c_int
+    return func
+
+
+_statx: Final = _load_statx()
+
+
+def created_at_ms(path: str) -> int:
+    """Birth time in ms since the epoch, or 0 where the platform has none.
+
+    Python 3.11 does not expose ``statx``; the reference (Rust's
+    ``Metadata::created``) reads ``stx_btime`` through it.
+    """
+    if _statx is None:
+        return 0
+    buf = ctypes.create_string_buffer(256)
+    if _statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_BTIME, buf) != 0:
+        return 0
+    mask = struct.unpack_from("=I", buf, 0)[0]
+    if not mask & _STATX_BTIME:
+        return 0
+    seconds, nanos = struct.unpack_from("=qI", buf, 80)
+    return unix_ms(seconds * 1_000_000_000 + nanos)
+
+
+def unix_ms(ns: int) -> int:
+    return ns // 1_000_000 if ns >= 0 else 0
+
+
+#: ``data.kind`` of requests refused because the server is out of a shared
+#: resource for now (a pool thread, reply budget): retrying later may work.
+BUSY_KIND: Final = "busy"
+
+
+def closed_error() -> RpcError:
+    # Never sent (the connection is gone); an RpcError keeps it out of the log.
+    return invalid("the connection closed before the request ran", "cancelled")
+
+
+def oserrors(func: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Turn OSErrors (and NUL bytes in names) of a blocking operation into RpcErrors."""
+
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return func(*args, **kwargs)
+        except OSError as exc:
+            raise os_error(exc) from None
+        except ValueError as exc:
+            if "null" in str(exc):
+                raise invalid(NUL_MESSAGE, "invalidInput") from None
+            raise
+
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper
+
+
+def not_regular(method: str) -> RpcError:
+    return invalid(f"{method} only supports regular files", "notRegularFile")
+
+
+def too_large(limit: int) -> RpcError:
+    return invalid(f"file is too large to read: limit is {limit} bytes", "fileTooLarge")

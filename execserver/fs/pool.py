@@ -1,0 +1,249 @@
+"""The fs pool: blocking work off the reactor, bounded, with one wake-up per batch.
+
+See :class:`PoolRunner`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import attrs
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IDelayedCall
+from twisted.python.failure import Failure
+
+from execserver.fs.paths import BUSY_KIND, closed_error, invalid
+
+#: Threads doing blocking file I/O (per server).
+FS_THREADS: Final = 4
+
+Runner = Callable[..., "Deferred[Any]"]
+
+
+@attrs.define(eq=False)
+class _Job:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    owner: object
+    deferred: Deferred[Any]
+    started_at: float | None = None
+    timer: IDelayedCall | None = None
+
+
+class PoolRunner:
+    """Runs blocking calls on a dedicated, bounded pool tied to the reactor's life.
+
+    At most ``threads`` worker threads, started as work needs them and kept
+    (idle ones wait on a condition, so a request costs one thread wake-up,
+    not a thread pool's queue and context). The queue is kept here: a
+    worker that finishes a job takes the next queued one itself (no round
+    trip through the reactor between jobs), so a queued job can be dropped
+    when its connection closes, fails with a ``busy`` error after
+    ``wait_timeout`` seconds without a free thread, and is counted for
+    /metrics.
+
+    Results go back to the reactor in batches: a worker appends its result
+    to a list and wakes the reactor only if the list was empty, so every
+    result completed before the reactor runs is delivered in one wake-up
+    (at 64 requests in flight, far fewer wake-ups than results). The
+    workers stop when the reactor shuts down.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        threads: int = FS_THREADS,
+        wait_timeout: float = 30.0,
+        stall_after: float = 10.0,
+        clock: Any = None,
+    ) -> None:
+        self._reactor = reactor
+        self._clock = clock if clock is not None else reactor
+        self.threads = threads
+        self.wait_timeout = wait_timeout
+        self.stall_after = stall_after
+        # Shared with the workers: the queue, the running set, the counts,
+        # the finished results not yet delivered.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[_Job] = deque()
+        self._handoff: deque[_Job] = deque()
+        self._running: set[_Job] = set()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._done: list[tuple[_Job, bool, Any]] = []
+        self._dequeued: list[_Job] = []
+        self._started = False
+        self._stopped = False
+
+    @property
+    def running(self) -> int:
+        """Operations on a pool thread now."""
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        """Operations waiting for a free pool thread."""
+        return len(self._queue)
+
+    def __call__(self, func: Callable[..., Any], *args: Any, owner: object = None) -> Deferred[Any]:
+        job = _Job(func, args, owner, Deferred(lambda _: self._cancel(job)))
+        if self._stopped:
+            # The workers are gone (the reactor is stopping).
+            job.deferred.errback(invalid("the server is shutting down", "shuttingDown"))
+            return job.deferred
+        if not self._started:
+            self._started = True
+            self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
+        spawn = False
+        with self._lock:
+            if len(self._running) < self.threads:
+                # A free thread: an idle one takes it, or a new one starts.
+                self._begin(job)
+                self._handoff.append(job)
+                if self._idle:
+                    self._idle -= 1
+                    self._wake.notify()
+                elif len(self._threads) < self.threads:
+                    spawn = True
+                    self._threads.append(threading.Thread(target=self._work, daemon=True))
+                # Else every thread exists and one is between two jobs: it
+                # takes the handoff before it waits.
+            else:
+                self._queue.append(job)
+        if spawn:
+            self._threads[-1].name = f"exec-server-fs-{len(self._threads)}"
+            self._threads[-1].start()
+        elif job.started_at is None:
+            job.timer = self._clock.callLater(self.wait_timeout, self._expire, job)
+        return job.deferred
+
+    def _begin(self, job: _Job) -> None:
+        # (Called with the lock held.)
+        job.started_at = self._clock.seconds()
+        self._running.add(job)
+
+    def _work(self) -> None:
+        """A worker thread: run jobs handed to it or queued, until stopped."""
+        job: _Job | None = None
+        while True:
+            with self._lock:
+                while job is None:
+                    if self._stopped:
+                        return
+                    if self._handoff:
+                        job = self._handoff.popleft()
+                    else:
+                        self._idle += 1
+                        self._wake.wait()
+            try:
+                result: Any = job.func(*job.args)
+                success = True
+            except BaseException:
+                result = Failure()
+                success = False
+            with self._lock:
+                self._running.discard(job)
+                following = None
+                if self._queue and not self._stopped:
+                    following = self._queue.popleft()
+                    self._begin(following)
+                    self._dequeued.append(following)
+                first = not self._done
+                self._done.append((job, success, result))
+            # An idle worker must not keep its last result (a large reply) alive.
+            del result
+            if first:
+                self._reactor.callFromThread(self._deliver)
+            job = following
+
+    def _deliver(self) -> None:
+        """Fire every result finished since the last delivery (reactor thread)."""
+        with self._lock:
+            done, self._done = self._done, []
+            started, self._dequeued = self._dequeued, []
+        for job, success, result in done:
+            if job.deferred.called:
+                continue  # cancelled while running: the result is dropped here
+            if success:
+                job.deferred.callback(result)
+            else:
+                job.deferred.errback(result)
+        for job in started:
+            self._stop_timer(job)  # it left the queue for a thread: no timeout
+
+    @staticmethod
+    def _stop_timer(job: _Job) -> None:
+        if job.timer is not None and job.timer.active():
+            job.timer.cancel()
+        job.timer = None
+
+    def _unqueue(self, job: _Job) -> bool:
+        with self._lock:
+            if job in self._queue:
+                self._queue.remove(job)
+                return True
+            return False
+
+    def _cancel(self, job: _Job) -> None:
+        if self._unqueue(job):
+            self._stop_timer(job)
+        job.deferred.errback(closed_error())
+
+    def _expire(self, job: _Job) -> None:
+        job.timer = None
+        if not self._unqueue(job):
+            return  # a worker took it meanwhile
+        waited = round(self.wait_timeout * 1000)
+        job.deferred.errback(
+            invalid(
+                f"filesystem busy: no worker thread became free within {waited} ms "
+                f"(all {self.threads} are busy; --fs-wait-timeout-ms); retry later",
+                BUSY_KIND,
+            )
+        )
+
+    def cancel_owner(self, owner: object) -> None:
+        """Drop the queued (not yet running) jobs of ``owner``."""
+        with self._lock:
+            mine = [job for job in self._queue if job.owner is owner]
+        for job in mine:
+            job.deferred.cancel()
+
+    def stall_reason(self) -> str | None:
+        """Why the pool is wedged, or None.
+
+        Wedged: every thread has been busy on one operation for longer than
+        ``stall_after`` seconds, so new requests would wait for them.
+        """
+        with self._lock:
+            started = [job.started_at for job in self._running]
+            waiting = len(self._queue)
+        if len(started) < self.threads:
+            return None
+        now = self._clock.seconds()
+        youngest = max(now if at is None else at for at in started)
+        if now - youngest <= self.stall_after:
+            return None
+        return (
+            f"filesystem pool wedged: all {self.threads} worker threads have been busy "
+            f"on one operation each for over {self.stall_after:g} s; "
+            f"{waiting} request(s) waiting"
+        )
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._wake.notify_all()
+
+
+def thread_pool_runner(reactor: Any, threads: int = FS_THREADS, **options: Any) -> PoolRunner:
+    return PoolRunner(reactor, threads, **options)
+
+
+def inline_runner(func: Callable[..., Any], *args: Any, owner: object = None) -> Deferred[Any]:
+    """Run at once (for dispatchers built on a fake clock in unit tests)."""
+    return maybeDeferred(func, *args)
