@@ -28,6 +28,7 @@ symlink within the verification window.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -37,9 +38,8 @@ from typing import Final
 
 from execserver import protocol as p
 from execserver.codec import RenderedParts
-from execserver.errors import RpcError
 from execserver.fs import b64
-from execserver.fs.paths import created_at_ms, lossy, os_error, unix_ms
+from execserver.fs.paths import lossy, lstatx, os_error, unix_ms
 
 #: File system types whose calls never wait on another machine or process.
 LOCAL_TYPES: Final = frozenset(
@@ -148,7 +148,11 @@ class Locality:
 
 
 def parent_of(path: str) -> str:
-    return os.path.dirname(path) or "/"
+    return path.rpartition("/")[0] or "/"
+
+
+#: The reactor thread's statx buffer (inline calls run only there).
+_REACTOR_BUFFER: Final = ctypes.create_string_buffer(256)
 
 
 def inline_eligible(locality: Locality, path: str, directory: str) -> bool:
@@ -161,27 +165,27 @@ def inline_eligible(locality: Locality, path: str, directory: str) -> bool:
     )
 
 
-def _errors(exc: OSError) -> RpcError:
-    return os_error(exc)
-
-
 def get_metadata(path: str) -> p.FsGetMetadataResponse:
-    """``fs/getMetadata`` inline: one ``lstat`` (the path is no symlink, so it is the ``stat``)."""
+    """``fs/getMetadata`` inline: one ``statx`` of the path itself (no symlink, so it
+    is the ``stat``), with the birth time in the same call."""
     try:
-        st = os.lstat(path)
+        found = lstatx(path, _REACTOR_BUFFER)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            raise _errors(exc) from None
+            raise os_error(exc) from None
         raise NotInline from None
-    if stat.S_ISLNK(st.st_mode):
+    if found is None:
+        raise NotInline
+    mode, size, mtime_ns, birth_ms = found
+    if stat.S_ISLNK(mode):
         raise NotInline
     return p.FsGetMetadataResponse(
-        is_directory=stat.S_ISDIR(st.st_mode),
-        is_file=stat.S_ISREG(st.st_mode),
-        created_at_ms=created_at_ms(path),
-        modified_at_ms=unix_ms(st.st_mtime_ns),
+        is_directory=stat.S_ISDIR(mode),
+        is_file=stat.S_ISREG(mode),
+        created_at_ms=birth_ms,
+        modified_at_ms=unix_ms(mtime_ns),
         is_symlink=False,
-        size=st.st_size,
+        size=size,
     )
 
 

@@ -106,6 +106,8 @@ def absolute_path(value: str, field: str = "path") -> str:
         )
     if "\0" in value:
         raise RpcError.invalid_request(NUL_MESSAGE, {"kind": "invalidInput", "field": field})
+    if "//" not in value and "/." not in value and (value == "/" or value[-1] != "/"):
+        return value  # already normal (the common case, without a split)
     parts: list[str] = []
     for part in value.split("/"):
         if part in ("", "."):
@@ -187,6 +189,32 @@ def created_at_ms(path: str) -> int:
         return 0
     seconds, nanos = struct.unpack_from("=qI", buf, 80)
     return unix_ms(seconds * 1_000_000_000 + nanos)
+
+
+#: mask, mode, size, btime (s, ns), ctime (s, ns), mtime (s, ns) of a ``struct statx``.
+_STATX_FIELDS: Final = struct.Struct("=I24xH10xQ32xqI4xqI4xqI")
+_STATX_BASIC_AND_BTIME: Final = 0x7FF | _STATX_BTIME
+_AT_SYMLINK_NOFOLLOW: Final = 0x100
+
+
+def lstatx(path: str, buf: Any = None) -> tuple[int, int, int, int] | None:
+    """``(mode, size, mtime_ns, birth_ms)`` of ``path`` itself, with one ``statx``.
+
+    The symlink itself if ``path`` is one (like ``lstat``); ``birth_ms`` is
+    0 where not recorded. None if ``statx`` is not available; an OSError as
+    ``lstat`` would raise it. ``buf`` (256 bytes) may be reused by one thread.
+    """
+    if _statx is None:
+        return None
+    if buf is None:
+        buf = ctypes.create_string_buffer(256)
+    name = path.encode("utf-8", "surrogateescape")  # os.fsencode, without its checks
+    if _statx(_AT_FDCWD, name, _AT_SYMLINK_NOFOLLOW, _STATX_BASIC_AND_BTIME, buf):
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    mask, mode, size, bsec, bnsec, _, _, msec, mnsec = _STATX_FIELDS.unpack_from(buf)
+    birth = unix_ms(bsec * 1_000_000_000 + bnsec) if mask & _STATX_BTIME else 0
+    return mode, size, msec * 1_000_000_000 + mnsec, birth
 
 
 def unix_ms(ns: int) -> int:
