@@ -1,0 +1,253 @@
+"""Files moved in ranges, and cheap calls that never block the event loop
+(issue 13, items 1 and 3), through real servers:
+
+- ``upload``/``download`` of the client library through a spawned server
+  (hashes equal, progress reported, a file larger than one range);
+- ``exec-server-client fs put/get`` in ranges, with a progress bar on a
+  terminal and none on a pipe;
+- a path whose ``stat`` is slow (on what the server's mount table says is
+  an NFS mount) keeps one pool thread busy while another client's
+  getMetadata, readDirectory and readFile calls are all answered: the inline
+  rule never runs it on the reactor thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_twisted
+from twisted.internet.defer import Deferred
+
+from execserver.client import ConnectOptions, ExecServerClient
+from execserver.config import ServerConfig
+from execserver.dispatcher import Dispatcher
+from execserver.fs import local, paths
+from execserver.fs.local import Locality
+from tests.fakes import FakeSpawner
+from tests.harness import reactor, server_env, with_timeout
+from tests.test_client_cli import Cli, run
+from tests.test_client_support import wait
+
+OPTIONS = ConnectOptions("test-transfer", initialize_timeout=5.0)
+MiB = 1024 * 1024
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- the client library ---------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_upload_and_download_round_trip_through_a_real_server(tmp_path: Path) -> None:
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(300_001))
+    remote = tmp_path / "remote.bin"
+    remote.write_bytes(b"an older, longer file " * 20_000)  # cut to the new length
+    back = tmp_path / "back.bin"
+    client: ExecServerClient = await wait(
+        ExecServerClient.spawn_local(reactor, OPTIONS, env=server_env()), "server handshake"
+    )
+    try:
+        seen: list[tuple[int, int | None]] = []
+        sent = await wait(
+            client.upload(
+                str(remote),
+                source,
+                chunk_bytes=64 * 1024,
+                progress=lambda d, t: seen.append((d, t)),
+            ),
+            "upload",
+        )
+        assert sent == 300_001
+        assert _digest(remote) == _digest(source)
+        assert seen[-1] == (300_001, 300_001) and len(seen) == 5
+        assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+        seen.clear()
+        got = await wait(
+            client.download(
+                str(remote), back, chunk_bytes=64 * 1024, progress=lambda d, t: seen.append((d, t))
+            ),
+            "download",
+        )
+        assert got == 300_001
+        assert _digest(back) == _digest(source)
+        assert seen[-1] == (300_001, 300_001) and len(seen) == 5
+        # One range: a plain atomic writeFile; an empty file round trips too.
+        empty = tmp_path / "empty"
+        empty.write_bytes(b"")
+        assert await wait(client.upload(str(remote), empty), "empty upload") == 0
+        assert remote.read_bytes() == b""
+        assert await wait(client.download(str(remote), back), "empty download") == 0
+        assert back.read_bytes() == b""
+    finally:
+        await wait(client.close(), "close")
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_cli_put_and_get_in_ranges(tmp_path: Path) -> None:
+    local_file = tmp_path / "local.bin"
+    local_file.write_bytes(os.urandom(9 * MiB + 7))  # two 8 MiB ranges
+    remote = tmp_path / "remote.bin"
+    cli = await run("fs", "--stdio", "put", str(local_file), str(remote))
+    assert (cli.exit_code, cli.err) == (0, b"")  # no progress bar on a pipe
+    assert _digest(remote) == _digest(local_file)
+    back = tmp_path / "back.bin"
+    cli = await run("fs", "--stdio", "get", str(remote), str(back))
+    assert (cli.exit_code, cli.err) == (0, b"")
+    assert _digest(back) == _digest(local_file)
+    cli = await run("fs", "--stdio", "get", str(remote), "-")
+    assert cli.exit_code == 0
+    assert hashlib.sha256(cli.out).hexdigest() == _digest(local_file)
+    cli = await run("fs", "--stdio", "get", str(tmp_path / "missing"), str(back))
+    assert cli.exit_code == 1
+    assert cli.err.startswith(f"exec-server-client: fs get {tmp_path}/missing: ".encode())
+    cli = await run("fs", "--stdio", "put", str(tmp_path / "nope"), str(remote))
+    assert cli.exit_code == 2
+    assert b"cannot read" in cli.err and b"No such file or directory" in cli.err
+
+
+@pytest_twisted.ensureDeferred
+async def test_cli_get_shows_progress_on_a_terminal(tmp_path: Path) -> None:
+    remote = tmp_path / "remote.bin"
+    remote.write_bytes(os.urandom(9 * MiB))
+    back = tmp_path / "back.bin"
+    cli = Cli.start("fs", "--stdio", "get", str(remote), str(back), pty=True, show_terminal=False)
+    assert await cli.finish() == 0
+    assert f"get {remote}: 9.0 / 9.0 MiB (100%)".encode() in cli.out
+    assert _digest(back) == _digest(remote)
+
+
+# --- a slow file system never blocks the event loop -----------------------------------------
+
+
+class _Outbound:
+    """A connection's responses, by id, as Deferreds."""
+
+    def __init__(self) -> None:
+        self.answers: dict[Any, Deferred[dict[str, Any]]] = {}
+
+    def answer(self, request_id: int) -> Deferred[dict[str, Any]]:
+        return self.answers.setdefault(request_id, Deferred())
+
+    def write_message(self, data: bytes) -> None:
+        message = msgspec.json.decode(data)
+        if "id" in message:
+            self.answer(message["id"]).callback(message)
+
+    def write_message_parts(self, parts: Any) -> None:
+        self.write_message(b"".join(bytes(part) for part in parts))
+
+    def close_connection(self) -> None:
+        pass
+
+
+def _connect(dispatcher: Dispatcher) -> tuple[Any, _Outbound]:
+    outbound = _Outbound()
+    conn = dispatcher.connect(outbound, "test")
+    conn.message_received(b'{"id":0,"method":"initialize","params":{"clientName":"t"}}')
+    conn.message_received(b'{"method":"initialized","params":{}}')
+    return conn, outbound
+
+
+def _slowed(original: Callable[..., Any], slow: str, release: threading.Event) -> Any:
+    def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(path, str | bytes | os.PathLike) and os.fsdecode(path).startswith(slow):
+            # Called on the reactor thread this would stall every client:
+            # the test then times out waiting for the other client's answers.
+            assert release.wait(30), "never released"
+        return original(path, *args, **kwargs)
+
+    return call
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = tmp_path / "nfs"
+    slow.mkdir()
+    (slow / "file").write_bytes(b"remote")
+    fast = tmp_path / "local"
+    fast.mkdir()
+    (fast / "file").write_bytes(b"local")
+    (fast / "sub").mkdir()
+    fifo = fast / "fifo"
+    os.mkfifo(fifo)
+    # The server's mount table says the slow directory is an NFS mount.
+    mountinfo = tmp_path / "mountinfo"
+    with open("/proc/self/mountinfo") as real:
+        text = real.read()
+    mountinfo.write_text(text + f"999 1 0:99 / {slow} rw - nfs server:/export rw\n")
+    release = threading.Event()
+    for name in ("stat", "lstat"):
+        monkeypatch.setattr(os, name, _slowed(getattr(os, name), str(slow), release))
+    monkeypatch.setattr(local, "lstatx", _slowed(paths.lstatx, str(slow), release))
+    dispatcher = Dispatcher(ServerConfig(), reactor, FakeSpawner())
+    dispatcher.fs.locality = Locality(mountinfo=str(mountinfo))
+    try:
+        a, a_out = _connect(dispatcher)
+        b, b_out = _connect(dispatcher)
+        # Both paths were looked at before, while fast: the local directory
+        # is now trusted for inline calls, the NFS one must never be.
+        release.set()
+        for request_id, path in enumerate((fast / "file", slow / "file", slow), start=1):
+            b.message_received(
+                msgspec.json.encode(
+                    {"id": request_id, "method": "fs/getMetadata", "params": {"path": str(path)}}
+                )
+            )
+            await with_timeout(b_out.answer(request_id), 10, "the first looks")
+        release.clear()
+        # One client asks about the slow path, and the slow mount point itself.
+        a.message_received(
+            b'{"id":1,"method":"fs/getMetadata","params":{"path":"%s"}}'
+            % (str(slow / "file").encode())
+        )
+        a.message_received(
+            b'{"id":2,"method":"fs/readDirectory","params":{"path":"%s"}}' % (str(slow).encode())
+        )
+        requests = [
+            ("fs/getMetadata", fast / "file"),
+            ("fs/getMetadata", fast / "sub"),
+            ("fs/readDirectory", fast),
+            ("fs/readFile", fast / "file"),
+            ("fs/readFile", fifo),
+            ("fs/getMetadata", tmp_path / "missing"),
+        ] * 5
+        for request_id, (method, path) in enumerate(requests, start=10):
+            b.message_received(
+                msgspec.json.encode(
+                    {"id": request_id, "method": method, "params": {"path": str(path)}}
+                )
+            )
+        answers = [
+            await with_timeout(b_out.answer(i), 10, f"the other client's {i}")
+            for i in range(10, 10 + len(requests))
+        ]
+        assert answers[0]["result"]["isFile"] is True
+        assert answers[4]["error"]["data"] == {"kind": "notRegularFile"}
+        assert answers[5]["error"]["data"]["kind"] == "notFound"
+        # The slow calls are still running, on pool threads.
+        assert not a_out.answer(1).called and not a_out.answer(2).called
+        assert dispatcher.fs.running == 2
+        release.set()
+        got = await with_timeout(a_out.answer(1), 10, "the slow getMetadata")
+        assert got["result"]["size"] == 6
+        got = await with_timeout(a_out.answer(2), 10, "the slow readDirectory")
+        assert [e["fileName"] for e in got["result"]["entries"]] == ["file"]
+    finally:
+        release.set()
+        assert dispatcher.fs.pool is not None
+        dispatcher.fs.pool.stop()
