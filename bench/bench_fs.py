@@ -1,19 +1,27 @@
 """Benchmarks of the fs/* methods against the real server over stdio.
 
-Prints ratios to baselines measured in the same run, never asserts:
+Prints figures and ratios to baselines measured in the same run, never asserts:
 
-- ``fs/readFile`` of a 64 MiB file, MB/s, vs ``cat FILE > /dev/null``;
-- ``fs/writeFile`` of 64 MiB, MB/s, vs ``cp SRC DST``;
-- ``fs/getMetadata`` round trips per second with 1 and 64 requests in flight,
-  vs ``os.stat`` calls per second in this process (a ceiling, not a peer).
+- ``fs/getMetadata`` round trips at 1 and 64 requests in flight, against
+  ``bench/echo_server.py`` (a bare Twisted LineOnlyReceiver echo-RPC that
+  answers ``fs/getMetadata`` with an inline ``os.stat``, so the replies are
+  the same size); target at least 0.5 of the echo at depth 64;
+- ``fs/readFile`` / ``fs/writeFile`` of 16 and 256 MiB, MB/s against
+  ``cat FILE | base64 -w0 >/dev/null`` and ``base64 -d <TEXT | cat >FILE``;
+- the server's peak RSS above idle as a multiple of the file (target at most
+  1.5x), and for the same file moved in 8 MiB ranges (target at most 64 MiB);
+- with ``--library-gib N``: an N GiB download and upload through the client
+  library (``ExecServerClient.download``/``upload``, 8 MiB ranges): MB/s,
+  the client's and the server's peak RSS. Not part of the test suite.
 
-Usage: ``python -m bench.bench_fs [--size-mib 64] [--repeat 5] [--seconds 3]``
+Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1]``
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -23,131 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from bench._client import Ratio, Series, StdioClient, print_header
+from bench.bench_rtt import echo_rate, server_rate
 
-
-class StdioClient:
-    """A blocking JSON-RPC client for ``python -m execserver`` over pipes."""
-
-    def __init__(self, *args: str) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "execserver", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=str(REPO_ROOT),
-            bufsize=1 << 20,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.stdin = self.proc.stdin
-        self.stdout = self.proc.stdout
-        self.next_id = 1
-        self.encoder = msgspec.json.Encoder()
-
-    def send(self, method: str, params: Any) -> int:
-        request_id = self.next_id
-        self.next_id += 1
-        self.stdin.write(
-            self.encoder.encode({"id": request_id, "method": method, "params": params})
-        )
-        self.stdin.write(b"\n")
-        return request_id
-
-    def flush(self) -> None:
-        self.stdin.flush()
-
-    def receive(self) -> dict[str, Any]:
-        while True:
-            line = self.stdout.readline()
-            if not line:
-                raise ConnectionError("server closed its output")
-            message: dict[str, Any] = msgspec.json.decode(line)
-            if "id" in message:
-                if "error" in message:
-                    raise RuntimeError(message["error"])
-                return message
-
-    def call(self, method: str, params: Any) -> Any:
-        self.send(method, params)
-        self.flush()
-        return self.receive()["result"]
-
-    def handshake(self) -> None:
-        self.call("initialize", {"clientName": "bench"})
-        self.stdin.write(b'{"method":"initialized","params":{}}\n')
-        self.flush()
-
-    def close(self) -> None:
-        self.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+MiB = 1024 * 1024
+RANGE_BYTES = 8 * MiB
 
 
-def timed(func: Any, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        func()
-        samples.append(time.perf_counter() - start)
-    return min(samples)  # best of N: medians are noisy on 2 cores
-
-
-def bench_read_write(client: StdioClient, work: Path, size: int, repeat: int) -> None:
-    source = work / "source.bin"
-    with open(source, "wb") as f:
-        f.write(os.urandom(size))
-    mib = size / 2**20
-
-    def cat() -> None:
-        subprocess.run(f"cat '{source}' > /dev/null", shell=True, check=True)
-
-    def read() -> None:
-        result = client.call("fs/readFile", {"path": str(source)})
-        assert len(result["dataBase64"]) == (size + 2) // 3 * 4
-
-    def base64_pipe() -> None:
-        # Context, not the brief's baseline: the same base64 text produced by
-        # coreutils and read from a pipe by Python, i.e. the transfer alone.
-        with subprocess.Popen(["base64", "-w0", str(source)], stdout=subprocess.PIPE) as proc:
-            assert proc.stdout is not None
-            text = proc.stdout.readline()
-        assert len(text) == (size + 2) // 3 * 4
-
-    cat()  # warm the page cache
-    cat_s = timed(cat, repeat)
-    pipe_s = timed(base64_pipe, repeat)
-    read_s = timed(read, repeat)
-    print(
-        f"fs/readFile {mib:.0f} MiB: {mib / read_s:8.1f} MiB/s   "
-        f"cat > /dev/null: {mib / cat_s:8.1f} MiB/s   ratio {cat_s / read_s:.3f}   "
-        f"(base64 | pipe into Python: {mib / pipe_s:.1f} MiB/s, ratio {pipe_s / read_s:.3f})"
-    )
-
-    payload = base64.b64encode(source.read_bytes()).decode()
-    target = work / "target.bin"
-
-    def cp() -> None:
-        subprocess.run(["cp", str(source), str(work / "cp.bin")], check=True)
-
-    def write() -> None:
-        client.call("fs/writeFile", {"path": str(target), "dataBase64": payload})
-
-    cp_s = timed(cp, repeat)
-    write_s = timed(write, repeat)
-    assert target.stat().st_size == size
-    print(
-        f"fs/writeFile {mib:.0f} MiB: {mib / write_s:8.1f} MiB/s   "
-        f"cp: {mib / cp_s:8.1f} MiB/s   ratio {cp_s / write_s:.3f}"
-    )
-
-
-def rss_kib(pid: int, field: str) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -155,85 +49,254 @@ def rss_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def bench_memory(work: Path, size: int) -> None:
-    """Peak server RSS above its idle RSS, in multiples of the payload size.
-
-    A fresh server per operation, so each peak belongs to one operation. It
-    counts every copy in the process: the fs code's (file + base64 text for
-    a read; request line + decoded data for a write) and the dispatcher's and
-    transport's (encoding the response line, buffering it for the pipe).
-    """
-    source = work / "source.bin"
-    payload = base64.b64encode(source.read_bytes()).decode()
-    for name, method, params in (
-        ("fs/readFile", "fs/readFile", {"path": str(source)}),
-        ("fs/writeFile", "fs/writeFile", {"path": str(work / "m.bin"), "dataBase64": payload}),
-    ):
-        client = StdioClient()
-        try:
-            client.handshake()
-            client.call("fs/getMetadata", {"path": str(source)})  # start the pool
-            idle = rss_kib(client.proc.pid, "VmRSS")
-            client.call(method, params)
-            peak = rss_kib(client.proc.pid, "VmHWM")
-        finally:
-            client.close()
-        extra = (peak - idle) * 1024
-        print(
-            f"{name} {size / 2**20:.0f} MiB: server peak RSS {extra / 2**20:7.1f} MiB above idle "
-            f"= {extra / size:.2f}x the data"
-        )
+# --- round trips ----------------------------------------------------------------------------
 
 
-def bench_metadata(client: StdioClient, work: Path, seconds: float) -> None:
-    target = str(work / "source.bin")
-
-    def stat_rate() -> float:
-        count = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            for _ in range(1000):
-                os.stat(target)
-            count += 1000
-        return count / (time.perf_counter() - start)
-
-    baseline = stat_rate()
+def metadata_ratios(rounds: int, count: int) -> list[Ratio]:
+    ratios = []
     for depth in (1, 64):
-        in_flight = 0
-        done = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            while in_flight < depth:
-                client.send("fs/getMetadata", {"path": target})
-                in_flight += 1
-            client.flush()
-            client.receive()
-            in_flight -= 1
-            done += 1
-        for _ in range(in_flight):
-            client.receive()
-        rate = done / (time.perf_counter() - start)
-        print(
-            f"fs/getMetadata depth {depth:2d}: {rate:9.0f} req/s   "
-            f"os.stat in-process: {baseline:9.0f}/s   ratio {rate / baseline:.4f}"
+        n = count if depth > 1 else count // 10
+        server: list[float] = []
+        echo: list[float] = []
+        for _ in range(rounds):
+            echo.append(echo_rate(n, depth, "fs/getMetadata"))
+            server.append(server_rate(n, depth, "fs/getMetadata"))
+        ratios.append(
+            Ratio(
+                f"fs/getMetadata round trips, depth {depth} (server / echo-RPC)",
+                Series(f"server, depth {depth}", "req/s", tuple(server)),
+                Series(f"echo-RPC, depth {depth}", "req/s", tuple(echo)),
+                target=0.5 if depth == 64 else None,
+            )
         )
+    return ratios
+
+
+# --- whole-file transfers -----------------------------------------------------------------
+
+
+def read_line(client: StdioClient) -> bytearray:
+    """One whole reply line (a large one without re-joining its pieces)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        line += client.read_raw()
+    return line
+
+
+def read_request(request_id: int, path: Path, **extra: Any) -> bytes:
+    params = json.dumps({"path": str(path), **extra})
+    return b'{"id":%d,"method":"fs/readFile","params":%s}\n' % (request_id, params.encode())
+
+
+def write_request(request_id: int, path: Path, text: bytes, **extra: Any) -> bytes:
+    more = "".join(f',"{k}":{json.dumps(v)}' for k, v in extra.items())
+    return b'{"id":%d,"method":"fs/writeFile","params":{"path":"%s","dataBase64":"%s"%s}}\n' % (
+        request_id,
+        str(path).encode(),
+        text,
+        more.encode(),
+    )
+
+
+def started_server(*args: str) -> StdioClient:
+    client = StdioClient(["--max-message-bytes", str(1024 * MiB), *args])
+    client.initialize()
+    client.request("fs/getMetadata", {"path": "/tmp"})  # the pool, the code paths
+    return client
+
+
+def check_ok(line: bytes | bytearray) -> None:
+    if b'"error"' in line[:200]:
+        raise RuntimeError(bytes(line[:300]).decode())
+
+
+def transfer_rates(work: Path, size: int, rounds: int) -> list[Ratio]:
+    source = work / f"source-{size}.bin"
+    text_file = work / f"source-{size}.b64"
+    with open(source, "wb") as f:
+        f.write(os.urandom(size))
+    text = base64.b64encode(source.read_bytes())
+    text_file.write_bytes(text)
+    mib = size / MiB
+    reads: list[float] = []
+    cats: list[float] = []
+    writes: list[float] = []
+    decodes: list[float] = []
+    with started_server() as client:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            subprocess.run(f"cat '{source}' | base64 -w0 >/dev/null", shell=True, check=True)
+            cats.append(mib / (time.perf_counter() - start))
+            start = time.perf_counter()
+            client.send_bytes(read_request(client.new_id(), source))
+            line = read_line(client)
+            reads.append(mib / (time.perf_counter() - start))
+            check_ok(line)
+            del line
+            out = work / "decoded.bin"
+            start = time.perf_counter()
+            subprocess.run(f"base64 -d <'{text_file}' | cat >'{out}'", shell=True, check=True)
+            decodes.append(mib / (time.perf_counter() - start))
+            request = write_request(client.new_id(), work / "written.bin", text)
+            start = time.perf_counter()
+            client.send_bytes(request)
+            line = read_line(client)
+            writes.append(mib / (time.perf_counter() - start))
+            check_ok(line)
+            del request
+    assert (work / "written.bin").read_bytes() == source.read_bytes()
+    return [
+        Ratio(
+            f"fs/readFile {mib:.0f} MiB (server / cat | base64 >/dev/null)",
+            Series("fs/readFile", "MiB/s", tuple(reads)),
+            Series("cat | base64", "MiB/s", tuple(cats)),
+        ),
+        Ratio(
+            f"fs/writeFile {mib:.0f} MiB (server / base64 -d | cat >FILE)",
+            Series("fs/writeFile", "MiB/s", tuple(writes)),
+            Series("base64 -d | cat", "MiB/s", tuple(decodes)),
+        ),
+    ]
+
+
+def peak_over_idle(work: Path, size: int, ranged: bool) -> dict[str, float]:
+    """Server peak RSS above idle (MiB) for one read and one write of ``size`` bytes."""
+    source = work / f"source-{size}.bin"
+    figures: dict[str, float] = {}
+    for method in ("fs/readFile", "fs/writeFile"):
+        with started_server() as client:
+            idle = rss_kib(client.pid)
+            if method == "fs/readFile":
+                if ranged:
+                    for offset in range(0, size, RANGE_BYTES):
+                        client.send_bytes(
+                            read_request(client.new_id(), source, offset=offset, length=RANGE_BYTES)
+                        )
+                        check_ok(read_line(client))
+                else:
+                    client.send_bytes(read_request(client.new_id(), source))
+                    check_ok(read_line(client))
+            else:
+                target = work / "rss-written.bin"
+                with open(source, "rb") as f:
+                    if ranged:
+                        offset = 0
+                        while chunk := f.read(RANGE_BYTES):
+                            extra = {"offset": offset, "truncate": True}
+                            request = write_request(
+                                client.new_id(), target, base64.b64encode(chunk), **extra
+                            )
+                            client.send_bytes(request)
+                            check_ok(read_line(client))
+                            offset += len(chunk)
+                    else:
+                        request = write_request(client.new_id(), target, base64.b64encode(f.read()))
+                        client.send_bytes(request)
+                        del request
+                        check_ok(read_line(client))
+            figures[method] = (rss_kib(client.pid, "VmHWM") - idle) / 1024
+    return figures
+
+
+# --- the client library, N GiB -------------------------------------------------------------
+
+
+def library_child(direction: str, remote: str, local: str) -> None:
+    """Run in a child process: one transfer, then print its figures as JSON."""
+    import psutil
+    from twisted.internet import defer, task
+
+    from execserver.client import ConnectOptions, ExecServerClient
+
+    async def main(reactor: Any) -> None:
+        client = await ExecServerClient.spawn_local(reactor, ConnectOptions("bench"))
+        try:
+            children = psutil.Process().children(recursive=True)
+            start = time.perf_counter()
+            if direction == "down":
+                moved = await client.download(remote, local)
+            else:
+                moved = await client.upload(remote, local)
+            seconds = time.perf_counter() - start
+            server_peak = max(rss_kib(child.pid, "VmHWM") for child in children)
+        finally:
+            await client.close()
+        print(
+            json.dumps(
+                {
+                    "bytes": moved,
+                    "seconds": seconds,
+                    "client_peak_kib": rss_kib(os.getpid(), "VmHWM"),
+                    "server_peak_kib": server_peak,
+                }
+            )
+        )
+
+    task.react(lambda reactor: defer.Deferred.fromCoroutine(main(reactor)))
+
+
+def library_transfers(work: Path, gib: int) -> None:
+    size = gib * 1024 * MiB
+    source = work / "library-source.bin"
+    with open(source, "wb") as f:
+        for _ in range(size // (64 * MiB)):
+            f.write(os.urandom(64 * MiB))
+    remote = work / "library-remote.bin"
+    back = work / "library-back.bin"
+    for direction, args in (("up", (remote, source)), ("down", (remote, back))):
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.bench_fs", "--library-child", direction, *map(str, args)],
+            check=True,
+            capture_output=True,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        ).stdout
+        figures = json.loads(out.decode().strip().splitlines()[-1])
+        print(
+            f"client library {'upload' if direction == 'up' else 'download'} {gib} GiB "
+            f"in 8 MiB ranges: {figures['bytes'] / MiB / figures['seconds']:.0f} MiB/s; "
+            f"peak RSS client {figures['client_peak_kib'] / 1024:.0f} MiB, "
+            f"server {figures['server_peak_kib'] / 1024:.0f} MiB"
+        )
+    same = subprocess.run(["cmp", str(source), str(back)], check=False).returncode == 0
+    print(f"round trip identical: {same}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-mib", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--sizes-mib", default="16,256")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--count", type=int, default=40000, help="getMetadata calls at depth 64")
+    parser.add_argument("--library-gib", type=int, default=0)
+    parser.add_argument("--library-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.library_child:
+        library_child(*args.library_child)
+        return
+    print_header("filesystem")
+    for ratio in metadata_ratios(args.rounds, args.count):
+        print(ratio.value.describe())
+        print(ratio.baseline.describe())
+        print(ratio.describe(), flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
-    client = StdioClient()
     try:
-        client.handshake()
-        bench_read_write(client, work, args.size_mib * 2**20, args.repeat)
-        bench_metadata(client, work, args.seconds)
-        bench_memory(work, args.size_mib * 2**20)
+        for size in (int(s) * MiB for s in args.sizes_mib.split(",")):
+            for ratio in transfer_rates(work, size, args.rounds):
+                print(ratio.value.describe())
+                print(ratio.baseline.describe())
+                print(ratio.describe(), flush=True)
+            whole = peak_over_idle(work, size, ranged=False)
+            ranged = peak_over_idle(work, size, ranged=True)
+            for method in whole:
+                print(
+                    f"{method} {size / MiB:.0f} MiB: server peak RSS above idle "
+                    f"{whole[method]:.0f} MiB = {whole[method] * MiB / size:.2f}x the file "
+                    f"(target <= 1.5x); in 8 MiB ranges {ranged[method]:.0f} MiB "
+                    f"(target <= 64 MiB)",
+                    flush=True,
+                )
+        if args.library_gib:
+            library_transfers(work, args.library_gib)
     finally:
-        client.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
