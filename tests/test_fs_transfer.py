@@ -26,6 +26,7 @@ import pytest_twisted
 from twisted.internet.defer import Deferred
 
 from execserver.client import ConnectOptions, ExecServerClient
+from execserver.client.fs import RangesNotSupported
 from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
 from execserver.fs import local, paths
@@ -90,6 +91,34 @@ async def test_upload_and_download_round_trip_through_a_real_server(tmp_path: Pa
         assert back.read_bytes() == b""
     finally:
         await wait(client.close(), "close")
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_ranged_upload_to_a_server_without_ranges(tmp_path: Path) -> None:
+    """A server that does not list the range capabilities (a baseline one would
+    ignore ``offset`` and replace the file with each range) gets no ranged call."""
+    dispatcher = Dispatcher(ServerConfig(), reactor, FakeSpawner())
+    dispatcher.capabilities[:] = [c for c in dispatcher.capabilities if ":range" not in c]
+    client: ExecServerClient = await wait(
+        ExecServerClient.connect_in_process(reactor, OPTIONS, dispatcher=dispatcher), "connect"
+    )
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"x" * 300)
+    remote = tmp_path / "remote.bin"
+    remote.write_bytes(b"old")
+    try:
+        with pytest.raises(RangesNotSupported, match="fs/writeFile:range not in its capabilities"):
+            await client.upload(str(remote), source, chunk_bytes=100)
+        assert remote.read_bytes() == b"old"
+        with pytest.raises(RangesNotSupported, match="fs/readFile:range"):
+            await client.download(str(remote), tmp_path / "back.bin")
+        # One chunk needs no range: a plain writeFile.
+        assert await client.upload(str(remote), source) == 300
+        assert remote.read_bytes() == b"x" * 300
+    finally:
+        await wait(client.close(), "close")
+        assert dispatcher.fs.pool is not None
+        dispatcher.fs.pool.stop()
 
 
 # --- the CLI ----------------------------------------------------------------------------------

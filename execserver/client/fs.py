@@ -26,6 +26,7 @@ from twisted.internet.defer import Deferred
 
 from execserver import protocol as p
 from execserver.client.api import ClientApi
+from execserver.client.errors import ExecServerError
 
 #: Bytes per ranged call of :func:`upload` and :func:`download`.
 TRANSFER_CHUNK_BYTES = 8 * 1024 * 1024
@@ -52,6 +53,25 @@ class _RangedWrite(msgspec.Struct, rename="camel", omit_defaults=True):
     truncate: bool | None = None
 
 
+#: What a server lists in ``capabilities`` when it takes ranged fs calls.
+RANGE_CAPABILITIES = ("fs/readFile:range", "fs/writeFile:range")
+
+
+class RangesNotSupported(ExecServerError):
+    """The server does not take ranged fs calls (a baseline server)."""
+
+
+def _require_ranges(client: ClientApi, capability: str) -> None:
+    # A client that knows the server's capabilities checks them: a baseline
+    # server would ignore `offset` and replace the whole file with each range.
+    known = getattr(client, "capabilities", None)
+    if isinstance(known, list) and capability not in known:
+        raise RangesNotSupported(
+            f"the server does not support ranged fs calls ({capability} not in its "
+            "capabilities); use fs_read_file/fs_write_file"
+        )
+
+
 def _open_local(
     local_file: str | os.PathLike[str] | BinaryIO, write: bool
 ) -> tuple[BinaryIO, bool]:
@@ -75,6 +95,7 @@ async def download(
     bytes copied. Each range is read when asked for: a file that changes
     meanwhile is copied as the ranges found it.
     """
+    _require_ranges(client, RANGE_CAPABILITIES[0])
     out, owned = _open_local(local_file, write=True)
     try:
         offset = 0
@@ -122,6 +143,7 @@ async def upload(
             if progress is not None:
                 progress(len(data), len(data))
             return len(data)
+        _require_ranges(client, RANGE_CAPABILITIES[1])
         offset = 0
         while data:
             params = _RangedWrite(path, data, offset, truncate=True if offset == 0 else None)

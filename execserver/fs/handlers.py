@@ -48,8 +48,16 @@ class WriteFileWire(msgspec.Struct, rename="camel"):
     truncate: bool | None = None
 
 
+#: Listed in ``initialize``'s ``capabilities``: fs/readFile and fs/writeFile
+#: take ranges (a client must not send ranged writes to a server without them:
+#: it would ignore ``offset`` and replace the whole file each time).
+RANGE_CAPABILITIES = ("fs/readFile:range", "fs/writeFile:range")
+
+
 class Router(Protocol):
     """What :func:`register` needs of a dispatcher."""
+
+    capabilities: list[str]
 
     @property
     def clock(self) -> Any: ...
@@ -275,4 +283,7 @@ def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
     dispatcher.add_route(p.FS_READ_DIRECTORY, p.FsReadDirectoryParams, fs.read_directory, FAMILY)
     dispatcher.add_route(p.FS_REMOVE, p.FsRemoveParams, fs.remove, FAMILY)
     dispatcher.add_route(p.FS_COPY, p.FsCopyParams, fs.copy, FAMILY)
+    dispatcher.capabilities.extend(
+        c for c in RANGE_CAPABILITIES if c not in dispatcher.capabilities
+    )
     return fs
