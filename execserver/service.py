@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from execserver import __version__, fdlimit
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
-from execserver.spawn import PosixSpawner, seal_inherited_fds
+from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
 
 if TYPE_CHECKING:
     from execserver.transports.websocket import WebSocketSettings
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 DEFAULT_LISTEN_URL = "stdio://"
 DEFAULT_PING_INTERVAL_MS = 20_000
 DEFAULT_PING_TIMEOUT_MS = 20_000
+#: Environment variable giving the default of ``--spawn-path`` (how CI runs
+#: the process tests on both paths without changing each server's command).
+SPAWN_PATH_ENV = "EXEC_SERVER_SPAWN_PATH"
 log = Logger()
 _ORIGIN_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 
@@ -106,6 +110,26 @@ _DEFAULTS = ServerConfig()
 
 class Options(usage.Options):
     synopsis = "[--listen URL]... [options]"
+    optFlags = [
+        [
+            "no-tune-malloc",
+            None,
+            "Leave glibc's allocator settings alone (by default buffers up to 4 MiB "
+            "are served from the heap; see docs/operations.md).",
+        ],
+        [
+            "no-raise-fd-limit",
+            None,
+            "Keep the soft open-file limit the server was started with "
+            "(by default it is raised to the hard limit).",
+        ],
+        [
+            "no-stdout-guard",
+            None,
+            "stdio://: leave fd 1 and sys.stdout as they are (by default stray writes "
+            "to stdout are sent to stderr, away from the protocol stream).",
+        ],
+    ]
     longdesc = (
         "Serve the exec-server JSON-RPC protocol: start and steer processes and "
         "touch files for a client. --listen is repeatable; the default is stdio://."
@@ -227,6 +251,7 @@ class Options(usage.Options):
         self["listen"] = []
         self["allow-origin"] = []
         self["process-containment"] = "auto"
+        self["spawn-path"] = os.environ.get(SPAWN_PATH_ENV) or "fast"
 
     def opt_allow_origin(self, origin: str) -> None:
         """WebSocket: admit pages from this browser Origin, e.g. http://localhost:3000 (repeatable; any other Origin gets 403)."""  # noqa: E501
@@ -243,6 +268,12 @@ class Options(usage.Options):
             raise usage.UsageError(f"--process-containment takes {', '.join(MODES)}, got `{mode}`")
         self["process-containment"] = mode
 
+    def opt_spawn_path(self, path: str) -> None:
+        """How children are created: fast (posix_spawn through Twisted's private hooks, checked at startup) or stock (public reactor.spawnProcess through setsid) [default: fast, or $EXEC_SERVER_SPAWN_PATH]."""  # noqa: E501
+        if path not in SPAWN_PATHS:
+            raise usage.UsageError(f"--spawn-path takes {', '.join(SPAWN_PATHS)}, got `{path}`")
+        self["spawn-path"] = path
+
     def opt_listen(self, url: str) -> None:
         """Listen on URL: stdio:// or ws://IP:PORT (repeatable)."""
         try:
@@ -257,6 +288,10 @@ class Options(usage.Options):
         raise SystemExit(0)
 
     def postOptions(self) -> None:
+        if self["spawn-path"] not in SPAWN_PATHS:
+            raise usage.UsageError(
+                f"${SPAWN_PATH_ENV} takes {', '.join(SPAWN_PATHS)}, got `{self['spawn-path']}`"
+            )
         if not self["listen"]:
             self["listen"] = [StdioAddress()]
         stdio = [a for a in self["listen"] if isinstance(a, StdioAddress)]
@@ -300,23 +335,57 @@ class Options(usage.Options):
         )
 
 
-class ExecServerService(MultiService):
-    """Owns the dispatcher; stopping it terminates every session's processes."""
+@attrs.frozen
+class ProcessWide:
+    """The process-wide settings a starting server makes, each of which can be skipped."""
 
-    def __init__(self, dispatcher: Dispatcher, containment: Containment | None = None) -> None:
+    #: Mark inherited descriptors close-on-exec (no child inherits them).
+    seal_fds: bool = True
+    #: glibc ``mallopt`` (:func:`tune_allocator`).
+    tune_malloc: bool = True
+    #: Soft RLIMIT_NOFILE up to the hard limit (:func:`raise_fd_limit`).
+    raise_fd_limit: bool = True
+
+
+class ExecServerService(MultiService):
+    """Owns the dispatcher; stopping it terminates every session's processes.
+
+    Building it changes nothing outside it; :meth:`startService` makes the
+    process-wide settings (``ProcessWide``), starts containment (prctl,
+    cgroups) and checks the spawn path, then starts the listeners.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        containment: Containment | None = None,
+        spawner: PosixSpawner | None = None,
+        process_wide: ProcessWide | None = None,
+    ) -> None:
         super().__init__()
         self.dispatcher = dispatcher
         self.containment = containment
+        self.spawner = spawner
+        self.process_wide = process_wide if process_wide is not None else ProcessWide()
 
     def startService(self) -> None:
-        # Process-wide, so only once the server runs (not when built, e.g.
-        # by a test): a higher soft limit before the first process starts.
-        raise_fd_limit(self.dispatcher.config.max_processes)
+        wide = self.process_wide
+        if wide.seal_fds:
+            seal_inherited_fds()
+        if wide.tune_malloc:
+            tune_allocator()
+        if wide.raise_fd_limit:
+            # A higher soft limit before the first process starts.
+            raise_fd_limit(self.dispatcher.config.max_processes)
         if self.containment is not None:
-            # Process-wide (prctl, cgroups): only once the server runs. A
-            # ContainmentError (--process-containment cgroup on a host
+            # A ContainmentError (--process-containment cgroup on a host
             # without a writable cgroup v2) stops the start.
             self.containment.start()
+        if self.spawner is not None:
+            # A child that would not lead its own group could not be
+            # terminated with its tree: fall back, or refuse to start.
+            self.spawner.check()
+            log.info("spawn path: {path}", path=self.spawner.path)
         super().startService()
 
     def stopService(self) -> Deferred[None]:
@@ -375,17 +444,20 @@ def raise_fd_limit(max_processes: int) -> None:
 def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
     from execserver.transports.stdio import StdioService
 
-    seal_inherited_fds()
-    tune_allocator()
     config = options.config()
     containment = Containment(config.process_containment, reactor)  # type: ignore[arg-type]
-    spawner = PosixSpawner(reactor, containment)
+    spawn_path: SpawnPath = options["spawn-path"]
+    spawner = PosixSpawner(reactor, containment, spawn_path)  # type: ignore[arg-type]
     dispatcher = Dispatcher(config, reactor, spawner)  # type: ignore[arg-type]
-    root = ExecServerService(dispatcher, containment)
+    process_wide = ProcessWide(
+        tune_malloc=not options["no-tune-malloc"],
+        raise_fd_limit=not options["no-raise-fd-limit"],
+    )
+    root = ExecServerService(dispatcher, containment, spawner, process_wide)
     for address in options["listen"]:
         child: Service
         if isinstance(address, StdioAddress):
-            child = StdioService(dispatcher, reactor)
+            child = StdioService(dispatcher, reactor, guard_stdout=not options["no-stdout-guard"])
         else:
             from execserver.transports.websocket import WebSocketService
 

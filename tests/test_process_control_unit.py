@@ -531,7 +531,7 @@ def test_group_alive_ignores_zombies(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
     import time
 
-    from execserver import spawn
+    from execserver.spawn import groups as spawn
 
     monkeypatch.setattr(spawn, "_group_scan", None)
     leader = subprocess.Popen(

@@ -209,23 +209,31 @@ class LineProtocol(Protocol):
 class StdioService(Service):
     """Serves one connection on the process's stdin/stdout.
 
-    stdout is reserved for protocol messages: fd 1 is moved to a private
-    descriptor and replaced by stderr, so any stray write to ``sys.stdout``
-    or fd 1 (a log line, a library's print) lands on stderr instead of
-    corrupting the JSON stream. When the connection ends, the server stops.
+    stdout is reserved for protocol messages: when the service starts, fd 1
+    is moved to a private descriptor and replaced by stderr, so any stray
+    write to ``sys.stdout`` or fd 1 (a log line, a library's print) lands on
+    stderr instead of corrupting the JSON stream (``guard_stdout=False``,
+    ``--no-stdout-guard``, leaves them alone). When the connection ends, the
+    server stops.
     """
 
-    def __init__(self, dispatcher: Dispatcher, reactor: IReactorCore) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, reactor: IReactorCore, guard_stdout: bool = True
+    ) -> None:
         self._dispatcher = dispatcher
         self._reactor = reactor
-        self._protocol_out = os.dup(1)
-        os.dup2(2, 1)
-        sys.stdout = sys.stderr
+        self._guard_stdout = guard_stdout
+        self._protocol_out = 1
         self.protocol: LineProtocol | None = None
         self._stopping = False
 
     def startService(self) -> None:
         super().startService()
+        if self._guard_stdout:
+            # Process-wide: only once the server starts, never when built.
+            self._protocol_out = os.dup(1)
+            os.dup2(2, 1)
+            sys.stdout = sys.stderr
         proto = LineProtocol(self._dispatcher, "stdio")
         proto.on_closed = self._connection_ended
         self.protocol = proto
