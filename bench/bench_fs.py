@@ -15,6 +15,7 @@ Prints figures and ratios to baselines measured in the same run, never asserts:
   the client's and the server's peak RSS. Not part of the test suite.
 
 Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1]``
+(``--size-mib N --repeat R --seconds S``: one size, R rounds, short runs.)
 """
 
 from __future__ import annotations
@@ -264,14 +265,22 @@ def library_transfers(work: Path, gib: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes-mib", default="16,256")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size-mib", help="one size only (what bench/run_all.py asks for)")
+    parser.add_argument("--rounds", "--repeat", type=int, default=3)
     parser.add_argument("--count", type=int, default=40000, help="getMetadata calls at depth 64")
+    parser.add_argument(
+        "--seconds", type=float, help="instead of --count: about this long per getMetadata run"
+    )
     parser.add_argument("--library-gib", type=int, default=0)
     parser.add_argument("--library-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.library_child:
         library_child(*args.library_child)
         return
+    if args.size_mib:
+        args.sizes_mib = args.size_mib
+    if args.seconds is not None:
+        args.count = max(1000, int(args.seconds * 100_000))
     print_header("filesystem")
     for ratio in metadata_ratios(args.rounds, args.count):
         print(ratio.value.describe())
