@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import threading
@@ -280,3 +281,45 @@ async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
         release.set()
         assert dispatcher.fs.pool is not None
         dispatcher.fs.pool.stop()
+
+
+# --- memory of ranged transfers --------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_ranged_transfers_keep_the_server_within_64_mib_above_idle(tmp_path: Path) -> None:
+    """docs/filesystem.md: a file moved in 8 MiB ranges costs the server one
+    range, whatever its size (measured 22 MiB); the promise is 64 MiB."""
+    from tests.test_fs_safety_memory import _rss
+    from tests.ws_harness import WsServerProcess, connect
+
+    size = 96 * MiB
+    source = tmp_path / "source.bin"
+    with open(source, "wb") as f:
+        for _ in range(size // (8 * MiB)):
+            f.write(os.urandom(8 * MiB))
+    target = tmp_path / "target.bin"
+    server = await WsServerProcess.start()
+    assert server.pid is not None
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        await client.call("fs/readFile", {"path": str(source), "offset": 0, "length": 1000})
+        idle = _rss(server.pid)
+        digest = hashlib.sha256()
+        for offset in range(0, size, 8 * MiB):
+            got = await client.call(
+                "fs/readFile", {"path": str(source), "offset": offset, "length": 8 * MiB}
+            )
+            assert got["size"] == size
+            chunk = base64.b64decode(got["dataBase64"])
+            digest.update(chunk)
+            params = {"path": str(target), "dataBase64": got["dataBase64"], "offset": offset}
+            assert await client.call("fs/writeFile", params) == {}
+            del got, chunk, params
+        peak = _rss(server.pid, "VmHWM") - idle
+        print(f"\nserver peak RSS above idle: {peak / MiB:.0f} MiB for {size // MiB} MiB each way")
+        assert peak <= 64 * MiB
+        assert digest.hexdigest() == _digest(source) == _digest(target)
+    finally:
+        await server.stop()
