@@ -19,7 +19,7 @@ from twisted.internet.interfaces import IReactorCore
 from twisted.logger import Logger
 from twisted.python import usage
 
-from execserver import __version__, fdlimit
+from execserver import __version__, fdlimit, writebuffer
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
@@ -381,6 +381,12 @@ class ExecServerService(MultiService):
             # A ContainmentError (--process-containment cgroup on a host
             # without a writable cgroup v2) stops the start.
             self.containment.start()
+        if writebuffer.PROBLEM is not None:
+            log.warn(
+                "flow control: Twisted's write buffer changed ({problem}); unsent bytes "
+                "read as 0, so the stdin bound and the fs reply budget do not hold",
+                problem=writebuffer.PROBLEM,
+            )
         if self.spawner is not None:
             # A child that would not lead its own group could not be
             # terminated with its tree: fall back, or refuse to start.

@@ -1,14 +1,51 @@
 """What a Twisted write buffer holds, and when it pushes back, in one place.
 
-Flow control needs two things Twisted's ``FileDescriptor`` keeps in
-attributes rather than public API: how many bytes it holds unsent, and the
-size (``bufferSize``) above which it pauses a registered streaming producer.
-Every transport and the stdin writer of a process read them here only.
+Flow control itself uses the public producer/consumer API: each transport
+gets a streaming producer (``registerProducer``) that Twisted pauses above
+the buffer's high-water mark and resumes once the buffer is empty. Three
+figures have no public API, and this adapter is the only code that reads or
+writes them:
+
+- the bytes a ``FileDescriptor`` holds unsent (``dataBuffer``, ``offset``,
+  ``_tempDataLen``): the fs reply budget (when a reply has left), the stdin
+  bound of ``process/write``, and when a connection stops reading requests;
+- the high-water mark itself (``bufferSize``, 64 KiB by default, less than
+  one output notification);
+- dropping what a closed descriptor still holds;
+- ``StandardIO``'s writer (``_writer``), which holds its buffer.
+
+:data:`PROBLEM` is None when ``FileDescriptor`` still keeps these fields as
+relied on, checked at import (the service logs it as a warning otherwise);
+``tests/test_writebuffer.py`` breaks if the unsent figure stops moving with
+a real socket.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
+
+from twisted.internet.abstract import FileDescriptor
+from twisted.internet.stdio import StandardIO
+
+
+def check_fields(cls: Any = FileDescriptor) -> str | None:
+    """None if ``cls`` keeps its write buffer in the fields read here, else what changed."""
+    missing = [name for name in ("dataBuffer", "offset", "bufferSize") if not hasattr(cls, name)]
+    try:
+        probe = cls.__new__(cls)
+        cls.__init__(probe)
+    except Exception as exc:
+        return f"FileDescriptor() failed: {exc}"
+    missing += [name for name in ("_tempDataBuffer", "_tempDataLen") if not hasattr(probe, name)]
+    if missing:
+        return f"FileDescriptor has no {', '.join(missing)}"
+    if not hasattr(StandardIO, "_writer"):
+        return "StandardIO keeps its writer elsewhere than _writer"
+    return None
+
+
+#: Why the unsent figure cannot be read with this Twisted, or None.
+PROBLEM: Final = check_fields()
 
 
 def unsent_bytes(writer: Any) -> int:
@@ -23,8 +60,8 @@ def set_high_water(transport: Any, limit: int) -> None:
     """Make the transport pause its producer once ``limit`` bytes are unsent.
 
     Twisted's FileDescriptor pauses a streaming producer above ``bufferSize``
-    (64 KiB by default, less than one output notification) and resumes it
-    once its buffer is empty. For StandardIO the buffer is its writer's.
+    and resumes it once its buffer is empty. For StandardIO the buffer is
+    its writer's.
     """
     target = getattr(transport, "_writer", None) or transport
     if hasattr(target, "bufferSize"):

@@ -1,0 +1,141 @@
+"""The write-buffer adapter reads figures Twisted keeps private: they must still move."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import ClientFactory, Factory, Protocol
+from zope.interface import implementer
+
+from execserver import writebuffer
+from tests.harness import RpcFailure, ServerProcess
+
+TOTAL = 32 * 1024 * 1024
+HIGH_WATER = 1024 * 1024
+TIMEOUT = 60.0
+
+
+def test_this_twisted_keeps_the_fields_read() -> None:
+    assert writebuffer.PROBLEM is None
+
+
+def test_a_changed_buffer_layout_is_named() -> None:
+    class Renamed:
+        dataBuffer = b""
+        bufferSize = 65536
+
+        def __init__(self) -> None:
+            self._pending: list[bytes] = []
+
+    problem = writebuffer.check_fields(Renamed)
+    assert problem is not None
+    assert "offset" in problem and "_tempDataLen" in problem
+
+
+@implementer(IPushProducer)
+class Producer:
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        #: Unsent bytes when Twisted first paused the producer.
+        self.first_pause: int | None = None
+        self.drained: Deferred[None] = Deferred()
+
+    def pauseProducing(self) -> None:
+        if self.first_pause is None:
+            self.first_pause = writebuffer.unsent_bytes(self.transport)
+
+    def resumeProducing(self) -> None:
+        if not self.drained.called:
+            self.drained.callback(None)
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class Sender(Protocol):
+    def connectionMade(self) -> None:
+        self.factory.sender.callback(self)
+
+
+class Reader(Protocol):
+    def connectionMade(self) -> None:
+        # Read nothing until told: the sender's buffer has to hold the rest.
+        self.transport.pauseProducing()  # type: ignore[union-attr]
+        self.factory.reader.callback(self)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_pauses() -> None:
+    server_factory: Any = Factory.forProtocol(Sender)
+    server_factory.sender = Deferred()
+    client_factory: Any = ClientFactory.forProtocol(Reader)
+    client_factory.reader = Deferred()
+    port: Any = reactor.listenTCP(0, server_factory, interface="127.0.0.1")
+    connector = reactor.connectTCP("127.0.0.1", port.getHost().port, client_factory)
+    try:
+        sender: Protocol = await server_factory.sender.addTimeout(TIMEOUT, reactor)
+        reader: Protocol = await client_factory.reader.addTimeout(TIMEOUT, reactor)
+        transport: Any = sender.transport
+        writebuffer.set_high_water(transport, HIGH_WATER)
+        producer = Producer(transport)
+        transport.registerProducer(producer, True)
+        assert writebuffer.unsent_bytes(transport) == 0
+        piece = b"x" * (64 * 1024)
+        for _ in range(TOTAL // len(piece)):
+            transport.write(piece)
+        # Nothing is sent before the reactor runs again: every byte is unsent,
+        # and the producer was paused on crossing the high-water mark.
+        assert writebuffer.unsent_bytes(transport) == TOTAL
+        assert producer.first_pause is not None
+        assert HIGH_WATER < producer.first_pause <= HIGH_WATER + len(piece)
+        reader.transport.resumeProducing()  # type: ignore[union-attr]
+        # Twisted resumes the producer once the buffer is empty.
+        await producer.drained.addTimeout(TIMEOUT, reactor)
+        assert writebuffer.unsent_bytes(transport) == 0
+    finally:
+        connector.disconnect()
+        stopped = port.stopListening()
+        if stopped is not None:
+            await stopped
+
+
+# --- the stdin bound of process/write, against a real child that never reads -------
+
+STDIN_LIMIT = 16 * 1024 * 1024  # docs/protocol.md: "more than 16 MiB already waiting"
+CHUNK = 1024 * 1024
+
+
+@pytest.mark.parametrize("tty", [False, True])
+@pytest_twisted.ensureDeferred
+async def test_stdin_of_a_child_that_does_not_read_is_bounded(tty: bool) -> None:
+    server = ServerProcess.start()
+    try:
+        await server.handshake()
+        await server.start_process("p", ["sleep", "300"], tty=tty, pipeStdin=True)
+        chunk = base64.b64encode(b"y" * CHUNK).decode()
+        accepted = 0
+        refusal: RpcFailure | None = None
+        # Four times the limit: without a working bound this ends the loop.
+        while refusal is None and accepted <= 4 * STDIN_LIMIT:
+            try:
+                await server.call("process/write", {"processId": "p", "chunk": chunk})
+            except RpcFailure as exc:
+                refusal = exc
+            else:
+                accepted += CHUNK
+        assert refusal is not None, f"{accepted} bytes accepted by a child that reads nothing"
+        assert refusal.code == -32600
+        assert "stdin of process p is not being read" in refusal.message
+        waiting = int(refusal.message.split(": ", 1)[1].split()[0])
+        assert STDIN_LIMIT - CHUNK < waiting <= STDIN_LIMIT
+        # What the kernel took (a pipe or a terminal's input queue) is the rest.
+        assert STDIN_LIMIT - CHUNK < accepted <= STDIN_LIMIT + CHUNK
+        await server.call("process/terminate", {"processId": "p"})
+    finally:
+        assert await server.stop() == 0
