@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import os
 import re
 from typing import TYPE_CHECKING, Any
@@ -24,11 +23,17 @@ from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
+from execserver.transports.listen import (
+    STDIO_URL,
+    ListenUrlError,
+    StdioAddress,
+    parse_listen_url,
+)
 
 if TYPE_CHECKING:
     from execserver.transports.websocket import WebSocketSettings
 
-DEFAULT_LISTEN_URL = "stdio://"
+DEFAULT_LISTEN_URL = STDIO_URL
 DEFAULT_PING_INTERVAL_MS = 20_000
 DEFAULT_PING_TIMEOUT_MS = 20_000
 #: Environment variable giving the default of ``--spawn-path`` (how CI runs
@@ -36,60 +41,6 @@ DEFAULT_PING_TIMEOUT_MS = 20_000
 SPAWN_PATH_ENV = "EXEC_SERVER_SPAWN_PATH"
 log = Logger()
 _ORIGIN_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
-
-
-@attrs.frozen
-class StdioAddress:
-    def __str__(self) -> str:
-        return DEFAULT_LISTEN_URL
-
-
-@attrs.frozen
-class WebSocketAddress:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
-
-
-ListenAddress = StdioAddress | WebSocketAddress
-
-
-class ListenUrlError(ValueError):
-    pass
-
-
-def parse_listen_url(url: str) -> ListenAddress:
-    """Parse a ``--listen`` URL with the reference's rules and messages."""
-    if url == DEFAULT_LISTEN_URL:
-        return StdioAddress()
-    if url.startswith("ws://"):
-        address = _parse_socket_address(url[len("ws://") :])
-        if address is None:
-            raise ListenUrlError(f"invalid websocket --listen URL `{url}`; expected `ws://IP:PORT`")
-        return address
-    raise ListenUrlError(f"unsupported --listen URL `{url}`; expected `stdio://` or `ws://IP:PORT`")
-
-
-def _parse_socket_address(text: str) -> WebSocketAddress | None:
-    # Rust's SocketAddr syntax: "1.2.3.4:80" or "[::1]:80"; no host names.
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not port_text.isascii() or not port_text.isdigit():
-        return None
-    port = int(port_text)
-    if port > 65535 or (len(port_text) > 1 and port_text.startswith("0")):
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return WebSocketAddress(str(ipaddress.IPv6Address(host[1:-1])), port)
-        except ValueError:
-            return None
-    try:
-        return WebSocketAddress(str(ipaddress.IPv4Address(host)), port)
-    except ValueError:
-        return None
 
 
 def _positive(name: str) -> Any:
@@ -479,5 +430,14 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
 
 def makeService(options: Options) -> IServiceCollection:
     from twisted.internet import reactor
+
+    if not options["no-stdout-guard"] and any(
+        isinstance(address, StdioAddress) for address in options["listen"]
+    ):
+        from execserver.transports.stdio import guard_stdout
+
+        # twistd logs to stdout before any service starts: take fd 1 for the
+        # protocol now (twistd's composition root), not in startService.
+        guard_stdout()
 
     return build_service(options, reactor)

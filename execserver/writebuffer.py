@@ -28,12 +28,17 @@ from twisted.internet.abstract import FileDescriptor
 from twisted.internet.stdio import StandardIO
 
 
+class _NotAReactor:
+    """Stands in for a reactor while a FileDescriptor is built only to be inspected."""
+
+
 def check_fields(cls: Any = FileDescriptor) -> str | None:
     """None if ``cls`` keeps its write buffer in the fields read here, else what changed."""
     missing = [name for name in ("dataBuffer", "offset", "bufferSize") if not hasattr(cls, name)]
     try:
         probe = cls.__new__(cls)
-        cls.__init__(probe)
+        # Any reactor but the global one, which must not be installed by an import.
+        cls.__init__(probe, reactor=_NotAReactor())
     except Exception as exc:
         return f"FileDescriptor() failed: {exc}"
     missing += [name for name in ("_tempDataBuffer", "_tempDataLen") if not hasattr(probe, name)]

@@ -31,7 +31,7 @@ from twisted.python.failure import Failure
 
 from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
-from execserver.service import WebSocketAddress
+from execserver.transports.listen import WebSocketAddress
 from execserver.transports.websocket import (
     CLOSE_TRY_AGAIN_LATER,
     WebSocketService,

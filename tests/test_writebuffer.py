@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
@@ -30,7 +29,7 @@ def test_a_changed_buffer_layout_is_named() -> None:
         dataBuffer = b""
         bufferSize = 65536
 
-        def __init__(self) -> None:
+        def __init__(self, reactor: object = None) -> None:
             self._pending: list[bytes] = []
 
     problem = writebuffer.check_fields(Renamed)
@@ -111,13 +110,14 @@ STDIN_LIMIT = 16 * 1024 * 1024  # docs/protocol.md: "more than 16 MiB already wa
 CHUNK = 1024 * 1024
 
 
-@pytest.mark.parametrize("tty", [False, True])
+# A pipe only: a terminal in canonical mode keeps discarding input past its
+# 4 KiB line buffer, so what it accepts depends on timing, not on the bound.
 @pytest_twisted.ensureDeferred
-async def test_stdin_of_a_child_that_does_not_read_is_bounded(tty: bool) -> None:
+async def test_stdin_of_a_child_that_does_not_read_is_bounded() -> None:
     server = ServerProcess.start()
     try:
         await server.handshake()
-        await server.start_process("p", ["sleep", "300"], tty=tty, pipeStdin=True)
+        await server.start_process("p", ["sleep", "300"], pipeStdin=True)
         chunk = base64.b64encode(b"y" * CHUNK).decode()
         accepted = 0
         refusal: RpcFailure | None = None
@@ -134,7 +134,7 @@ async def test_stdin_of_a_child_that_does_not_read_is_bounded(tty: bool) -> None
         assert "stdin of process p is not being read" in refusal.message
         waiting = int(refusal.message.split(": ", 1)[1].split()[0])
         assert STDIN_LIMIT - CHUNK < waiting <= STDIN_LIMIT
-        # What the kernel took (a pipe or a terminal's input queue) is the rest.
+        # What the kernel's pipe took is the rest.
         assert STDIN_LIMIT - CHUNK < accepted <= STDIN_LIMIT + CHUNK
         await server.call("process/terminate", {"processId": "p"})
     finally:

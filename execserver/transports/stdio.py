@@ -206,6 +206,24 @@ class LineProtocol(Protocol):
         return self._closed.wait()
 
 
+_protocol_out: int | None = None
+
+
+def guard_stdout() -> int:
+    """Keep fd 1 for protocol messages only; return the descriptor they go to.
+
+    fd 1 is moved to a private descriptor and replaced by stderr, and
+    ``sys.stdout`` becomes ``sys.stderr``, so a stray write (a log line, a
+    library's print) lands on stderr. Process-wide and done once.
+    """
+    global _protocol_out
+    if _protocol_out is None:
+        _protocol_out = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+    return _protocol_out
+
+
 class StdioService(Service):
     """Serves one connection on the process's stdin/stdout.
 
@@ -230,10 +248,9 @@ class StdioService(Service):
     def startService(self) -> None:
         super().startService()
         if self._guard_stdout:
-            # Process-wide: only once the server starts, never when built.
-            self._protocol_out = os.dup(1)
-            os.dup2(2, 1)
-            sys.stdout = sys.stderr
+            # Process-wide: only once the server starts, never when built
+            # (twistd's makeService guards earlier, before twistd logs).
+            self._protocol_out = guard_stdout()
         proto = LineProtocol(self._dispatcher, "stdio")
         proto.on_closed = self._connection_ended
         self.protocol = proto

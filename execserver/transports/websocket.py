@@ -54,6 +54,7 @@ from zope.interface import implementer
 
 from execserver import __version__, metrics
 from execserver.dispatcher import Connection, Dispatcher
+from execserver.transports.listen import WebSocketAddress, server_endpoint
 from execserver.waiters import Latch
 from execserver.writebuffer import set_high_water, unsent_bytes
 
@@ -64,9 +65,6 @@ log = Logger()
 
 #: Largest accepted HTTP request head (request line and headers).
 MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
-
-#: Pending TCP connections the kernel queues (many clients may connect at once).
-LISTEN_BACKLOG: Final = 1024
 
 #: Requests stop being read from a connection whose unsent output exceeds
 #: max(READ_PAUSE_MIN_BYTES, READ_PAUSE_FACTOR * output_high_water_bytes).
@@ -634,13 +632,13 @@ class ExecServerFactory(WebSocketServerFactory):
 
 
 class WebSocketService(Service):
-    """Listens on one ``ws://IP:PORT`` address and serves every client on it."""
+    """Listens on one ``ws://IP:PORT`` address (an endpoint, see ``listen``); serves its clients."""
 
     def __init__(
         self,
         dispatcher: Dispatcher,
         reactor: IReactorTCP,
-        address: Any,
+        address: WebSocketAddress,
         settings: WebSocketSettings | None = None,
         banner: Callable[[str], None] | None = None,
     ) -> None:
@@ -656,12 +654,17 @@ class WebSocketService(Service):
 
     def startService(self) -> None:
         super().startService()
-        self.port = self.reactor.listenTCP(
-            self.address.port, self.factory, backlog=LISTEN_BACKLOG, interface=self.address.host
-        )
-        bound = self.port.getHost()
-        url = type(self.address)(bound.host, bound.port)  # type: ignore[attr-defined]
-        self.url = str(url)
+        listening = server_endpoint(self.reactor, self.address).listen(self.factory)
+        failed: list[Failure] = []
+        listening.addCallbacks(self._listening, failed.append)
+        if failed:
+            # A TCP endpoint answers at once: a port in use stops the start.
+            failed[0].raiseException()
+
+    def _listening(self, port: IListeningPort) -> None:
+        self.port = port
+        bound = port.getHost()
+        self.url = str(self.address.with_port(bound.port))  # type: ignore[attr-defined]
         # twistd starts services before the reactor runs, i.e. before its
         # SIGTERM/SIGINT handlers exist: announce the listener only once they
         # do, so a supervisor that signals on "listening on" gets a clean stop.

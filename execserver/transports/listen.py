@@ -1,0 +1,92 @@
+"""``--listen`` addresses: parsed in one place, and mapped onto Twisted endpoint descriptions.
+
+``stdio://`` is served by :class:`~execserver.transports.stdio.StdioService`;
+``ws://IP:PORT`` becomes the endpoint description ``tcp:PORT:interface=IP``
+(``tcp6`` for IPv6) for :func:`twisted.internet.endpoints.serverFromString`,
+so another scheme (``wss://`` over ``ssl:``, ``unix://`` over ``unix:``) is
+one more case here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Final
+
+import attrs
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IReactorTCP, IStreamServerEndpoint
+
+STDIO_URL: Final = "stdio://"
+
+#: Pending TCP connections the kernel queues (many clients may connect at once).
+LISTEN_BACKLOG: Final = 1024
+
+
+@attrs.frozen
+class StdioAddress:
+    def __str__(self) -> str:
+        return STDIO_URL
+
+
+@attrs.frozen
+class WebSocketAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+    def endpoint_description(self) -> str:
+        """The ``serverFromString`` description of this address's TCP listener."""
+        kind = "tcp6" if ":" in self.host else "tcp"
+        # Colons inside a description value are escaped with a backslash.
+        interface = self.host.replace(":", "\\:")
+        return f"{kind}:port={self.port}:interface={interface}:backlog={LISTEN_BACKLOG}"
+
+    def with_port(self, port: int) -> WebSocketAddress:
+        return WebSocketAddress(self.host, port)
+
+
+ListenAddress = StdioAddress | WebSocketAddress
+
+
+class ListenUrlError(ValueError):
+    pass
+
+
+def parse_listen_url(url: str) -> ListenAddress:
+    """Parse a ``--listen`` URL with the reference's rules and messages."""
+    if url == STDIO_URL:
+        return StdioAddress()
+    if url.startswith("ws://"):
+        address = _parse_socket_address(url[len("ws://") :])
+        if address is None:
+            raise ListenUrlError(f"invalid websocket --listen URL `{url}`; expected `ws://IP:PORT`")
+        return address
+    raise ListenUrlError(f"unsupported --listen URL `{url}`; expected `stdio://` or `ws://IP:PORT`")
+
+
+def _parse_socket_address(text: str) -> WebSocketAddress | None:
+    # Rust's SocketAddr syntax: "1.2.3.4:80" or "[::1]:80"; no host names.
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isascii() or not port_text.isdigit():
+        return None
+    port = int(port_text)
+    if port > 65535 or (len(port_text) > 1 and port_text.startswith("0")):
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return WebSocketAddress(str(ipaddress.IPv6Address(host[1:-1])), port)
+        except ValueError:
+            return None
+    try:
+        return WebSocketAddress(str(ipaddress.IPv4Address(host)), port)
+    except ValueError:
+        return None
+
+
+def server_endpoint(reactor: IReactorTCP, address: WebSocketAddress) -> IStreamServerEndpoint:
+    """The endpoint a listener of ``address`` listens on."""
+    endpoint: IStreamServerEndpoint = serverFromString(reactor, address.endpoint_description())
+    return endpoint
