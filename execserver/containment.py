@@ -172,6 +172,16 @@ def _signal_group(pgid: int, signum: int) -> bool:
     return True
 
 
+def reaped_by_twisted() -> dict[int, object] | None:
+    """The children Twisted waits for, by pid (None if this Twisted keeps them elsewhere).
+
+    A private module dict of ``twisted.internet.process``; checked with the
+    spawn overrides (``execserver.spawn.overrides.check_private_hooks``).
+    """
+    known = getattr(_twisted_process, "reapProcessHandlers", None)
+    return known if isinstance(known, dict) else None
+
+
 def reap_unknown_children() -> list[int]:
     """Reap zombie children the server did not spawn itself (reparented orphans).
 
@@ -179,7 +189,10 @@ def reap_unknown_children() -> list[int]:
     would steal the statuses Twisted waits for; each unknown child is waited
     for by pid (one cheap syscall; there are usually none).
     """
-    known = _twisted_process.reapProcessHandlers
+    known = reaped_by_twisted()
+    if known is None:
+        # Without Twisted's registry a wait could steal a status it waits for.
+        return list(own_children())
     running = []
     for pid in own_children():
         if pid in known:
@@ -770,7 +783,9 @@ class Containment:
         children: dict[int, list[int]],
         trees: list[ScanTree],
     ) -> None:
-        known = _twisted_process.reapProcessHandlers
+        known = reaped_by_twisted()
+        if known is None:
+            return
         attributed = {pid for t in trees for pid in t.members}
         for pid in children.get(os.getpid(), ()):
             info = table[pid]

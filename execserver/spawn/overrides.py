@@ -26,6 +26,10 @@ readers, SIGCHLD reaping) but creates the child itself:
     the terminal up and the child is reported killed by SIGHUP (1 in 4 for
     ``cat`` here). The master is closed once the child is reaped instead.
 
+Not an override but checked here too: containment reads
+``reapProcessHandlers`` (the children Twisted waits for) so that it never
+``waitpid``s one of them while reaping orphans it adopted as subreaper.
+
 :data:`PROBLEM` is None when every hook above exists with the signature relied
 on, checked when this module is imported; otherwise it says what is missing,
 and the server uses the stock path (:mod:`execserver.spawn.stock`). The
@@ -92,6 +96,9 @@ def check_private_hooks(module: Any = _twisted_process) -> str | None:
         problems.append("_getFileActions(fdState, childToParentFD, doClose, doDup2) is gone")
     if getattr(process, "processReaderFactory", None) is not getattr(module, "ProcessReader", 0):
         problems.append("Process.processReaderFactory is not ProcessReader")
+    if not isinstance(getattr(module, "reapProcessHandlers", None), dict):
+        # Read by containment to tell Twisted's children from adopted orphans.
+        problems.append("reapProcessHandlers is gone")
     for name in ("doRead", "connectionLost", "processEnded", "writeSomeData"):
         if not callable(getattr(pty, name, None)):
             problems.append(f"PTYProcess.{name} is gone")
