@@ -75,6 +75,12 @@ class Options(usage.Options):
             "(by default it is raised to the hard limit).",
         ],
         [
+            "no-fast-frames",
+            None,
+            "WebSocket: let Autobahn's parser decode every frame (by default small "
+            "complete frames are decoded by the server's own, faster, path).",
+        ],
+        [
             "no-stdout-guard",
             None,
             "stdio://: leave fd 1 and sys.stdout as they are (by default stray writes "
@@ -266,6 +272,7 @@ class Options(usage.Options):
             ping_timeout=self["ping-timeout-ms"] / 1000.0,
             allowed_origins=frozenset(self["allow-origin"]),
             max_partial_message_bytes=self["max-partial-message-bytes"],
+            fast_frames=not self["no-fast-frames"],
         )
 
     def config(self) -> ServerConfig:

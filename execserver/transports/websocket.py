@@ -164,6 +164,9 @@ class WebSocketSettings:
     close_handshake_timeout: float = 1.0
     #: Bytes of incomplete incoming messages held over all connections.
     max_partial_message_bytes: int = DEFAULT_MAX_PARTIAL_MESSAGE_BYTES
+    #: Decode small complete frames in :meth:`ExecServerProtocol.processData`
+    #: (False: every frame goes through Autobahn's parser; ``--no-fast-frames``).
+    fast_frames: bool = True
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -359,8 +362,11 @@ class ExecServerProtocol(WebSocketServerProtocol):
         message in progress, is decoded here; anything else (control frames,
         fragments, big or partial frames, bad UTF-8, protocol errors) is left
         in the buffer for Autobahn's parser, which handles it with all its
-        checks.
+        checks. ``tests/test_websocket_frames.py`` feeds random frame streams
+        to both and requires the same messages, replies and close codes.
         """
+        if not self.factory.settings.fast_frames:
+            return bool(super().processData())
         data = self.data
         end = len(data)
         offset = 0
