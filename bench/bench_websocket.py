@@ -19,6 +19,7 @@ with a zero key, no fragmentation), every message decoded by the same typed
 msgspec decoder. Figures are medians of ``--rounds``.
 
     python bench/bench_websocket.py [--rounds 3] [--mib 256] [--connections 200]
+    python bench/bench_websocket.py --frames   # own frame path vs Autobahn's parser
 """
 
 from __future__ import annotations
@@ -360,6 +361,23 @@ def rtt(depth: int, total: int) -> tuple[float, float]:
         ws.stop()
 
 
+def frame_paths(depth: int, total: int) -> tuple[float, float]:
+    """Round trips with the server's own frame path, and with Autobahn's parser only."""
+    fast = Server("--listen", "ws://127.0.0.1:0")
+    public = Server("--listen", "ws://127.0.0.1:0", "--no-fast-frames")
+    try:
+        f_client = WsClient(*fast.ws_address())
+        handshake(f_client)
+        p_client = WsClient(*public.ws_address())
+        handshake(p_client)
+        round_trips(f_client, min(total, 500), depth)  # warm-up
+        round_trips(p_client, min(total, 500), depth)
+        return round_trips(f_client, total, depth), round_trips(p_client, total, depth)
+    finally:
+        fast.stop()
+        public.stop()
+
+
 def connections(count: int) -> dict[str, float]:
     ws = Server("--listen", "ws://127.0.0.1:0")
     stdio = Server()
@@ -424,8 +442,24 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--connections", type=int, default=200)
     parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument(
+        "--frames",
+        action="store_true",
+        help="only compare the fast frame path with --no-fast-frames (Autobahn's parser)",
+    )
     args = parser.parse_args()
     median = statistics.median
+    if args.frames:
+        print(f"WebSocket frame paths ({args.rounds} rounds, medians)")
+        for depth in (1, 64):
+            total = args.requests if depth > 1 else args.requests // 4
+            runs = [frame_paths(depth, total) for _ in range(args.rounds)]
+            print(
+                f"round trips depth {depth:>2}: fast frames {median(r[0] for r in runs):,.0f} "
+                f"req/s, Autobahn's parser {median(r[1] for r in runs):,.0f} req/s, "
+                f"ratio fast/autobahn {median(r[0] / r[1] for r in runs):.2f}"
+            )
+        return
 
     print(f"exec-server WebSocket benchmarks ({args.rounds} rounds, medians)")
     runs = [throughput(args.mib * MiB) for _ in range(args.rounds)]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from twisted.application.service import IServiceCollection, MultiService, Service
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorCore
+from twisted.internet.interfaces import IReactorCore, IReactorProcess, IReactorTCP, IReactorTime
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -406,13 +406,18 @@ def raise_fd_limit(max_processes: int) -> None:
 
 
 def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
+    """Compose the service; ``reactor`` must also provide time, processes and TCP."""
     from execserver.transports.stdio import StdioService
 
+    # Adapting checks that the reactor provides each interface used (zope
+    # returns the reactor itself), so each part is typed by what it uses.
+    clock = IReactorTime(reactor)
+    processes = IReactorProcess(reactor)
     config = options.config()
-    containment = Containment(config.process_containment, reactor)  # type: ignore[arg-type]
+    containment = Containment(config.process_containment, clock)
     spawn_path: SpawnPath = options["spawn-path"]
-    spawner = PosixSpawner(reactor, containment, spawn_path)  # type: ignore[arg-type]
-    dispatcher = Dispatcher(config, reactor, spawner)  # type: ignore[arg-type]
+    spawner = PosixSpawner(processes, containment, spawn_path)
+    dispatcher = Dispatcher(config, clock, spawner)
     process_wide = ProcessWide(
         tune_malloc=not options["no-tune-malloc"],
         raise_fd_limit=not options["no-raise-fd-limit"],
@@ -426,10 +431,7 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
             from execserver.transports.websocket import WebSocketService
 
             child = WebSocketService(
-                dispatcher,
-                reactor,  # type: ignore[arg-type]
-                address,
-                options.websocket_settings(),
+                dispatcher, IReactorTCP(reactor), address, options.websocket_settings()
             )
         child.setServiceParent(root)
     return root

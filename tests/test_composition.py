@@ -29,11 +29,11 @@ import os, resource, sys
 inherited = os.dup(0)
 os.set_inheritable(inherited, True)
 before = (os.fstat(1), resource.getrlimit(resource.RLIMIT_NOFILE), sys.stdout)
-from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.epollreactor import EPollReactor
 from execserver.service import Options, build_service
 options = Options()
 options.parseOptions(["--listen", "stdio://", "--listen", "ws://127.0.0.1:0"])
-service = build_service(options, MemoryReactorClock())
+service = build_service(options, EPollReactor())  # a reactor object, not installed
 after = (os.fstat(1), resource.getrlimit(resource.RLIMIT_NOFILE), sys.stdout)
 assert before == after, (before, after)
 assert os.get_inheritable(inherited), "an inherited descriptor was sealed"

@@ -602,7 +602,9 @@ class ExecServerFactory(WebSocketServerFactory):
     protocol = ExecServerProtocol  # type: ignore[assignment]
     noisy = False
 
-    def __init__(self, dispatcher: Dispatcher, settings: WebSocketSettings, reactor: Any) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, settings: WebSocketSettings, reactor: IReactorTime
+    ) -> None:
         super().__init__(server=f"exec-server/{__version__}", reactor=reactor)
         self._batched_timer = ClockTimers(reactor)
         self.dispatcher = dispatcher
@@ -652,7 +654,7 @@ class WebSocketService(Service):
         self.reactor = reactor
         self.address = address
         self.settings = settings or WebSocketSettings(dispatcher.config.max_message_bytes)
-        self.factory = ExecServerFactory(dispatcher, self.settings, reactor)
+        self.factory = ExecServerFactory(dispatcher, self.settings, IReactorTime(reactor))
         self._banner = banner or _print_to(sys.stderr)
         self.port: IListeningPort | None = None
         #: The bound address, ``ws://IP:PORT`` (real port), once started.
