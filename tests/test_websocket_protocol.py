@@ -348,7 +348,7 @@ def test_session_is_paused_and_resumed_by_the_tcp_transport(clock: Clock) -> Non
 def test_requests_stop_being_read_while_replies_pile_up(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from execserver.transports import websocket
+    from execserver.transports import backpressure, websocket
 
     proto, transport = open_raw(make_factory(clock))
     unsent = 0
@@ -356,7 +356,7 @@ def test_requests_stop_being_read_while_replies_pile_up(
     request = client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
     proto.dataReceived(request)
     assert transport.producerState == "producing"
-    unsent = websocket.READ_PAUSE_MIN_BYTES + 1
+    unsent = backpressure.READ_PAUSE_MIN_BYTES + 1
     # One TCP read holding three requests: the first reply crosses the mark.
     proto.dataReceived(
         client_frame(1, b'{"id":2,"method":"nope"}')

@@ -9,7 +9,8 @@ session's processes are terminated, whole groups, as the reference does.
 The same port answers, without an upgrade, ``GET /readyz`` (200, empty) and
 ``GET /metrics`` (Prometheus text). Everything HTTP is decided in
 :meth:`ExecServerProtocol.processHandshake` before Autobahn parses the
-upgrade, so no web framework sits in front of the socket.
+upgrade; the replies are built in ``transports/http.py``, and the
+connection's backpressure (both ways) lives in ``transports/backpressure.py``.
 
 Size limits are ours, not Autobahn's: Autobahn's ``maxMessagePayloadSize``
 also caps *outgoing* messages and closes the connection, whereas a too-large
@@ -43,17 +44,17 @@ from twisted.internet.interfaces import (
     IAddress,
     IDelayedCall,
     IListeningPort,
-    IPushProducer,
     IReactorTCP,
     IReactorTime,
 )
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
-from execserver import __version__, metrics
+from execserver import __version__
 from execserver.dispatcher import Connection, Dispatcher
+from execserver.transports import http
+from execserver.transports.backpressure import RequestBackpressure, read_pause_bytes
 from execserver.transports.listen import WebSocketAddress, server_endpoint
 from execserver.waiters import Latch
 from execserver.writebuffer import set_high_water, unsent_bytes
@@ -63,14 +64,6 @@ if TYPE_CHECKING:
 
 log = Logger()
 
-#: Largest accepted HTTP request head (request line and headers).
-MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
-
-#: Requests stop being read from a connection whose unsent output exceeds
-#: max(READ_PAUSE_MIN_BYTES, READ_PAUSE_FACTOR * output_high_water_bytes).
-#: Far above the high-water mark, so notifications alone never reach it.
-READ_PAUSE_MIN_BYTES: Final = 16 * 1024 * 1024
-READ_PAUSE_FACTOR: Final = 8
 
 #: Close codes sent by the server (RFC 6455 section 7.4.1; 1013 is in the
 #: IANA WebSocket close code registry).
@@ -81,50 +74,6 @@ CLOSE_TRY_AGAIN_LATER: Final = 1013
 #: Default of ``--max-partial-message-bytes``: room for two incomplete
 #: messages of the default ``--max-message-bytes`` at once.
 DEFAULT_MAX_PARTIAL_MESSAGE_BYTES: Final = 256 * 1024 * 1024
-
-_STATUS_TEXT: Final = {
-    200: "OK",
-    400: "Bad Request",
-    403: "Forbidden",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    426: "Upgrade Required",
-    431: "Request Header Fields Too Large",
-    503: "Service Unavailable",
-}
-
-
-@implementer(IPushProducer)
-class _RequestBackpressure:
-    """The producer registered on a WebSocket's TCP transport.
-
-    Pausing pauses the session (its children's output); resuming, once the
-    transport's buffer is empty, resumes the session and, if the protocol
-    had stopped reading requests, reading too.
-    """
-
-    def __init__(self, session: IPushProducer, transport: Any, release: Callable[[], None]) -> None:
-        self.session = session
-        self._transport = transport
-        self._release = release
-        self.reads_paused = False
-
-    def pause_reads(self) -> None:
-        self.reads_paused = True
-        self._transport.pauseProducing()
-
-    def pauseProducing(self) -> None:
-        self.session.pauseProducing()
-
-    def resumeProducing(self) -> None:
-        self.session.resumeProducing()
-        if self.reads_paused:
-            self.reads_paused = False
-            self._transport.resumeProducing()
-            self._release()
-
-    def stopProducing(self) -> None:
-        self.session.stopProducing()
 
 
 def _text_frame_header(length: int) -> bytes:
@@ -139,11 +88,6 @@ def _text_frame_header(length: int) -> bytes:
 def partial_limit_reason(limit: int) -> str:
     """Close reason sent with 1013 (at most 123 bytes, as close reasons must be)."""
     return f"incomplete messages exceed the server limit of {limit} bytes; retry later"
-
-
-def normalize_origin(origin: str) -> str:
-    """Origins compare case-insensitively, without a trailing slash."""
-    return origin.strip().rstrip("/").lower()
 
 
 @attrs.frozen
@@ -183,7 +127,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._size = 0
         self._oversized = False
         self._lost: Latch[None] = Latch()
-        self._flow: _RequestBackpressure | None = None
+        self._flow: RequestBackpressure | None = None
         self._held: deque[bytes | None] = deque()
         self._read_pause_bytes = 0
 
@@ -205,11 +149,11 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def processHandshake(self) -> None:
         head_end = self.data.find(b"\r\n\r\n")
         if head_end < 0:
-            if len(self.data) > MAX_REQUEST_HEAD_BYTES:
-                self._http_reply(431, f"request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes\n")
+            if len(self.data) > http.MAX_REQUEST_HEAD_BYTES:
+                self._http_reply(431, f"request head exceeds {http.MAX_REQUEST_HEAD_BYTES} bytes\n")
             return
-        if head_end > MAX_REQUEST_HEAD_BYTES:
-            self._http_reply(431, f"request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes\n")
+        if head_end > http.MAX_REQUEST_HEAD_BYTES:
+            self._http_reply(431, f"request head exceeds {http.MAX_REQUEST_HEAD_BYTES} bytes\n")
             return
         try:
             request_line, headers, _ = parseHttpHeader(self.data[: head_end + 4])
@@ -225,69 +169,21 @@ class ExecServerProtocol(WebSocketServerProtocol):
             self._serve_plain(method, urlsplit(target).path)
             return
         origin = headers.get("origin")
-        if origin is not None and normalize_origin(origin) not in self.factory.allowed_origins:
-            self._http_reply(
-                403,
-                f"origin {origin!r} is not allowed to connect; "
-                "the server admits it only when started with --allow-origin for it\n",
-            )
+        if origin is not None and http.normalize_origin(origin) not in self.factory.allowed_origins:
+            self._send_http(http.origin_refused(origin))
             return
         super().processHandshake()
 
     def _serve_plain(self, method: str, path: str) -> None:
-        if path in ("/readyz", "/metrics"):
-            if method not in ("GET", "HEAD"):
-                self._http_reply(
-                    405, f"{path} answers GET and HEAD only\n", [("Allow", "GET, HEAD")]
-                )
-                return
-            if path == "/readyz":
-                reason = self.factory.dispatcher.not_ready_reason()
-                if reason is None:
-                    self._http_reply(200, "", head_only=method == "HEAD")
-                else:
-                    self._http_reply(503, reason + "\n", head_only=method == "HEAD")
-            else:
-                self._http_reply(
-                    200,
-                    metrics.render(self.factory.dispatcher),
-                    content_type=metrics.CONTENT_TYPE,
-                    head_only=method == "HEAD",
-                )
-            return
-        if path == "/":
-            self._http_reply(
-                426,
-                "this is an exec-server WebSocket endpoint: connect with a WebSocket client "
-                "(ws://HOST:PORT); plain HTTP is served only at GET /readyz and GET /metrics\n",
-                [("Upgrade", "websocket")],
-            )
-            return
-        self._http_reply(
-            404, f"no resource at {path}; plain HTTP is served at /readyz and /metrics only\n"
-        )
+        reply = http.plain_reply(method, path, self.factory.dispatcher)
+        self._send_http(reply, head_only=method == "HEAD")
 
-    def _http_reply(
-        self,
-        status: int,
-        body: str | bytes,
-        extra_headers: list[tuple[str, str]] | None = None,
-        content_type: str = "text/plain; charset=utf-8",
-        head_only: bool = False,
-    ) -> None:
+    def _http_reply(self, status: int, body: str) -> None:
+        self._send_http(http.HttpReply(status, body))
+
+    def _send_http(self, reply: http.HttpReply, head_only: bool = False) -> None:
         """Send one HTTP response and close: the port is not a general web server."""
-        payload = body.encode() if isinstance(body, str) else body
-        lines = [
-            f"HTTP/1.1 {status} {_STATUS_TEXT[status]}",
-            f"Server: exec-server/{__version__}",
-            f"Content-Type: {content_type}",
-            f"Content-Length: {len(payload)}",
-            "Cache-Control: no-store",
-            "Connection: close",
-        ]
-        lines += [f"{name}: {value}" for name, value in extra_headers or []]
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        self.sendData(head if head_only else head + payload)
+        self.sendData(reply.render(head_only))
         self.data = b""
         # Not a WebSocket failure: keep Autobahn from logging a warning.
         self.wasClean = True
@@ -303,12 +199,12 @@ class ExecServerProtocol(WebSocketServerProtocol):
         set_high_water(self._transport, high_water)
         # The session pauses its children's output pipes while this
         # connection's unsent output is above the high-water mark...
-        self._flow = _RequestBackpressure(conn.session, self._transport, self.release_held)
+        self._flow = RequestBackpressure(conn.session, self._transport, self.release_held)
         self._transport.registerProducer(self._flow, True)
         # ...and requests stop being read while far more than that is unsent
         # (responses such as process/read can be large: a client that sends
         # requests without reading replies must not grow server memory).
-        self._read_pause_bytes = max(READ_PAUSE_MIN_BYTES, READ_PAUSE_FACTOR * high_water)
+        self._read_pause_bytes = read_pause_bytes(high_water)
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
         self._held.clear()
@@ -609,7 +505,7 @@ class ExecServerFactory(WebSocketServerFactory):
         self._batched_timer = ClockTimers(reactor)
         self.dispatcher = dispatcher
         self.settings = settings
-        self.allowed_origins = frozenset(normalize_origin(o) for o in settings.allowed_origins)
+        self.allowed_origins = frozenset(http.normalize_origin(o) for o in settings.allowed_origins)
         self.protocols: set[ExecServerProtocol] = set()
         self.setProtocolOptions(
             # Plain GETs are answered in ExecServerProtocol.processHandshake.
