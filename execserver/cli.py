@@ -21,7 +21,8 @@ from twisted.logger import (
 )
 from twisted.python import usage
 
-from execserver.service import Options, StdioAddress
+from execserver.service import Options
+from execserver.transports.listen import StdioAddress
 
 PROG = "exec-server"
 
