@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 from typing import Any
 
 import pytest_twisted
@@ -327,6 +328,8 @@ class OutputGapObserver(ProcessProtocol):
 
     def __init__(self, stop_file: str) -> None:
         self.stop_file = stop_file
+        self.pid: int | None = None
+        self.err = b""
         self.out = b""
         self.flowing: Deferred[None] = Deferred()
         self.ended: Deferred[Any] = Deferred()
@@ -337,12 +340,31 @@ class OutputGapObserver(ProcessProtocol):
     ) -> OutputGapObserver:
         proto = cls(stop_file)
         pipeline = 'exec-server-client run --url "$1" -- python3 -u -c "$2" "$3" | python3 -c "$4"'
-        argv = ["/bin/sh", "-c", pipeline, "sh", url, TICKER, stop_file, GAP_METER]
+        # setsid: the pipeline is one process group, killed whole on failure.
+        argv = ["setsid", "/bin/sh", "-c", pipeline, "sh", url, TICKER, stop_file, GAP_METER]
         env = server_env()
         env["PATH"] = f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}"
-        reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
-        await with_timeout(observe(proto.flowing), timeout, "the other client's output to flow")
+        transport = reactor.spawnProcess(
+            proto, "/usr/bin/setsid", argv, env=env, path=str(REPO_ROOT)
+        )
+        proto.pid = transport.pid
+        try:
+            # (Awaited directly: an early end's error is consumed here.)
+            await with_timeout(proto.flowing, timeout, "the other client's output to flow")
+        except Exception as exc:
+            await proto.kill()
+            raise RuntimeError(f"{exc}; its stderr: {proto.err[-2000:]!r}") from exc
         return proto
+
+    async def kill(self) -> None:
+        """Kill the whole pipeline and wait for it."""
+        if not self.ended.called and self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            await with_timeout(observe(self.ended), DEFAULT_TIMEOUT, "the observer to die")
+
+    def errReceived(self, data: bytes) -> None:
+        self.err += data
 
     def outReceived(self, data: bytes) -> None:
         self.out += data
@@ -358,7 +380,11 @@ class OutputGapObserver(ProcessProtocol):
         """Stop the ticker; the meter's report."""
         with open(self.stop_file, "w"):
             pass
-        await with_timeout(observe(self.ended), timeout, "the observer to finish")
+        try:
+            await with_timeout(observe(self.ended), timeout, "the observer to finish")
+        except TimeoutError:
+            await self.kill()
+            raise
         report: dict[str, Any] = json.loads(self.out.splitlines()[-1])
         return report
 
