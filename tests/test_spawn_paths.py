@@ -224,3 +224,33 @@ def test_a_missing_private_hook_gives_one_warning_and_a_working_stock_path(tmp_p
     assert len(warnings) == 1, stderr
     assert "_trySpawnInsteadOfFork" in warnings[0]
     assert "using the stock path" in warnings[0]
+
+
+@pytest.mark.parametrize("path", spawn.SPAWN_PATHS)
+def test_each_path_reports_the_same_errors_before_any_process_exists(
+    path: spawn.SpawnPath, tmp_path: Any
+) -> None:
+    spawner = PosixSpawner(reactor, requested=path)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    not_a_program = tmp_path / "data"
+    not_a_program.write_bytes(b"echo this is no executable format\n")
+    not_a_program.chmod(0o755)
+    cases = [
+        (
+            ProcessSpec(argv=(str(not_a_program),), cwd="/", env=env, tty=False),
+            "spawnExecFormatError",
+        ),
+        (
+            ProcessSpec(argv=("true",), cwd=str(tmp_path / "gone"), env=env, tty=False),
+            "cwdNotFound",
+        ),
+        (ProcessSpec(argv=("no-such-program-here",), cwd="/", env=env, tty=False), "spawnNotFound"),
+        (
+            ProcessSpec(argv=("true", "x" * (1 << 17)) * 40, cwd="/", env=env, tty=False),
+            "spawnArgumentListTooLong",
+        ),
+    ]
+    for spec, kind in cases:
+        with pytest.raises(spawn.SpawnError) as caught:
+            spawner.spawn(Collect(), spec)
+        assert caught.value.kind == kind, (spec.argv[0], caught.value)

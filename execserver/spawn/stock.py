@@ -27,6 +27,7 @@ Costs, against the fast path: two extra ``exec`` calls per start (more with
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import shutil
@@ -40,7 +41,7 @@ from twisted.python.failure import Failure
 
 from execserver.containment import Containment, ContainmentError, ProcessTree
 from execserver.spawn.groups import wait_until_leader
-from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, check_cwd
+from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, check_cwd, exec_error
 from execserver.spawn.reading import PTY_READ_SIZE, READ_SIZE, drain
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
 
@@ -55,6 +56,25 @@ _ARGV0_HELPER: Final = (
 
 #: Longest a start waits for its child to become a group leader.
 LEADER_TIMEOUT: Final = 2.0
+
+
+#: What the kernel executes directly: ELF binaries and ``#!`` scripts.
+_EXECUTABLE_MAGIC: Final = (b"\x7fELF", b"#!")
+
+
+def check_format(program: str, executable: str) -> None:
+    """Refuse what ``execve`` would refuse with ENOEXEC, as the fast path reports it.
+
+    ``env(1)`` execs through ``execvp``, which runs a file the kernel refuses
+    with ``/bin/sh`` instead. A file we cannot read is left to the kernel.
+    """
+    try:
+        with open(executable, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return
+    if not head.startswith(_EXECUTABLE_MAGIC):
+        raise exec_error(program, errno.ENOEXEC)
 
 
 def find_tools() -> tuple[str, str] | str:
@@ -145,6 +165,7 @@ def spawn_stock(
 ) -> IProcessTransport:
     """Start one child through ``reactor.spawnProcess``; see the module doc."""
     check_cwd(cwd)
+    check_format(program, executable)
     setsid, env_tool = tools
     if args[0] == program and "=" not in program:
         # env(1) finds the program in the child's PATH from cwd, as
@@ -196,8 +217,8 @@ def spawn_stock(
     except ContainmentError as exc:
         raise SpawnError("spawnFailed", exc.errno, str(exc)) from None
     except OSError as exc:
-        err = exc.errno or 0
-        raise SpawnError("spawnFailed", err, f"failed to start `{args[0]}`: {exc}") from None
+        # E.g. E2BIG: the same error the fast path's posix_spawn reports.
+        raise exec_error(args[0], exc.errno or errno.EIO) from None
     transport.tree = tree
     if pty_size is None:
         transport.drain_output = lambda: _drain_pipes(transport, relay)
