@@ -105,7 +105,7 @@ def _client(endpoint: MemoryEndpoint, clock: task.Clock, **kwargs: Any) -> Recon
         max_delay=8.0,
         jitter=lambda: 0,
         endpoint=endpoint,
-        **kwargs,
+        **{"session_ttl_ms": 0, **kwargs},
     )
     return client
 

@@ -148,9 +148,10 @@ def _reconnecting(url: str, **kwargs: Any) -> ReconnectingClient:
 
 
 @pytest_twisted.ensureDeferred
-async def test_reconnecting_client_survives_a_server_restart() -> None:
+async def test_reconnecting_client_without_a_session_ttl_survives_a_server_restart() -> None:
+    # session_ttl_ms=0: a drop ends the session (resumption: tests/test_resume_client.py).
     server = LocalWsServer().start()
-    client = _reconnecting(server.url, call_timeout=10.0)
+    client = _reconnecting(server.url, call_timeout=10.0, session_ttl_ms=0)
     events: list[str] = []
     connected: list[Deferred[None]] = [Deferred()]
     disconnected: Deferred[str] = Deferred()
@@ -235,7 +236,8 @@ async def test_reconnecting_client_across_a_real_server_process_restart() -> Non
 
     server = await WsServerProcess.start()
     _host, port = server.host_port
-    client = _reconnecting(server.url, call_timeout=10.0)
+    # Without a session TTL (a restarted server has no session to resume).
+    client = _reconnecting(server.url, call_timeout=10.0, session_ttl_ms=0)
     connected: list[Deferred[None]] = [Deferred(), Deferred()]
     disconnects: list[str] = []
     client.add_connect_listener(lambda c: connected[client.connect_count - 1].callback(None))

@@ -106,3 +106,24 @@ class OutputLagged(ExecServerError):
         )
         self.process_id = process_id
         self.after_seq = after_seq
+
+
+class OutcomeUnknown(ConnectionClosed):
+    """The connection dropped while a call that is not safe to repeat was in
+    flight: the server may or may not have carried it out."""
+
+    def __init__(self, method: str, reason: str) -> None:
+        super().__init__(
+            f"{method}: the connection was lost before the answer arrived ({reason}); "
+            "the server may or may not have carried it out"
+        )
+        self.method = method
+
+
+class SessionLost(ConnectionClosed):
+    """The session could not be resumed: its processes are out of reach."""
+
+    def __init__(self, session_id: str | None, cause: str) -> None:
+        super().__init__(f"session {session_id} could not be resumed: {cause}")
+        self.session_id = session_id
+        self.cause = cause

@@ -11,17 +11,27 @@ connection instead of failing at once, then fail with :class:`NotConnected`;
 calls already sent when the connection drops fail promptly with
 :class:`ConnectionClosed`. Listeners hear about every connect and disconnect.
 
-Process handles belong to one connection: a drop marks them exited without
-an exit code. (Resumable sessions will re-attach them: the session id and
-the handles' last seq are what a resume needs, and both are at hand in
-:meth:`_on_connected`.)
+The session outlives a drop (``session_ttl_ms``, default 60 s, capped by
+the server): each new connection resumes it (``initialize``
+``resumeSessionId``) and every live process handle is caught up from the
+last seq it delivered, so the code using a handle sees one ordered stream of
+output, exit and close, never a duplicate (a :class:`GapEvent` where the
+server had to drop output). Calls in flight at the drop are retried after
+the resume when repeating them is harmless (reads, waits, lists, fs reads,
+writes, which carry a ``writeId``); the others fail with
+:class:`OutcomeUnknown`. A session that cannot be resumed (expired, server
+restarted) fails every handle with :class:`SessionLost`, naming the cause,
+and the client continues with a new session. ``session_ttl_ms=0`` gives the
+old behaviour: a drop ends the session and its handles.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
+import attrs
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
@@ -40,7 +50,14 @@ from execserver.client.connect import (
     connect_error_text,
     websocket_endpoint,
 )
-from execserver.client.errors import ConnectFailed, ConnectionClosed, NotConnected
+from execserver.client.errors import (
+    ConnectFailed,
+    ConnectionClosed,
+    NotConnected,
+    OutcomeUnknown,
+    ServerError,
+    SessionLost,
+)
 from execserver.client.process import RemoteProcess
 from execserver.waiters import Waiters
 
@@ -152,8 +169,16 @@ class ReconnectingClient(ClientApi):
         factor: float = 1.5,
         jitter: Callable[[], float] | None = None,
         endpoint: Any = None,
+        session_ttl_ms: int = 60_000,
+        on_detached_full: str | None = None,
     ) -> None:
         self.url = url
+        self._session_ttl_ms = session_ttl_ms
+        self._on_detached_full = on_detached_full
+        #: The client of the last connection while its session waits to be resumed.
+        self._suspended: ExecServerClient | None = None
+        #: Sessions that could not be resumed, with the cause (newest last).
+        self.lost_sessions: list[SessionLost] = []
         self._reactor = reactor
         self._options = options or ConnectOptions()
         self._call_timeout = call_timeout
@@ -194,6 +219,9 @@ class ReconnectingClient(ClientApi):
         self._stopped = True
         self._waiters.fail(ConnectionClosed("the reconnecting client was stopped"))
         client = self.client
+        if self._suspended is not None:
+            suspended, self._suspended = self._suspended, None
+            suspended.fail_suspended(ConnectionClosed("the reconnecting client was stopped"))
 
         async def run() -> None:
             # A WebSocket close handshake first, so the server sees a clean
@@ -242,15 +270,30 @@ class ReconnectingClient(ClientApi):
 
     async def _handshake(self, gate: _Gate) -> ExecServerClient:
         channel = gate.channel
+        suspended = self._suspended
+        options = attrs.evolve(
+            self._options,
+            session_ttl_ms=self._session_ttl_ms or None,
+            on_detached_full=self._on_detached_full,
+            resume_session_id=suspended.session_id if suspended is not None else None,
+        )
         try:
             await channel.opened
             client = await ExecServerClient.connect_rpc(
                 channel.rpc,
                 self._reactor,
-                self._options,
+                options,
                 closer=lambda: close_channel(channel, self._reactor),
             )
         except BaseException as exc:
+            if (
+                suspended is not None
+                and isinstance(exc, ServerError)
+                and exc.message.startswith("unknown session id")
+            ):
+                # Expired, or the server restarted: nothing to resume. The
+                # handles fail now; the next attempt starts a new session.
+                self._session_lost(suspended, exc.message)
             if isinstance(exc, Exception):
                 self.last_error = exc
             log.info("connecting to {url} failed: {exc}", url=self.url, exc=exc)
@@ -263,6 +306,14 @@ class ReconnectingClient(ClientApi):
         self.client = client
         self.connect_count += 1
         channel.rpc.add_lost_listener(lambda reason: self._lost(client, reason))
+        if suspended is not None:
+            self._suspended = None
+            if client.session_id == suspended.session_id:
+                client.adopt(suspended, self).addErrback(
+                    lambda f: log.failure("catching up after a resume failed", f)
+                )
+            else:
+                self._session_lost(suspended, "the server started a new session")
         self._waiters.fire(client)
         for listener in list(self._on_connected):
             try:
@@ -271,9 +322,25 @@ class ReconnectingClient(ClientApi):
                 log.failure("connect listener failed")
         return client
 
+    def _lost_error(self, session_id: str) -> SessionLost:
+        for error in reversed(self.lost_sessions):
+            if error.session_id == session_id:
+                return error
+        return SessionLost(session_id, "the connection was replaced by a new session")
+
+    def _session_lost(self, suspended: ExecServerClient, cause: str) -> None:
+        error = SessionLost(suspended.session_id, cause)
+        self.lost_sessions.append(error)
+        if self._suspended is suspended:
+            self._suspended = None
+        log.warn("{error}", error=error)
+        suspended.fail_suspended(error)
+
     def _lost(self, client: ExecServerClient, reason: str) -> None:
         if self.client is client:
             self.client = None
+        if client.resumable and not self._stopped:
+            self._suspended = client
         for listener in list(self._on_disconnected):
             try:
                 listener(reason)
@@ -283,15 +350,34 @@ class ReconnectingClient(ClientApi):
     # --- calls --------------------------------------------------------------------
 
     def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
+        async def attempt() -> T:
+            session: str | None = None
+            while True:
+                client = self.client
+                if client is None or not client.is_connected:
+                    client = await self.when_connected()
+                if session is not None and client.session_id != session:
+                    # The session the call belonged to could not be resumed.
+                    raise self._lost_error(session)
+                try:
+                    return await client._call(method, params, result_type)
+                except ConnectionClosed as exc:
+                    if not client.resumable or self._stopped:
+                        raise
+                    if not _repeatable(method, params):
+                        raise OutcomeUnknown(method, exc.reason) from None
+                    # Safe to send again once the session is resumed.
+                    session = client.session_id
+
         client = self.client
-        if client is not None and client.is_connected:
+        if client is not None and client.is_connected and not client.resumable:
             return client._call(method, params, result_type)
+        return Deferred.fromCoroutine(attempt())
 
-        async def later() -> T:
-            ready = await self.when_connected()
-            return await ready._call(method, params, result_type)
-
-        return Deferred.fromCoroutine(later())
+    def write(self, process_id: str, chunk: bytes) -> Deferred[p.WriteResponse]:
+        """``process/write`` with a ``writeId``, so a retry after a drop writes once."""
+        params = p.WriteParams(process_id, bytes(chunk), write_id=uuid.uuid4().hex)
+        return self._call(p.PROCESS_WRITE, params, p.WriteResponse)
 
     def start_process(
         self, argv: Sequence[str] | p.ExecParams, **kwargs: Any
@@ -300,6 +386,28 @@ class ReconnectingClient(ClientApi):
 
         async def run() -> RemoteProcess:
             client = await self.when_connected()
-            return await client.start_process(argv, **kwargs)
+            handle = await client.start_process(argv, **kwargs)
+            # Requests of the handle follow the session across connections.
+            handle._api = self
+            return handle
 
         return Deferred.fromCoroutine(run())
+
+
+#: Methods whose repetition changes nothing (process/write only with a writeId).
+_REPEATABLE = frozenset(
+    {
+        p.PROCESS_READ,
+        p.PROCESS_WAIT,
+        p.PROCESS_LIST,
+        p.FS_READ_FILE,
+        p.FS_GET_METADATA,
+        p.FS_READ_DIRECTORY,
+    }
+)
+
+
+def _repeatable(method: str, params: object) -> bool:
+    if method == p.PROCESS_WRITE:
+        return isinstance(params, p.WriteParams) and params.write_id is not None
+    return method in _REPEATABLE

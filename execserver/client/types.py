@@ -23,6 +23,10 @@ class InitializeResult(msgspec.Struct, rename="camel"):
     session_id: str | None = None
     server_info: p.ServerInfo | None = None
     capabilities: list[str] = msgspec.field(default_factory=list)
+    #: The granted session lifetime after a disconnect (0: not resumable).
+    session_ttl_ms: int = 0
+    on_detached_full: str = "drop"
+    retained_output_bytes: int | None = None
 
 
 class OutputParams(msgspec.Struct, rename="camel"):
@@ -58,6 +62,15 @@ class OutputEvent:
     stream: p.OutputStream
     chunk: bytes
     seq: int | None = None
+
+
+@attrs.frozen
+class GapEvent(OutputEvent):
+    """Output seqs ``from_seq..to_seq`` (inclusive) are lost: the server
+    dropped them before this client could read them (``chunk`` is empty)."""
+
+    from_seq: int = 0
+    to_seq: int = 0
 
 
 @attrs.frozen
