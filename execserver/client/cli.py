@@ -49,8 +49,11 @@ from execserver.client.errors import (
     SpawnFailed,
 )
 from execserver.client.process import RemoteProcess
+from execserver.client.reconnect import ResumingClient
 from execserver.client.types import OutputEvent
 
+#: ``run``/``shell`` over --url: the session outlives a drop this long (ms).
+RESUME_TTL_MS = 60_000
 PROG = "exec-server-client"
 EXIT_REMOTE_ERROR = 1
 EXIT_USAGE = 2
@@ -162,6 +165,15 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
         help="wall-clock limit enforced by the server (0: none); on expiry the "
         "command is terminated and the exit status is 124",
     )
+    parser.add_argument(
+        "--session-ttl-ms",
+        type=_milliseconds,
+        default=RESUME_TTL_MS,
+        metavar="MS",
+        help="with --url: how long the server keeps the command running after a "
+        f"dropped connection while this client reconnects (default {RESUME_TTL_MS}; "
+        "0: a drop ends the command, exit 255)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,8 +264,16 @@ def _token(args: argparse.Namespace) -> str | None:
     return os.environ.get("EXEC_SERVER_AUTH_TOKEN") or None
 
 
-async def connect(reactor: Any, args: argparse.Namespace) -> ExecServerClient:
-    options = ConnectOptions(client_name=PROG, initialize_timeout=args.initialize_timeout)
+async def connect(
+    reactor: Any, args: argparse.Namespace, *, resume_session_id: str | None = None
+) -> ExecServerClient:
+    ttl = getattr(args, "session_ttl_ms", None)
+    options = ConnectOptions(
+        client_name=PROG,
+        initialize_timeout=args.initialize_timeout,
+        session_ttl_ms=ttl or None,
+        resume_session_id=resume_session_id,
+    )
     url = args.url or (None if args.stdio else os.environ.get("EXEC_SERVER_URL"))
     try:
         if url is None and not args.stdio:
@@ -507,7 +527,18 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
     argv = _argv(args, DEFAULT_SHELL if tty_mode else None)
     forward_stdin = tty_mode or getattr(args, "stdin", False)
     env = _env(args, tty_mode)
-    client = await connect(reactor, args)
+    first = await connect(reactor, args)
+    client: Any = first
+    if first.resumable:
+        # A dropped connection is re-dialed and the session resumed: the
+        # command keeps running and its output stays byte-exact.
+        client = ResumingClient(
+            reactor,
+            first,
+            lambda session_id: Deferred.fromCoroutine(
+                connect(reactor, args, resume_session_id=session_id)
+            ),
+        )
     stdin_is_tty = os.isatty(0)
     saved_tty: list[Any] | None = None
     old_handlers: dict[int, Any] = {}
@@ -517,7 +548,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         cwd = args.cwd or (os.getcwd() if args.stdio else "/")
         size = terminal_size(0) if tty_mode else None
         try:
-            proc = await client.start_process(
+            proc: RemoteProcess = await client.start_process(
                 argv,
                 cwd=cwd,
                 env=env,
@@ -572,7 +603,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         if code is None:
             raise CliError(
                 f"connection lost while `{argv[0]}` was running: "
-                f"{client.rpc.closed_reason or 'connection closed'}",
+                f"{_closed_reason(client) or 'connection closed'}",
                 EXIT_CONNECTION,
             )
         await _bounded(proc.closed(), CLOSE_WAIT_SECONDS, reactor)
@@ -596,6 +627,13 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 "and was terminated"
             )
         await client.close()
+
+
+def _closed_reason(client: Any) -> str | None:
+    if isinstance(client, ResumingClient):
+        return client.closed_reason
+    reason: str | None = client.rpc.closed_reason
+    return reason
 
 
 async def _bounded(d: Deferred[Any], seconds: float, clock: Any) -> None:

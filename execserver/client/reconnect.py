@@ -411,3 +411,160 @@ def _repeatable(method: str, params: object) -> bool:
     if method == p.PROCESS_WRITE:
         return isinstance(params, p.WriteParams) and params.write_id is not None
     return method in _REPEATABLE
+
+
+#: After a drop, how long refused connections (nothing listening: the server
+#: is gone, so is the session) are retried before the session counts as lost.
+REFUSED_GIVE_UP_SECONDS = 2.0
+
+
+class ResumingClient(ClientApi):
+    """Keeps one resumable session across drops, starting from a connected client.
+
+    For callers that make the first connection themselves (the CLI, which
+    reports first-connection errors its own way): after a drop it re-dials
+    with backoff through ``dial(session_id)`` (an ``initialize`` with
+    ``resumeSessionId``), adopts and catches up the handles as
+    :class:`ReconnectingClient` does, and retries in-flight idempotent calls.
+    It gives up -- failing every handle with :class:`SessionLost` -- when the
+    server answers that the session is unknown, when connections are refused
+    for :data:`REFUSED_GIVE_UP_SECONDS` (nothing listens any more), or after
+    the session's TTL.
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        first: ExecServerClient,
+        dial: Callable[[str], Deferred[ExecServerClient]],
+        initial_delay: float = 0.05,
+        max_delay: float = 2.0,
+    ) -> None:
+        self._reactor = reactor
+        self._dial = dial
+        self._initial_delay = initial_delay
+        self._max_delay = max_delay
+        self.client = first
+        self._closed = False
+        self.lost: SessionLost | None = None
+        self.resumes = 0
+        self._waiters: Waiters[ExecServerClient] = Waiters()
+        self._watch(first)
+
+    # --- what the CLI uses of a client ------------------------------------------------
+
+    def supports(self, method: str) -> bool:
+        return self.client.supports(method)
+
+    @property
+    def session_id(self) -> str | None:
+        return self.client.session_id
+
+    @property
+    def closed_reason(self) -> str | None:
+        if self.lost is not None:
+            return str(self.lost)
+        return self.client.rpc.closed_reason
+
+    def close(self) -> Deferred[None]:
+        self._closed = True
+        self._waiters.fail(ConnectionClosed("the client was closed"))
+        return self.client.close()
+
+    def start_process(
+        self, argv: Sequence[str] | p.ExecParams, **kwargs: Any
+    ) -> Deferred[RemoteProcess]:
+        async def run() -> RemoteProcess:
+            handle = await self.client.start_process(argv, **kwargs)
+            handle._api = self
+            return handle
+
+        return Deferred.fromCoroutine(run())
+
+    def write(self, process_id: str, chunk: bytes) -> Deferred[p.WriteResponse]:
+        params = p.WriteParams(process_id, bytes(chunk), write_id=uuid.uuid4().hex)
+        return self._call(p.PROCESS_WRITE, params, p.WriteResponse)
+
+    # --- resuming ----------------------------------------------------------------------
+
+    def _watch(self, client: ExecServerClient) -> None:
+        client.when_disconnected().addCallback(lambda reason: self._dropped(client, reason))
+
+    def _dropped(self, client: ExecServerClient, reason: str) -> None:
+        if self._closed or client is not self.client or not client.resumable:
+            return
+        Deferred.fromCoroutine(self._resume(client, reason)).addErrback(
+            lambda f: log.failure("resuming the session failed", f)
+        )
+
+    async def _resume(self, old: ExecServerClient, reason: str) -> None:
+        session_id = old.session_id or ""
+        ttl = (old.initialize_result.session_ttl_ms if old.initialize_result else 0) / 1000.0
+        started = self._reactor.seconds()
+        refused_since: float | None = None
+        delay = self._initial_delay
+        while not self._closed:
+            try:
+                new = await self._dial(session_id)
+            except ServerError as exc:
+                if exc.message.startswith("unknown session id"):
+                    return self._give_up(old, exc.message)
+                cause = exc.message  # "already attached": the server has not noticed yet
+            except Exception as exc:
+                cause = str(exc)
+                now = self._reactor.seconds()
+                if "refused" in cause:
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= REFUSED_GIVE_UP_SECONDS:
+                        return self._give_up(old, f"the server is gone ({cause})")
+                else:
+                    refused_since = None
+            else:
+                if self._closed:
+                    await new.close()
+                    return None
+                self.client = new
+                self.resumes += 1
+                self._watch(new)
+                await new.adopt(old, self)
+                self._waiters.fire(new)
+                return None
+            if self._reactor.seconds() - started >= ttl:
+                return self._give_up(old, f"no connection within its {ttl:g} s TTL ({cause})")
+            log.info("resuming session {sid} failed: {cause}", sid=session_id, cause=cause)
+            waited: Deferred[None] = Deferred()
+            self._reactor.callLater(delay, waited.callback, None)
+            await waited
+            delay = min(delay * 2, self._max_delay)
+        return None
+
+    def _give_up(self, old: ExecServerClient, cause: str) -> None:
+        self.lost = SessionLost(old.session_id, cause)
+        log.warn("{error}", error=self.lost)
+        old.fail_suspended(self.lost)
+        self._waiters.fail(self.lost)
+
+    def _current(self) -> Deferred[ExecServerClient]:
+        if self.lost is not None:
+            failed: Deferred[ExecServerClient] = Deferred()
+            failed.errback(self.lost)
+            return failed
+        if self.client.is_connected or not self.client.resumable:
+            d: Deferred[ExecServerClient] = Deferred()
+            d.callback(self.client)
+            return d
+        return self._waiters.wait()
+
+    def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
+        async def attempt() -> T:
+            while True:
+                client = await self._current()
+                try:
+                    return await client._call(method, params, result_type)
+                except ConnectionClosed as exc:
+                    if not client.resumable or self._closed:
+                        raise
+                    if not _repeatable(method, params):
+                        raise OutcomeUnknown(method, exc.reason) from None
+
+        return Deferred.fromCoroutine(attempt())
