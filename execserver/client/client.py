@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import attrs
 import msgspec
 from pybase64 import b64decode
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -471,23 +471,27 @@ class ExecServerClient(ClientApi, FileTransfers):
         return Deferred.fromCoroutine(self._catch_up_all(handles))
 
     async def _catch_up_all(self, handles: list[RemoteProcess]) -> None:
-        for handle in handles:
-            try:
-                while handle.catch_up(
-                    await self.read(handle.process_id, after_seq=handle.last_seq)
-                ):
-                    pass
-            except ServerError as exc:
-                # Its id expired in the server (closed longer than the
-                # exit retention) or the process is otherwise gone.
-                handle.fail(exc)
-                self._processes.pop(handle.process_id, None)
-                continue
-            except ConnectionClosed:
-                return  # dropped again: the next resume catches up
-            handle.end_catch_up()
-            if handle.is_closed:
-                self._forget(handle.process_id, handle)
+        # Every handle's reads are in flight at once: one round trip for all.
+        await DeferredList(
+            [Deferred.fromCoroutine(self._catch_up(handle)) for handle in handles],
+            consumeErrors=True,
+        )
+
+    async def _catch_up(self, handle: RemoteProcess) -> None:
+        try:
+            while handle.catch_up(await self.read(handle.process_id, after_seq=handle.last_seq)):
+                pass
+        except ServerError as exc:
+            # Its id expired in the server (closed longer than the exit
+            # retention) or the process is otherwise gone.
+            handle.fail(exc)
+            self._processes.pop(handle.process_id, None)
+            return
+        except ConnectionClosed:
+            return  # dropped again: the next resume catches up
+        handle.end_catch_up()
+        if handle.is_closed:
+            self._forget(handle.process_id, handle)
 
     def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
         """With "pause", tell the server (a read's afterSeq) what has arrived.
