@@ -217,15 +217,22 @@ def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeRes
         registry.forget(session)
     conn.initialize_requested = True
     conn.client_name = params.client_name
-    return p.InitializeResponse(
+    response = p.InitializeResponse(
         protocol_version=p.PROTOCOL_VERSION,
         session_id=session.session_id,
         server_info=p.ServerInfo(p.SERVER_NAME, __version__),
         capabilities=conn.dispatcher.capabilities,
-        session_ttl_ms=session.ttl_ms,
-        on_detached_full=session.on_detached_full,
-        retained_output_bytes=config.retained_output_bytes,
     )
+    asked = (
+        params.session_ttl_ms is not None
+        or params.resume_session_id is not None
+        or params.on_detached_full is not None
+    )
+    if asked or session.ttl_ms > 0:
+        response.session_ttl_ms = session.ttl_ms
+        response.on_detached_full = session.on_detached_full
+        response.retained_output_bytes = config.retained_output_bytes
+    return response
 
 
 class Connection:

@@ -112,9 +112,11 @@ class InitializeResponse(msgspec.Struct, rename="camel"):
     session_id: str
     server_info: ServerInfo
     capabilities: list[str]
+    # Resumable sessions: sent to clients that asked (or got a server default
+    # TTL), so a baseline client's result is unchanged.
     #: The granted session lifetime after a disconnect (0: none).
-    session_ttl_ms: int = 0
-    on_detached_full: OnDetachedFull = "drop"
+    session_ttl_ms: int | msgspec.UnsetType = msgspec.UNSET
+    on_detached_full: OnDetachedFull | msgspec.UnsetType = msgspec.UNSET
     #: Per-process retention cap (what a "pause" client must acknowledge within).
     retained_output_bytes: int | msgspec.UnsetType = msgspec.UNSET
 
