@@ -7,7 +7,8 @@ FIN first); :meth:`CuttingProxy.cut_after` arms a cut that happens once the
 server-to-client direction has carried a given number of further bytes, so
 a test (or hypothesis) can choose where in a stream the cut falls.
 :meth:`stall` stops forwarding without closing (a dead peer) until
-:meth:`unstall`.
+:meth:`unstall`; :meth:`stall_replies` stops only the server-to-client
+direction (requests arrive, answers are lost with the next cut).
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ class CuttingProxy:
     def cut_after(self, s2c_bytes: int) -> None:
         """Cut once ``s2c_bytes`` more server-to-client bytes have been forwarded."""
         self.cut_at = self.s2c_bytes + max(1, s2c_bytes)
+
+    def stall_replies(self) -> None:
+        """Stop forwarding server-to-client only (requests still get through)."""
+        self.stalled = True
+        for pair in self.pairs:
+            if pair.upstream is not None:
+                pair.upstream.transport.pauseProducing()  # type: ignore[union-attr]
 
     def stall(self) -> None:
         self.stalled = True

@@ -24,7 +24,13 @@ from twisted.internet.defer import Deferred
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from execserver.client import ConnectOptions, GapEvent, OutputEvent, SessionLost
+from execserver.client import (
+    ConnectOptions,
+    GapEvent,
+    OutcomeUnknown,
+    OutputEvent,
+    SessionLost,
+)
 from execserver.client.reconnect import ReconnectingClient
 from tests.cutting_proxy import CuttingProxy
 from tests.harness import (
@@ -259,6 +265,58 @@ async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> N
         # The client carries on with a new session.
         await with_timeout(client.when_connected(), DEFAULT_TIMEOUT, "a new session")
         assert (await client.list_processes()).processes == []
+    finally:
+        await client.stop()
+        await proxy.stop()
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
+    tmp_path: Path,
+) -> None:
+    server = await WsServerProcess.start()
+    proxy = await CuttingProxy((server.host_port[0], server.host_port[1])).start()
+    client = reconnecting(proxy.url, session_ttl_ms=30_000)
+    client.start()
+    try:
+        await with_timeout(client.when_connected(), DEFAULT_TIMEOUT, "connection")
+        copy = tmp_path / "copy"
+        cat = await client.start_process(
+            ["sh", "-c", f'tee "{copy}"'], cwd=str(REPO_ROOT), pipe_stdin=True
+        )
+        recorder = Recorder()
+        cat.add_output_listener(recorder.output)
+        # The server gets these requests, but their answers are lost in the cut.
+        proxy.stall_replies()
+        write = client.write(cat.process_id, b"once\n")
+        waited = client.wait(cat.process_id, timeout_ms=60_000)
+        signalled = client.signal(cat.process_id, "SIGCONT")
+        listed = client.list_processes()
+        # The write reached the child (its copy shows it); its answer did not.
+        await poll_until(
+            lambda: copy.exists() and copy.read_bytes() == b"once\n", 10.0, "the write"
+        )
+        proxy.cut()
+        proxy.unstall()
+        # Safe to repeat: answered on the resumed session (the write once).
+        assert (await with_timeout(write, 20.0, "the retried write")).accepted
+        assert [p.process_id for p in (await with_timeout(listed, 20.0, "list")).processes] == [
+            cat.process_id
+        ]
+        # Not safe to repeat: the outcome is unknown, and said so.
+        try:
+            await with_timeout(signalled, 20.0, "the signal")
+        except OutcomeUnknown as exc:
+            assert exc.method == "process/signal"
+        else:
+            raise AssertionError("process/signal in flight at the drop must fail")
+        await cat.close_stdin()
+        assert (await with_timeout(waited, 20.0, "the retried wait")).exited
+        await with_timeout(observe(cat.closed()), 20.0, "cat to close")
+        # Sent twice, written once (writeId).
+        assert copy.read_bytes() == b"once\n"
+        assert bytes(recorder.data) == b"once\n"
     finally:
         await client.stop()
         await proxy.stop()
