@@ -287,7 +287,7 @@ class RemoteProcess:
     def catch_up(self, read: p.ReadResponse) -> bool:
         """Deliver what a ``process/read`` after :attr:`last_seq` returned, in order.
 
-        Returns True while reads may bring more (this one returned output).
+        Returns True while more reads are needed.
         """
         events: list[tuple[int, Callable[[], None]]] = []
         gap = read.gap
@@ -315,7 +315,11 @@ class RemoteProcess:
             if seq > self.last_seq:
                 self.last_seq = seq
                 deliver()
-        return bool(read.chunks)
+        # Done once a read brings nothing new, or once the live events
+        # waiting meanwhile continue right where the reads got to (a process
+        # writing all the time would otherwise keep the catch-up reading).
+        pending = self._pending
+        return bool(read.chunks) and (pending is None or self.last_seq + 1 not in pending)
 
     def end_catch_up(self) -> None:
         """Deliver the live events that arrived meanwhile, in seq order."""
