@@ -7,4 +7,3 @@ import os  # noqa: F401 (tests patch ``execserver.filesystem.os.*``: the one os 
 
 from execserver.fs import *  # noqa: F403
 from execserver.fs import __all__ as __all__  # noqa: PLC0414 (re-exported)
-from execserver.fs.b64 import B64_SLICE as _B64_SLICE  # noqa: F401 (tests slice at it)

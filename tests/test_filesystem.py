@@ -29,6 +29,7 @@ from execserver import filesystem as fs
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
+from execserver.fs.b64 import B64_SLICE
 from tests.fakes import Harness
 from tests.harness import with_timeout
 
@@ -189,7 +190,7 @@ def test_write_then_read(tmp: Path) -> None:
 
 
 def test_read_response_is_what_msgspec_would_render() -> None:
-    for size in (0, 1, 2, 3, 4, fs._B64_SLICE - 1, fs._B64_SLICE + 1):
+    for size in (0, 1, 2, 3, 4, B64_SLICE - 1, B64_SLICE + 1):
         data = os.urandom(size)
         expected = msgspec.json.encode(p.FsReadFileResponse(data))
         assert bytes(fs.encode_read_response(data)) == expected
