@@ -338,7 +338,7 @@ def raw_pipe_rate(total_bytes: int, one_core: bool = False, tries: int = 3) -> f
 
     The raw pipe is bimodal here: about 4.5 GB/s when ``head`` and ``cat``
     run on different cores, about 1.8 GB/s when they share one (which is what
-    the pitfalls note measured). ``one_core`` pins both to CPU 0 to measure
+    earlier single-core measurements here saw). ``one_core`` pins both to CPU 0 to measure
     the second mode on purpose. One run takes ~0.1 s, hence the median.
     """
     command = f"head -c {total_bytes} /dev/zero | cat >/dev/null"
