@@ -17,6 +17,7 @@ and :meth:`Connection.shutdown`.
 
 from __future__ import annotations
 
+import re
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__, codec
+from execserver import __version__, codec, environment
 from execserver import fs as filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
@@ -43,6 +44,16 @@ log = Logger()
 
 #: Raw results at least this large are written as pieces, not re-rendered.
 LARGE_RESULT_BYTES = 64 * 1024
+
+#: Session lifetime after a disconnect for current-dialect clients, which
+#: never ask for one: the reference's (unless --default-session-ttl-ms is set).
+CURRENT_DIALECT_TTL_MS = 30_000
+#: The current dialect answers unknown methods with JSON-RPC's "method not found".
+METHOD_NOT_FOUND = -32601
+#: The current dialect's code for an fs path that does not exist.
+FS_NOT_FOUND = -32004
+#: A JSON string value that is a file:// URI (re scans the raw params in place).
+_URI_VALUE = re.compile(rb'"file://')
 
 #: Seconds between checks of whether a charged reply (fs/readFile) has been
 #: sent, while one is queued: its reply budget is released within this.
@@ -133,6 +144,10 @@ class Dispatcher:
         self._stopping = False
         self.routes: dict[str, Route] = {}
         self.add_route(p.INITIALIZE, p.InitializeParams, _initialize, family=None)
+        # Current dialect (docs/protocol.md, "Dialects"); its params are null.
+        self.add_route(
+            ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
+        )
         self.add_route(p.PROCESS_START, p.ExecParams, lambda c, a: c.session.start(a))
         self.add_route(p.PROCESS_READ, p.ReadParams, lambda c, a: c.session.read(a))
         self.add_route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: c.session.write(a))
@@ -191,15 +206,24 @@ class Dispatcher:
         return DeferredList(waits).addCallback(lambda _: None)
 
 
+ENVIRONMENT_INFO = "environment/info"
+
+
 def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:
     if conn.initialize_requested:
         raise RpcError.invalid_request("initialize may only be sent once per connection")
     config = conn.dispatcher.config
     registry = conn.dispatcher.sessions
-    if params.resume_session_id is not None:
+    # The current reference client always sends the key (``null`` for a new
+    # session); a seed-era client never does.
+    current = params.resume_session_id is not msgspec.UNSET
+    if current:
+        conn.current = True
+    resume_id = params.resume_session_id if isinstance(params.resume_session_id, str) else None
+    if resume_id is not None:
         # Checked before anything changes: a refused resume leaves this
         # connection as it was (it may initialize again or resume later).
-        session = registry.take_over(params.resume_session_id, conn.identity)
+        session = registry.take_over(resume_id, conn.identity)
         conn.adopt(session)
     else:
         session = conn.session
@@ -209,7 +233,12 @@ def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeRes
     if conn.resumable:
         asked = params.session_ttl_ms
         if asked is None:
-            asked = session.ttl_ms if params.resume_session_id else config.default_session_ttl_ms
+            if resume_id:
+                asked = session.ttl_ms
+            elif current:
+                asked = config.default_session_ttl_ms or CURRENT_DIALECT_TTL_MS
+            else:
+                asked = config.default_session_ttl_ms
         session.ttl_ms = min(asked, config.max_session_ttl_ms)
     if session.ttl_ms > 0:
         registry.register(session)
@@ -217,6 +246,7 @@ def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeRes
         registry.forget(session)
     conn.initialize_requested = True
     conn.client_name = params.client_name
+    session.current = conn.current
     response = p.InitializeResponse(
         protocol_version=p.PROTOCOL_VERSION,
         session_id=session.session_id,
@@ -225,9 +255,11 @@ def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeRes
     )
     asked = (
         params.session_ttl_ms is not None
-        or params.resume_session_id is not None
+        or resume_id is not None
         or params.on_detached_full is not None
     )
+    if current:
+        response.environment_info = environment.environment_info()
     if asked or session.ttl_ms > 0:
         response.session_ttl_ms = session.ttl_ms
         response.on_detached_full = session.on_detached_full
@@ -245,6 +277,9 @@ class Connection:
         self.initialize_requested = False
         self.initialized = False
         self.client_name: str | None = None
+        #: The client speaks the reference's current dialect (docs/protocol.md,
+        #: "Dialects"): set by its initialize or by its first file:// path.
+        self.current = False
         #: Who is connected: a session is resumed only by the identity that
         #: created it. An authenticating transport sets ``identity`` on itself.
         self.identity: object = getattr(outbound, "identity", ANONYMOUS)
@@ -320,9 +355,23 @@ class Connection:
 
     def _handle_request(self, req: codec.IncomingRequest) -> None:
         route = self.dispatcher.routes.get(req.method)
+        if (
+            not self.current
+            and req.params is not None
+            and (req.method.startswith("fs/") or req.method == p.PROCESS_START)
+            and _URI_VALUE.search(req.params) is not None
+        ):
+            # Only the current dialect sends paths as URIs: from now on this
+            # client gets its error codes and fields.
+            self.current = True
+            self.session.current = True
         if route is None:
             self._count("<unknown>", "error")
-            self._send_error(req.id, RpcError.invalid_request(f"unknown method: {req.method}"))
+            message = f"unknown method: {req.method}"
+            if self.current:
+                self._send_error(req.id, RpcError(METHOD_NOT_FOUND, message))
+            else:
+                self._send_error(req.id, RpcError.invalid_request(message))
             return
         try:
             params = codec.decode_params(req.params, route.params_type)
@@ -480,6 +529,14 @@ class Connection:
             self.outbound.write_message(data)
 
     def _send_error(self, request_id: p.RequestId | None, error: RpcError) -> None:
+        if (
+            self.current
+            and isinstance(error.data, dict)
+            and error.data.get("kind") == "notFound"
+            and "errno" in error.data
+        ):
+            # The current release reports a missing fs path as -32004 (same text).
+            error = RpcError(FS_NOT_FOUND, error.message, error.data)
         self.send(p.ErrorResponse(request_id, error.to_wire()))
 
     # --- lifecycle --------------------------------------------------------------

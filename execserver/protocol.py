@@ -96,8 +96,10 @@ OnDetachedFull = Literal["drop", "pause"]
 
 class InitializeParams(_Wire):
     client_name: str
-    # Resumable sessions (docs/protocol.md, "Resumable sessions").
-    resume_session_id: str | None = None
+    # Resumable sessions (docs/protocol.md, "Resumable sessions"). UNSET
+    # (absent) vs None (``null``) tells the dialects apart: the current
+    # reference client always sends the key (docs/protocol.md, "Dialects").
+    resume_session_id: str | msgspec.UnsetType | None = msgspec.UNSET
     session_ttl_ms: NonNegative | None = None
     on_detached_full: OnDetachedFull | None = None
 
@@ -119,6 +121,35 @@ class InitializeResponse(msgspec.Struct, rename="camel"):
     on_detached_full: OnDetachedFull | msgspec.UnsetType = msgspec.UNSET
     #: Per-process retention cap (what a "pause" client must acknowledge within).
     retained_output_bytes: int | msgspec.UnsetType = msgspec.UNSET
+    #: Current dialect only: the machine the client's commands run on.
+    environment_info: EnvironmentInfo | msgspec.UnsetType = msgspec.UNSET
+
+
+class ShellInfo(msgspec.Struct):
+    name: str
+    path: str
+
+
+class EnvironmentInfo(msgspec.Struct, rename="camel"):
+    """``environment/info`` (and ``initialize``'s ``environmentInfo``), current dialect.
+
+    Directories are ``file://`` URIs; ``capabilities`` names the optional
+    methods this server implements, each ``true`` (see docs/protocol.md).
+    """
+
+    shell: ShellInfo
+    executor_version: str
+    cwd: str
+    user_home_dir: str
+    platform_os: str
+    prepend_path_dirs: list[str]
+    temporary_directories: list[str]
+    temp_dir: str
+    capabilities: dict[str, bool]
+
+
+class EnvironmentInfoParams(msgspec.Struct):
+    """``environment/info`` takes no params (``null``, absent or ``{}``)."""
 
 
 # --- process/start ----------------------------------------------------------
@@ -131,6 +162,24 @@ class SandboxConfig(_Wire):
 class TerminalSize(_Wire):
     rows: WindowDimension
     cols: WindowDimension
+
+
+class EnvPolicy(_Wire):
+    """How the child's environment is built from the server's (current dialect).
+
+    As the reference's shell environment policy: start from ``inherit``
+    ("all", "core" or "none" of the server's variables), drop the default
+    excludes (names matching ``*KEY*``, ``*SECRET*``, ``*TOKEN*``) unless
+    ``ignoreDefaultExcludes``, drop names matching ``exclude``, add ``set``,
+    keep only names matching ``includeOnly`` (when not empty); ``env`` is
+    applied on top. Patterns are case-insensitive shell wildcards.
+    """
+
+    inherit: Literal["all", "core", "none"] = "all"
+    ignore_default_excludes: bool = False
+    exclude: list[str] = msgspec.field(default_factory=list)
+    set: dict[str, str] = msgspec.field(default_factory=dict)
+    include_only: list[str] = msgspec.field(default_factory=list)
 
 
 class ExecParams(_Wire):
@@ -147,10 +196,14 @@ class ExecParams(_Wire):
     #: 0 or absent: no limit.
     timeout_ms: NonNegative | None = None
     idle_timeout_ms: NonNegative | None = None
+    # Current dialect: without it, ``env`` is the whole environment.
+    env_policy: EnvPolicy | None = None
 
 
 class ExecResponse(_Wire):
     process_id: str
+    #: Current dialect: the sandbox the process runs in (always "none").
+    sandbox_type: str | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/read -----------------------------------------------------------
@@ -240,6 +293,8 @@ class ExitedNotification(msgspec.Struct, rename="camel"):
     signal: str | msgspec.UnsetType = msgspec.UNSET
     seq: int | msgspec.UnsetType = msgspec.UNSET
     timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
+    #: Current dialect: whether a sandbox denial ended the process (never here).
+    sandbox_denied: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 class ClosedNotification(msgspec.Struct, rename="camel"):

@@ -31,7 +31,9 @@ from zope.interface import implementer
 from execserver import codec, fdlimit
 from execserver import protocol as p
 from execserver.config import ServerConfig
+from execserver.environment import build_env
 from execserver.errors import RpcError
+from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.writebuffer import unsent_bytes
@@ -137,6 +139,9 @@ class Session:
         #: The session whose pipes this one's flow control steers instead
         #: (set on the placeholder session of a connection that resumed).
         self._flow_target: Session | None = None
+        #: The client speaks the reference's current dialect (docs/protocol.md,
+        #: "Dialects"): results and notifications carry its fields.
+        self.current = False
 
     # --- process/start ----------------------------------------------------------
 
@@ -147,12 +152,20 @@ class Session:
             raise RpcError.invalid_request(
                 "sandbox mode `hostDefault` is not supported by exec-server yet"
             )
-        if not os.path.isabs(params.cwd):
+        if params.cwd.startswith("file://"):
+            try:
+                cwd = uri_to_path(params.cwd, "cwd")
+            except RpcError:
+                cwd = params.cwd
+        else:
+            cwd = params.cwd
+        if not os.path.isabs(cwd):
             raise RpcError.invalid_params(f"cwd must be an absolute path, got `{params.cwd}`")
         for arg in params.argv:
             _validate_text("argv", arg)
-        _validate_text("cwd", params.cwd)
-        for key, value in params.env.items():
+        _validate_text("cwd", cwd)
+        env = build_env(params.env_policy, params.env)
+        for key, value in env.items():
             _validate_text("env", key)
             _validate_text("env", value)
             if not key or "=" in key:
@@ -184,8 +197,8 @@ class Session:
         size = params.size
         spec = ProcessSpec(
             argv=tuple(params.argv),
-            cwd=params.cwd,
-            env=dict(params.env),
+            cwd=cwd,
+            env=env,
             tty=params.tty,
             arg0=params.arg0,
             pipe_stdin=params.pipe_stdin and not params.tty,
@@ -198,6 +211,8 @@ class Session:
             timeout_ms=params.timeout_ms or None,
             idle_timeout_ms=params.idle_timeout_ms or None,
         )
+        if self.current:
+            return p.ExecResponse(proc.process_id, sandbox_type="none")
         return p.ExecResponse(proc.process_id)
 
     def spawn(
@@ -372,12 +387,16 @@ class Session:
         write_id = params.write_id
         if write_id is not None and not write_id:
             raise RpcError.invalid_params("writeId must not be empty")
+        if self.current and params.process_id not in self.processes:
+            return p.WriteResponse(accepted=False, status="unknownProcess")
         proc = self.lookup(params.process_id)
         if write_id is not None and write_id in proc.write_ids:
             # A retry of a write whose answer was lost: written once already.
             return p.WriteResponse(accepted=True, status="accepted")
         transport: Any = proc.transport
         if not proc.stdin_open or transport is None:
+            if self.current:
+                return p.WriteResponse(accepted=False, status="stdinClosed")
             if proc.tty:
                 raise RpcError.internal(
                     f"failed to write to process stdin: process {params.process_id} has exited"
@@ -394,6 +413,8 @@ class Session:
         if params.chunk:
             transport.write(params.chunk)
         if write_id is None:
+            if self.current:
+                return p.WriteResponse(accepted=True, status="accepted")
             return p.WriteResponse(accepted=True)
         proc.write_ids[write_id] = None
         if len(proc.write_ids) > WRITE_IDS_KEPT:
@@ -544,6 +565,8 @@ class Session:
             params.signal = proc.signal
         if proc.timed_out is not None:
             params.timed_out = proc.timed_out
+        if self.current:
+            params.sandbox_denied = False
         self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:

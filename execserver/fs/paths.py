@@ -17,6 +17,7 @@ import ctypes.util
 import errno
 import os
 import struct
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, Final, NoReturn, ParamSpec, TypeVar
 
@@ -93,17 +94,62 @@ def raise_errno(code: int) -> NoReturn:
 # --- paths --------------------------------------------------------------------
 
 
-def absolute_path(value: str, field: str = "path") -> str:
-    """Validate an absolute path; drop ``.`` and empty components (no disk access).
+FILE_URI_PREFIX: Final = "file://"
+#: Bytes a path keeps as they are in a ``file://`` URI (RFC 3986 pchar and
+#: ``/``); everything else, ``%``, ``#``, ``?``, spaces and every non-ASCII
+#: byte included, is percent-encoded.
+_URI_SAFE: Final = "/!$&'()*+,;=:@-._~"
 
-    ``..`` components stay: :func:`resolve_path` resolves them on the pool
-    as the kernel would. A leading ``..`` is dropped (``/..`` is ``/``).
-    Relative paths are ``-32602``.
+
+def path_to_uri(path: str) -> str:
+    """``file://`` URI of an absolute path (any bytes: surrogate-escaped names too)."""
+    raw = path.encode("utf-8", "surrogateescape")
+    return FILE_URI_PREFIX + urllib.parse.quote_from_bytes(raw, safe=_URI_SAFE)
+
+
+def _relative(value: str, field: str) -> RpcError:
+    return RpcError.invalid_params(
+        _RELATIVE_PATH_MESSAGE, {"kind": "relativePath", "field": field, "path": value}
+    )
+
+
+def uri_to_path(value: str, field: str = "path") -> str:
+    """The native path a ``file://`` URI names; other strings are returned unchanged.
+
+    The current reference dialect sends every path as a URI
+    (``file:///tmp/a%20b``); the seeds' plain absolute paths stay valid.
+    A host other than empty or ``localhost``, a path that is not absolute
+    after the host, a query or a fragment is the error a relative path
+    gets (``-32602``), so a client learns the same thing either way.
+    Percent-escapes decode to bytes, so names that are not UTF-8 survive
+    (as surrogate escapes, like ``os.fsdecode``).
     """
+    if not value.startswith(FILE_URI_PREFIX):
+        return value
+    rest = value[len(FILE_URI_PREFIX) :]
+    slash = rest.find("/")
+    host = rest if slash < 0 else rest[:slash]
+    if slash < 0 or host.lower() not in ("", "localhost") or "?" in rest or "#" in rest:
+        raise _relative(value, field)
+    raw = urllib.parse.unquote_to_bytes(rest[slash:])
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def is_uri(value: str) -> bool:
+    return value.startswith(FILE_URI_PREFIX)
+
+
+def absolute_path(value: str, field: str = "path") -> str:
+    """Validate an absolute path or ``file://`` URI; drop ``.`` and empty components.
+
+    No disk access. ``..`` components stay: :func:`resolve_path` resolves
+    them on the pool as the kernel would. A leading ``..`` is dropped
+    (``/..`` is ``/``). Relative paths are ``-32602``.
+    """
+    if value.startswith(FILE_URI_PREFIX):
+        value = uri_to_path(value, field)
     if not value.startswith("/"):
-        raise RpcError.invalid_params(
-            _RELATIVE_PATH_MESSAGE, {"kind": "relativePath", "field": field, "path": value}
-        )
+        raise _relative(value, field)
     if "\0" in value:
         raise RpcError.invalid_request(NUL_MESSAGE, {"kind": "invalidInput", "field": field})
     if "//" not in value and "/." not in value and (value == "/" or value[-1] != "/"):

@@ -1,0 +1,205 @@
+"""The reference's current dialect (what Codex 0.171 sends) next to the seeds', over stdio.
+
+A client that sends ``resumeSessionId`` in ``initialize`` (Codex sends
+``null``) or a ``file://`` path speaks the current dialect and gets its
+fields and codes; a seed-era client sees the seed behaviour
+(tests/test_reference_stdio.py). docs/protocol.md, "Dialects".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+from hypothesis import given
+from hypothesis import strategies as st
+
+from execserver import environment
+from execserver import protocol as p
+from execserver.errors import RpcError
+from execserver.fs.paths import absolute_path, path_to_uri, uri_to_path
+from tests.harness import REPO_ROOT, ServerProcess, b64, child_env
+
+CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
+
+
+@asynccontextmanager
+async def serving(init: dict[str, Any] | None) -> AsyncIterator[ServerProcess]:
+    server = ServerProcess.start()
+    try:
+        if init is not None:
+            server.last_init = await server.call("initialize", init)  # type: ignore[attr-defined]
+            server.notify("initialized", {})
+        yield server
+    finally:
+        await server.stop()
+
+
+# --- file:// URIs ---------------------------------------------------------------------------
+
+_component = st.binary(min_size=1, max_size=12).filter(lambda b: b"/" not in b and b"\0" not in b)
+
+
+@given(st.lists(_component, min_size=0, max_size=5))
+def test_any_absolute_path_survives_uri_encoding(parts: list[bytes]) -> None:
+    path = os.fsdecode(b"/" + b"/".join(parts))
+    uri = path_to_uri(path)
+    assert uri.startswith("file:///")
+    assert "#" not in uri and "?" not in uri and " " not in uri
+    assert uri_to_path(uri) == path
+
+
+@pytest.mark.parametrize("name", ["a b", "100%", "x#y", "q?r", "caf\xe9", "\udcff raw"])
+def test_special_names_round_trip(name: str) -> None:
+    path = "/tmp/" + name
+    assert uri_to_path(path_to_uri(path)) == path
+    assert absolute_path(path_to_uri(path)) == path
+
+
+def test_localhost_and_plain_paths() -> None:
+    assert absolute_path("file://localhost/tmp/x") == "/tmp/x"
+    assert absolute_path("file:///tmp/./x/") == "/tmp/x"
+    assert absolute_path("/tmp/x") == "/tmp/x"
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["file://host/tmp/x", "file:relative", "file:/tmp/x", "http://h/x", "file:///a?q", "file://"],
+)
+def test_other_uris_are_the_relative_path_error(value: str) -> None:
+    with pytest.raises(RpcError) as caught:
+        absolute_path(value)
+    assert caught.value.code == p.INVALID_PARAMS
+    assert caught.value.message == "AbsolutePathBuf deserialized without a base path"
+    assert caught.value.data["kind"] == "relativePath"
+
+
+# --- envPolicy ------------------------------------------------------------------------------
+
+BASE = {"PATH": "/bin", "HOME": "/h", "API_KEY": "k", "MY_TOKEN": "t", "OTHER": "o"}
+
+
+def test_env_without_policy_is_the_whole_environment() -> None:
+    assert environment.build_env(None, {"A": "1"}, BASE) == {"A": "1"}
+
+
+def test_env_policy_like_codex() -> None:
+    policy = p.EnvPolicy(inherit="all", ignore_default_excludes=True, exclude=["OTHER"])
+    assert environment.build_env(policy, {"TERM": "dumb"}, BASE) == {
+        "PATH": "/bin",
+        "HOME": "/h",
+        "API_KEY": "k",
+        "MY_TOKEN": "t",
+        "TERM": "dumb",
+    }
+
+
+def test_env_policy_default_excludes_core_set_include_only() -> None:
+    assert environment.build_env(p.EnvPolicy(), {}, BASE) == {
+        "PATH": "/bin",
+        "HOME": "/h",
+        "OTHER": "o",
+    }
+    core = p.EnvPolicy(inherit="core", set={"X": "1"})
+    assert environment.build_env(core, {"X": "2"}, BASE) == {"PATH": "/bin", "HOME": "/h", "X": "2"}
+    only = p.EnvPolicy(inherit="all", include_only=["p*"], set={"Y": "y"})
+    assert environment.build_env(only, {"Z": "z"}, BASE) == {"PATH": "/bin", "Z": "z"}
+    assert environment.build_env(p.EnvPolicy(inherit="none"), {"A": "a"}, BASE) == {"A": "a"}
+
+
+# --- the server, both dialects --------------------------------------------------------------
+
+
+def _start_params(process_id: str, cwd: str, **extra: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "processId": process_id,
+        "argv": ["/bin/sh", "-c", "pwd; echo $CODEX_T; echo ${HOME:+home}"],
+        "cwd": cwd,
+        "env": {"CODEX_T": "set"},
+        "tty": False,
+        "arg0": None,
+    }
+    params.update(extra)
+    return params
+
+
+@pytest_twisted.ensureDeferred
+async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
+    work = tmp_path / "a b#c"
+    work.mkdir()
+    async with serving(CODEX_INIT) as server:
+        info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
+        assert info["capabilities"] == {"fsWatchMissing": True}
+        assert info["tempDir"].startswith("file:///")
+        assert info["platformOs"] == "linux"
+        assert info["shell"]["path"].startswith("/")
+        assert await server.call("environment/info", None) == info
+        policy = {
+            "inherit": "all",
+            "ignoreDefaultExcludes": True,
+            "exclude": [],
+            "set": {},
+            "includeOnly": [],
+        }
+        params = _start_params("p1", path_to_uri(str(work)), envPolicy=policy)
+        assert await server.call("process/start", params) == {
+            "processId": "p1",
+            "sandboxType": "none",
+        }
+        exited = await server.wait_notification("process/exited", "p1")
+        assert exited == {"processId": "p1", "exitCode": 0, "seq": 4, "sandboxDenied": False}
+        closed = await server.wait_notification("process/closed", "p1")
+        assert closed == {"processId": "p1", "seq": 5}
+        assert server.output_of("p1") == f"{work}\nset\nhome\n".encode()
+        write = {"processId": "p1", "chunk": b64(b"x"), "writeId": "1"}
+        assert await server.call("process/write", write) == {
+            "accepted": False,
+            "status": "stdinClosed",
+        }
+        write["processId"] = "nope"
+        assert await server.call("process/write", write) == {
+            "accepted": False,
+            "status": "unknownProcess",
+        }
+        missing = path_to_uri(str(tmp_path / "missing"))
+        error = (await server.request("fs/getMetadata", {"path": missing, "sandbox": None}))[
+            "error"
+        ]
+        assert error["code"] == -32004
+        assert error["message"] == "No such file or directory (os error 2)"
+        unknown = (await server.request("capabilities/discoverV2", {}))["error"]
+        assert unknown == {"code": -32601, "message": "unknown method: capabilities/discoverV2"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_seed_client_sees_seed_shapes(tmp_path: Path) -> None:
+    async with serving({"clientName": "seed"}) as server:
+        assert "environmentInfo" not in server.last_init  # type: ignore[attr-defined]
+        assert "sessionTtlMs" not in server.last_init  # type: ignore[attr-defined]
+        params = _start_params("p1", str(tmp_path), env=child_env())
+        assert await server.call("process/start", params) == {"processId": "p1"}
+        exited = await server.wait_notification("process/exited", "p1")
+        assert "sandboxDenied" not in exited
+        error = (await server.request("fs/getMetadata", {"path": str(tmp_path / "missing")}))[
+            "error"
+        ]
+        assert error["code"] == p.INTERNAL_ERROR
+        unknown = (await server.request("environment/inf", None))["error"]
+        assert unknown["code"] == p.INVALID_REQUEST
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_file_uri_makes_a_client_current(tmp_path: Path) -> None:
+    async with serving({"clientName": "seed"}) as server:
+        missing = str(tmp_path / "missing")
+        error = (await server.request("fs/readFile", {"path": missing}))["error"]
+        assert error["code"] == p.INTERNAL_ERROR
+        error = (await server.request("fs/readFile", {"path": path_to_uri(missing)}))["error"]
+        assert error["code"] == -32004
+        start = _start_params("p1", path_to_uri(str(REPO_ROOT)), env=child_env())
+        assert (await server.call("process/start", start))["sandboxType"] == "none"
