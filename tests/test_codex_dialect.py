@@ -152,9 +152,20 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
             "sandboxType": "none",
         }
         exited = await server.wait_notification("process/exited", "p1")
-        assert exited == {"processId": "p1", "exitCode": 0, "seq": 4, "sandboxDenied": False}
         closed = await server.wait_notification("process/closed", "p1")
-        assert closed == {"processId": "p1", "seq": 5}
+        # One counter: the output chunks, the exit and (last) the close.
+        seqs = [
+            m["params"]["seq"] for m in server.notifications if m.get("method") == "process/output"
+        ]
+        seqs += [exited["seq"], closed["seq"]]
+        assert sorted(seqs) == list(range(1, len(seqs) + 1))
+        assert closed == {"processId": "p1", "seq": len(seqs)}
+        assert exited == {
+            "processId": "p1",
+            "exitCode": 0,
+            "seq": exited["seq"],
+            "sandboxDenied": False,
+        }
         assert server.output_of("p1") == f"{work}\nset\nhome\n".encode()
         write = {"processId": "p1", "chunk": b64(b"x"), "writeId": "1"}
         assert await server.call("process/write", write) == {
