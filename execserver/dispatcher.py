@@ -121,6 +121,8 @@ class Stats:
     partial_message_bytes: int = 0
     #: Processes started and not yet closed (holding descriptors), all sessions.
     processes_open: int = 0
+    #: WebSocket upgrades and /metrics requests refused for a missing or wrong token.
+    auth_refused: int = 0
 
 
 class Dispatcher:

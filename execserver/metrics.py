@@ -57,6 +57,12 @@ def render(dispatcher: Dispatcher) -> bytes:
         [({"version": __version__}, 1)],
     )
     lines += _family(
+        "exec_server_auth_refused_total",
+        "counter",
+        "Requests refused with 401 for a missing or wrong bearer token.",
+        [({}, stats.auth_refused)],
+    )
+    lines += _family(
         "exec_server_connections_opened_total",
         "counter",
         "Client connections accepted (stdio and WebSocket).",

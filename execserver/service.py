@@ -14,11 +14,17 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from twisted.application.service import IServiceCollection, MultiService, Service
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorCore, IReactorProcess, IReactorTCP, IReactorTime
+from twisted.internet.interfaces import (
+    IReactorCore,
+    IReactorProcess,
+    IReactorTCP,
+    IReactorThreads,
+    IReactorTime,
+)
 from twisted.logger import Logger
 from twisted.python import usage
 
-from execserver import __version__, fdlimit, writebuffer
+from execserver import __version__, auth, fdlimit, writebuffer
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
@@ -27,6 +33,7 @@ from execserver.transports.listen import (
     STDIO_URL,
     ListenUrlError,
     StdioAddress,
+    WebSocketAddress,
     parse_listen_url,
 )
 
@@ -81,6 +88,12 @@ class Options(usage.Options):
             "complete frames are decoded by the server's own, faster, path).",
         ],
         [
+            "allow-unauthenticated",
+            None,
+            "Allow a WebSocket listener on a non-loopback address without --auth-token-file "
+            "(anyone who reaches it can run commands; a warning is logged on every start).",
+        ],
+        [
             "no-stdout-guard",
             None,
             "stdio://: leave fd 1 and sys.stdout as they are (by default stray writes "
@@ -92,6 +105,13 @@ class Options(usage.Options):
         "touch files for a client. --listen is repeatable; the default is stdio://."
     )
     optParameters = [
+        [
+            "auth-token-file",
+            None,
+            None,
+            "WebSocket: file of accepted bearer tokens, one per line, mode 0600 or stricter "
+            "(re-read on SIGHUP; default: $EXEC_SERVER_AUTH_TOKEN, else no authentication).",
+        ],
         [
             "retained-output-bytes",
             None,
@@ -262,6 +282,29 @@ class Options(usage.Options):
             raise usage.UsageError("--max-processes must be at least 1")
         if self["ping-interval-ms"] and not self["ping-timeout-ms"]:
             raise usage.UsageError("--ping-timeout-ms must be positive while pings are enabled")
+        self._check_auth()
+
+    def _check_auth(self) -> None:
+        # The variable is removed from this process's environment whatever
+        # is configured, so that no child can inherit it.
+        from_env = auth.TokenStore.from_environment(os.environ)
+        try:
+            if self["auth-token-file"] is not None:
+                self["auth"] = auth.TokenStore.from_file(self["auth-token-file"])
+            else:
+                self["auth"] = from_env
+        except auth.AuthConfigError as exc:
+            raise usage.UsageError(str(exc)) from None
+        if self["auth"] is not None or self["allow-unauthenticated"]:
+            return
+        for address in self["listen"]:
+            if isinstance(address, WebSocketAddress) and not address.is_loopback:
+                raise usage.UsageError(
+                    f"refusing to listen on {address} without authentication: anyone who "
+                    "can reach it could run any command as this user. Give "
+                    f"--auth-token-file (or ${auth.TOKEN_ENV}), listen on a loopback "
+                    "address, or pass --allow-unauthenticated to accept the risk"
+                )
 
     def websocket_settings(self) -> WebSocketSettings:
         from execserver.transports.websocket import WebSocketSettings
@@ -273,6 +316,7 @@ class Options(usage.Options):
             allowed_origins=frozenset(self["allow-origin"]),
             max_partial_message_bytes=self["max-partial-message-bytes"],
             fast_frames=not self["no-fast-frames"],
+            auth=self.get("auth"),
         )
 
     def config(self) -> ServerConfig:
@@ -434,6 +478,9 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
                 dispatcher, IReactorTCP(reactor), address, options.websocket_settings()
             )
         child.setServiceParent(root)
+    store = options.get("auth")
+    if store is not None and store.path is not None:
+        auth.TokenReloadService(store, IReactorThreads(reactor)).setServiceParent(root)
     return root
 
 

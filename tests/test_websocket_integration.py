@@ -535,7 +535,7 @@ async def test_plain_http_endpoints() -> None:
         status, _, _ = await http_get(host, port, get_request("/nothing-here"))
         assert status == 404
         status, headers, _ = await http_get(
-            host, port, b"POST /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            host, port, b"POST /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n"
         )
         assert (status, headers["allow"]) == (405, "GET, HEAD")
     finally:

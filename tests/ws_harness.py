@@ -76,6 +76,7 @@ class WsServerProcess(ServerChecks, ProcessProtocol):
         listeners: int = 1,
         timeout: float = DEFAULT_TIMEOUT,
         twistd: bool = False,
+        env: dict[str, str] | None = None,
     ) -> WsServerProcess:
         """Start ``exec-server`` (or ``twistd -n exec-server``) with ``args``."""
         if not any(a.startswith("--listen") for a in args):
@@ -86,7 +87,7 @@ class WsServerProcess(ServerChecks, ProcessProtocol):
             argv = [console_script("exec-server"), *args]
         proto = cls(listeners)
         transport = reactor.spawnProcess(
-            proto, argv[0], argv, env=server_env(), path=str(REPO_ROOT)
+            proto, argv[0], argv, env=server_env(env), path=str(REPO_ROOT)
         )
         proto.pid = transport.pid
         proto._init_checks(f"{' '.join(argv)} (pid {proto.pid})")

@@ -7,6 +7,7 @@ front of the socket.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -22,6 +23,7 @@ MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
 _STATUS_TEXT: Final = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
@@ -66,14 +68,56 @@ def origin_refused(origin: str) -> HttpReply:
     )
 
 
-def plain_reply(method: str, path: str, dispatcher: Dispatcher) -> HttpReply:
-    """The answer to a request without ``Upgrade``."""
+def unauthorized(what: str) -> HttpReply:
+    """401 for a missing or wrong bearer token (the reply never says which, nor echoes it)."""
+    return HttpReply(
+        401,
+        f"{what} needs a valid `Authorization: Bearer TOKEN` header\n",
+        (("WWW-Authenticate", "Bearer"),),
+    )
+
+
+def host_refused(host: str) -> HttpReply:
+    return HttpReply(
+        403,
+        f"Host {host[:200]!r} is not a loopback name or address; this loopback listener "
+        "answers only requests addressed to localhost, 127.0.0.0/8 or [::1] "
+        "(DNS rebinding protection)\n",
+    )
+
+
+def host_is_loopback(host: str) -> bool:
+    """Whether a ``Host`` header names this machine's loopback (``localhost``, 127/8, ::1)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, sep, rest = host[1:].partition("]")
+        if not sep or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+    else:
+        name, sep, port = host.partition(":")
+        if sep and not port.isdigit():
+            return False
+    name = name.rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def plain_reply(
+    method: str, path: str, dispatcher: Dispatcher, authorized: bool = True
+) -> HttpReply:
+    """The answer to a request without ``Upgrade`` (``authorized``: a valid token, or no auth)."""
     if path in ("/readyz", "/metrics"):
         if method not in ("GET", "HEAD"):
             return HttpReply(405, f"{path} answers GET and HEAD only\n", (("Allow", "GET, HEAD"),))
         if path == "/readyz":
             reason = dispatcher.not_ready_reason()
             return HttpReply(200, "") if reason is None else HttpReply(503, reason + "\n")
+        if not authorized:
+            return unauthorized("GET /metrics")
         return HttpReply(200, metrics.render(dispatcher), content_type=metrics.CONTENT_TYPE)
     if path == "/":
         return HttpReply(

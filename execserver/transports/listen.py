@@ -44,6 +44,10 @@ class WebSocketAddress:
         interface = self.host.replace(":", "\\:")
         return f"{kind}:port={self.port}:interface={interface}:backlog={LISTEN_BACKLOG}"
 
+    @property
+    def is_loopback(self) -> bool:
+        return ipaddress.ip_address(self.host).is_loopback
+
     def with_port(self, port: int) -> WebSocketAddress:
         return WebSocketAddress(self.host, port)
 

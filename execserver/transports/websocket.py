@@ -52,7 +52,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from execserver import __version__
+from execserver.auth import TokenStore
 from execserver.dispatcher import Connection, Dispatcher
+from execserver.registry import ANONYMOUS
 from execserver.transports import http
 from execserver.transports.backpressure import RequestBackpressure, read_pause_bytes
 from execserver.transports.listen import WebSocketAddress, server_endpoint
@@ -111,6 +113,8 @@ class WebSocketSettings:
     #: Decode small complete frames in :meth:`ExecServerProtocol.processData`
     #: (False: every frame goes through Autobahn's parser; ``--no-fast-frames``).
     fast_frames: bool = True
+    #: Accepted bearer tokens (``--auth-token-file``); None: no authentication.
+    auth: TokenStore | None = None
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -130,6 +134,9 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._flow: RequestBackpressure | None = None
         self._held: deque[bytes | None] = deque()
         self._read_pause_bytes = 0
+        #: Who this connection authenticated as (read by the dispatcher
+        #: connection when the upgrade completes; sessions are owned by it).
+        self.identity: object = ANONYMOUS
 
     @property
     def _transport(self) -> Any:
@@ -165,18 +172,38 @@ class ExecServerProtocol(WebSocketServerProtocol):
             self._http_reply(400, f"malformed HTTP request line {request_line!r}\n")
             return
         method, target, _version = parts
+        factory = self.factory
+        host = headers.get("host")
+        if factory.loopback_only and host is not None and not http.host_is_loopback(host):
+            self._send_http(http.host_refused(host))
+            return
+        auth = factory.settings.auth
+        identity = None if auth is None else auth.authenticate(headers.get("authorization"))
         if "upgrade" not in headers:
-            self._serve_plain(method, urlsplit(target).path)
+            path = urlsplit(target).path
+            reply = http.plain_reply(
+                method, path, factory.dispatcher, authorized=auth is None or identity is not None
+            )
+            if reply.status == 401:
+                factory.dispatcher.stats.auth_refused += 1
+            self._send_http(reply, head_only=method == "HEAD")
             return
         origin = headers.get("origin")
-        if origin is not None and http.normalize_origin(origin) not in self.factory.allowed_origins:
+        if origin is not None and http.normalize_origin(origin) not in factory.allowed_origins:
             self._send_http(http.origin_refused(origin))
             return
+        if auth is not None:
+            if identity is None:
+                factory.dispatcher.stats.auth_refused += 1
+                log.info(
+                    "refused a WebSocket upgrade from {peer}: {why} bearer token",
+                    peer=self.peer,
+                    why="no" if "authorization" not in headers else "an invalid",
+                )
+                self._send_http(http.unauthorized("a WebSocket upgrade"))
+                return
+            self.identity = identity
         super().processHandshake()
-
-    def _serve_plain(self, method: str, path: str) -> None:
-        reply = http.plain_reply(method, path, self.factory.dispatcher)
-        self._send_http(reply, head_only=method == "HEAD")
 
     def _http_reply(self, status: int, body: str) -> None:
         self._send_http(http.HttpReply(status, body))
@@ -506,6 +533,9 @@ class ExecServerFactory(WebSocketServerFactory):
         self.dispatcher = dispatcher
         self.settings = settings
         self.allowed_origins = frozenset(http.normalize_origin(o) for o in settings.allowed_origins)
+        #: A loopback listener answers only requests whose Host is loopback
+        #: (a DNS-rebinding page reaches it with its own name as Host).
+        self.loopback_only = False
         self.protocols: set[ExecServerProtocol] = set()
         self.setProtocolOptions(
             # Plain GETs are answered in ExecServerProtocol.processHandshake.
@@ -551,6 +581,7 @@ class WebSocketService(Service):
         self.address = address
         self.settings = settings or WebSocketSettings(dispatcher.config.max_message_bytes)
         self.factory = ExecServerFactory(dispatcher, self.settings, IReactorTime(reactor))
+        self.factory.loopback_only = address.is_loopback
         self._banner = banner or _print_to(sys.stderr)
         self.port: IListeningPort | None = None
         #: The bound address, ``ws://IP:PORT`` (real port), once started.
@@ -569,6 +600,13 @@ class WebSocketService(Service):
         self.port = port
         bound = port.getHost()
         self.url = str(self.address.with_port(bound.port))  # type: ignore[attr-defined]
+        if self.settings.auth is None and not self.address.is_loopback:
+            log.warn(
+                "{url} is not a loopback address and has no authentication "
+                "(--allow-unauthenticated): anyone who can reach it can run any command "
+                "as this user",
+                url=self.url,
+            )
         # twistd starts services before the reactor runs, i.e. before its
         # SIGTERM/SIGINT handlers exist: announce the listener only once they
         # do, so a supervisor that signals on "listening on" gets a clean stop.
