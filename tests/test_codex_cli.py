@@ -1,0 +1,238 @@
+"""The real Codex CLI (0.171.0) runs its commands and file edits through this server.
+
+Each scenario runs ``codex exec --json`` with a scripted fake model
+(tests/codex/fake_model.py) and ``CODEX_EXEC_SERVER_URL`` pointing at our
+server over WebSocket, and asserts on Codex's own events: the command's exit
+code and the output Codex received. The binary comes from the npm registry
+through tests/codex/fetch_codex.py (cached); the tests skip, loudly, only
+when it cannot be fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+from tests.codex.fetch_codex import FetchError, fetch
+from tests.harness import REPO_ROOT, reactor, with_timeout
+from tests.ws_harness import WsServerProcess, get_request, http_get
+
+#: codex exec's whole run, per scenario (a busy 2-core machine; typically 1-3 s).
+CODEX_TIMEOUT = 90.0
+
+
+@pytest.fixture(scope="module")
+def codex_binary() -> Path:
+    try:
+        return fetch()
+    except FetchError as exc:
+        pytest.skip(f"THE REAL CODEX CLI IS NOT AVAILABLE, its interop tests did not run: {exc}")
+
+
+class _Collect(ProcessProtocol):
+    """Collects a child's stdout and stderr; ``ended`` fires with its exit code."""
+
+    def __init__(self, on_line: Any = None) -> None:
+        self.out = b""
+        self.err = b""
+        self.ended: Deferred[int | None] = Deferred()
+        self.first_line: Deferred[bytes] = Deferred()
+        self.on_line = on_line
+
+    def outReceived(self, data: bytes) -> None:
+        self.out += data
+        if b"\n" in self.out and not self.first_line.called:
+            self.first_line.callback(self.out.split(b"\n", 1)[0])
+
+    def errReceived(self, data: bytes) -> None:
+        self.err += data
+
+    def processEnded(self, reason: Failure) -> None:
+        code = 0 if reason.check(ProcessDone) else getattr(reason.value, "exitCode", None)
+        self.ended.callback(code)
+
+    def kill(self) -> None:
+        if not self.ended.called and self.transport is not None:
+            self.transport.signalProcess("KILL")
+
+
+@asynccontextmanager
+async def fake_model(spec: dict[str, Any], log: Path) -> AsyncIterator[int]:
+    proto = _Collect()
+    env = dict(os.environ, FAKE_MODEL_SPEC=json.dumps(spec))
+    argv = [sys.executable, "-m", "tests.codex.fake_model", str(log)]
+    reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
+    try:
+        line = await with_timeout(proto.first_line, 30, "the fake model's port")
+        yield int(line)
+    finally:
+        proto.kill()
+        await with_timeout(proto.ended, 30, "the fake model's exit")
+
+
+def _codex_home(home: Path, model_port: int) -> None:
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f"""model = "fake-model"
+model_provider = "fake"
+check_for_update_on_startup = false
+
+[model_providers.fake]
+name = "fake"
+base_url = "http://127.0.0.1:{model_port}/v1"
+wire_api = "responses"
+env_key = "FAKE_API_KEY"
+request_max_retries = 0
+stream_max_retries = 0
+"""
+    )
+
+
+async def run_codex(
+    codex: Path, tmp: Path, url: str, model_port: int
+) -> tuple[list[dict[str, Any]], _Collect]:
+    home = tmp / "codex-home"
+    _codex_home(home, model_port)
+    work = tmp / "work"
+    work.mkdir(exist_ok=True)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp),
+        "CODEX_HOME": str(home),
+        "FAKE_API_KEY": "dummy",
+        "CODEX_EXEC_SERVER_URL": url,
+    }
+    argv = [
+        str(codex),
+        "exec",
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "--json",
+        "-C",
+        str(work),
+        "Run the shell command and report its output.",
+    ]
+    proto = _Collect()
+    reactor.spawnProcess(
+        proto, argv[0], argv, env=env, path=str(work), childFDs={0: "w", 1: "r", 2: "r"}
+    )
+    proto.transport.closeStdin()  # type: ignore[union-attr]
+    try:
+        code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
+    finally:
+        proto.kill()
+    assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
+    events = [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
+    return events, proto
+
+
+@asynccontextmanager
+async def our_server(*args: str) -> AsyncIterator[WsServerProcess]:
+    # The child inherits it through Codex's envPolicy: output that names it
+    # proves the command ran on this server, not locally in Codex.
+    server = await WsServerProcess.start(*args, env={"INTEROP_SIDE": "exec-server"})
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+class Run:
+    """What one scenario left: Codex's --json events and the server's /metrics."""
+
+    def __init__(self, events: list[dict[str, Any]], metrics: str) -> None:
+        self.events = events
+        self.metrics = metrics
+
+    def items(self, kind: str) -> list[dict[str, Any]]:
+        return [
+            e["item"]
+            for e in self.events
+            if e.get("type") == "item.completed" and e.get("item", {}).get("type") == kind
+        ]
+
+    def metric(self, line_prefix: str) -> float:
+        for line in self.metrics.splitlines():
+            if line.startswith(line_prefix + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"no {line_prefix} in /metrics:\n{self.metrics}")
+
+
+async def scenario(codex: Path, tmp: Path, spec: dict[str, Any], via: Any = None) -> Run:
+    async with fake_model(spec, tmp / "model.jsonl") as port, our_server() as server:
+        url = server.url if via is None else await via(server)
+        events, _ = await run_codex(codex, tmp, url, port)
+        _, _, body = await http_get(*server.host_port, get_request("/metrics"))
+        return Run(events, body.decode())
+
+
+@pytest_twisted.ensureDeferred
+async def test_plain_command(codex_binary: Path, tmp_path: Path) -> None:
+    spec = {"cmd": "echo hello-from-$INTEROP_SIDE > marker; cat marker; exit 7"}
+    run = await scenario(codex_binary, tmp_path, spec)
+    [item] = run.items("command_execution")
+    assert item["exit_code"] == 7, item
+    assert item["aggregated_output"] == "hello-from-exec-server\n", item
+    assert (tmp_path / "work" / "marker").read_text() == "hello-from-exec-server\n"
+
+
+@pytest_twisted.ensureDeferred
+async def test_output_over_one_mib(codex_binary: Path, tmp_path: Path) -> None:
+    size = 1536 * 1024
+    spec = {"cmd": f"head -c {size} /dev/zero | tr '\\0' x; echo; echo tail-$INTEROP_SIDE"}
+    run = await scenario(codex_binary, tmp_path, spec)
+    [item] = run.items("command_execution")
+    assert item["exit_code"] == 0, {k: v for k, v in item.items() if k != "aggregated_output"}
+    # Codex keeps the head and the tail of a long output (1 MiB in all);
+    # the server counted every byte read from the child.
+    output = item["aggregated_output"]
+    assert output.startswith("x" * 4096) and output.endswith("x\ntail-exec-server\n")
+    assert len(output) >= 1024 * 1024
+    sent = run.metric('exec_server_output_bytes_total{stream="stdout"}')
+    assert sent == size + len("\ntail-exec-server\n")
+
+
+@pytest_twisted.ensureDeferred
+async def test_pty_session_driven_through_write_stdin(codex_binary: Path, tmp_path: Path) -> None:
+    spec = {
+        "cmd": "read line; echo got:$line:$INTEROP_SIDE; tty; exit 4",
+        "tty": True,
+        "yield_ms": 500,
+        "stdin": "ping\n",
+    }
+    run = await scenario(codex_binary, tmp_path, spec)
+    [item] = run.items("command_execution")
+    assert item["exit_code"] == 4, item
+    output = item["aggregated_output"].replace("\r\n", "\n")
+    assert "got:ping:exec-server\n/dev/pts/" in output, item
+
+
+@pytest_twisted.ensureDeferred
+async def test_apply_patch_creates_a_file_in_a_new_directory(
+    codex_binary: Path, tmp_path: Path
+) -> None:
+    patch = (
+        "*** Begin Patch\n*** Add File: notes/deep/hello.txt\n"
+        "+hello from apply_patch\n*** End Patch"
+    )
+    spec = {"cmd": f"apply_patch <<'EOF'\n{patch}\nEOF"}
+    run = await scenario(codex_binary, tmp_path, spec)
+    [change] = run.items("file_change")
+    assert change["status"] == "completed", change
+    created = tmp_path / "work" / "notes" / "deep" / "hello.txt"
+    assert created.read_text() == "hello from apply_patch\n"
+    # Through the server's fs methods, not a process.
+    assert run.metric('exec_server_requests_total{method="fs/writeFile",outcome="ok"}') >= 1
+    assert run.items("command_execution") == []
