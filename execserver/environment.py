@@ -37,11 +37,11 @@ CORE_VARIABLES: Final = (
     "TMP",
 )
 #: Optional methods of the current dialect this server implements, as
-#: ``environmentInfo.capabilities`` names them. Only what is implemented is
-#: listed; a client treats a missing name as false.
-CAPABILITIES: Final = {
-    "fsWatchMissing": True,
-}
+#: ``environmentInfo.capabilities`` names them (each ``true``). Only what is
+#: implemented is listed; a client treats a missing name as false and does
+#: not call the method (fs/watchMissing, environmentConfig/read,
+#: capabilities/discoverV2 are not implemented yet).
+CAPABILITIES: Final[dict[str, bool]] = {}
 
 
 def _matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:

@@ -134,7 +134,7 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
     work.mkdir()
     async with serving(CODEX_INIT) as server:
         info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
-        assert info["capabilities"] == {"fsWatchMissing": True}
+        assert info["capabilities"] == {}
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"
         assert info["shell"]["path"].startswith("/")
