@@ -30,6 +30,7 @@ from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
 from execserver.transports.listen import (
+    DEFAULT_SOCKET_MODE,
     STDIO_URL,
     ListenUrlError,
     StdioAddress,
@@ -228,6 +229,7 @@ class Options(usage.Options):
         self["listen"] = []
         self["allow-origin"] = []
         self["process-containment"] = "auto"
+        self["socket-mode"] = DEFAULT_SOCKET_MODE
         self["spawn-path"] = os.environ.get(SPAWN_PATH_ENV) or "fast"
 
     def opt_allow_origin(self, origin: str) -> None:
@@ -251,8 +253,18 @@ class Options(usage.Options):
             raise usage.UsageError(f"--spawn-path takes {', '.join(SPAWN_PATHS)}, got `{path}`")
         self["spawn-path"] = path
 
+    def opt_socket_mode(self, mode: str) -> None:
+        """unix:// listeners: permissions of the socket file, in octal [default: 0600]."""
+        try:
+            value = int(mode, 8)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= 0o777:
+            raise usage.UsageError(f"--socket-mode takes octal permissions like 0660, got `{mode}`")
+        self["socket-mode"] = value
+
     def opt_listen(self, url: str) -> None:
-        """Listen on URL: stdio:// or ws://IP:PORT (repeatable)."""
+        """Listen on URL: stdio://, ws://IP:PORT or unix:///PATH (repeatable)."""
         try:
             address = parse_listen_url(url)
         except ListenUrlError as exc:
@@ -317,6 +329,7 @@ class Options(usage.Options):
             max_partial_message_bytes=self["max-partial-message-bytes"],
             fast_frames=not self["no-fast-frames"],
             auth=self.get("auth"),
+            socket_mode=self["socket-mode"],
         )
 
     def config(self) -> ServerConfig:

@@ -40,7 +40,7 @@ from tests.harness import (
 )
 from tests.server_checks import ServerChecks
 
-BANNER = re.compile(rb"exec-server listening on (ws://\S+)")
+BANNER = re.compile(rb"exec-server listening on ((?:ws|wss|unix)://\S+)")
 
 
 def observe(source: Deferred[Any]) -> Deferred[Any]:

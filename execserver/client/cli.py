@@ -96,7 +96,7 @@ def _connection_options(parser: argparse.ArgumentParser, suppress: bool = False)
     where.add_argument(
         "--url",
         default=default(None),
-        help="server URL, ws://HOST:PORT or wss://... (env EXEC_SERVER_URL)",
+        help="server URL, ws://HOST:PORT, wss://... or unix:///PATH (env EXEC_SERVER_URL)",
     )
     where.add_argument(
         "--stdio",
@@ -286,9 +286,10 @@ async def connect(
             # The server's stderr (its log) is not shown; its tail is quoted
             # if it fails to start.
             return await ExecServerClient.spawn_local(reactor, options, command=command)
-        if not (url.startswith("ws://") or url.startswith("wss://")):
+        if not url.startswith(("ws://", "wss://", "unix:///")):
             raise CliError(
-                f"invalid --url `{url}`: expected ws://HOST:PORT or wss://...", EXIT_USAGE
+                f"invalid --url `{url}`: expected ws://HOST:PORT, wss://... or unix:///PATH",
+                EXIT_USAGE,
             )
         return await ExecServerClient.connect_websocket(
             reactor, url, options, token=_token(args), connect_timeout=args.connect_timeout

@@ -34,6 +34,7 @@ from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
     TCP6ClientEndpoint,
+    UNIXClientEndpoint,
     wrapClientTLS,
 )
 from twisted.internet.interfaces import IReactorTime
@@ -58,6 +59,9 @@ log = Logger()
 #: Largest message the client accepts from a server.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _STDERR_TAIL_BYTES = 8192
+#: ``unix:///PATH``: the WebSocket protocol over a Unix-domain socket.
+UNIX_SCHEME = "unix://"
+UNIX_WS_URL = "ws://localhost/"
 
 
 def _describe(reason: Failure | None) -> str:
@@ -414,7 +418,12 @@ class ChannelFactory(WebSocketClientFactory):
         open_timeout: float = 10.0,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        super().__init__(url, headers=headers, reactor=reactor)
+        # Over a Unix socket the WebSocket handshake still needs an http URL
+        # (its Host is localhost); errors name the socket's URL.
+        super().__init__(
+            UNIX_WS_URL if url.startswith(UNIX_SCHEME) else url, headers=headers, reactor=reactor
+        )
+        self.display_url = url
         self.open_timeout = open_timeout
         self.setProtocolOptions(
             maxMessagePayloadSize=max_message_bytes,
@@ -429,9 +438,9 @@ class ChannelFactory(WebSocketClientFactory):
 
     def buildProtocol(self, addr: Any) -> WebSocketChannel:
         proto = cast(WebSocketChannel, super().buildProtocol(addr))
-        proto.rpc = RpcClient(label=f"exec-server {self.url}")
+        proto.rpc = RpcClient(label=f"exec-server {self.display_url}")
         proto.opened = Deferred()
-        proto.url = self.url
+        proto.url = self.display_url
         self.last_built = proto
         return proto
 
@@ -445,7 +454,17 @@ def parse_ws_url(url: str) -> tuple[bool, str, int]:
     return bool(secure), str(host), int(port)
 
 
+def unix_socket_path(url: str) -> str:
+    """The socket path of a ``unix:///PATH`` URL, or ConnectFailed."""
+    path = url[len(UNIX_SCHEME) :]
+    if not path.startswith("/") or "\0" in path:
+        raise ConnectFailed(url, "invalid unix socket URL: expected unix:///ABSOLUTE/PATH")
+    return path
+
+
 def websocket_endpoint(reactor: Any, url: str, timeout: float) -> Any:
+    if url.startswith(UNIX_SCHEME):
+        return UNIXClientEndpoint(reactor, unix_socket_path(url), timeout=timeout)
     secure, host, port = parse_ws_url(url)
     host = host.strip("[]")
     endpoint: Any

@@ -57,7 +57,12 @@ from execserver.dispatcher import Connection, Dispatcher
 from execserver.registry import ANONYMOUS
 from execserver.transports import http
 from execserver.transports.backpressure import RequestBackpressure, read_pause_bytes
-from execserver.transports.listen import WebSocketAddress, server_endpoint
+from execserver.transports.listen import (
+    DEFAULT_SOCKET_MODE,
+    UnixAddress,
+    WebSocketAddress,
+    server_endpoint,
+)
 from execserver.waiters import Latch
 from execserver.writebuffer import set_high_water, unsent_bytes
 
@@ -115,6 +120,8 @@ class WebSocketSettings:
     fast_frames: bool = True
     #: Accepted bearer tokens (``--auth-token-file``); None: no authentication.
     auth: TokenStore | None = None
+    #: Permissions of a ``unix://`` listener's socket file (``--socket-mode``).
+    socket_mode: int = DEFAULT_SOCKET_MODE
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -566,13 +573,13 @@ class ExecServerFactory(WebSocketServerFactory):
 
 
 class WebSocketService(Service):
-    """Listens on one ``ws://IP:PORT`` address (an endpoint, see ``listen``); serves its clients."""
+    """Listens on one ``ws://IP:PORT`` or ``unix:///PATH`` address (an endpoint, see ``listen``)."""
 
     def __init__(
         self,
         dispatcher: Dispatcher,
         reactor: IReactorTCP,
-        address: WebSocketAddress,
+        address: WebSocketAddress | UnixAddress,
         settings: WebSocketSettings | None = None,
         banner: Callable[[str], None] | None = None,
     ) -> None:
@@ -581,7 +588,8 @@ class WebSocketService(Service):
         self.address = address
         self.settings = settings or WebSocketSettings(dispatcher.config.max_message_bytes)
         self.factory = ExecServerFactory(dispatcher, self.settings, IReactorTime(reactor))
-        self.factory.loopback_only = address.is_loopback
+        # (A browser cannot reach a Unix socket: no Host check there.)
+        self.factory.loopback_only = isinstance(address, WebSocketAddress) and address.is_loopback
         self._banner = banner or _print_to(sys.stderr)
         self.port: IListeningPort | None = None
         #: The bound address, ``ws://IP:PORT`` (real port), once started.
@@ -589,7 +597,11 @@ class WebSocketService(Service):
 
     def startService(self) -> None:
         super().startService()
-        listening = server_endpoint(self.reactor, self.address).listen(self.factory)
+        if isinstance(self.address, UnixAddress):
+            self.address.remove_stale_socket()
+        listening = server_endpoint(self.reactor, self.address, self.settings.socket_mode).listen(
+            self.factory
+        )
         failed: list[Failure] = []
         listening.addCallbacks(self._listening, failed.append)
         if failed:
@@ -598,9 +610,16 @@ class WebSocketService(Service):
 
     def _listening(self, port: IListeningPort) -> None:
         self.port = port
-        bound = port.getHost()
-        self.url = str(self.address.with_port(bound.port))  # type: ignore[attr-defined]
-        if self.settings.auth is None and not self.address.is_loopback:
+        address = self.address
+        if isinstance(address, WebSocketAddress):
+            bound = port.getHost()
+            address = address.with_port(bound.port)  # type: ignore[attr-defined]
+        self.url = str(address)
+        if (
+            self.settings.auth is None
+            and isinstance(address, WebSocketAddress)
+            and not address.is_loopback
+        ):
             log.warn(
                 "{url} is not a loopback address and has no authentication "
                 "(--allow-unauthenticated): anyone who can reach it can run any command "
