@@ -26,6 +26,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from tests.codex.fetch_codex import FetchError, fetch
+from tests.cutting_proxy import CuttingProxy
 from tests.harness import REPO_ROOT, reactor, with_timeout
 from tests.ws_harness import WsServerProcess, get_request, http_get
 
@@ -236,3 +237,38 @@ async def test_apply_patch_creates_a_file_in_a_new_directory(
     # Through the server's fs methods, not a process.
     assert run.metric('exec_server_requests_total{method="fs/writeFile",outcome="ok"}') >= 1
     assert run.items("command_execution") == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_connection_cut_mid_command(codex_binary: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "started.fifo"
+    os.mkfifo(fifo)
+    reader = _Collect()
+    reactor.spawnProcess(reader, "/bin/cat", ["cat", str(fifo)], env={}, path=str(tmp_path))
+    proxy: CuttingProxy | None = None
+
+    async def cut_once_running(server: WsServerProcess) -> str:
+        nonlocal proxy
+        proxy = await CuttingProxy(server.host_port).start()
+
+        async def cut() -> None:
+            await with_timeout(reader.first_line, CODEX_TIMEOUT, "the command's start")
+            assert proxy is not None
+            proxy.cut()
+
+        cutting.append(Deferred.fromCoroutine(cut()))
+        return proxy.url
+
+    cutting: list[Deferred[None]] = []
+    spec = {"cmd": f"echo before; echo started > {fifo}; sleep 2; echo after-$INTEROP_SIDE; exit 3"}
+    try:
+        run = await scenario(codex_binary, tmp_path, spec, via=cut_once_running)
+        await cutting[0]
+    finally:
+        reader.kill()
+        if proxy is not None:
+            await proxy.stop()
+    [item] = run.items("command_execution")
+    assert item["exit_code"] == 3, item
+    assert item["aggregated_output"] == "before\nafter-exec-server\n", item
+    assert run.metric("exec_server_connections_opened_total") >= 2
