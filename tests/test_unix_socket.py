@@ -81,6 +81,8 @@ async def test_unix_listener_mode_client_and_cli(socket_dir: Path) -> None:
         assert (done.returncode, done.stdout) == (0, b"over-a-unix-socket\n"), done.stderr
     finally:
         assert await server.stop() == 0
+    # A clean stop removes the socket file.
+    assert not path.exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
