@@ -22,10 +22,20 @@ a real socket.
 
 from __future__ import annotations
 
-from typing import Any, Final
+import contextlib
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from twisted.internet.abstract import FileDescriptor
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.stdio import StandardIO
+from zope.interface import implementer
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 class _NotAReactor:
@@ -54,11 +64,16 @@ PROBLEM: Final = check_fields()
 
 
 def unsent_bytes(writer: Any) -> int:
-    """Bytes a Twisted FileDescriptor has accepted but not yet written."""
+    """Bytes a Twisted FileDescriptor has accepted but not yet written.
+
+    Includes what its :class:`Outbox` still queues for it.
+    """
+    outbox = outbox_of(writer)
+    held = outbox.held if outbox is not None else 0
     try:
-        return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen)
+        return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen) + held
     except AttributeError:
-        return 0
+        return held
 
 
 def set_high_water(transport: Any, limit: int) -> None:
@@ -82,8 +97,153 @@ def discard_unsent(writer: Any) -> None:
     """
     if writer is None or getattr(writer, "connected", False):
         return
+    outbox = outbox_of(writer)
+    if outbox is not None:
+        outbox.discard()
     if hasattr(writer, "dataBuffer"):
         writer.dataBuffer = b""
         writer.offset = 0
         writer._tempDataBuffer = []
         writer._tempDataLen = 0
+
+
+# --- large messages, written as the transport drains ---------------------------
+
+#: Messages of at least this many bytes go through an :class:`Outbox`: their
+#: pieces reach Twisted's buffer a few at a time instead of all at once.
+LARGE_MESSAGE_BYTES: Final = 1024 * 1024
+
+#: Longest piece handed to Twisted in one write; a longer (or non-bytes)
+#: piece is copied out a slice of this size at a time.
+WRITE_SLICE_BYTES: Final = 4 * 1024 * 1024
+
+_outboxes: weakref.WeakKeyDictionary[Any, Outbox] = weakref.WeakKeyDictionary()
+
+
+def outbox_of(writer: Any) -> Outbox | None:
+    """The :class:`Outbox` writing to ``writer``, if any."""
+    try:
+        return _outboxes.get(writer)
+    except TypeError:  # None, or anything else that cannot be weakly referenced
+        return None
+
+
+@implementer(IPushProducer)
+class Outbox:
+    """Whole messages, written to a transport as fast as it drains, in order.
+
+    Handing Twisted a large message at once makes it hold the message twice:
+    ``FileDescriptor.doWrite`` joins everything queued into one buffer before
+    sending it. An Outbox is the streaming producer registered on the
+    transport, in front of the real one (``inner``: the session, or a
+    WebSocket's backpressure): it writes queued pieces until Twisted pauses
+    it (its buffer above the high-water mark), and writes more when Twisted
+    resumes it (the buffer has drained), so Twisted holds at most about the
+    high-water mark plus one slice. Only once the queue is empty is ``inner``
+    resumed; every pause reaches ``inner`` at once.
+
+    While anything is queued, every later message (small ones too) is queued
+    behind it, so no message's bytes ever land inside another's. The queued
+    bytes count as unsent (:func:`unsent_bytes` of ``writer``): the reply
+    budget and the stalled-reader checks see them.
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        writer: Any,
+        inner: IPushProducer,
+        slice_bytes: int = WRITE_SLICE_BYTES,
+    ) -> None:
+        self._transport = transport
+        self._slice = slice_bytes
+        self._writer = writer
+        #: The producer paused and resumed through this one.
+        self.inner = inner
+        self._queue: deque[Buffer] = deque()
+        #: Bytes queued here, not yet handed to the transport.
+        self.held = 0
+        self._paused = False
+        self._drained: list[Deferred[None]] = []
+        _outboxes[writer] = self
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue)
+
+    def write(self, data: bytes) -> None:
+        """Write one message's bytes (or a small message), after what is queued."""
+        if self._queue:
+            self._queue.append(data)
+            self.held += len(data)
+        else:
+            self._transport.write(data)
+
+    def write_parts(self, parts: Sequence[Buffer]) -> None:
+        """Queue one message's pieces and write what the transport takes now."""
+        for part in parts:
+            size = memoryview(part).nbytes
+            if size:
+                self._queue.append(part)
+                self.held += size
+        self._pump()
+
+    def _pump(self) -> None:
+        queue = self._queue
+        limit = self._slice
+        while queue and not self._paused:
+            piece = queue[0]
+            if type(piece) is bytes and len(piece) <= limit:
+                queue.popleft()
+                data = piece
+            else:
+                view = memoryview(piece).cast("B")
+                data = bytes(view[:limit])
+                if len(view) > limit:
+                    queue[0] = view[limit:]
+                else:
+                    queue.popleft()
+            self.held -= len(data)
+            # May pause this producer at once (Twisted's buffer is full).
+            self._transport.write(data)
+        if not queue:
+            self._fire_drained()
+
+    def discard(self) -> None:
+        """Drop what is queued: the connection is gone."""
+        self._queue.clear()
+        self.held = 0
+        # The registry's value holds the transport: without this, the
+        # transport (and what hangs off it) would never be freed.
+        with contextlib.suppress(TypeError):
+            _outboxes.pop(self._writer, None)
+        self._fire_drained()
+
+    def when_drained(self) -> Deferred[None]:
+        """Fires once nothing is queued here (at once if nothing is)."""
+        if not self._queue:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._drained.append(d)
+        return d
+
+    def _fire_drained(self) -> None:
+        waiting, self._drained = self._drained, []
+        for d in waiting:
+            d.callback(None)
+
+    # --- IPushProducer, called by the transport ---------------------------------
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+        self.inner.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        self._pump()
+        if not self._paused:
+            self.inner.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.discard()
+        self.inner.stopProducing()

@@ -35,3 +35,9 @@ REPLY_BACKLOG_RSS_GROWTH = 48 * MiB
 #: read and encoded the file on its event loop would pause for most of the
 #: read (0.53-0.56 measured; 0.19-0.26 for this server): docs/performance.md.
 FS_READ_PAUSE_FRACTION = 0.4
+
+#: Growth of the server's peak RSS over idle while it answers a whole-file
+#: fs/readFile of 128 MiB (stdio and WebSocket), as a multiple of the file:
+#: the base64 text (4/3 of the file) exists once, and the transport holds
+#: about its high-water mark plus one slice of it (docs/filesystem.md).
+FS_READ_FILE_RSS_FACTOR = 1.5

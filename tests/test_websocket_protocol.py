@@ -337,7 +337,7 @@ def test_session_is_paused_and_resumed_by_the_tcp_transport(clock: Clock) -> Non
     session = proto.connection.session
     assert transport.streaming is True
     producer: Any = transport.producer
-    assert producer.session is session
+    assert producer.inner.session is session
     producer.pauseProducing()  # what TCP does above the high-water mark
     assert session.paused
     producer.resumeProducing()  # ...and once its buffer is empty

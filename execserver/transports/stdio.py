@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore, IReactorTime
 from twisted.internet.process import ProcessWriter
 from twisted.internet.protocol import Protocol
@@ -20,7 +20,7 @@ from zope.interface import implementer
 from execserver.codec import OVERSIZED, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.waiters import Latch
-from execserver.writebuffer import set_high_water, unsent_bytes
+from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -58,6 +58,7 @@ class LineProtocol(Protocol):
         self.on_closed: Callable[[], None] | None = None
         self._pipe_writer: Any = None
         self._batch: list[bytes] | None = None
+        self._outbox: Outbox | None = None
 
     @property
     def _transport(self) -> Any:
@@ -69,7 +70,10 @@ class LineProtocol(Protocol):
         if isinstance(writer, ProcessWriter):
             self._pipe_writer = writer
         set_high_water(self.transport, self._dispatcher.config.output_high_water_bytes)
-        self._transport.registerProducer(self.connection.session, True)
+        # Large messages are fed to the pipe as it drains (see Outbox); the
+        # session is paused and resumed through it.
+        self._outbox = Outbox(self.transport, writer or self.transport, self.connection.session)
+        self._transport.registerProducer(self._outbox, True)
 
     def dataReceived(self, data: bytes) -> None:
         # Small messages sent while this read is handled (typically the
@@ -86,7 +90,13 @@ class LineProtocol(Protocol):
         batch = self._batch
         if batch:
             self._batch = []
-            self._transport.write(b"".join(batch))
+            self._write(b"".join(batch))
+
+    def _write(self, data: bytes) -> None:
+        if self._outbox is not None:
+            self._outbox.write(data)  # behind a large message still being sent
+        else:
+            self._transport.write(data)
 
     def _deliver(self, items: list[Line | Oversized]) -> None:
         conn = self.connection
@@ -106,11 +116,17 @@ class LineProtocol(Protocol):
         When nothing is queued, the pieces (and the newline) go to the pipe at
         once with one ``writev``: no copy, no wait for the reactor. Only what
         the pipe does not take is queued, copied into bytes where Twisted's
-        queue needs them. Used for every large message (output notifications,
-        an ``fs/readFile`` result sent around its envelope).
+        queue needs them; the rest of a large message (an ``fs/readFile``
+        result sent around its envelope) waits in the :class:`Outbox`, which
+        feeds it to the pipe as it drains. Used for every large message
+        (output notifications too).
         """
         self._flush_batch()  # keep order: what was gathered goes first
         pieces: list[Buffer] = [*parts, b"\n"]
+        outbox = self._outbox
+        if outbox is not None and outbox.busy:
+            outbox.write_parts(pieces)
+            return
         if self._pipe_idle():
             try:
                 written = os.writev(self._pipe_writer.fileno(), pieces)
@@ -125,7 +141,9 @@ class LineProtocol(Protocol):
                 rest.append(memoryview(piece)[written:] if written else piece)
                 written = 0
             pieces = rest
-        if pieces:
+        if outbox is not None and sum(memoryview(p).nbytes for p in pieces) >= LARGE_MESSAGE_BYTES:
+            outbox.write_parts(pieces)
+        elif pieces:
             self._transport.writeSequence(
                 [piece if type(piece) is bytes else bytes(piece) for piece in pieces]
             )
@@ -148,7 +166,7 @@ class LineProtocol(Protocol):
             self._batch += (data, b"\n")
             return
         # One concatenation is cheaper than writeSequence's bookkeeping.
-        self._transport.write(data + b"\n")
+        self._write(data + b"\n")
 
     def close_connection(self) -> None:
         self._flush_batch()
@@ -175,6 +193,13 @@ class LineProtocol(Protocol):
         self._finishing = True
         d = self.connection.shutdown()
 
+        def drained(_: object) -> Deferred[None]:
+            # Close only once a large message still queued has been written
+            # (loseConnection flushes Twisted's buffer, not the Outbox).
+            if self._outbox is None or self._write_lost:
+                return succeed(None)
+            return self._outbox.when_drained()
+
         def close(_: object) -> None:
             self._transport.unregisterProducer()
             self._transport.loseConnection()
@@ -185,6 +210,7 @@ class LineProtocol(Protocol):
                 # wait forever, deaf even to stdin EOF.
                 self.connectionLost(None)
 
+        d.addBoth(drained)
         d.addBoth(close)
         d.addErrback(lambda f: log.failure("closing {label} failed", f, label=self._label))
 
@@ -193,6 +219,8 @@ class LineProtocol(Protocol):
         if conn is None or self._lost:
             return
         self._lost = True
+        if self._outbox is not None:
+            self._outbox.discard()
         conn.transport_closed()
         conn.shutdown().addBoth(self._ended)
 

@@ -55,7 +55,7 @@ from execserver import __version__
 from execserver.auth import TokenStore
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.registry import ANONYMOUS
-from execserver.transports import http
+from execserver.transports import http, tls
 from execserver.transports.backpressure import RequestBackpressure, read_pause_bytes
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
@@ -64,7 +64,7 @@ from execserver.transports.listen import (
     server_endpoint,
 )
 from execserver.waiters import Latch
-from execserver.writebuffer import set_high_water, unsent_bytes
+from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -122,6 +122,8 @@ class WebSocketSettings:
     auth: TokenStore | None = None
     #: Permissions of a ``unix://`` listener's socket file (``--socket-mode``).
     socket_mode: int = DEFAULT_SOCKET_MODE
+    #: Twisted ``CertificateOptions`` of ``wss://`` listeners (``transports/tls.py``).
+    tls_options: Any = None
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -141,6 +143,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._flow: RequestBackpressure | None = None
         self._held: deque[bytes | None] = deque()
         self._read_pause_bytes = 0
+        self._outbox: Outbox | None = None
         #: Who this connection authenticated as (read by the dispatcher
         #: connection when the upgrade completes; sessions are owned by it).
         self.identity: object = ANONYMOUS
@@ -210,6 +213,9 @@ class ExecServerProtocol(WebSocketServerProtocol):
                 self._send_http(http.unauthorized("a WebSocket upgrade"))
                 return
             self.identity = identity
+        else:
+            # Mutual TLS without tokens: the client certificate is who connects.
+            self.identity = tls.certificate_identity(self.transport) or ANONYMOUS
         super().processHandshake()
 
     def _http_reply(self, status: int, body: str) -> None:
@@ -234,7 +240,9 @@ class ExecServerProtocol(WebSocketServerProtocol):
         # The session pauses its children's output pipes while this
         # connection's unsent output is above the high-water mark...
         self._flow = RequestBackpressure(conn.session, self._transport, self.release_held)
-        self._transport.registerProducer(self._flow, True)
+        # Large messages are fed to the socket as it drains (see Outbox).
+        self._outbox = Outbox(self._transport, self._transport, self._flow)
+        self._transport.registerProducer(self._outbox, True)
         # ...and requests stop being read while far more than that is unsent
         # (responses such as process/read can be large: a client that sends
         # requests without reading replies must not grow server memory).
@@ -268,6 +276,9 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._release_parts()
         self.data = b""
         self._held.clear()
+        if self._outbox is not None:
+            self._outbox.discard()
+        self._outbox = None
         self._flow = None
         self.connection = None
         self.is_closed = None
@@ -450,14 +461,20 @@ class ExecServerProtocol(WebSocketServerProtocol):
             # the streaming send API is never used) at a fraction of its
             # per-message cost.
             size = sum(memoryview(part).nbytes for part in parts)
-            # (Twisted's queue takes bytes only; a large non-bytes piece, a
-            # pre-rendered result, is copied once here.)
-            self._transport.writeSequence(
-                [
-                    _text_frame_header(size),
-                    *(part if type(part) is bytes else bytes(part) for part in parts),
-                ]
-            )
+            outbox = self._outbox
+            if outbox is not None and (outbox.busy or size >= LARGE_MESSAGE_BYTES):
+                # Header (with the total length) first, then the pieces as
+                # the socket drains; later frames wait behind them.
+                outbox.write_parts((_text_frame_header(size), *parts))
+            else:
+                # (Twisted's queue takes bytes only; a non-bytes piece is
+                # copied here.)
+                self._transport.writeSequence(
+                    [
+                        _text_frame_header(size),
+                        *(part if type(part) is bytes else bytes(part) for part in parts),
+                    ]
+                )
             flow = self._flow
             if (
                 flow is not None
@@ -465,6 +482,16 @@ class ExecServerProtocol(WebSocketServerProtocol):
                 and unsent_bytes(self._transport) > self._read_pause_bytes
             ):
                 flow.pause_reads()
+
+    def sendData(self, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
+        # Autobahn writes its own frames (pong, close) straight to the
+        # transport: while a large message is still queued, they wait behind
+        # it so they cannot land inside its payload.
+        outbox = self._outbox
+        if outbox is not None and outbox.busy:
+            outbox.write(data)
+            return
+        super().sendData(data, sync, chopsize)
 
     def close_connection(self) -> None:
         """Close after a JSON-RPC protocol violation (the dispatcher logged why)."""
@@ -599,9 +626,10 @@ class WebSocketService(Service):
         super().startService()
         if isinstance(self.address, UnixAddress):
             self.address.remove_stale_socket()
-        listening = server_endpoint(self.reactor, self.address, self.settings.socket_mode).listen(
-            self.factory
-        )
+        settings = self.settings
+        listening = server_endpoint(
+            self.reactor, self.address, settings.socket_mode, settings.tls_options
+        ).listen(self.factory)
         failed: list[Failure] = []
         listening.addCallbacks(self._listening, failed.append)
         if failed:
