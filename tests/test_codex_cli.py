@@ -190,6 +190,18 @@ async def test_plain_command(codex_binary: Path, tmp_path: Path) -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_agents_md_is_read_through_the_server(codex_binary: Path, tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "AGENTS.md").write_text("Project rule: the word is quokka-7731.\n")
+    run = await scenario(codex_binary, tmp_path, {"cmd": "true"})
+    [item] = run.items("command_execution")
+    assert item["exit_code"] == 0, item
+    assert run.metric('exec_server_requests_total{method="fs/readFile",outcome="ok"}') >= 1
+    requests = (tmp_path / "model.jsonl").read_text()
+    assert "quokka-7731" in requests
+
+
+@pytest_twisted.ensureDeferred
 async def test_output_over_one_mib(codex_binary: Path, tmp_path: Path) -> None:
     size = 1536 * 1024
     spec = {"cmd": f"head -c {size} /dev/zero | tr '\\0' x; echo; echo tail-$INTEROP_SIDE"}
