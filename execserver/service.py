@@ -29,6 +29,7 @@ from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
+from execserver.transports import tls
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
     STDIO_URL,
@@ -112,6 +113,20 @@ class Options(usage.Options):
             None,
             "WebSocket: file of accepted bearer tokens, one per line, mode 0600 or stricter "
             "(re-read on SIGHUP; default: $EXEC_SERVER_AUTH_TOKEN, else no authentication).",
+        ],
+        [
+            "tls-cert",
+            None,
+            None,
+            "wss:// listeners: PEM certificate (then any intermediates) the server presents.",
+        ],
+        ["tls-key", None, None, "wss:// listeners: PEM private key of --tls-cert."],
+        [
+            "tls-client-ca",
+            None,
+            None,
+            "wss:// listeners: require a client certificate signed by a CA in this PEM file "
+            "(mutual TLS).",
         ],
         [
             "retained-output-bytes",
@@ -264,7 +279,7 @@ class Options(usage.Options):
         self["socket-mode"] = value
 
     def opt_listen(self, url: str) -> None:
-        """Listen on URL: stdio://, ws://IP:PORT or unix:///PATH (repeatable)."""
+        """Listen on URL: stdio://, ws://IP:PORT, wss://IP:PORT or unix:///PATH (repeatable)."""
         try:
             address = parse_listen_url(url)
         except ListenUrlError as exc:
@@ -294,7 +309,26 @@ class Options(usage.Options):
             raise usage.UsageError("--max-processes must be at least 1")
         if self["ping-interval-ms"] and not self["ping-timeout-ms"]:
             raise usage.UsageError("--ping-timeout-ms must be positive while pings are enabled")
+        self._check_tls()
         self._check_auth()
+
+    def _check_tls(self) -> None:
+        secure = [a for a in self["listen"] if isinstance(a, WebSocketAddress) and a.secure]
+        given = [f for f in ("tls-cert", "tls-key", "tls-client-ca") if self[f] is not None]
+        self["tls-options"] = None
+        if not secure:
+            if given:
+                raise usage.UsageError(
+                    f"--{given[0]} is given but no wss:// address is listened on"
+                )
+            return
+        if self["tls-cert"] is None or self["tls-key"] is None:
+            raise usage.UsageError(f"{secure[0]} needs --tls-cert and --tls-key")
+        server_tls = tls.ServerTls(self["tls-cert"], self["tls-key"], self["tls-client-ca"])
+        try:
+            self["tls-options"] = server_tls.options()
+        except tls.TlsConfigError as exc:
+            raise usage.UsageError(str(exc)) from None
 
     def _check_auth(self) -> None:
         # The variable is removed from this process's environment whatever
@@ -310,7 +344,10 @@ class Options(usage.Options):
         if self["auth"] is not None or self["allow-unauthenticated"]:
             return
         for address in self["listen"]:
-            if isinstance(address, WebSocketAddress) and not address.is_loopback:
+            if not isinstance(address, WebSocketAddress) or address.is_loopback:
+                continue
+            # A required client certificate authenticates too.
+            if not (address.secure and self["tls-client-ca"] is not None):
                 raise usage.UsageError(
                     f"refusing to listen on {address} without authentication: anyone who "
                     "can reach it could run any command as this user. Give "
@@ -330,6 +367,7 @@ class Options(usage.Options):
             fast_frames=not self["no-fast-frames"],
             auth=self.get("auth"),
             socket_mode=self["socket-mode"],
+            tls_options=self.get("tls-options"),
         )
 
     def config(self) -> ServerConfig:

@@ -51,6 +51,7 @@ from execserver.client.errors import (
 from execserver.client.process import RemoteProcess
 from execserver.client.reconnect import ResumingClient
 from execserver.client.types import OutputEvent
+from execserver.transports.tls import ClientTls
 
 #: ``run``/``shell`` over --url: the session outlives a drop this long (ms).
 RESUME_TTL_MS = 60_000
@@ -109,6 +110,24 @@ def _connection_options(parser: argparse.ArgumentParser, suppress: bool = False)
         metavar="PATH",
         default=default(None),
         help="file holding the bearer token (env EXEC_SERVER_AUTH_TOKEN also works)",
+    )
+    group.add_argument(
+        "--ca-file",
+        metavar="PATH",
+        default=default(None),
+        help="wss://: PEM CA certificates to trust (default: the system's trust store)",
+    )
+    group.add_argument(
+        "--client-cert",
+        metavar="PATH",
+        default=default(None),
+        help="wss://: PEM client certificate to present (mutual TLS)",
+    )
+    group.add_argument(
+        "--client-key",
+        metavar="PATH",
+        default=default(None),
+        help="wss://: PEM key of --client-cert (default: in the --client-cert file)",
     )
     group.add_argument("--connect-timeout", type=_seconds, default=default(10.0), metavar="SECONDS")
     group.add_argument(
@@ -292,7 +311,12 @@ async def connect(
                 EXIT_USAGE,
             )
         return await ExecServerClient.connect_websocket(
-            reactor, url, options, token=_token(args), connect_timeout=args.connect_timeout
+            reactor,
+            url,
+            options,
+            token=_token(args),
+            connect_timeout=args.connect_timeout,
+            tls=ClientTls(args.ca_file, args.client_cert, args.client_key),
         )
     except (ConnectFailed, InitializeTimeout, SpawnFailed) as exc:
         raise CliError(str(exc), EXIT_CONNECTION) from None

@@ -56,6 +56,7 @@ from execserver.client.types import (
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
+    from execserver.transports.tls import ClientTls
 
 T = TypeVar("T")
 log = Logger()
@@ -214,12 +215,14 @@ class ExecServerClient(ClientApi, FileTransfers):
         *,
         token: str | None = None,
         connect_timeout: float = 10.0,
+        tls: ClientTls | None = None,
     ) -> Deferred[ExecServerClient]:
-        """Connect to ``ws://HOST:PORT`` (or ``wss://``), with a connect timeout."""
+        """Connect to ``ws://HOST:PORT``, ``wss://`` (``tls``: CA file, client
+        certificate) or ``unix:///PATH``, with a connect timeout."""
         from execserver.client.connect import connect_websocket
 
         return connect_websocket(
-            reactor, url, options, token=token, connect_timeout=connect_timeout
+            reactor, url, options, token=token, connect_timeout=connect_timeout, tls=tls
         )
 
     @classmethod

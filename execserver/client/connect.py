@@ -38,7 +38,7 @@ from twisted.internet.endpoints import (
     wrapClientTLS,
 )
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import ProcessProtocol, Protocol
+from twisted.internet.protocol import ProcessProtocol, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -52,6 +52,7 @@ from execserver.client.errors import (
 )
 from execserver.client.rpc import RpcClient
 from execserver.codec import OVERSIZED, LineFramer
+from execserver.transports.tls import ClientTls, TlsConfigError, tls_error_text
 from execserver.waiters import Latch
 
 log = Logger()
@@ -379,8 +380,28 @@ class WebSocketChannel(WebSocketClientProtocol):
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
         self.rpc.message_received(payload)
 
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        why = tls_error_text(reason.value)
+        if why is not None:
+            # Reported as this connection's failure (ConnectFailed), not
+            # logged as an error by Autobahn.
+            hint = (
+                ": the server's certificate is not signed by a trusted CA "
+                "(give the CA that signed it: --ca-file)"
+                if "certificate verify failed" in why
+                else ""
+            )
+            self.tls_failure = f"TLS handshake failed: {why}{hint}"
+            reason = Failure(_error.ConnectionLost(self.tls_failure))
+        super().connectionLost(reason)
+
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
-        text = self.wasNotCleanReason or reason or "connection closed"
+        text = (
+            getattr(self, "tls_failure", None)
+            or self.wasNotCleanReason
+            or reason
+            or "connection closed"
+        )
         if not self.opened.called:
             match = _UPGRADE_FAILED.search(text)
             error: ConnectFailed
@@ -462,7 +483,7 @@ def unix_socket_path(url: str) -> str:
     return path
 
 
-def websocket_endpoint(reactor: Any, url: str, timeout: float) -> Any:
+def websocket_endpoint(reactor: Any, url: str, timeout: float, tls: ClientTls | None = None) -> Any:
     if url.startswith(UNIX_SCHEME):
         return UNIXClientEndpoint(reactor, unix_socket_path(url), timeout=timeout)
     secure, host, port = parse_ws_url(url)
@@ -477,9 +498,11 @@ def websocket_endpoint(reactor: Any, url: str, timeout: float) -> Any:
         tcp = TCP6ClientEndpoint if address.version == 6 else TCP4ClientEndpoint
         endpoint = tcp(reactor, host, port, timeout=timeout)
     if secure:
-        from twisted.internet.ssl import optionsForClientTLS
-
-        endpoint = wrapClientTLS(optionsForClientTLS(host), endpoint)
+        try:
+            options = (tls or ClientTls()).options(host)
+        except TlsConfigError as exc:
+            raise ConnectFailed(url, str(exc)) from None
+        endpoint = wrapClientTLS(options, endpoint)
     return endpoint
 
 
@@ -490,9 +513,16 @@ def connect_websocket(
     *,
     token: str | None = None,
     connect_timeout: float = 10.0,
+    tls: ClientTls | None = None,
 ) -> Deferred[ExecServerClient]:
-    """Connect (TCP + WebSocket upgrade within ``connect_timeout``) and initialize."""
-    return Deferred.fromCoroutine(_connect_websocket(reactor, url, options, token, connect_timeout))
+    """Connect (TCP + WebSocket upgrade within ``connect_timeout``) and initialize.
+
+    ``tls`` (``wss://``): a CA file instead of the system's trust store,
+    and a client certificate to present.
+    """
+    return Deferred.fromCoroutine(
+        _connect_websocket(reactor, url, options, token, connect_timeout, tls)
+    )
 
 
 async def _connect_websocket(
@@ -501,8 +531,9 @@ async def _connect_websocket(
     options: ConnectOptions | None,
     token: str | None,
     connect_timeout: float,
+    tls: ClientTls | None = None,
 ) -> ExecServerClient:
-    endpoint = websocket_endpoint(reactor, url, connect_timeout)
+    endpoint = websocket_endpoint(reactor, url, connect_timeout, tls)
     factory = ChannelFactory(url, reactor, token, open_timeout=connect_timeout)
     proto = await open_channel(endpoint, factory, url, connect_timeout, reactor)
 

@@ -14,10 +14,10 @@ import ipaddress
 import os
 import socket
 import stat
-from typing import Final
+from typing import Any, Final
 
 import attrs
-from twisted.internet.endpoints import serverFromString
+from twisted.internet.endpoints import SSL4ServerEndpoint, serverFromString
 from twisted.internet.interfaces import IReactorTCP, IStreamServerEndpoint
 
 STDIO_URL: Final = "stdio://"
@@ -36,10 +36,12 @@ class StdioAddress:
 class WebSocketAddress:
     host: str
     port: int
+    #: ``wss://``: TLS (``--tls-cert``/``--tls-key``) under the WebSocket.
+    secure: bool = False
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
+        return f"{'wss' if self.secure else 'ws'}://{host}:{self.port}"
 
     def endpoint_description(self) -> str:
         """The ``serverFromString`` description of this address's TCP listener."""
@@ -53,7 +55,7 @@ class WebSocketAddress:
         return ipaddress.ip_address(self.host).is_loopback
 
     def with_port(self, port: int) -> WebSocketAddress:
-        return WebSocketAddress(self.host, port)
+        return WebSocketAddress(self.host, port, self.secure)
 
 
 #: Default permissions of a Unix-domain socket listener (``--socket-mode``).
@@ -121,6 +123,13 @@ def parse_listen_url(url: str) -> ListenAddress:
         if address is None:
             raise ListenUrlError(f"invalid websocket --listen URL `{url}`; expected `ws://IP:PORT`")
         return address
+    if url.startswith("wss://"):
+        address = _parse_socket_address(url[len("wss://") :])
+        if address is None:
+            raise ListenUrlError(
+                f"invalid secure websocket --listen URL `{url}`; expected `wss://IP:PORT`"
+            )
+        return attrs.evolve(address, secure=True)
     # The reference's text (unix:// is our addition, documented in operations.md).
     raise ListenUrlError(f"unsupported --listen URL `{url}`; expected `stdio://` or `ws://IP:PORT`")
 
@@ -148,8 +157,21 @@ def server_endpoint(
     reactor: IReactorTCP,
     address: WebSocketAddress | UnixAddress,
     socket_mode: int = DEFAULT_SOCKET_MODE,
+    tls_options: Any = None,
 ) -> IStreamServerEndpoint:
-    """The endpoint a listener of ``address`` listens on."""
+    """The endpoint a listener of ``address`` listens on (``tls_options``: a ``wss://`` one's)."""
+    if isinstance(address, WebSocketAddress) and address.secure:
+        # A description cannot carry CA certificates or a minimum TLS
+        # version: the TLS endpoint is built from Twisted's options object.
+        if tls_options is None:
+            raise ValueError(f"{address} needs TLS options (--tls-cert and --tls-key)")
+        return SSL4ServerEndpoint(
+            reactor,
+            address.port,
+            tls_options,
+            backlog=LISTEN_BACKLOG,
+            interface=address.host,
+        )
     description = (
         address.endpoint_description(socket_mode)
         if isinstance(address, UnixAddress)

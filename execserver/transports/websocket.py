@@ -40,6 +40,7 @@ from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerPr
 from autobahn.websocket.protocol import WebSocketProtocol, parseHttpHeader
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import (
     IAddress,
     IDelayedCall,
@@ -266,6 +267,12 @@ class ExecServerProtocol(WebSocketServerProtocol):
         )
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        why = tls.tls_error_text(reason.value)
+        if why is not None:
+            # A peer that fails the TLS handshake (wrong CA, no client
+            # certificate) is the peer's problem: Autobahn would log an error.
+            log.info("TLS handshake with {peer} failed: {why}", peer=self.peer, why=why)
+            reason = Failure(ConnectionLost(f"TLS handshake failed: {why}"))
         super().connectionLost(reason)
         self.factory.protocols.discard(self)
         # Free at once what a half-sent message and unparsed input hold,
@@ -643,10 +650,12 @@ class WebSocketService(Service):
             bound = port.getHost()
             address = address.with_port(bound.port)  # type: ignore[attr-defined]
         self.url = str(address)
+        mutual_tls = getattr(self.settings.tls_options, "verify", False)
         if (
             self.settings.auth is None
             and isinstance(address, WebSocketAddress)
             and not address.is_loopback
+            and not (address.secure and mutual_tls)
         ):
             log.warn(
                 "{url} is not a loopback address and has no authentication "

@@ -1,0 +1,232 @@
+"""``wss://`` through the real server: verification, a wrong CA, mutual TLS, bad files.
+
+The certificates are made here with the ``cryptography`` package: a CA, a
+server certificate for 127.0.0.1 signed by it, a client certificate signed
+by a second CA, and an unrelated CA the client must not accept.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import subprocess
+from pathlib import Path
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+pytest.importorskip("OpenSSL", reason="wss:// needs twisted[tls] (pyOpenSSL)")
+pytest.importorskip("service_identity", reason="wss:// needs twisted[tls] (service_identity)")
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from execserver.client import connect_websocket
+from execserver.client.errors import ConnectFailed
+from execserver.transports.tls import ClientTls
+from tests.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
+from tests.ws_harness import WsServerProcess
+
+Key = ec.EllipticCurvePrivateKey
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(
+    subject: str, key: Key, issuer: tuple[str, Key] | None, ca: bool, ip: str | None = None
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, issuer_key = issuer if issuer is not None else (subject, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ip is not None:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+class Pki:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ca_key = ec.generate_private_key(ec.SECP256R1())
+        self.ca = _cert("test CA", self.ca_key, None, ca=True)
+        self.client_ca_key = ec.generate_private_key(ec.SECP256R1())
+        self.client_ca = _cert("client CA", self.client_ca_key, None, ca=True)
+        other_key = ec.generate_private_key(ec.SECP256R1())
+        self.other_ca = _cert("other CA", other_key, None, ca=True)
+        server_key = ec.generate_private_key(ec.SECP256R1())
+        server = _cert("server", server_key, ("test CA", self.ca_key), ca=False, ip="127.0.0.1")
+        client_key = ec.generate_private_key(ec.SECP256R1())
+        client = _cert("client", client_key, ("client CA", self.client_ca_key), ca=False)
+        self.ca_file = self._pem("ca.pem", self.ca)
+        self.client_ca_file = self._pem("client-ca.pem", self.client_ca)
+        self.other_ca_file = self._pem("other-ca.pem", self.other_ca)
+        self.server_cert = self._pem("server.pem", server)
+        self.server_key = self._key("server.key", server_key)
+        self.client_cert = self._pem("client.pem", client)
+        self.client_key = self._key("client.key", client_key)
+
+    def _pem(self, name: str, cert: x509.Certificate) -> str:
+        path = self.root / name
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return str(path)
+
+    def _key(self, name: str, key: Key) -> str:
+        path = self.root / name
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        path.chmod(0o600)
+        return str(path)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path)
+
+
+async def start_wss(pki: Pki, *extra: str) -> WsServerProcess:
+    return await WsServerProcess.start(
+        "--listen",
+        "wss://127.0.0.1:0",
+        "--tls-cert",
+        pki.server_cert,
+        "--tls-key",
+        pki.server_key,
+        *extra,
+    )
+
+
+async def dial(url: str, tls: ClientTls) -> object:
+    return await with_timeout(
+        connect_websocket(reactor, url, tls=tls), DEFAULT_TIMEOUT, f"connect to {url}"
+    )
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_verifies_the_server_with_a_ca_file(pki: Pki) -> None:
+    server = await start_wss(pki)
+    try:
+        assert server.url.startswith("wss://127.0.0.1:")
+        client = await with_timeout(
+            connect_websocket(reactor, server.url, tls=ClientTls(pki.ca_file)),
+            DEFAULT_TIMEOUT,
+            "wss connect",
+        )
+        assert client.session_id
+        await client.close()
+        # The same through the CLI.
+        done = subprocess.run(
+            [
+                console_script("exec-server-client"),
+                *("run", "--url", server.url, "--ca-file", pki.ca_file, "--", "echo", "tls"),
+            ],
+            env=server_env(),
+            capture_output=True,
+            timeout=60,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        assert (done.returncode, done.stdout) == (0, b"tls\n"), done.stderr
+    finally:
+        assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_wrong_ca_fails_with_a_clear_error(pki: Pki) -> None:
+    server = await start_wss(pki)
+    try:
+        with pytest.raises(
+            ConnectFailed, match=r"TLS handshake failed: certificate verify failed.*--ca-file"
+        ):
+            await dial(server.url, ClientTls(pki.other_ca_file))
+        # The system store does not know the test CA either.
+        with pytest.raises(ConnectFailed, match="certificate verify failed"):
+            await dial(server.url, ClientTls())
+    finally:
+        assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
+    server = await start_wss(pki, "--tls-client-ca", pki.client_ca_file)
+    try:
+        with pytest.raises(ConnectFailed):
+            await dial(server.url, ClientTls(pki.ca_file))
+        client = await with_timeout(
+            connect_websocket(
+                reactor,
+                server.url,
+                tls=ClientTls(pki.ca_file, pki.client_cert, pki.client_key),
+            ),
+            DEFAULT_TIMEOUT,
+            "mutual TLS connect",
+        )
+        assert client.session_id
+        await client.close()
+    finally:
+        assert await server.stop() == 0
+
+
+def run_refused(*args: str) -> str:
+    done = subprocess.run(
+        [console_script("exec-server"), *args],
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode != 0, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+def test_bad_tls_configuration_is_refused_at_start(pki: Pki) -> None:
+    wss = ("--listen", "wss://127.0.0.1:0")
+    assert "needs --tls-cert and --tls-key" in run_refused(*wss)
+    assert "no wss:// address" in run_refused("--tls-cert", pki.server_cert)
+    assert "does not belong to the certificate" in run_refused(
+        *wss, "--tls-cert", pki.server_cert, "--tls-key", pki.client_key
+    )
+    assert "holds no PEM certificate" in run_refused(
+        *wss, "--tls-cert", pki.server_key, "--tls-key", pki.server_key
+    )
+    assert "cannot read --tls-key /nonexistent" in run_refused(
+        *wss, "--tls-cert", pki.server_cert, "--tls-key", "/nonexistent"
+    )
+
+
+def test_mutual_tls_counts_as_authentication_on_a_network_address(pki: Pki) -> None:
+    from twisted.python import usage
+
+    from execserver.service import Options
+
+    tls_args = ["--tls-cert", pki.server_cert, "--tls-key", pki.server_key]
+    options = Options()
+    options.parseOptions(
+        ["--listen", "wss://0.0.0.0:0", *tls_args, "--tls-client-ca", pki.client_ca_file]
+    )
+    assert options.websocket_settings().tls_options is not None
+    with pytest.raises(usage.UsageError, match="without authentication"):
+        Options().parseOptions(["--listen", "wss://0.0.0.0:0", *tls_args])
