@@ -34,6 +34,9 @@ from execserver import fs as filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
+from execserver.fs import watch as watch_module
+from execserver.fs.paths import absolute_path
+from execserver.fs.watch import WatchHub
 from execserver.registry import ANONYMOUS, SessionRegistry
 from execserver.session import Session
 from execserver.spawn import Spawner
@@ -150,6 +153,11 @@ class Dispatcher:
         self.add_route(
             ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
         )
+        self.watches = WatchHub(clock)
+        if watch_module.available():
+            self.add_route(
+                FS_WATCH_MISSING, p.FsWatchMissingParams, _watch_missing, family="filesystem"
+            )
         self.add_route(p.PROCESS_START, p.ExecParams, lambda c, a: c.session.start(a))
         self.add_route(p.PROCESS_READ, p.ReadParams, lambda c, a: c.session.read(a))
         self.add_route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: c.session.write(a))
@@ -209,6 +217,16 @@ class Dispatcher:
 
 
 ENVIRONMENT_INFO = "environment/info"
+FS_WATCH_MISSING = "fs/watchMissing"
+FS_MISSING_CHANGED = "fs/missingChanged"
+
+
+def _watch_missing(conn: Connection, params: p.FsWatchMissingParams) -> p.FsWatchMissingResponse:
+    missing = [absolute_path(path, "missing") for path in params.missing]
+    present = [absolute_path(path, "present") for path in params.present or ()]
+    note = p.Notification(FS_MISSING_CHANGED, p.FsMissingChangedNotification(params.watch_id))
+    conn.dispatcher.watches.add(conn, params.watch_id, missing, present, lambda: conn.send(note))
+    return p.FsWatchMissingResponse(watching=True)
 
 
 def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:
@@ -612,6 +630,7 @@ class Connection:
         discard_unsent(_write_buffer(self.outbound))
         self._release_charges()
         self.dispatcher.fs.connection_closed(self)
+        self.dispatcher.watches.owner_closed(self)
         # Let go of the transport (which points back at this connection):
         # it is freed as soon as it closes, not at a garbage collection.
         self.outbound = _GONE

@@ -19,6 +19,7 @@ from typing import Final
 
 from execserver import __version__
 from execserver import protocol as p
+from execserver.fs import watch
 from execserver.fs.paths import path_to_uri
 
 #: Names the reference drops from an inherited environment unless the policy
@@ -36,12 +37,17 @@ CORE_VARIABLES: Final = (
     "TEMP",
     "TMP",
 )
-#: Optional methods of the current dialect this server implements, as
-#: ``environmentInfo.capabilities`` names them (each ``true``). Only what is
-#: implemented is listed; a client treats a missing name as false and does
-#: not call the method (fs/watchMissing, environmentConfig/read,
-#: capabilities/discoverV2 are not implemented yet).
-CAPABILITIES: Final[dict[str, bool]] = {}
+
+
+def capabilities() -> dict[str, bool]:
+    """Optional current-dialect methods this server implements, each ``true``.
+
+    As ``environmentInfo.capabilities`` names them. Only what is implemented
+    is listed; a client treats a missing name as false and does not call the
+    method (environmentConfig/read and capabilities/discoverV2 are not
+    implemented; fs/watchMissing needs inotify).
+    """
+    return {"fsWatchMissing": True} if watch.available() else {}
 
 
 def _matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
@@ -89,5 +95,5 @@ def environment_info() -> p.EnvironmentInfo:
         prepend_path_dirs=[],
         temporary_directories=[],
         temp_dir=path_to_uri(tempfile.gettempdir()),
-        capabilities=dict(CAPABILITIES),
+        capabilities=capabilities(),
     )

@@ -453,6 +453,22 @@ class FsRemoveParams(_Wire):
     force: bool | None = None
 
 
+class FsWatchMissingParams(_Wire):
+    """``fs/watchMissing`` (current dialect): paths as URIs or absolute paths."""
+
+    watch_id: int | str
+    missing: list[str]
+    present: list[str] | None = None
+
+
+class FsWatchMissingResponse(msgspec.Struct):
+    watching: bool
+
+
+class FsMissingChangedNotification(msgspec.Struct, rename="camel"):
+    watch_id: int | str
+
+
 class FsCopyParams(_Wire):
     source_path: str
     destination_path: str

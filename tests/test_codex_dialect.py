@@ -134,7 +134,7 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
     work.mkdir()
     async with serving(CODEX_INIT) as server:
         info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
-        assert info["capabilities"] == {}
+        assert info["capabilities"] == {"fsWatchMissing": True}
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"
         assert info["shell"]["path"].startswith("/")
@@ -214,3 +214,56 @@ async def test_a_file_uri_makes_a_client_current(tmp_path: Path) -> None:
         assert error["code"] == -32004
         start = _start_params("p1", path_to_uri(str(REPO_ROOT)), env=child_env())
         assert (await server.call("process/start", start))["sandboxType"] == "none"
+
+
+# --- fs/watchMissing ------------------------------------------------------------------------
+
+
+def _changed(server: ServerProcess, watch_id: object) -> Any:
+    def match(m: dict[str, Any]) -> bool:
+        return m.get("method") == "fs/missingChanged" and m["params"]["watchId"] == watch_id
+
+    return server.wait_for(match, 10, f"fs/missingChanged {watch_id}")
+
+
+@pytest_twisted.ensureDeferred
+async def test_watch_missing_fires_when_a_deep_path_appears(tmp_path: Path) -> None:
+    async with serving(CODEX_INIT) as server:
+        assert server.last_init["environmentInfo"]["capabilities"] == {  # type: ignore[attr-defined]
+            "fsWatchMissing": True
+        }
+        deep = tmp_path / "a" / "b" / "AGENTS.md"
+        params = {"watchId": 1, "missing": [path_to_uri(str(deep))], "present": None}
+        assert await server.call("fs/watchMissing", params) == {"watching": True}
+        # Ancestors appearing re-arm the watch deeper; only the path itself fires it.
+        (tmp_path / "a").mkdir()
+        (tmp_path / "a" / "b").mkdir()
+        probe = await server.call("fs/getMetadata", {"path": str(tmp_path / "a" / "b")})
+        assert probe["isDirectory"]
+        assert not [m for m in server.notifications if m.get("method") == "fs/missingChanged"]
+        deep.write_text("rules\n")
+        note = await _changed(server, 1)
+        assert note["params"] == {"watchId": 1}
+        # One-shot: the id is free again.
+        assert await server.call("fs/watchMissing", params) == {"watching": True}
+        await _changed(server, 1)  # it exists now: fires at once, after the answer
+
+
+@pytest_twisted.ensureDeferred
+async def test_watch_missing_present_path_removed_and_errors(tmp_path: Path) -> None:
+    present = tmp_path / "here"
+    present.write_text("x")
+    async with serving(CODEX_INIT) as server:
+        params = {
+            "watchId": "w",
+            "missing": [str(tmp_path / "absent")],
+            "present": [path_to_uri(str(present))],
+        }
+        assert await server.call("fs/watchMissing", params) == {"watching": True}
+        duplicate = (await server.request("fs/watchMissing", params))["error"]
+        assert duplicate["code"] == p.INVALID_REQUEST
+        assert duplicate["message"] == "watchId already exists: w"
+        relative = await server.request("fs/watchMissing", dict(params, watchId=2, missing=["x"]))
+        assert relative["error"]["code"] == p.INVALID_PARAMS
+        present.unlink()
+        await _changed(server, "w")
