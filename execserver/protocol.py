@@ -248,6 +248,10 @@ class ReadResponse(msgspec.Struct, rename="camel"):
     closed_seq: int | msgspec.UnsetType = msgspec.UNSET
     #: Output seqs of the requested range that are no longer retained.
     gap: SeqGap | msgspec.UnsetType = msgspec.UNSET
+    #: Current dialect: a start failure's text (never: a failed start is an
+    #: error answer here) and whether a sandbox denied the process.
+    failure: str | msgspec.UnsetType | None = msgspec.UNSET
+    sandbox_denied: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/write, process/terminate ---------------------------------------

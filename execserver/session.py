@@ -379,6 +379,9 @@ class Session:
             response.closed_seq = proc.close_seq
         if read.gap is not None:
             response.gap = p.SeqGap(*read.gap)
+        if self.current:
+            response.failure = None
+            response.sandbox_denied = False
         return response
 
     # --- process/write ----------------------------------------------------------

@@ -167,6 +167,9 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
             "sandboxDenied": False,
         }
         assert server.output_of("p1") == f"{work}\nset\nhome\n".encode()
+        read = await server.call("process/read", {"processId": "p1", "afterSeq": 0})
+        assert read["closed"] is True and read["exitCode"] == 0
+        assert read["failure"] is None and read["sandboxDenied"] is False
         write = {"processId": "p1", "chunk": b64(b"x"), "writeId": "1"}
         assert await server.call("process/write", write) == {
             "accepted": False,
