@@ -42,3 +42,12 @@ class ServerConfig:
     max_session_ttl_ms: int = 600_000
     #: Session lifetime after a disconnect for clients that do not ask.
     default_session_ttl_ms: int = 0
+    #: Sessions (attached or detached) one identity may hold; a new one beyond
+    #: it is refused at ``initialize`` (resuming one is always allowed).
+    max_sessions_per_identity: int = 256
+    #: Processes open at once over all sessions (the open-file limit may
+    #: lower it further; docs/operations.md, "File descriptors").
+    max_server_processes: int = 8192
+    #: Output retained over all processes of the server; while it is reached
+    #: new processes are refused (0: no limit beyond the per-process cap).
+    max_total_retained_bytes: int = 2048 * MiB

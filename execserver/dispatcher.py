@@ -126,6 +126,11 @@ class Stats:
     processes_open: int = 0
     #: WebSocket upgrades and /metrics requests refused for a missing or wrong token.
     auth_refused: int = 0
+    #: Connections, handshakes, sessions and processes refused by a limit, by
+    #: limit (docs/operations.md, "Security": "Limits").
+    refused: Counter[str] = attrs.Factory(Counter)
+    #: Connections open on WebSocket listeners (upgraded or not), all listeners.
+    sockets_open: int = 0
 
 
 class Dispatcher:
@@ -200,6 +205,29 @@ class Dispatcher:
             self.connections.discard(conn)
             self.stats.connections_active -= 1
 
+    def all_sessions(self) -> set[Session]:
+        """Every live session: attached to a connection, or detached and resumable."""
+        found = {conn.session for conn in self.connections}
+        found.update(self.sessions.detached_sessions())
+        return found
+
+    def retained_output_bytes(self) -> int:
+        """Output retained over all sessions' processes (``--max-total-retained-bytes``)."""
+        return sum(
+            proc.output.retained_bytes
+            for session in self.all_sessions()
+            for proc in session.processes.values()
+        )
+
+    def sessions_of(self, identity: object) -> int:
+        """Initialized sessions (attached or detached) owned by ``identity``."""
+        attached = sum(
+            1
+            for conn in self.connections
+            if conn.initialize_requested and conn.identity == identity
+        )
+        return attached + self.sessions.detached_owned_by(identity)
+
     def not_ready_reason(self) -> str | None:
         """Why the server should not get new work now (for /readyz), or None."""
         return self.fs.stall_reason()
@@ -246,6 +274,14 @@ def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeRes
         session = registry.take_over(resume_id, conn.identity)
         conn.adopt(session)
     else:
+        limit = config.max_sessions_per_identity
+        held = conn.dispatcher.sessions_of(conn.identity)
+        if held >= limit:
+            conn.dispatcher.stats.refused["sessions_per_identity"] += 1
+            raise RpcError.invalid_request(
+                f"too many sessions: {conn.identity} already holds {held}, the limit set by "
+                f"--max-sessions-per-identity is {limit}; close or resume one"
+            )
         session = conn.session
         session.owner = conn.identity
         if params.on_detached_full is not None:
@@ -311,6 +347,7 @@ class Connection:
             dispatcher.spawner,
             self.send,
             stats=dispatcher.stats,
+            retained_total=dispatcher.retained_output_bytes,
         )
         self._open = True
         #: The session was detached (kept for its TTL), not ended, at close.

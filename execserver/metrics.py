@@ -63,6 +63,18 @@ def render(dispatcher: Dispatcher) -> bytes:
         [({}, stats.auth_refused)],
     )
     lines += _family(
+        "exec_server_refused_total",
+        "counter",
+        "Connections, handshakes, sessions and processes refused by a limit, by limit.",
+        [({"limit": name}, count) for name, count in sorted(stats.refused.items())],
+    )
+    lines += _family(
+        "exec_server_websocket_sockets",
+        "gauge",
+        "TCP and Unix connections open on WebSocket listeners, before or after the upgrade.",
+        [({}, stats.sockets_open)],
+    )
+    lines += _family(
         "exec_server_connections_opened_total",
         "counter",
         "Client connections accepted (stdio and WebSocket).",

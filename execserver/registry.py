@@ -51,6 +51,13 @@ class SessionRegistry:
     def detached_count(self) -> int:
         return len(self._expiry)
 
+    def detached_sessions(self) -> list[Session]:
+        """Sessions waiting to be resumed (their expiry timer runs)."""
+        return [self._sessions[sid] for sid in self._expiry if sid in self._sessions]
+
+    def detached_owned_by(self, identity: object) -> int:
+        return sum(1 for session in self.detached_sessions() if session.owner == identity)
+
     def register(self, session: Session) -> None:
         self._sessions[session.session_id] = session
 

@@ -224,6 +224,52 @@ class Options(usage.Options):
             _positive("max-partial-message-bytes"),
         ],
         [
+            "max-connections",
+            None,
+            4096,
+            "WebSocket: connections open at once over all listeners (upgraded or not); "
+            "more get HTTP 503.",
+            _positive("max-connections"),
+        ],
+        [
+            "handshake-timeout-ms",
+            None,
+            5000,
+            "WebSocket: a connection that has not completed its HTTP request or upgrade "
+            "within this is dropped (slow headers).",
+            _positive("handshake-timeout-ms"),
+        ],
+        [
+            "max-request-head-bytes",
+            None,
+            16 * 1024,
+            "WebSocket: largest HTTP request line and headers; larger gets 431.",
+            _positive("max-request-head-bytes"),
+        ],
+        [
+            "max-sessions-per-identity",
+            None,
+            _DEFAULTS.max_sessions_per_identity,
+            "Sessions (attached or detached) one identity may hold; a new one beyond it "
+            "is refused at initialize.",
+            _positive("max-sessions-per-identity"),
+        ],
+        [
+            "max-server-processes",
+            None,
+            _DEFAULTS.max_server_processes,
+            "Processes open at once over all sessions.",
+            _positive("max-server-processes"),
+        ],
+        [
+            "max-total-retained-bytes",
+            None,
+            _DEFAULTS.max_total_retained_bytes,
+            "Output retained over all processes; while reached, new processes are refused "
+            "(0: no server-wide limit).",
+            _positive("max-total-retained-bytes"),
+        ],
+        [
             "ping-interval-ms",
             None,
             DEFAULT_PING_INTERVAL_MS,
@@ -309,6 +355,16 @@ class Options(usage.Options):
             raise usage.UsageError("--max-processes must be at least 1")
         if self["ping-interval-ms"] and not self["ping-timeout-ms"]:
             raise usage.UsageError("--ping-timeout-ms must be positive while pings are enabled")
+        for name in (
+            "max-connections",
+            "handshake-timeout-ms",
+            "max-sessions-per-identity",
+            "max-server-processes",
+        ):
+            if self[name] < 1:
+                raise usage.UsageError(f"--{name} must be at least 1")
+        if self["max-request-head-bytes"] < 1024:
+            raise usage.UsageError("--max-request-head-bytes must be at least 1024")
         self._check_tls()
         self._check_auth()
 
@@ -368,6 +424,9 @@ class Options(usage.Options):
             auth=self.get("auth"),
             socket_mode=self["socket-mode"],
             tls_options=self.get("tls-options"),
+            max_connections=self["max-connections"],
+            open_handshake_timeout=self["handshake-timeout-ms"] / 1000.0,
+            max_request_head_bytes=self["max-request-head-bytes"],
         )
 
     def config(self) -> ServerConfig:
@@ -385,6 +444,9 @@ class Options(usage.Options):
             process_containment=self["process-containment"],
             max_session_ttl_ms=self["max-session-ttl-ms"],
             default_session_ttl_ms=self["default-session-ttl-ms"],
+            max_sessions_per_identity=self["max-sessions-per-identity"],
+            max_server_processes=self["max-server-processes"],
+            max_total_retained_bytes=self["max-total-retained-bytes"],
         )
 
 

@@ -100,8 +100,12 @@ class Session:
         session_id: str | None = None,
         stats: Any = None,
         process_limit: Callable[[], int] = fdlimit.process_limit,
+        retained_total: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
+        #: Output retained by every session of the server (for
+        #: ``--max-total-retained-bytes``), or None where unbounded.
+        self._retained_total = retained_total
         self.session_id = session_id or secrets.token_urlsafe(24)
         self._clock = clock
         self._spawner = spawner
@@ -185,12 +189,30 @@ class Session:
             )
         if self.stats is not None:
             holding = self.stats.processes_open
+            if holding >= self.config.max_server_processes:
+                self.stats.refused["server_processes"] += 1
+                raise RpcError.invalid_request(
+                    f"too many running processes: the server already runs {holding}, "
+                    f"the limit set by --max-server-processes is "
+                    f"{self.config.max_server_processes}"
+                )
             limit = self._process_limit()
             if holding >= limit:
                 raise RpcError.invalid_request(
                     f"too many running processes: the server already runs {holding}, "
                     f"the limit derived from its open-file limit "
                     f"({fdlimit.soft_limit()} descriptors) is {limit}"
+                )
+        cap = self.config.max_total_retained_bytes
+        if cap and self._retained_total is not None:
+            retained = self._retained_total()
+            if retained >= cap:
+                if self.stats is not None:
+                    self.stats.refused["retained_output"] += 1
+                raise RpcError.invalid_request(
+                    f"the server retains {retained} bytes of output, the limit set by "
+                    f"--max-total-retained-bytes is {cap}: read, close or wait for "
+                    "processes to be removed before starting more"
                 )
         # pipeStdin only changes pipe processes (a PTY's input is always
         # open) and size only PTYs; each is ignored where it has no meaning.

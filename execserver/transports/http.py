@@ -17,7 +17,8 @@ from execserver import __version__, metrics
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
 
-#: Largest accepted HTTP request head (request line and headers).
+#: Default of ``--max-request-head-bytes``: largest accepted HTTP request
+#: head (request line and headers).
 MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
 
 _STATUS_TEXT: Final = {
@@ -28,6 +29,7 @@ _STATUS_TEXT: Final = {
     404: "Not Found",
     405: "Method Not Allowed",
     426: "Upgrade Required",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     503: "Service Unavailable",
 }

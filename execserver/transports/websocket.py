@@ -125,6 +125,10 @@ class WebSocketSettings:
     socket_mode: int = DEFAULT_SOCKET_MODE
     #: Twisted ``CertificateOptions`` of ``wss://`` listeners (``transports/tls.py``).
     tls_options: Any = None
+    #: Connections open at once over all WebSocket listeners (``--max-connections``).
+    max_connections: int = 4096
+    #: Largest HTTP request head accepted (``--max-request-head-bytes``).
+    max_request_head_bytes: int = http.MAX_REQUEST_HEAD_BYTES
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -145,6 +149,8 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._held: deque[bytes | None] = deque()
         self._read_pause_bytes = 0
         self._outbox: Outbox | None = None
+        #: Counted in the server's open sockets (``--max-connections``).
+        self._counted = False
         #: Who this connection authenticated as (read by the dispatcher
         #: connection when the upgrade completes; sessions are owned by it).
         self.identity: object = ANONYMOUS
@@ -161,17 +167,46 @@ class ExecServerProtocol(WebSocketServerProtocol):
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             set_no_delay(True)
+        stats = self.factory.dispatcher.stats
+        stats.sockets_open += 1
+        self._counted = True
+        limit = self.factory.settings.max_connections
+        if stats.sockets_open > limit:
+            stats.refused["connections"] += 1
+            log.warn(
+                "refusing a connection from {peer}: {limit} connections are open "
+                "(--max-connections)",
+                peer=self.peer,
+                limit=limit,
+            )
+            self._send_http(
+                http.HttpReply(
+                    503,
+                    f"the server has {limit} connections open, its limit "
+                    "(--max-connections); retry later\n",
+                    (("Retry-After", "1"),),
+                )
+            )
+
+    def onOpenHandshakeTimeout(self) -> None:
+        # A peer that does not finish its request in time (slow headers)
+        # holds a connection for nothing: counted, then dropped by Autobahn.
+        if self.state == WebSocketProtocol.STATE_CONNECTING:
+            self.factory.dispatcher.stats.refused["handshake_timeout"] += 1
+        super().onOpenHandshakeTimeout()
 
     # --- HTTP, before any upgrade --------------------------------------------------
 
     def processHandshake(self) -> None:
         head_end = self.data.find(b"\r\n\r\n")
-        if head_end < 0:
-            if len(self.data) > http.MAX_REQUEST_HEAD_BYTES:
-                self._http_reply(431, f"request head exceeds {http.MAX_REQUEST_HEAD_BYTES} bytes\n")
+        limit = self.factory.settings.max_request_head_bytes
+        if (head_end < 0 and len(self.data) > limit) or head_end > limit:
+            self.factory.dispatcher.stats.refused["request_head_bytes"] += 1
+            self._http_reply(
+                431, f"request head exceeds {limit} bytes (--max-request-head-bytes)\n"
+            )
             return
-        if head_end > http.MAX_REQUEST_HEAD_BYTES:
-            self._http_reply(431, f"request head exceeds {http.MAX_REQUEST_HEAD_BYTES} bytes\n")
+        if head_end < 0:
             return
         try:
             request_line, headers, _ = parseHttpHeader(self.data[: head_end + 4])
@@ -275,6 +310,9 @@ class ExecServerProtocol(WebSocketServerProtocol):
             reason = Failure(ConnectionLost(f"TLS handshake failed: {why}"))
         super().connectionLost(reason)
         self.factory.protocols.discard(self)
+        if self._counted:
+            self._counted = False
+            self.factory.dispatcher.stats.sockets_open -= 1
         # Free at once what a half-sent message and unparsed input hold,
         # and break the reference cycles through this protocol (its
         # connection and flow controller point back at it; Autobahn's
