@@ -197,6 +197,8 @@ async def test_agents_md_is_read_through_the_server(codex_binary: Path, tmp_path
     [item] = run.items("command_execution")
     assert item["exit_code"] == 0, item
     assert run.metric('exec_server_requests_total{method="fs/readFile",outcome="ok"}') >= 1
+    # Codex also asks to be told when the files it did not find appear.
+    assert run.metric('exec_server_requests_total{method="fs/watchMissing",outcome="ok"}') >= 1
     requests = (tmp_path / "model.jsonl").read_text()
     assert "quokka-7731" in requests
 
