@@ -51,3 +51,5 @@ class ServerConfig:
     #: Output retained over all processes of the server; while it is reached
     #: new processes are refused (0: no limit beyond the per-process cap).
     max_total_retained_bytes: int = 2048 * MiB
+    #: fs operations one connection may have on pool threads at once (of 4).
+    max_fs_ops_per_session: int = 2

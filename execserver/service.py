@@ -209,6 +209,14 @@ class Options(usage.Options):
             _positive("fs-wait-timeout-ms"),
         ],
         [
+            "max-fs-ops-per-session",
+            None,
+            _DEFAULTS.max_fs_ops_per_session,
+            "fs operations one connection may have on the 4 fs threads at once; its "
+            "further ones wait (up to --fs-wait-timeout-ms) while others' run.",
+            _positive("max-fs-ops-per-session"),
+        ],
+        [
             "fs-stall-ms",
             None,
             _DEFAULTS.fs_stall_ms,
@@ -360,6 +368,7 @@ class Options(usage.Options):
             "handshake-timeout-ms",
             "max-sessions-per-identity",
             "max-server-processes",
+            "max-fs-ops-per-session",
         ):
             if self[name] < 1:
                 raise usage.UsageError(f"--{name} must be at least 1")
@@ -447,6 +456,7 @@ class Options(usage.Options):
             max_sessions_per_identity=self["max-sessions-per-identity"],
             max_server_processes=self["max-server-processes"],
             max_total_retained_bytes=self["max-total-retained-bytes"],
+            max_fs_ops_per_session=self["max-fs-ops-per-session"],
         )
 
 

@@ -258,6 +258,7 @@ def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
                 clock,
                 wait_timeout=config.fs_wait_timeout_ms / 1000.0,
                 stall_after=config.fs_stall_ms / 1000.0,
+                per_owner=config.max_fs_ops_per_session,
             )
             run = pool
         else:

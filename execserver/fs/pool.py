@@ -19,6 +19,9 @@ from execserver.fs.paths import BUSY_KIND, closed_error, invalid
 
 #: Threads doing blocking file I/O (per server).
 FS_THREADS: Final = 4
+#: Default of ``--max-fs-ops-per-session``: operations one connection may
+#: have on pool threads at once, so that it cannot occupy every thread.
+FS_OPS_PER_OWNER: Final = 2
 
 Runner = Callable[..., "Deferred[Any]"]
 
@@ -43,7 +46,10 @@ class PoolRunner:
     trip through the reactor between jobs), so a queued job can be dropped
     when its connection closes, fails with a ``busy`` error after
     ``wait_timeout`` seconds without a free thread, and is counted for
-    /metrics.
+    /metrics. One owner (connection) runs at most ``per_owner`` jobs at
+    once: its further jobs wait while others' jobs take the free threads,
+    so a client sending many slow operations (a FIFO nobody writes, a huge
+    file) cannot occupy the whole pool.
 
     Results go back to the reactor in batches: a worker appends its result
     to a list and wakes the reactor only if the list was empty, so every
@@ -59,7 +65,12 @@ class PoolRunner:
         wait_timeout: float = 30.0,
         stall_after: float = 10.0,
         clock: Any = None,
+        per_owner: int = FS_OPS_PER_OWNER,
     ) -> None:
+        #: Jobs one owner may run at once (owner None: not limited).
+        self.per_owner = per_owner
+        #: Running jobs by owner (only owners with any).
+        self._owner_running: dict[object, int] = {}
         self._reactor = reactor
         self._clock = clock if clock is not None else reactor
         self.threads = threads
@@ -100,7 +111,7 @@ class PoolRunner:
             self._reactor.addSystemEventTrigger("during", "shutdown", self.stop)
         spawn = False
         with self._lock:
-            if len(self._running) < self.threads:
+            if len(self._running) < self.threads and self._may_start(job):
                 # A free thread: an idle one takes it, or a new one starts.
                 self._begin(job)
                 self._handoff.append(job)
@@ -121,10 +132,35 @@ class PoolRunner:
             job.timer = self._clock.callLater(self.wait_timeout, self._expire, job)
         return job.deferred
 
+    def _may_start(self, job: _Job) -> bool:
+        # (Called with the lock held.)
+        return job.owner is None or self._owner_running.get(job.owner, 0) < self.per_owner
+
     def _begin(self, job: _Job) -> None:
         # (Called with the lock held.)
         job.started_at = self._clock.seconds()
         self._running.add(job)
+        if job.owner is not None:
+            self._owner_running[job.owner] = self._owner_running.get(job.owner, 0) + 1
+
+    def _end(self, job: _Job) -> None:
+        # (Called with the lock held.)
+        self._running.discard(job)
+        if job.owner is not None:
+            left = self._owner_running[job.owner] - 1
+            if left:
+                self._owner_running[job.owner] = left
+            else:
+                del self._owner_running[job.owner]
+
+    def _next_startable(self) -> _Job | None:
+        """The oldest queued job whose owner is below ``per_owner`` (removed from the queue)."""
+        # (Called with the lock held.)
+        for index, job in enumerate(self._queue):
+            if self._may_start(job):
+                del self._queue[index]
+                return job
+        return None
 
     def _work(self) -> None:
         """A worker thread: run jobs handed to it or queued, until stopped."""
@@ -146,12 +182,13 @@ class PoolRunner:
                 result = Failure()
                 success = False
             with self._lock:
-                self._running.discard(job)
+                self._end(job)
                 following = None
                 if self._queue and not self._stopped:
-                    following = self._queue.popleft()
-                    self._begin(following)
-                    self._dequeued.append(following)
+                    following = self._next_startable()
+                    if following is not None:
+                        self._begin(following)
+                        self._dequeued.append(following)
                 first = not self._done
                 self._done.append((job, success, result))
             # An idle worker must not keep its last result (a large reply) alive.
@@ -198,10 +235,19 @@ class PoolRunner:
         if not self._unqueue(job):
             return  # a worker took it meanwhile
         waited = round(self.wait_timeout * 1000)
+        with self._lock:
+            own = self._owner_running.get(job.owner, 0) if job.owner is not None else 0
+        if own >= self.per_owner:
+            why = (
+                f"this connection already runs {own} fs operations, the limit set by "
+                "--max-fs-ops-per-session"
+            )
+        else:
+            why = f"all {self.threads} are busy"
         job.deferred.errback(
             invalid(
                 f"filesystem busy: no worker thread became free within {waited} ms "
-                f"(all {self.threads} are busy; --fs-wait-timeout-ms); retry later",
+                f"({why}; --fs-wait-timeout-ms); retry later",
                 BUSY_KIND,
             )
         )
