@@ -46,7 +46,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable
-from typing import Final, Literal, Protocol
+from typing import Final, Literal, Protocol, cast
 
 import attrs
 from twisted.internet import process as _twisted_process
@@ -231,7 +231,26 @@ class ProcessTree(Protocol):
         """The tree is empty and no longer needed: free what tracks it."""
 
 
-class CgroupTree:
+class _Owned:
+    """What both kinds of tree share: their owner's bookkeeping."""
+
+    _owner: Containment
+    _on_empty: Callable[[], None] | None
+
+    def when_empty(self, callback: Callable[[], None]) -> None:
+        self._on_empty = callback
+        self._owner._linger(cast("Tree", self))
+
+    def emptied(self) -> None:
+        callback, self._on_empty = self._on_empty, None
+        if callback is not None:
+            callback()
+
+    def release(self) -> None:
+        self._owner._release(cast("Tree", self))
+
+
+class CgroupTree(_Owned):
     """The members of one cgroup v2."""
 
     def __init__(self, owner: Containment, path: str, leader: int) -> None:
@@ -278,20 +297,8 @@ class CgroupTree:
         self.seen_empty = not populated
         return populated
 
-    def when_empty(self, callback: Callable[[], None]) -> None:
-        self._on_empty = callback
-        self._owner._linger(self)
 
-    def emptied(self) -> None:
-        callback, self._on_empty = self._on_empty, None
-        if callback is not None:
-            callback()
-
-    def release(self) -> None:
-        self._owner._release(self)
-
-
-class ScanTree:
+class ScanTree(_Owned):
     """One tree found in ``/proc`` (subreaper mode)."""
 
     def __init__(self, owner: Containment, leader: int, born: int) -> None:
@@ -365,18 +372,6 @@ class ScanTree:
             else:
                 live.append(pid)
         return live
-
-    def when_empty(self, callback: Callable[[], None]) -> None:
-        self._on_empty = callback
-        self._owner._linger(self)
-
-    def emptied(self) -> None:
-        callback, self._on_empty = self._on_empty, None
-        if callback is not None:
-            callback()
-
-    def release(self) -> None:
-        self._owner._release(self)
 
 
 Tree = CgroupTree | ScanTree
