@@ -283,3 +283,23 @@ async def test_a_session_is_resumed_only_with_the_token_that_created_it(tmp_path
         await back.close()
     finally:
         assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_child_inherits_the_environment_token() -> None:
+    server = await WsServerProcess.start(env={auth.TOKEN_ENV: TOKEN})
+    try:
+        client = await connect(server.url, headers={"Authorization": f"Bearer {TOKEN}"})
+        await client.call("initialize", {"clientName": "t", "resumeSessionId": None})
+        client.notify("initialized", {})
+        # Everything the server has, default excludes (*TOKEN*) switched off.
+        policy = {"inherit": "all", "ignoreDefaultExcludes": True}
+        await client.start_process("env", ["env"], env={}, envPolicy=policy)
+        await client.wait_closed("env")
+        output = client.output_of("env")
+        assert b"PATH=" in output  # the server's environment was inherited...
+        assert TOKEN.encode() not in output  # ...without the token
+        assert auth.TOKEN_ENV.encode() not in output
+        await client.close()
+    finally:
+        assert await server.stop() == 0
