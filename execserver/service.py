@@ -24,12 +24,11 @@ from twisted.internet.interfaces import (
 from twisted.logger import Logger
 from twisted.python import usage
 
-from execserver import __version__, auth, fdlimit, writebuffer
+from execserver import __version__, auth, fdlimit, tls, writebuffer
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
-from execserver.transports import tls
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
     STDIO_URL,

@@ -26,7 +26,7 @@ from cryptography.x509.oid import NameOID
 
 from execserver.client import connect_websocket
 from execserver.client.errors import ConnectFailed
-from execserver.transports.tls import ClientTls
+from execserver.tls import ClientTls
 from tests.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
 from tests.ws_harness import WsServerProcess
 

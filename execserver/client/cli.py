@@ -51,7 +51,7 @@ from execserver.client.errors import (
 from execserver.client.process import RemoteProcess
 from execserver.client.reconnect import ResumingClient
 from execserver.client.types import OutputEvent
-from execserver.transports.tls import ClientTls
+from execserver.tls import ClientTls
 
 #: ``run``/``shell`` over --url: the session outlives a drop this long (ms).
 RESUME_TTL_MS = 60_000

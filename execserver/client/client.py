@@ -56,7 +56,7 @@ from execserver.client.types import (
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
-    from execserver.transports.tls import ClientTls
+    from execserver.tls import ClientTls
 
 T = TypeVar("T")
 log = Logger()

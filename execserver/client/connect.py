@@ -52,7 +52,7 @@ from execserver.client.errors import (
 )
 from execserver.client.rpc import RpcClient
 from execserver.codec import OVERSIZED, LineFramer
-from execserver.transports.tls import ClientTls, TlsConfigError, tls_error_text
+from execserver.tls import ClientTls, TlsConfigError, tls_error_text
 from execserver.waiters import Latch
 
 log = Logger()

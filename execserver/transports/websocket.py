@@ -52,11 +52,11 @@ from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__
+from execserver import __version__, tls
 from execserver.auth import TokenStore
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.registry import ANONYMOUS
-from execserver.transports import http, tls
+from execserver.transports import http
 from execserver.transports.backpressure import RequestBackpressure, read_pause_bytes
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
