@@ -97,8 +97,14 @@ class TokenStore:
     """The accepted tokens; :meth:`reload` re-reads the file (SIGHUP)."""
 
     def __init__(self, tokens: tuple[bytes, ...], path: str | None = None) -> None:
-        self._tokens = tokens
+        self._set(tokens)
         self.path = path
+
+    def _set(self, tokens: tuple[bytes, ...]) -> None:
+        self._tokens = tokens
+        # Digests are compared, not the tokens: equal lengths, so not even
+        # a token's length shows in the comparison time.
+        self._digests = tuple((hashlib.sha256(t).digest(), t) for t in tokens)
 
     @classmethod
     def from_file(cls, path: str) -> TokenStore:
@@ -119,7 +125,7 @@ class TokenStore:
     def reload(self) -> None:
         """Re-read the file; on error keep the old tokens and raise :class:`AuthConfigError`."""
         if self.path is not None:
-            self._tokens = read_token_file(self.path)
+            self._set(read_token_file(self.path))
 
     def authenticate(self, authorization: str | None) -> TokenIdentity | None:
         """The identity of an ``Authorization: Bearer TOKEN`` header value, or None."""
@@ -128,12 +134,12 @@ class TokenStore:
         scheme, _, credential = authorization.strip().partition(" ")
         if scheme.lower() != "bearer":
             return None
-        presented = credential.strip().encode("latin-1", "replace")
+        presented = hashlib.sha256(credential.strip().encode("latin-1", "replace")).digest()
         found: bytes | None = None
         # Every token is compared, each in constant time, so the time taken
         # does not tell which (or whether a) token matched.
-        for token in self._tokens:
-            if hmac.compare_digest(presented, token) and found is None:
+        for digest, token in self._digests:
+            if hmac.compare_digest(presented, digest) and found is None:
                 found = token
         return None if found is None else identity_of(found)
 
