@@ -11,6 +11,7 @@ import datetime
 import ipaddress
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -73,6 +74,8 @@ class Pki:
         server = _cert("server", server_key, ("test CA", self.ca_key), ca=False, ip="127.0.0.1")
         client_key = ec.generate_private_key(ec.SECP256R1())
         client = _cert("client", client_key, ("client CA", self.client_ca_key), ca=False)
+        second_key = ec.generate_private_key(ec.SECP256R1())
+        second = _cert("second", second_key, ("client CA", self.client_ca_key), ca=False)
         self.ca_file = self._pem("ca.pem", self.ca)
         self.client_ca_file = self._pem("client-ca.pem", self.client_ca)
         self.other_ca_file = self._pem("other-ca.pem", self.other_ca)
@@ -80,6 +83,8 @@ class Pki:
         self.server_key = self._key("server.key", server_key)
         self.client_cert = self._pem("client.pem", client)
         self.client_key = self._key("client.key", client_key)
+        self.second_cert = self._pem("second.pem", second)
+        self.second_key = self._key("second.key", second_key)
 
     def _pem(self, name: str, cert: x509.Certificate) -> str:
         path = self.root / name
@@ -230,3 +235,30 @@ def test_mutual_tls_counts_as_authentication_on_a_network_address(pki: Pki) -> N
     assert options.websocket_settings().tls_options is not None
     with pytest.raises(usage.UsageError, match="without authentication"):
         Options().parseOptions(["--listen", "wss://0.0.0.0:0", *tls_args])
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_certificate_owns_the_sessions_it_creates(pki: Pki) -> None:
+    from execserver.client import ConnectOptions
+    from execserver.client.errors import ServerError
+
+    server = await start_wss(pki, "--tls-client-ca", pki.client_ca_file)
+    first = ClientTls(pki.ca_file, pki.client_cert, pki.client_key)
+    second = ClientTls(pki.ca_file, pki.second_cert, pki.second_key)
+
+    async def dial_as(tls: ClientTls, options: ConnectOptions) -> Any:
+        return await with_timeout(
+            connect_websocket(reactor, server.url, options, tls=tls), DEFAULT_TIMEOUT, "connect"
+        )
+
+    try:
+        owner = await dial_as(first, ConnectOptions(session_ttl_ms=60_000))
+        session_id = owner.session_id
+        await owner.close()
+        with pytest.raises(ServerError):
+            await dial_as(second, ConnectOptions(resume_session_id=session_id))
+        back = await dial_as(first, ConnectOptions(resume_session_id=session_id))
+        assert back.session_id == session_id
+        await back.close()
+    finally:
+        assert await server.stop() == 0
