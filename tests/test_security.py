@@ -303,3 +303,27 @@ async def test_no_child_inherits_the_environment_token() -> None:
         await client.close()
     finally:
         assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_reload_keeps_the_previous_tokens(tmp_path: Path) -> None:
+    path = token_file(tmp_path, TOKEN)
+    server = await WsServerProcess.start("--auth-token-file", str(path))
+    server.allow_stderr(r"SIGHUP: keeping the previous tokens")
+    host, port = server.host_port
+    try:
+        path.write_text(OTHER + "\n")
+        path.chmod(0o644)
+        server._signal("HUP")
+        await wait_stderr(server, b"SIGHUP: keeping the previous tokens")
+        assert b"accessible by group or other users (mode 0644)" in server.stderr
+        client = await connect(server.url, headers={"Authorization": f"Bearer {TOKEN}"})
+        await client.handshake()
+        await client.close()
+        status, _, _ = await http_get(
+            host, port, upgrade_request(f"Authorization: Bearer {OTHER}\r\n")
+        )
+        assert status == 401
+    finally:
+        assert await server.stop() == 0
+    assert TOKEN.encode() not in server.stderr and OTHER.encode() not in server.stderr
