@@ -42,7 +42,7 @@ class Cli(ProcessProtocol):
         self.err = b""
         self.exit_code: int | None = None
         self.ended: Deferred[int | None] = Deferred()
-        self._watchers: list[tuple[re.Pattern[bytes], Deferred[None]]] = []
+        self._watchers: list[tuple[re.Pattern[bytes], bool, Deferred[None]]] = []
 
     @classmethod
     def start(
@@ -80,17 +80,23 @@ class Cli(ProcessProtocol):
 
     def errReceived(self, data: bytes) -> None:
         self.err += data
+        self._check()
 
     def _check(self) -> None:
         for watcher in list(self._watchers):
-            pattern, d = watcher
-            if pattern.search(self.out):
+            pattern, on_stderr, d = watcher
+            if pattern.search(self.err if on_stderr else self.out):
                 self._watchers.remove(watcher)
                 d.callback(None)
 
-    async def output(self, pattern: bytes, what: str) -> None:
+    async def output(self, pattern: bytes, what: str, stderr: bool = False) -> None:
+        """Wait until stdout (or stderr) matches ``pattern``.
+
+        The two pipes are read independently: a line the client wrote to
+        stderr before the remote output can still arrive after it.
+        """
         d: Deferred[None] = Deferred()
-        self._watchers.append((re.compile(pattern, re.DOTALL), d))
+        self._watchers.append((re.compile(pattern, re.DOTALL), stderr, d))
         self._check()
         await wait(d, f"{what} (output so far: {self.out[-500:]!r}, {self.err[-500:]!r})", TIMEOUT)
 
@@ -204,7 +210,11 @@ async def test_ctrl_c_sends_sigint_then_terminates_then_kills() -> None:
         # Second: terminate (SIGTERM; SIGKILL after the server's grace).
         cli.signal("INT")
         await cli.output(rb"got TERM\n", "the remote SIGTERM trap")
-        assert b"terminating `sh` (interrupt again to kill it at once)" in cli.err
+        await cli.output(
+            rb"terminating `sh` \(interrupt again to kill it at once\)",
+            "the client's note on stderr",
+            stderr=True,
+        )
         # Third: killed at once.
         cli.signal("INT")
         assert await cli.finish() == 128 + 9
