@@ -460,9 +460,15 @@ class FsRemoveParams(_Wire):
 class FsWatchMissingParams(_Wire):
     """``fs/watchMissing`` (current dialect): paths as URIs or absolute paths."""
 
-    watch_id: int | str
+    watch_id: U64 | str
     missing: list[str]
     present: list[str] | None = None
+
+    U64_FIELDS: ClassVar[tuple[str, ...]] = ("watch_id",)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.watch_id, int):
+            _check_u64(self, self.U64_FIELDS)
 
 
 class FsWatchMissingResponse(msgspec.Struct):
