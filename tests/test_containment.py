@@ -74,6 +74,10 @@ if os.fork() == 0:
         os.closerange(3, 1024)
         os.execvp('sleep', ['sleep', sys.argv[1]])
     os._exit(0)
+# Wait for the intermediate child (it has left the session by then): on a
+# PTY the leader's exit hangs the terminal up, and a child still in its
+# session would die of that SIGHUP before it could daemonise.
+os.wait()
 os._exit(0)
 """
 
