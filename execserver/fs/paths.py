@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Final, NoReturn, ParamSpec, TypeVar
 
 from execserver.errors import RpcError
+from execserver.spawn.lookup import os_error_text
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -76,7 +77,7 @@ def os_error(exc: OSError) -> RpcError:
     code = exc.errno
     if code is None:
         return RpcError.internal(str(exc), {"kind": "other"})
-    message = f"{os.strerror(code)} (os error {code})"
+    message = os_error_text(code)
     data = {"kind": _KINDS.get(code, "other"), "errno": code}
     if code == errno.EINVAL:
         return RpcError.invalid_request(message, data)
