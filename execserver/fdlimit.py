@@ -52,7 +52,7 @@ def raise_soft_limit() -> tuple[int, int]:
     """
     before = soft_limit()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
