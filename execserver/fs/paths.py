@@ -29,10 +29,6 @@ _T = TypeVar("_T")
 
 #: Family named in "client must call initialize before using filesystem methods".
 FAMILY: Final = "filesystem"
-#: Slice of a large payload base64-encoded or decoded per C call; a multiple of
-#: 3 and 4 so slices join seamlessly. Small enough that other threads (the
-#: reactor) get the GIL between slices.
-B64_SLICE: Final = 3 * 1024 * 1024
 _RELATIVE_PATH_MESSAGE: Final = "AbsolutePathBuf deserialized without a base path"
 NUL_MESSAGE: Final = "file name contained an unexpected NUL byte"
 ROOT_MESSAGE: Final = "fs/remove refuses to remove the root directory `/`"
