@@ -73,10 +73,11 @@ class ReplyBudget:
         """A charge at once if nothing waits and ``size`` fits now, else None."""
         if self._waits or self.used + size > self.limit:
             return None
-        if self.owned(owner) + size > self.connection_limit:
+        owned = self.owned(owner) + size
+        if owned > self.connection_limit:
             return None
         self.used += size
-        self._owned[owner] = self.owned(owner) + size
+        self._owned[owner] = owned
         return Charge(self, owner, size)
 
     def reserve(self, owner: object, size: int) -> Deferred[Charge]:
@@ -104,7 +105,8 @@ class ReplyBudget:
         for wait in list(self._waits):
             if id(wait.owner) in held:
                 continue
-            if self.owned(wait.owner) + wait.size > self.connection_limit:
+            owned = self.owned(wait.owner) + wait.size
+            if owned > self.connection_limit:
                 held.add(id(wait.owner))
                 continue
             if self.used + wait.size > self.limit:
@@ -112,7 +114,7 @@ class ReplyBudget:
             self._waits.remove(wait)
             self._stop_timer(wait)
             self.used += wait.size
-            self._owned[wait.owner] = self.owned(wait.owner) + wait.size
+            self._owned[wait.owner] = owned
             granted.append((wait, Charge(self, wait.owner, wait.size)))
         # Fired after the scan: callbacks may release or reserve again.
         for wait, charge in granted:
