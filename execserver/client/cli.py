@@ -321,6 +321,10 @@ async def connect(
     except (ConnectFailed, InitializeTimeout, SpawnFailed) as exc:
         raise CliError(str(exc), EXIT_CONNECTION) from None
     except ServerError as exc:
+        if resume_session_id is not None:
+            # ResumingClient tells "unknown session id" (give up) from
+            # "already attached" (retry) by the ServerError itself.
+            raise
         raise CliError(
             f"the server refused the handshake: {exc.message}", EXIT_CONNECTION
         ) from None
