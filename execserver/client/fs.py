@@ -96,12 +96,15 @@ async def download(
     meanwhile is copied as the ranges found it.
     """
     _require_ranges(client, RANGE_CAPABILITIES[0])
+    offset = 0
+    got = await client._call(
+        p.FS_READ_FILE, _RangedRead(path, offset, chunk_bytes), _RangedReadResult
+    )
+    # Opened once the first range has arrived: a missing or unreadable
+    # remote file leaves the local file as it was.
     out, owned = _open_local(local_file, write=True)
     try:
-        offset = 0
         while True:
-            params = _RangedRead(path, offset, chunk_bytes)
-            got = await client._call(p.FS_READ_FILE, params, _RangedReadResult)
             data = got.data_base64
             out.write(data)
             offset += len(data)
@@ -109,6 +112,8 @@ async def download(
                 progress(offset, got.size)
             if len(data) < chunk_bytes or offset >= got.size:
                 return offset
+            params = _RangedRead(path, offset, chunk_bytes)
+            got = await client._call(p.FS_READ_FILE, params, _RangedReadResult)
     finally:
         if owned:
             out.close()
