@@ -32,6 +32,20 @@ async def session(server: WsServerProcess, **params: Any) -> tuple[WsClientProto
     return client, response["result"]["sessionId"]
 
 
+async def resume(
+    server: WsServerProcess, session_id: str
+) -> tuple[WsClientProtocol, dict[str, Any]]:
+    """Connect anew and ask to take over ``session_id``; the raw response."""
+    client = await connect(server.url)
+    return client, await initialize(client, resumeSessionId=session_id)
+
+
+async def start_tree(client: WsClientProtocol) -> int:
+    """Start process "p" with a background grandchild; return the grandchild's pid."""
+    await client.start_process("p", ["sh", "-c", "sleep 1000 & echo $!; wait"])
+    return int((await client.wait_output_contains("p", b"\n")).split()[0])
+
+
 async def dropped(client: WsClientProtocol) -> None:
     """Cut TCP under the client (no close frame), and wait for it to notice."""
     client.abort()
@@ -80,8 +94,7 @@ async def test_resume_within_ttl_keeps_processes_and_replays_missed_output(tmp_p
         await dropped(client)
         go.touch()  # the child writes while nobody is connected
 
-        again = await connect(server.url)
-        resumed = await initialize(again, resumeSessionId=session_id)
+        again, resumed = await resume(server, session_id)
         assert resumed["result"]["sessionId"] == session_id
         assert resumed["result"]["sessionTtlMs"] == 20_000
         read = await again.call("process/read", {"processId": "p", "afterSeq": 1, "waitMs": 5000})
@@ -112,15 +125,12 @@ async def test_expiry_terminates_the_whole_tree_and_forgets_the_id() -> None:
     try:
         client, session_id = await session(server, sessionTtlMs=300)
         # A grandchild in the background, reporting its pid.
-        await client.start_process("p", ["sh", "-c", "sleep 1000 & echo $!; wait"])
-        text = await client.wait_output_contains("p", b"\n")
-        grandchild = int(text.split()[0])
+        grandchild = await start_tree(client)
         assert pid_alive(grandchild)
         await dropped(client)
         await poll_until(lambda: not pid_alive(grandchild), 10.0, "the tree to be terminated")
 
-        again = await connect(server.url)
-        response = await initialize(again, resumeSessionId=session_id)
+        again, response = await resume(server, session_id)
         assert response["error"] == {"code": -32600, "message": f"unknown session id {session_id}"}
         await again.close()
     finally:
@@ -132,12 +142,10 @@ async def test_without_a_ttl_a_disconnect_ends_the_session_as_before() -> None:
     server = await WsServerProcess.start("--terminate-grace-ms", "200")
     try:
         client, session_id = await session(server)
-        await client.start_process("p", ["sh", "-c", "sleep 1000 & echo $!; wait"])
-        grandchild = int((await client.wait_output_contains("p", b"\n")).split()[0])
+        grandchild = await start_tree(client)
         await dropped(client)
         await poll_until(lambda: not pid_alive(grandchild), 10.0, "the tree to be terminated")
-        again = await connect(server.url)
-        response = await initialize(again, resumeSessionId=session_id)
+        again, response = await resume(server, session_id)
         assert response["error"]["message"] == f"unknown session id {session_id}"
         await again.close()
     finally:
@@ -158,8 +166,7 @@ async def test_ttl_is_capped_and_zero_max_disables_resumption() -> None:
         client, session_id = await session(server, sessionTtlMs=50_000)
         assert client.messages[0]["result"]["sessionTtlMs"] == 0
         await dropped(client)
-        again = await connect(server.url)
-        response = await initialize(again, resumeSessionId=session_id)
+        again, response = await resume(server, session_id)
         assert response["error"]["message"] == f"unknown session id {session_id}"
         await again.close()
     finally:
@@ -173,8 +180,7 @@ async def test_default_ttl_applies_to_clients_that_do_not_ask() -> None:
         client, session_id = await session(server)
         assert client.messages[0]["result"]["sessionTtlMs"] == 4000
         await dropped(client)
-        again = await connect(server.url)
-        response = await initialize(again, resumeSessionId=session_id)
+        again, response = await resume(server, session_id)
         assert response["result"]["sessionId"] == session_id
         await again.close()
     finally:
@@ -187,8 +193,7 @@ async def test_server_shutdown_terminates_detached_sessions() -> None:
     stopped = False
     try:
         client, _ = await session(server, sessionTtlMs=60_000)
-        await client.start_process("p", ["sh", "-c", "sleep 1000 & echo $!; wait"])
-        grandchild = int((await client.wait_output_contains("p", b"\n")).split()[0])
+        grandchild = await start_tree(client)
         await dropped(client)
         assert pid_alive(grandchild)
         assert await server.stop() == 0
@@ -284,8 +289,7 @@ async def test_pause_keeps_unacknowledged_output_while_detached() -> None:
         script = "head -c 65536 /dev/urandom | od -An -v -tx1"
         await client.start_process("p", ["sh", "-c", script])
         await dropped(client)
-        again = await connect(server.url)
-        await initialize(again, resumeSessionId=session_id)
+        again, _ = await resume(server, session_id)
         data = b""
         after = 0
         while True:
