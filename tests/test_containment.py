@@ -170,8 +170,10 @@ def server_args(mode: str) -> list[str]:
 
 
 async def start_all(client: Any, markers: dict[str, str], **extra: Any) -> None:
+    """Start every marked escapee and wait until each has spawned its escapees."""
     for kind, marker in markers.items():
         await client.start_process(kind, escape_argv(kind, marker), **extra)
+    await wait_started(markers)
 
 
 def check_mode_logged(server: Any, mode: str) -> None:
@@ -192,7 +194,6 @@ async def test_terminate_reaches_every_escapee(mode: str) -> None:
         for kind in KINDS:
             markers = {kind: new_marker()}
             await start_all(server, markers)
-            await wait_started(markers)
             result = await server.call("process/terminate", {"processId": kind})
             if kind != "daemon":  # its leader exits at once; its tree runs on
                 assert result == {"running": True}
@@ -212,7 +213,6 @@ async def test_terminate_reaches_escapees_of_a_pty_process(mode: str) -> None:
         for kind in ("setsid", "daemon"):
             markers = {kind: new_marker()}
             await start_all(server, markers, tty=True)
-            await wait_started(markers)
             await server.call("process/terminate", {"processId": kind})
             await server.wait_closed(kind)
             await assert_gone(markers, server.pid)
@@ -228,7 +228,6 @@ async def test_stdio_eof_reaches_every_escapee(mode: str) -> None:
     try:
         await server.handshake()
         await start_all(server, markers)
-        await wait_started(markers)
     finally:
         code = await server.stop()
     assert code == 0
@@ -244,7 +243,6 @@ async def test_websocket_close_reaches_every_escapee(mode: str) -> None:
         client = await connect(server.url)
         await client.handshake()
         await start_all(client, markers)
-        await wait_started(markers)
         await client.close()
         # The server lives on: the session's end alone must clean up.
         await assert_gone(markers, server.pid)
@@ -261,7 +259,6 @@ async def test_wall_timeout_reaches_every_escapee(mode: str) -> None:
     try:
         await server.handshake()
         await start_all(server, markers, timeoutMs=1500)
-        await wait_started(markers)
         for kind in KINDS:
             await server.wait_closed(kind)
         await assert_gone(markers, server.pid)
@@ -277,7 +274,6 @@ async def test_server_sigterm_reaches_every_escapee(mode: str) -> None:
     try:
         await server.handshake()
         await start_all(server, markers)
-        await wait_started(markers)
         server.kill("TERM")
         await server.stop()
     finally:
@@ -346,7 +342,6 @@ async def test_a_restarted_server_kills_what_a_crashed_one_left_in_its_cgroups()
     crashed = ServerProcess.start(*server_args("cgroup"))
     await crashed.handshake()
     await start_all(crashed, markers)
-    await wait_started(markers)
     crashed.kill("KILL")
     await crashed.stop()
     # SIGKILL gives the server no chance: its processes live on in its
