@@ -492,6 +492,13 @@ class ExecServerClient(ClientApi, FileTransfers):
             return
         except ConnectionClosed:
             return  # dropped again: the next resume catches up
+        except Exception as exc:
+            # Any other failure (e.g. a malformed read reply) must end the
+            # handle too: left in catch-up it would hold events back forever.
+            log.failure("catching up process {process_id} failed", process_id=handle.process_id)
+            handle.fail(exc)
+            self._processes.pop(handle.process_id, None)
+            return
         handle.end_catch_up()
         if handle.is_closed:
             self._forget(handle.process_id, handle)
