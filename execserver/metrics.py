@@ -42,8 +42,9 @@ def render(dispatcher: Dispatcher) -> bytes:
     running = 0
     registered = 0
     retained = 0
-    for conn in list(dispatcher.connections):
-        for proc in conn.session.processes.values():
+    # Detached (resumable) sessions' processes run and retain output too.
+    for session in dispatcher.all_sessions():
+        for proc in session.processes.values():
             registered += 1
             if not proc.exited:
                 running += 1
