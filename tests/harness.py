@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -55,6 +56,19 @@ def console_script(name: str) -> str:
             f"{path} is missing: install the package under test (pip install '.[test]')"
         )
     return str(path)
+
+
+def run_script(name: str, *args: str, text: bool = False) -> subprocess.CompletedProcess[Any]:
+    """Run console script ``name`` to its end (no stdin, output captured, 60 s)."""
+    return subprocess.run(
+        [console_script(name), *args],
+        env=server_env(),
+        capture_output=True,
+        text=text,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:

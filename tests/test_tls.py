@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from cryptography.x509.oid import NameOID
 from execserver.client import connect_websocket
 from execserver.client.errors import ConnectFailed
 from execserver.tls import ClientTls
-from tests.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
+from tests.harness import DEFAULT_TIMEOUT, run_script, with_timeout
 from tests.ws_harness import WsServerProcess
 
 Key = ec.EllipticCurvePrivateKey
@@ -140,16 +139,9 @@ async def test_client_verifies_the_server_with_a_ca_file(pki: Pki) -> None:
         assert client.session_id
         await client.close()
         # The same through the CLI.
-        done = subprocess.run(
-            [
-                console_script("exec-server-client"),
-                *("run", "--url", server.url, "--ca-file", pki.ca_file, "--", "echo", "tls"),
-            ],
-            env=server_env(),
-            capture_output=True,
-            timeout=60,
-            check=False,
-            stdin=subprocess.DEVNULL,
+        done = run_script(
+            "exec-server-client",
+            *("run", "--url", server.url, "--ca-file", pki.ca_file, "--", "echo", "tls"),
         )
         assert (done.returncode, done.stdout) == (0, b"tls\n"), done.stderr
     finally:
@@ -193,18 +185,10 @@ async def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
 
 
 def run_refused(*args: str) -> str:
-    done = subprocess.run(
-        [console_script("exec-server"), *args],
-        env=server_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
+    done = run_script("exec-server", *args, text=True)
     assert done.returncode != 0, done.stderr
     assert "Traceback" not in done.stderr
-    return done.stderr
+    return str(done.stderr)
 
 
 def test_bad_tls_configuration_is_refused_at_start(pki: Pki) -> None:

@@ -19,7 +19,7 @@ from execserver.client import connect_websocket
 from execserver.client.errors import ConnectFailed
 from execserver.service import Options
 from execserver.transports.listen import ListenUrlError, UnixAddress, parse_listen_url
-from tests.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
+from tests.harness import DEFAULT_TIMEOUT, run_script, with_timeout
 from tests.ws_harness import WsServerProcess
 
 NOBODY = 65534
@@ -67,16 +67,9 @@ async def test_unix_listener_mode_client_and_cli(socket_dir: Path) -> None:
         )
         assert client.session_id
         await client.close()
-        done = subprocess.run(
-            [
-                console_script("exec-server-client"),
-                *("run", "--url", f"unix://{path}", "--", "echo", "over-a-unix-socket"),
-            ],
-            env=server_env(),
-            capture_output=True,
-            timeout=60,
-            check=False,
-            stdin=subprocess.DEVNULL,
+        done = run_script(
+            "exec-server-client",
+            *("run", "--url", f"unix://{path}", "--", "echo", "over-a-unix-socket"),
         )
         assert (done.returncode, done.stdout) == (0, b"over-a-unix-socket\n"), done.stderr
     finally:
@@ -130,15 +123,7 @@ async def test_socket_mode_and_stale_socket_file(socket_dir: Path) -> None:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
         # A second server on the socket of a live one is refused, and the
         # live one's socket is left alone.
-        done = subprocess.run(
-            [console_script("exec-server"), "--listen", f"unix://{path}"],
-            env=server_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
+        done = run_script("exec-server", "--listen", f"unix://{path}", text=True)
         assert done.returncode != 0
         assert "Address already in use" in done.stderr
         assert stat.S_ISSOCK(os.stat(path).st_mode)
