@@ -40,6 +40,7 @@ from execserver.transports.websocket import (
 )
 from tests.fakes import FakeSpawner
 from tests.harness import DEFAULT_TIMEOUT, reactor, with_timeout
+from tests.test_websocket_protocol import client_frame as frame
 from tests.ws_harness import WsServerProcess, get_request, http_get, observe
 
 MiB = 1024 * 1024
@@ -48,22 +49,6 @@ OP_CONTINUATION, OP_TEXT, OP_CLOSE = 0x0, 0x1, 0x8
 #: Bytes of the half-sent message of each loop.
 LOOP_MESSAGE_BYTES = 32 * MiB
 LOOPS = 8
-
-
-def frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
-    """One masked client-to-server frame."""
-    n = len(payload)
-    first = (0x80 if fin else 0) | opcode
-    if n < 126:
-        head = bytes([first, 0x80 | n])
-    elif n < 1 << 16:
-        head = bytes([first, 0x80 | 126]) + struct.pack(">H", n)
-    else:
-        head = bytes([first, 0x80 | 127]) + struct.pack(">Q", n)
-    mask = os.urandom(4)
-    key = int.from_bytes((mask * (n // 4 + 1))[:n], "little")
-    masked = (int.from_bytes(payload, "little") ^ key).to_bytes(n, "little")
-    return head + mask + masked
 
 
 class RawWebSocket(Protocol):

@@ -75,8 +75,7 @@ def server_on_string_transport(
 
 
 def client_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
-    """One masked client-to-server frame."""
-    mask = os.urandom(4)
+    """One masked client-to-server frame (masked as one big-int XOR: fast at MiBs)."""
     n = len(payload)
     first = (0x80 if fin else 0) | opcode
     if n < 126:
@@ -85,7 +84,9 @@ def client_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
         head = bytes([first, 0x80 | 126]) + struct.pack(">H", n)
     else:
         head = bytes([first, 0x80 | 127]) + struct.pack(">Q", n)
-    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    mask = os.urandom(4)
+    key = int.from_bytes((mask * (n // 4 + 1))[:n], "little")
+    masked = (int.from_bytes(payload, "little") ^ key).to_bytes(n, "little")
     return head + mask + masked
 
 
