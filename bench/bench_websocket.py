@@ -345,6 +345,13 @@ def round_trips(client: Client, total: int, depth: int) -> float:
     return total / (time.perf_counter() - start)
 
 
+def paired_round_trips(a: Client, b: Client, depth: int, total: int) -> tuple[float, float]:
+    """Round-trip rates of ``a`` and ``b``, each after a warm-up."""
+    round_trips(a, min(total, 500), depth)
+    round_trips(b, min(total, 500), depth)
+    return round_trips(a, total, depth), round_trips(b, total, depth)
+
+
 def rtt(depth: int, total: int) -> tuple[float, float]:
     stdio = Server()
     ws = Server("--listen", "ws://127.0.0.1:0")
@@ -353,9 +360,7 @@ def rtt(depth: int, total: int) -> tuple[float, float]:
         handshake(s_client)
         w_client = WsClient(*ws.ws_address())
         handshake(w_client)
-        round_trips(w_client, min(total, 500), depth)  # warm-up
-        round_trips(s_client, min(total, 500), depth)
-        return round_trips(w_client, total, depth), round_trips(s_client, total, depth)
+        return paired_round_trips(w_client, s_client, depth, total)
     finally:
         stdio.stop()
         ws.stop()
@@ -370,9 +375,7 @@ def frame_paths(depth: int, total: int) -> tuple[float, float]:
         handshake(f_client)
         p_client = WsClient(*public.ws_address())
         handshake(p_client)
-        round_trips(f_client, min(total, 500), depth)  # warm-up
-        round_trips(p_client, min(total, 500), depth)
-        return round_trips(f_client, total, depth), round_trips(p_client, total, depth)
+        return paired_round_trips(f_client, p_client, depth, total)
     finally:
         fast.stop()
         public.stop()
