@@ -1,129 +1,42 @@
 """Typed exceptions raised by the exec-server client.
 
-Every failure the client reports is an :class:`ExecServerError`, so an
-application can catch one class; the subclasses say what went wrong.
+The classes are defined once, Twisted-free, in :mod:`execserver.clientcore.errors`
+(the asyncio and blocking clients raise the same ones); this module keeps
+their historical import path.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from execserver.clientcore.errors import (
+    AuthRefused,
+    ConnectFailed,
+    ConnectionClosed,
+    ConnectTimeout,
+    ExecServerError,
+    InitializeTimeout,
+    NotConnected,
+    OutcomeUnknown,
+    OutputLagged,
+    ProtocolViolation,
+    RangesNotSupported,
+    ServerError,
+    SessionLost,
+    SpawnFailed,
+)
 
-
-class ExecServerError(Exception):
-    """Base class of every client error."""
-
-
-class ServerError(ExecServerError):
-    """The server answered a request with a JSON-RPC error.
-
-    ``code`` is the JSON-RPC code (-32600 invalid request, -32602 invalid
-    params, -32603 internal error), ``message`` the server's text and ``data``
-    its machine-readable detail, if any (e.g. ``{"kind": "spawnNotFound"}``).
-    """
-
-    def __init__(self, method: str, code: int, message: str, data: Any = None) -> None:
-        super().__init__(f"{method}: server error {code}: {message}")
-        self.method = method
-        self.code = code
-        self.message = message
-        self.data = data
-
-    @property
-    def kind(self) -> str | None:
-        """``data.kind`` when the server sent one."""
-        if isinstance(self.data, dict):
-            kind = self.data.get("kind")
-            return kind if isinstance(kind, str) else None
-        return None
-
-
-class ConnectionClosed(ExecServerError):
-    """The connection ended; pending and later calls fail with this."""
-
-    def __init__(self, reason: str = "connection closed") -> None:
-        super().__init__(f"exec-server connection closed: {reason}")
-        self.reason = reason
-
-
-class ProtocolViolation(ExecServerError):
-    """The server sent something the protocol does not allow."""
-
-
-class InitializeTimeout(ExecServerError):
-    def __init__(self, timeout: float) -> None:
-        super().__init__(f"exec-server did not answer initialize within {timeout:g}s")
-        self.timeout = timeout
-
-
-class ConnectFailed(ExecServerError):
-    """The server could not be reached (refused, unresolvable, TLS, HTTP error)."""
-
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"cannot connect to {url}: {reason}")
-        self.url = url
-        self.reason = reason
-
-
-class ConnectTimeout(ConnectFailed):
-    def __init__(self, url: str, timeout: float) -> None:
-        super().__init__(url, f"no WebSocket connection within {timeout:g}s")
-        self.timeout = timeout
-
-
-class AuthRefused(ConnectFailed):
-    """The WebSocket upgrade was answered with HTTP 401 or 403."""
-
-    def __init__(self, url: str, status: int, reason: str) -> None:
-        super().__init__(url, reason)
-        self.status = status
-
-
-class SpawnFailed(ExecServerError):
-    """A local server could not be launched, or died before the handshake."""
-
-
-class NotConnected(ExecServerError):
-    """A reconnecting client stayed disconnected longer than a call may wait."""
-
-    def __init__(self, url: str, waited: float, last_error: Exception | None = None) -> None:
-        detail = f"; last attempt: {last_error}" if last_error is not None else ""
-        super().__init__(f"not connected to {url} (waited {waited:g}s for a reconnect{detail})")
-        self.url = url
-        self.waited = waited
-        self.last_error = last_error
-
-
-class OutputLagged(ExecServerError):
-    """An output subscription fell too far behind and was dropped.
-
-    Catch up with ``process/read`` from ``after_seq``.
-    """
-
-    def __init__(self, process_id: str, after_seq: int | None, limit: int) -> None:
-        super().__init__(
-            f"output subscription of process {process_id} exceeded {limit} buffered bytes; "
-            f"catch up with read(after_seq={after_seq})"
-        )
-        self.process_id = process_id
-        self.after_seq = after_seq
-
-
-class OutcomeUnknown(ConnectionClosed):
-    """The connection dropped while a call that is not safe to repeat was in
-    flight: the server may or may not have carried it out."""
-
-    def __init__(self, method: str, reason: str) -> None:
-        super().__init__(
-            f"{method}: the connection was lost before the answer arrived ({reason}); "
-            "the server may or may not have carried it out"
-        )
-        self.method = method
-
-
-class SessionLost(ConnectionClosed):
-    """The session could not be resumed: its processes are out of reach."""
-
-    def __init__(self, session_id: str | None, cause: str) -> None:
-        super().__init__(f"session {session_id} could not be resumed: {cause}")
-        self.session_id = session_id
-        self.cause = cause
+__all__ = [
+    "AuthRefused",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "ConnectionClosed",
+    "ExecServerError",
+    "InitializeTimeout",
+    "NotConnected",
+    "OutcomeUnknown",
+    "OutputLagged",
+    "ProtocolViolation",
+    "RangesNotSupported",
+    "ServerError",
+    "SessionLost",
+    "SpawnFailed",
+]

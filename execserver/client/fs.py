@@ -26,7 +26,7 @@ from twisted.internet.defer import Deferred
 
 from execserver import protocol as p
 from execserver.client.api import ClientApi
-from execserver.client.errors import ExecServerError
+from execserver.client.errors import RangesNotSupported
 
 #: Bytes per ranged call of :func:`upload` and :func:`download`.
 TRANSFER_CHUNK_BYTES = 8 * 1024 * 1024
@@ -55,10 +55,6 @@ class _RangedWrite(msgspec.Struct, rename="camel", omit_defaults=True):
 
 #: What a server lists in ``capabilities`` when it takes ranged fs calls.
 RANGE_CAPABILITIES = ("fs/readFile:range", "fs/writeFile:range")
-
-
-class RangesNotSupported(ExecServerError):
-    """The server does not take ranged fs calls (a baseline server)."""
 
 
 def _require_ranges(client: ClientApi, capability: str) -> None:

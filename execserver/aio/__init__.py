@@ -1,0 +1,77 @@
+"""An asyncio client for exec-server, with no Twisted import.
+
+    import asyncio
+    from execserver import aio
+
+    async def main():
+        async with aio.connect() as client:          # a local server over stdio
+            result = await client.run(["sh", "-c", "echo hi; exit 3"])
+            print(result.stdout, result.exit_code)   # b'hi\\n' 3
+            proc = await client.start(["seq", "3"])
+            async for event in proc.output():
+                print(event.stream, event.chunk)
+            print(await proc.wait())
+
+    asyncio.run(main())
+
+``connect(url)`` takes ``ws://``, ``wss://`` and ``unix:///PATH`` too, with
+tokens and certificates, and resumes the session after a dropped
+connection (see :mod:`execserver.aio.client`). Events and errors are the
+classes of :mod:`execserver.clientcore`, the ones the Twisted client uses.
+"""
+
+from execserver.aio.channels import default_server_command
+from execserver.aio.client import DEFAULT_PATH, Client, RunResult, connect
+from execserver.aio.process import OutputStream, Process
+from execserver.clientcore.errors import (
+    AuthRefused,
+    ConnectFailed,
+    ConnectionClosed,
+    ConnectTimeout,
+    ExecServerError,
+    InitializeTimeout,
+    NotConnected,
+    OutcomeUnknown,
+    OutputLagged,
+    ProtocolViolation,
+    RangesNotSupported,
+    ServerError,
+    SessionLost,
+    SpawnFailed,
+)
+from execserver.clientcore.types import (
+    ClosedEvent,
+    ExitedEvent,
+    GapEvent,
+    InitializeResult,
+    OutputEvent,
+)
+
+__all__ = [
+    "DEFAULT_PATH",
+    "AuthRefused",
+    "Client",
+    "ClosedEvent",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "ConnectionClosed",
+    "ExecServerError",
+    "ExitedEvent",
+    "GapEvent",
+    "InitializeResult",
+    "InitializeTimeout",
+    "NotConnected",
+    "OutcomeUnknown",
+    "OutputEvent",
+    "OutputLagged",
+    "OutputStream",
+    "Process",
+    "ProtocolViolation",
+    "RangesNotSupported",
+    "RunResult",
+    "ServerError",
+    "SessionLost",
+    "SpawnFailed",
+    "connect",
+    "default_server_command",
+]

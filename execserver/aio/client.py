@@ -1,0 +1,936 @@
+"""The asyncio client: connect, processes, fs, resume after a dropped connection.
+
+:func:`connect` returns a :class:`Client` once ``initialize``/``initialized``
+is done, over a local server's stdio (``url=None``), ``ws://``, ``wss://`` or
+``unix:///PATH``. It imports no Twisted: wire types come from
+:mod:`execserver.protocol`, events and errors from :mod:`execserver.clientcore`
+(the same classes the Twisted client raises).
+
+Over WebSocket and Unix sockets (``resume=True``, the default) the session
+is created with a TTL (``session_ttl_ms``, default 60 s, capped by the
+server) and survives a dropped connection exactly as the Twisted client's
+``ResumingClient`` does:
+
+1. the client re-dials with backoff (50 ms doubling to 2 s) and sends
+   ``initialize`` with ``resumeSessionId``;
+2. every live process handle is caught up with ``process/read`` from the last
+   seq it delivered: output is delivered in seq order, never twice, with a
+   :class:`~execserver.clientcore.types.GapEvent` where the server dropped
+   some, then the exit and the close; live notifications wait their turn;
+3. calls in flight at the drop that are safe to repeat (``read``, ``wait``,
+   ``list_processes``, fs reads, and ``write``, which carries a ``writeId``)
+   are sent again on the resumed session; the others fail with
+   :class:`~execserver.clientcore.errors.OutcomeUnknown`;
+4. it gives up -- every handle and every waiting call fails with
+   :class:`~execserver.clientcore.errors.SessionLost` naming the cause --
+   when the server answers that the session is unknown, when connections are
+   refused for 2 s, or after the session's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import Any, BinaryIO, TypeVar
+
+import attrs
+from pybase64 import b64decode
+
+from execserver import protocol as p
+from execserver.aio.channels import (
+    UNIX_SCHEME,
+    StdioChannel,
+    WebSocketChannel,
+    open_websocket,
+    spawn_stdio,
+)
+from execserver.aio.process import DEFAULT_BACKLOG_BYTES, Process
+from execserver.aio.rpc import AsyncRpc
+from execserver.clientcore.calls import repeatable
+from execserver.clientcore.errors import (
+    ConnectFailed,
+    ConnectionClosed,
+    ExecServerError,
+    InitializeTimeout,
+    OutcomeUnknown,
+    ServerError,
+    SessionLost,
+    SpawnFailed,
+)
+from execserver.clientcore.transfer import (
+    RANGE_CAPABILITIES,
+    TRANSFER_CHUNK_BYTES,
+    Progress,
+    RangedRead,
+    RangedReadResult,
+    RangedWrite,
+    require_ranges,
+)
+from execserver.clientcore.types import (
+    ClosedParams,
+    ExitedParams,
+    InitializeResult,
+    OutputEvent,
+    OutputParams,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("execserver.aio")
+
+#: ``env`` sent by ``start`` when none is given (as the Twisted client).
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The session lifetime asked for over WebSocket with ``resume=True``.
+DEFAULT_SESSION_TTL_MS = 60_000
+#: After a drop, how long refused connections are retried before the session
+#: counts as lost (nothing listens any more), as ``ResumingClient``.
+REFUSED_GIVE_UP_SECONDS = 2.0
+#: How long ``close()`` waits for the processes it terminated to end.
+CLOSE_WAIT_SECONDS = 10.0
+
+
+class _Default(enum.Enum):
+    TOKEN = 0
+
+
+#: "the client's request_timeout" (None already means "no timeout").
+_DEFAULT = _Default.TOKEN
+
+
+@attrs.frozen
+class RunResult:
+    """What :meth:`Client.run` returns: all output and how the process ended."""
+
+    stdout: bytes
+    stderr: bytes
+    #: 128+N when the process died of signal N (``signal`` names it).
+    exit_code: int | None
+    signal: str | None = None
+    #: ``"wall"`` or ``"idle"`` when a server-side ``timeout_ms`` /
+    #: ``idle_timeout_ms`` ended the process.
+    timed_out: str | None = None
+
+
+@attrs.frozen
+class _Dialer:
+    """How to open (and re-open) this client's connection."""
+
+    url: str | None
+    server_command: Sequence[str] | None
+    token: str | None
+    ca_file: str | None
+    client_cert: str | None
+    client_key: str | None
+    connect_timeout: float
+    client_name: str
+    session_ttl_ms: int | None
+    on_detached_full: str | None
+    env: dict[str, str] | None
+    stderr: Callable[[bytes], None] | None
+    shutdown_grace: float
+
+    async def open(
+        self, resume_session_id: str | None
+    ) -> tuple[AsyncRpc, StdioChannel | WebSocketChannel, InitializeResult]:
+        """A connection and its completed handshake, or an ExecServerError."""
+        label = f"exec-server {self.url}" if self.url else "exec-server stdio"
+        rpc = AsyncRpc(label)
+        channel: StdioChannel | WebSocketChannel
+        if self.url is None:
+            channel = await spawn_stdio(
+                rpc,
+                self.server_command,
+                env=self.env,
+                stderr=self.stderr,
+                shutdown_grace=self.shutdown_grace,
+            )
+        else:
+            channel = await open_websocket(
+                rpc,
+                self.url,
+                token=self.token,
+                connect_timeout=self.connect_timeout,
+                ca_file=self.ca_file,
+                client_cert=self.client_cert,
+                client_key=self.client_key,
+            )
+        try:
+            result = await self._handshake(rpc, resume_session_id)
+        except ConnectionClosed as exc:
+            if isinstance(channel, StdioChannel):
+                await channel.wait_exited(self.shutdown_grace)
+                tail = channel.stderr_tail.decode("utf-8", "replace").strip()
+                message = (
+                    f"exec-server `{' '.join(channel.argv)}` ended before the handshake "
+                    f"({channel.describe_exit()})"
+                )
+                await channel.aclose()
+                raise SpawnFailed(f"{message}: {tail}" if tail else message) from exc
+            await channel.aclose()
+            raise
+        except BaseException:
+            await asyncio.shield(channel.aclose())
+            raise
+        return rpc, channel, result
+
+    async def _handshake(self, rpc: AsyncRpc, resume_session_id: str | None) -> InitializeResult:
+        # Only what is asked for goes on the wire: a baseline client's
+        # initialize stays exactly {"clientName": ...}.
+        params: dict[str, object] = {"clientName": self.client_name}
+        if self.session_ttl_ms is not None:
+            params["sessionTtlMs"] = self.session_ttl_ms
+        if resume_session_id is not None:
+            params["resumeSessionId"] = resume_session_id
+        if self.on_detached_full is not None:
+            params["onDetachedFull"] = self.on_detached_full
+        try:
+            result = await rpc.call(
+                p.INITIALIZE, params, InitializeResult, timeout=self.connect_timeout
+            )
+        except TimeoutError:
+            raise InitializeTimeout(self.connect_timeout) from None
+        await rpc.notify(p.INITIALIZED, p.Empty())
+        return result
+
+
+class Client:
+    """A connected, initialized exec-server client on asyncio.
+
+    Every protocol method is a coroutine returning the shared wire type of
+    :mod:`execserver.protocol` (the Twisted client's names: ``read``,
+    ``write``, ``terminate``, ``signal``, ``close_stdin``, ``resize``,
+    ``wait``, ``list_processes``, ``fs_*``); :meth:`start` and :meth:`run`
+    manage process handles. Each call takes the client's ``request_timeout``
+    (``TimeoutError`` when it expires; the request is forgotten).
+    """
+
+    def __init__(
+        self,
+        dialer: _Dialer,
+        rpc: AsyncRpc,
+        channel: StdioChannel | WebSocketChannel,
+        result: InitializeResult,
+        *,
+        request_timeout: float | None,
+        resume: bool,
+        backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
+    ) -> None:
+        self._dialer = dialer
+        self._request_timeout = request_timeout
+        self._resume_enabled = resume and dialer.url is not None
+        self._backlog_bytes = backlog_bytes
+        self.initialize_result = result
+        self._processes: dict[str, Process] = {}
+        self._started: dict[str, Process] = {}
+        self._next_process = 1
+        self._closing = False
+        self._closed = asyncio.Event()
+        #: The session could not be resumed: every later call fails with it.
+        self.lost: SessionLost | None = None
+        #: Successful resumes of the session so far.
+        self.resumes = 0
+        self._waiters: list[asyncio.Future[AsyncRpc]] = []
+        self._resume_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._rpc = rpc
+        self._channel = channel
+        self._install(rpc)
+
+    # --- state --------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str | None:
+        return self.initialize_result.session_id
+
+    @property
+    def capabilities(self) -> list[str]:
+        """Extension methods the server announced (empty for a baseline server)."""
+        return list(self.initialize_result.capabilities)
+
+    def supports(self, method: str) -> bool:
+        return method in self.initialize_result.capabilities
+
+    @property
+    def resumable(self) -> bool:
+        """The server keeps this client's session after a disconnect."""
+        return self.initialize_result.session_ttl_ms > 0
+
+    @property
+    def is_connected(self) -> bool:
+        return not self._rpc.is_closed
+
+    @property
+    def pending_request_count(self) -> int:
+        """Requests sent on the current connection and not yet answered."""
+        return self._rpc.pending_count
+
+    @property
+    def server_pid(self) -> int | None:
+        """The local server's pid (stdio), else None."""
+        return self._channel.pid if isinstance(self._channel, StdioChannel) else None
+
+    def process(self, process_id: str) -> Process | None:
+        """The handle of a process this client started, while it is tracked."""
+        return self._processes.get(process_id)
+
+    @property
+    def tracked_process_count(self) -> int:
+        return len(self._processes)
+
+    # --- connection and resume ----------------------------------------------------
+
+    def _install(self, rpc: AsyncRpc) -> None:
+        rpc.on_notification(p.PROCESS_OUTPUT, OutputParams, self._on_output)
+        rpc.on_notification(p.PROCESS_EXITED, ExitedParams, self._on_exited)
+        rpc.on_notification(p.PROCESS_CLOSED, ClosedParams, self._on_closed)
+        rpc.add_lost_listener(lambda reason: self._on_lost(rpc, reason))
+
+    def _on_lost(self, rpc: AsyncRpc, reason: str) -> None:
+        if rpc is not self._rpc:
+            return
+        if self._closing or not (self._resume_enabled and self.resumable):
+            handles, self._processes = self._processes, {}
+            for handle in handles.values():
+                handle.connection_lost()
+            self._fail_waiters(ConnectionClosed(reason))
+            return
+        # Hold live events back from now on: the catch-up reads on the next
+        # connection fill in what was missed before them.
+        for handle in self._processes.values():
+            handle.begin_catch_up()
+        if self._resume_task is None or self._resume_task.done():
+            self._resume_task = self._spawn(self._resume(reason))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _resume(self, reason: str) -> None:
+        session_id = self.session_id
+        ttl = self.initialize_result.session_ttl_ms / 1000.0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        refused_since: float | None = None
+        delay = 0.05
+        cause = reason
+        while not self._closing:
+            try:
+                rpc, channel, result = await self._dialer.open(session_id)
+            except ServerError as exc:
+                if exc.message.startswith("unknown session id"):
+                    self._give_up(exc.message)
+                    return
+                cause = exc.message  # "already attached": the server has not noticed yet
+            except ExecServerError as exc:
+                cause = str(exc.reason) if isinstance(exc, ConnectFailed) else str(exc)
+                now = loop.time()
+                if "refused" in cause:
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= REFUSED_GIVE_UP_SECONDS:
+                        self._give_up(f"the server is gone ({cause})")
+                        return
+                else:
+                    refused_since = None
+            else:
+                if self._closing:
+                    await channel.aclose()
+                    return
+                if result.session_id != session_id:
+                    await channel.aclose()
+                    self._give_up("the server started a new session")
+                    return
+                self._rpc, self._channel = rpc, channel
+                self.initialize_result = result
+                self.resumes += 1
+                self._install(rpc)
+                await self._catch_up_all(rpc)
+                if not rpc.is_closed:
+                    waiters, self._waiters = self._waiters, []
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_result(rpc)
+                return
+            if loop.time() - started >= ttl:
+                self._give_up(f"no connection within its {ttl:g} s TTL ({cause})")
+                return
+            log.info("resuming session %s failed: %s", session_id, cause)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _catch_up_all(self, rpc: AsyncRpc) -> None:
+        handles = [h for h in self._processes.values() if h.catching_up]
+        # Every handle's reads are in flight at once: one round trip for all.
+        await asyncio.gather(*(self._catch_up(rpc, h) for h in handles))
+
+    async def _catch_up(self, rpc: AsyncRpc, handle: Process) -> None:
+        try:
+            while True:
+                params = p.ReadParams(handle.process_id, handle.last_seq)
+                read = await rpc.call(p.PROCESS_READ, params, p.ReadResponse)
+                if not handle.catch_up(read):
+                    break
+        except ConnectionClosed:
+            return  # dropped again: the next resume catches up
+        except Exception as exc:
+            # Its id expired (closed longer than the exit retention), or a
+            # malformed reply: the handle ends rather than hold events back.
+            log.warning("catching up process %s failed: %s", handle.process_id, exc)
+            handle.fail(exc)
+            self._forget(handle)
+            return
+        handle.end_catch_up()
+        if handle.is_closed:
+            self._forget(handle)
+
+    def _give_up(self, cause: str) -> None:
+        self.lost = SessionLost(self.session_id, cause)
+        log.warning("%s", self.lost)
+        handles, self._processes = self._processes, {}
+        for handle in handles.values():
+            handle.fail(self.lost)
+        self._fail_waiters(self.lost)
+
+    def _fail_waiters(self, error: Exception) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    async def _current(self) -> AsyncRpc:
+        if self.lost is not None:
+            raise self.lost
+        rpc = self._rpc
+        if not rpc.is_closed or self._closing or not (self._resume_enabled and self.resumable):
+            return rpc
+        waiter: asyncio.Future[AsyncRpc] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    async def call(
+        self,
+        method: str,
+        params: object,
+        result_type: type[T],
+        *,
+        timeout: float | _Default | None = _DEFAULT,
+    ) -> T:
+        """Any protocol method by name; the typed methods below are built on it.
+
+        ``timeout`` (seconds, default the client's ``request_timeout``) bounds
+        the whole call, waiting for a resume included: ``TimeoutError``.
+        """
+        seconds = self._request_timeout if isinstance(timeout, _Default) else timeout
+        async with asyncio.timeout(seconds):
+            return await self._call(method, params, result_type)
+
+    async def _call(self, method: str, params: object, result_type: type[T]) -> T:
+        while True:
+            rpc = await self._current()
+            try:
+                return await rpc.call(method, params, result_type)
+            except ConnectionClosed as exc:
+                if self._closing or not (self._resume_enabled and self.resumable):
+                    raise
+                if isinstance(exc, SessionLost):
+                    raise
+                if not repeatable(method, params):
+                    raise OutcomeUnknown(method, exc.reason) from None
+                # Safe to send again once the session is resumed.
+
+    # --- process/* ------------------------------------------------------------------
+
+    async def exec(self, params: p.ExecParams) -> p.ExecResponse:
+        """``process/start`` without a handle (see :meth:`start` for one)."""
+        return await self.call(p.PROCESS_START, params, p.ExecResponse)
+
+    async def read(
+        self,
+        process_id: str,
+        after_seq: int | None = None,
+        max_bytes: int | None = None,
+        wait_ms: int | None = None,
+    ) -> p.ReadResponse:
+        """``process/read``: retained output after ``after_seq``, waiting up to ``wait_ms``."""
+        params = p.ReadParams(process_id, after_seq, max_bytes, wait_ms)
+        return await self.call(p.PROCESS_READ, params, p.ReadResponse)
+
+    async def write(self, process_id: str, data: bytes) -> p.WriteResponse:
+        """``process/write``: raw bytes to stdin. On a resumable session it
+        carries a ``writeId``, so a retry after a drop writes once."""
+        write_id = uuid.uuid4().hex if self._resume_enabled and self.resumable else None
+        params = p.WriteParams(process_id, bytes(data), write_id=write_id)
+        return await self.call(p.PROCESS_WRITE, params, p.WriteResponse)
+
+    async def terminate(self, process_id: str, grace_ms: int | None = None) -> p.TerminateResponse:
+        """``process/terminate``; ``running`` says whether it was still running."""
+        params = p.TerminateParams(process_id, grace_ms)
+        return await self.call(p.PROCESS_TERMINATE, params, p.TerminateResponse)
+
+    async def signal(self, process_id: str, signal: int | str) -> p.SignalResponse:
+        """``process/signal``: a signal name (``"SIGINT"``, ``"INT"``) or number."""
+        params = p.SignalParams(process_id, signal)
+        return await self.call(p.PROCESS_SIGNAL, params, p.SignalResponse)
+
+    async def close_stdin(self, process_id: str) -> p.CloseStdinResponse:
+        params = p.CloseStdinParams(process_id)
+        return await self.call(p.PROCESS_CLOSE_STDIN, params, p.CloseStdinResponse)
+
+    async def resize(self, process_id: str, rows: int, cols: int) -> p.Empty:
+        params = p.ResizeParams(process_id, rows, cols)
+        return await self.call(p.PROCESS_RESIZE, params, p.Empty)
+
+    async def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
+        """``process/wait``: until exit, or ``timeout_ms`` (then ``exited: false``)."""
+        params = p.WaitParams(process_id, timeout_ms)
+        return await self.call(p.PROCESS_WAIT, params, p.WaitResponse)
+
+    async def list_processes(self) -> p.ListResponse:
+        return await self.call(p.PROCESS_LIST, p.ListParams(), p.ListResponse)
+
+    # --- fs/* -----------------------------------------------------------------------
+
+    async def fs_read_file(self, path: str) -> p.FsReadFileResponse:
+        """``fs/readFile``: the whole file (``data_base64`` holds the raw bytes)."""
+        return await self.call(p.FS_READ_FILE, p.FsReadFileParams(path), p.FsReadFileResponse)
+
+    async def fs_write_file(self, path: str, data: bytes) -> p.Empty:
+        """``fs/writeFile``: create or replace ``path`` with ``data``."""
+        return await self.call(p.FS_WRITE_FILE, p.FsWriteFileParams(path, bytes(data)), p.Empty)
+
+    async def fs_create_directory(self, path: str, recursive: bool | None = None) -> p.Empty:
+        params = p.FsCreateDirectoryParams(path, recursive)
+        return await self.call(p.FS_CREATE_DIRECTORY, params, p.Empty)
+
+    async def fs_get_metadata(self, path: str) -> p.FsGetMetadataResponse:
+        params = p.FsGetMetadataParams(path)
+        return await self.call(p.FS_GET_METADATA, params, p.FsGetMetadataResponse)
+
+    async def fs_read_directory(self, path: str) -> p.FsReadDirectoryResponse:
+        params = p.FsReadDirectoryParams(path)
+        return await self.call(p.FS_READ_DIRECTORY, params, p.FsReadDirectoryResponse)
+
+    async def fs_remove(
+        self, path: str, recursive: bool | None = None, force: bool | None = None
+    ) -> p.Empty:
+        return await self.call(p.FS_REMOVE, p.FsRemoveParams(path, recursive, force), p.Empty)
+
+    async def fs_copy(
+        self, source_path: str, destination_path: str, recursive: bool = False
+    ) -> p.Empty:
+        params = p.FsCopyParams(source_path, destination_path, recursive)
+        return await self.call(p.FS_COPY, params, p.Empty)
+
+    async def download(
+        self,
+        path: str,
+        local_file: str | os.PathLike[str] | BinaryIO,
+        *,
+        chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+        progress: Progress | None = None,
+    ) -> int:
+        """Copy the remote file ``path`` into ``local_file`` (a path or a binary file)
+        in ranged ``fs/readFile`` calls of ``chunk_bytes``; returns the bytes copied.
+
+        Each range is read when asked for (a file that changes meanwhile is
+        copied as the ranges found it; the download ends at the first short
+        range). The local file is opened once the first range arrived, so a
+        missing remote file leaves it as it was. ``RangesNotSupported``
+        before anything is sent if the server lacks ``fs/readFile:range``.
+        """
+        require_ranges(self.capabilities, RANGE_CAPABILITIES[0])
+        offset = 0
+        got = await self.call(
+            p.FS_READ_FILE, RangedRead(path, offset, chunk_bytes), RangedReadResult
+        )
+        out, owned = _open_local(local_file, write=True)
+        try:
+            while True:
+                data = got.data_base64
+                out.write(data)
+                offset += len(data)
+                if progress is not None:
+                    progress(offset, got.size)
+                if len(data) < chunk_bytes or offset >= got.size:
+                    return offset
+                params = RangedRead(path, offset, chunk_bytes)
+                got = await self.call(p.FS_READ_FILE, params, RangedReadResult)
+        finally:
+            if owned:
+                out.close()
+
+    async def upload(
+        self,
+        path: str,
+        local_file: str | os.PathLike[str] | BinaryIO,
+        *,
+        chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+        progress: Progress | None = None,
+    ) -> int:
+        """Copy ``local_file`` (a path or a binary file) to the remote ``path``;
+        returns the bytes copied.
+
+        A file that fits in one chunk is written with one plain
+        ``fs/writeFile`` (an atomic replacement). A larger one is written in
+        place, range by range: the first range truncates the remote file,
+        each next one extends it (readers see a partial file until the last
+        arrives). ``RangesNotSupported`` before anything is sent if more than
+        one range is needed and the server lacks ``fs/writeFile:range``.
+        """
+        source, owned = _open_local(local_file, write=False)
+        try:
+            try:
+                total: int | None = os.fstat(source.fileno()).st_size
+            except (OSError, ValueError, AttributeError):
+                total = None
+            data = source.read(chunk_bytes)
+            following = source.read(chunk_bytes) if len(data) == chunk_bytes else b""
+            if not following:
+                await self.call(p.FS_WRITE_FILE, p.FsWriteFileParams(path, data), p.Empty)
+                if progress is not None:
+                    progress(len(data), len(data))
+                return len(data)
+            require_ranges(self.capabilities, RANGE_CAPABILITIES[1])
+            offset = 0
+            while data:
+                params = RangedWrite(path, data, offset, truncate=True if offset == 0 else None)
+                await self.call(p.FS_WRITE_FILE, params, p.Empty)
+                offset += len(data)
+                if progress is not None:
+                    progress(offset, total)
+                data, following = following, source.read(chunk_bytes) if following else b""
+            return offset
+        finally:
+            if owned:
+                source.close()
+
+    # --- process handles --------------------------------------------------------------
+
+    async def start(
+        self,
+        argv: Sequence[str] | p.ExecParams,
+        *,
+        process_id: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        tty: bool = False,
+        arg0: str | None = None,
+        pipe_stdin: bool = False,
+        size: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        idle_timeout_ms: int | None = None,
+        detach: bool = False,
+    ) -> Process:
+        """``process/start`` and a :class:`Process` handle following it.
+
+        Defaults as the Twisted client's ``start_process``: a generated
+        ``process_id`` (``proc-N``), this process's working directory,
+        ``env={"PATH": DEFAULT_PATH}``; ``size`` is ``(rows, cols)``.
+        ``detach=True``: :meth:`close` leaves the process running.
+        A start cancelled (or failed) before the answer leaves no handle; if
+        the server started the process anyway it is terminated.
+        """
+        if isinstance(argv, p.ExecParams):
+            params = argv
+        else:
+            params = p.ExecParams(
+                process_id=process_id or self._new_process_id(),
+                argv=list(argv),
+                cwd=cwd if cwd is not None else os.getcwd(),
+                env=dict(env) if env is not None else {"PATH": DEFAULT_PATH},
+                tty=tty,
+                arg0=arg0,
+                pipe_stdin=pipe_stdin,
+                size=p.TerminalSize(*size) if size is not None else None,
+                timeout_ms=timeout_ms,
+                idle_timeout_ms=idle_timeout_ms,
+            )
+        requested = params.process_id
+        existing = self._processes.get(requested)
+        if existing is not None and not existing.is_closed:
+            raise ExecServerError(f"process id {requested} is already in use by this client")
+        # Registered before the request: output may race the response.
+        handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
+        self._processes[requested] = handle
+        try:
+            response = await self.call(p.PROCESS_START, params, p.ExecResponse)
+        except BaseException as exc:
+            if self._processes.get(requested) is handle:
+                del self._processes[requested]
+            if isinstance(exc, asyncio.CancelledError | TimeoutError) and not detach:
+                # The request may have been carried out: do not leave an orphan.
+                self._spawn(self._terminate_quietly(requested))
+            raise
+        if response.process_id != requested:
+            # The server's id is the one its notifications will carry.
+            if self._processes.get(requested) is handle:
+                del self._processes[requested]
+            handle.process_id = response.process_id
+            self._processes[response.process_id] = handle
+        self._started[handle.process_id] = handle
+        if self.lost is not None:
+            handle.fail(self.lost)
+        elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
+            handle.connection_lost()
+        return handle
+
+    def _new_process_id(self) -> str:
+        while True:
+            candidate = f"proc-{self._next_process}"
+            self._next_process += 1
+            if candidate not in self._processes:
+                return candidate
+
+    async def _terminate_quietly(self, process_id: str) -> None:
+        with contextlib.suppress(ExecServerError, TimeoutError):
+            async with asyncio.timeout(CLOSE_WAIT_SECONDS):
+                await self._call(
+                    p.PROCESS_TERMINATE, p.TerminateParams(process_id), p.TerminateResponse
+                )
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        input: bytes | None = None,
+        timeout: float | None = None,
+        **start_kwargs: Any,
+    ) -> RunResult:
+        """Start ``argv``, feed it ``input`` (then close its stdin), collect all
+        output until it exits and its output is closed.
+
+        On ``timeout`` (seconds, client side) or cancellation the process tree
+        is terminated and ``TimeoutError`` / ``CancelledError`` is raised.
+        PTY output (``tty=True``) is in ``stdout``.
+        """
+        if input is not None:
+            start_kwargs["pipe_stdin"] = True
+        stdout: list[bytes] = []
+        stderr: list[bytes] = []
+        handle: Process | None = None
+
+        def collect(event: OutputEvent) -> None:
+            (stderr if event.stream == "stderr" else stdout).append(event.chunk)
+
+        try:
+            async with asyncio.timeout(timeout):
+                handle = await self.start(argv, **start_kwargs)
+                handle.add_output_listener(collect)
+                if input is not None:
+                    if input:
+                        await handle.write(input)
+                    await handle.close_stdin()
+                await handle.closed()
+        except BaseException:
+            if handle is not None and not handle.is_closed:
+                # Not shielded from nothing: the terminate runs in its own task.
+                self._spawn(self._terminate_quietly(handle.process_id))
+            raise
+        if handle.lost_reason is not None:
+            raise handle.lost_reason
+        if not handle.has_exited or handle.exit_code is None:
+            raise ConnectionClosed(self._rpc.closed_reason or "connection closed")
+        return RunResult(
+            b"".join(stdout), b"".join(stderr), handle.exit_code, handle.signal, handle.timed_out
+        )
+
+    # --- notifications --------------------------------------------------------------
+
+    def _on_output(self, out: OutputParams) -> None:
+        handle = self._processes.get(out.process_id)
+        if handle is None:
+            return
+        try:
+            chunk = b64decode(out.chunk, validate=True)
+        except ValueError:
+            log.warning("dropping process/output of %s with invalid base64", out.process_id)
+            return
+        if handle.accept_output(OutputEvent(out.process_id, out.stream, chunk, out.seq)):
+            self._acknowledge(handle, len(chunk))
+
+    def _on_exited(self, ex: ExitedParams) -> None:
+        handle = self._processes.get(ex.process_id)
+        if handle is not None:
+            handle.accept_exit(ex.seq, ex.exit_code, ex.signal, ex.timed_out)
+
+    def _on_closed(self, closed: ClosedParams) -> None:
+        handle = self._processes.get(closed.process_id)
+        if handle is not None and handle.accept_close(closed.seq):
+            self._forget(handle)
+
+    def _forget(self, handle: Process) -> None:
+        if self._processes.get(handle.process_id) is handle:
+            del self._processes[handle.process_id]
+        handle.mark_closed()
+
+    def _acknowledge(self, handle: Process, size: int) -> None:
+        """With "pause", tell the server (a read's afterSeq) what has arrived,
+        each time a quarter of its retention did (as the Twisted client)."""
+        result = self.initialize_result
+        if result.on_detached_full != "pause" or handle.last_seq == 0:
+            return
+        cap = result.retained_output_bytes or 0
+        handle.unacked_bytes += size + 96
+        if handle.unacked_bytes * 4 < cap or self._rpc.is_closed:
+            return
+        handle.unacked_bytes = 0
+        params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
+        self._spawn(self._ack(self._rpc, handle, params))
+
+    async def _ack(self, rpc: AsyncRpc, handle: Process, params: p.ReadParams) -> None:
+        with contextlib.suppress(ExecServerError):
+            handle.catch_up(await rpc.call(p.PROCESS_READ, params, p.ReadResponse))
+
+    # --- closing --------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Terminate every process this client started (except ``detach=True``
+        ones) and wait up to 10 s for them to end, then close the connection
+        (a local server is asked to exit, and killed after its grace). Idempotent."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        try:
+            if not self._rpc.is_closed and self.lost is None:
+                running = [h for h in self._started.values() if not h.detach and not h.is_closed]
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(CLOSE_WAIT_SECONDS):
+                        await asyncio.gather(
+                            *(self._end(h) for h in running), return_exceptions=True
+                        )
+        finally:
+            self._closing = True
+            self._fail_waiters(ConnectionClosed("the client was closed"))
+            for task in list(self._tasks):
+                task.cancel()
+            await self._channel.aclose()
+            self._rpc.connection_lost("closed by the client")
+            handles, self._processes = self._processes, {}
+            for handle in handles.values():
+                handle.connection_lost()
+            self._closed.set()
+
+    async def _end(self, handle: Process) -> None:
+        with contextlib.suppress(ExecServerError):
+            await self.terminate(handle.process_id)
+        await handle.closed()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _open_local(
+    local_file: str | os.PathLike[str] | BinaryIO, write: bool
+) -> tuple[BinaryIO, bool]:
+    """The file to use, and whether it was opened here (and so is closed here)."""
+    if isinstance(local_file, str | os.PathLike):
+        return (open(local_file, "wb") if write else open(local_file, "rb")), True
+    return local_file, False
+
+
+class _Connecting:
+    """What :func:`connect` returns: awaitable, and an async context manager."""
+
+    def __init__(self, opening: Callable[[], Awaitable[Client]]) -> None:
+        self._opening = opening
+        self._client: Client | None = None
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self._opening().__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self._opening()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def connect(
+    url: str | None = None,
+    *,
+    server_command: Sequence[str] | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    ca_file: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+    connect_timeout: float = 10.0,
+    request_timeout: float | None = None,
+    resume: bool = True,
+    session_ttl_ms: int | None = None,
+    on_detached_full: str | None = None,
+    client_name: str = "exec-server-aio",
+    env: dict[str, str] | None = None,
+    stderr: Callable[[bytes], None] | None = None,
+    shutdown_grace: float = 5.0,
+) -> _Connecting:
+    """Connect and initialize: ``await connect(...)`` or ``async with connect(...) as c``.
+
+    - ``url=None``: launch a local server over stdio (``server_command``,
+      default ``python -m execserver``; ``env`` its environment, ``stderr``
+      a callback for its stderr, ``shutdown_grace`` seconds before ``close``
+      kills it); ``ws://HOST:PORT``, ``wss://HOST:PORT`` (``ca_file`` instead
+      of the system's trust store; ``client_cert``/``client_key`` for mutual
+      TLS) or ``unix:///PATH``.
+    - ``token`` / ``token_file``: the bearer token, sent as
+      ``Authorization: Bearer ...`` on the upgrade (the file's content,
+      stripped; ``ConnectFailed`` if it cannot be read or is empty).
+    - ``connect_timeout``: seconds for the connection (TCP, TLS, upgrade:
+      ``ConnectTimeout``) and again for the ``initialize`` answer
+      (``InitializeTimeout``).
+    - ``request_timeout``: the default per-call timeout (``TimeoutError``).
+    - ``resume`` (WebSocket / Unix socket): ride through dropped connections
+      (see the module doc); the session is asked to live ``session_ttl_ms``
+      after a drop (default 60000; the server may grant less).
+    """
+    display = url or "stdio"
+    if token_file is not None:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ConnectFailed(
+                display, f"cannot read token file {token_file}: {exc.strerror}"
+            ) from None
+        if not token:
+            raise ConnectFailed(display, f"token file {token_file} is empty")
+    if url is not None and not url.startswith(("ws://", "wss://", UNIX_SCHEME)):
+        raise ConnectFailed(url, "unsupported URL: expected ws://, wss:// or unix:///PATH")
+    ttl = session_ttl_ms
+    if ttl is None and resume and url is not None:
+        ttl = DEFAULT_SESSION_TTL_MS
+    dialer = _Dialer(
+        url=url,
+        server_command=server_command,
+        token=token,
+        ca_file=ca_file,
+        client_cert=client_cert,
+        client_key=client_key,
+        connect_timeout=connect_timeout,
+        client_name=client_name,
+        session_ttl_ms=ttl,
+        on_detached_full=on_detached_full,
+        env=env,
+        stderr=stderr,
+        shutdown_grace=shutdown_grace,
+    )
+
+    async def opening() -> Client:
+        rpc, channel, result = await dialer.open(None)
+        return Client(dialer, rpc, channel, result, request_timeout=request_timeout, resume=resume)
+
+    return _Connecting(opening)

@@ -1,0 +1,308 @@
+"""Handles on processes started through the asyncio client.
+
+A :class:`Process` is registered *before* ``process/start`` is sent, so
+output racing the start response is kept. It follows the server's
+notifications: ``terminate()`` asks the server to stop the process, the
+handle is marked exited when ``process/exited`` arrives (as in the
+reference and the Twisted client). If the connection is lost and the session
+cannot be resumed, the handle is marked exited with no exit code
+(``wait()`` returns None; ``lost_reason`` holds why).
+
+Output, in seq order and never twice (also across a resumed session):
+
+- ``async for event in proc.output()``: an :class:`OutputStream` buffering up
+  to ``limit`` bytes (64 MiB); a consumer that falls further behind gets
+  :class:`~execserver.clientcore.errors.OutputLagged` after the buffered
+  events, naming the ``after_seq`` to ``read()`` from -- never a silent gap
+  and never unbounded memory;
+- ``add_output_listener(fn)``: a function called for every event.
+
+Output that arrives before the first ``output()`` or listener is kept (up to
+16 MiB) and replayed to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from execserver import protocol as p
+from execserver.clientcore.errors import OutputLagged
+from execserver.clientcore.ordering import SeqOrdering
+from execserver.clientcore.types import OutputEvent
+
+if TYPE_CHECKING:
+    from execserver.aio.client import Client
+
+log = logging.getLogger("execserver.aio")
+
+DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
+DEFAULT_OUTPUT_LIMIT = 64 * 1024 * 1024
+
+
+class OutputStream:
+    """A bounded queue of one process's output events; an async iterator.
+
+    Ends (``StopAsyncIteration``) once the process's output is closed and
+    the queue drained; raises the handle's error (``OutputLagged``,
+    ``SessionLost``) once the events before it are consumed.
+    """
+
+    def __init__(
+        self, process_id: str, limit: int, on_cancel: Callable[[OutputStream], None]
+    ) -> None:
+        self.process_id = process_id
+        self._limit = limit
+        self._on_cancel = on_cancel
+        self._queue: deque[OutputEvent] = deque()
+        self._bytes = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self._error: Exception | None = None
+        self._last_seq: int | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._bytes
+
+    def push(self, event: OutputEvent) -> None:
+        if self._ended or self._error is not None:
+            return
+        if self._bytes + len(event.chunk) > self._limit and self._queue:
+            last = self._queue[-1].seq if self._queue else self._last_seq
+            self.fail(OutputLagged(self.process_id, last, self._limit))
+            return
+        self._queue.append(event)
+        self._bytes += len(event.chunk)
+        self._wake()
+
+    def end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        if self._error is None:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        """Stop receiving events (the buffered ones are dropped)."""
+        self._ended = True
+        self._queue.clear()
+        self._bytes = 0
+        self._on_cancel(self)
+        self._wake()
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> OutputEvent:
+        while True:
+            if self._queue:
+                event = self._queue.popleft()
+                self._bytes -= len(event.chunk)
+                self._last_seq = event.seq
+                return event
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            if self._waiter is not None:
+                raise RuntimeError("OutputStream is already being iterated")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
+class Process(SeqOrdering):
+    """A process started by :class:`~execserver.aio.Client`, followed through its notifications."""
+
+    def __init__(
+        self,
+        client: Client,
+        process_id: str,
+        *,
+        detach: bool = False,
+        backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
+    ) -> None:
+        self.process_id = process_id
+        self._client = client
+        #: Left running by ``Client.close()`` (and ``async with``).
+        self.detach = detach
+        self.exit_code: int | None = None
+        self.signal: str | None = None
+        self.timed_out: str | None = None
+        self.has_exited = False
+        self.is_closed = False
+        #: Why the handle ended without its exit (None: it did not).
+        self.lost_reason: Exception | None = None
+        self._exited = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._listeners: list[Callable[[OutputEvent], None]] = []
+        self._streams: list[OutputStream] = []
+        self._backlog: list[OutputEvent] | None = []
+        self._backlog_bytes = 0
+        self._backlog_limit = backlog_bytes
+        self._backlog_overflow_seq: int | None = None
+        self._backlog_overflowed = False
+        #: Output bytes (with per-chunk overhead) not yet acknowledged ("pause").
+        self.unacked_bytes = 0
+        self._init_ordering()
+
+    def __repr__(self) -> str:
+        state = f"exited {self.exit_code}" if self.has_exited else "running"
+        return f"<aio.Process {self.process_id!r} {state}>"
+
+    # --- output -------------------------------------------------------------------
+
+    def output(self, limit: int = DEFAULT_OUTPUT_LIMIT) -> OutputStream:
+        """A new stream of output events (the backlog first); ``async for`` it."""
+        stream = OutputStream(self.process_id, limit, self._forget_stream)
+        overflowed = self._backlog_overflowed
+        for event in self._take_backlog():
+            stream.push(event)
+        if overflowed:
+            stream.fail(
+                OutputLagged(self.process_id, self._backlog_overflow_seq, self._backlog_limit)
+            )
+        if self.lost_reason is not None:
+            stream.fail(self.lost_reason)
+        elif self.is_closed:
+            stream.end()
+        else:
+            self._streams.append(stream)
+        return stream
+
+    def add_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
+        """Call ``listener`` with every output event (the backlog first)."""
+        self._listeners.append(listener)
+        for event in self._take_backlog():
+            listener(event)
+
+    def remove_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _forget_stream(self, stream: OutputStream) -> None:
+        if stream in self._streams:
+            self._streams.remove(stream)
+
+    def _take_backlog(self) -> list[OutputEvent]:
+        backlog, self._backlog = self._backlog, None
+        self._backlog_bytes = 0
+        self._backlog_overflowed = False
+        return backlog or []
+
+    def deliver_output(self, event: OutputEvent) -> None:
+        if self._backlog is not None:
+            if self._backlog_overflowed:
+                return
+            if self._backlog_bytes + len(event.chunk) > self._backlog_limit:
+                self._backlog_overflowed = True
+                self._backlog_overflow_seq = self._backlog[-1].seq if self._backlog else None
+                log.warning(
+                    "output of %s exceeds the %d-byte backlog with no reader",
+                    self.process_id,
+                    self._backlog_limit,
+                )
+                return
+            self._backlog.append(event)
+            self._backlog_bytes += len(event.chunk)
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("output listener of %s failed", self.process_id)
+        for stream in list(self._streams):
+            stream.push(event)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def mark_exited(
+        self, exit_code: int | None, signal: str | None = None, timed_out: str | None = None
+    ) -> None:
+        if self.has_exited:
+            return
+        self.has_exited = True
+        self.exit_code = exit_code
+        self.signal = signal
+        self.timed_out = timed_out
+        self._exited.set()
+
+    def mark_closed(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            stream.end()
+        self._closed.set()
+
+    def connection_lost(self) -> None:
+        """The connection is gone for good: exited without an exit code, and closed."""
+        self.abandon_catch_up()
+        self.mark_exited(None)
+        self.mark_closed()
+
+    def fail(self, error: Exception) -> None:
+        """The process is out of reach (its session is lost): end the handle with ``error``."""
+        self.abandon_catch_up()
+        self.lost_reason = error
+        for stream in list(self._streams):
+            stream.fail(error)
+        self.connection_lost()
+
+    async def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code once ``process/exited`` arrived (128+N: died of signal N,
+        ``signal`` names it); None if the connection was lost first.
+        Raises ``TimeoutError`` after ``timeout`` seconds (the process keeps running)."""
+        if not self.has_exited:
+            async with asyncio.timeout(timeout):
+                await self._exited.wait()
+        return self.exit_code
+
+    async def closed(self, timeout: float | None = None) -> None:
+        """Until no more output will arrive (``process/closed``, or the end of the handle)."""
+        if not self.is_closed:
+            async with asyncio.timeout(timeout):
+                await self._closed.wait()
+
+    # --- requests -------------------------------------------------------------------
+
+    async def write(self, data: bytes) -> p.WriteResponse:
+        """Bytes to the process's stdin (PTY, or started with ``pipe_stdin=True``)."""
+        return await self._client.write(self.process_id, data)
+
+    async def close_stdin(self) -> p.CloseStdinResponse:
+        return await self._client.close_stdin(self.process_id)
+
+    async def send_signal(self, sig: int | str) -> p.SignalResponse:
+        """``process/signal``: a name (``"SIGINT"``, ``"INT"``) or a number."""
+        return await self._client.signal(self.process_id, sig)
+
+    async def resize(self, rows: int, cols: int) -> p.Empty:
+        return await self._client.resize(self.process_id, rows, cols)
+
+    async def terminate(self, grace_ms: int | None = None) -> p.TerminateResponse:
+        """Ask the server to terminate the process tree (SIGTERM, SIGKILL after
+        ``grace_ms``); ``wait()`` returns once ``process/exited`` arrives."""
+        return await self._client.terminate(self.process_id, grace_ms)
+
+    async def read(
+        self,
+        after_seq: int | None = None,
+        max_bytes: int | None = None,
+        wait_ms: int | None = None,
+    ) -> p.ReadResponse:
+        return await self._client.read(self.process_id, after_seq, max_bytes, wait_ms)

@@ -1,0 +1,14 @@
+"""What every exec-server client shares, free of Twisted.
+
+- :mod:`~execserver.clientcore.types`: lenient views of incoming messages and
+  the events a client delivers (OutputEvent, GapEvent, ExitedEvent, ...);
+- :mod:`~execserver.clientcore.errors`: the exception classes every client
+  raises (ExecServerError and its subclasses);
+- :mod:`~execserver.clientcore.calls`: request ids and the pending-call map;
+  which calls may be repeated after a resume;
+- :mod:`~execserver.clientcore.ordering`: seq-ordered, at-most-once delivery
+  of a process's events across a resumed session;
+- :mod:`~execserver.clientcore.transfer`: ranged fs shapes for upload/download.
+
+The wire types themselves are :mod:`execserver.protocol`, shared with the server.
+"""
