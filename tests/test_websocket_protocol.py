@@ -26,6 +26,7 @@ from twisted.test import iosim
 from execserver import metrics
 from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
+from execserver.transports.http import EdgeChannel
 from execserver.transports.websocket import (
     ClockTimers,
     ExecServerFactory,
@@ -64,12 +65,15 @@ def make_factory(clock: Clock, **settings: Any) -> ExecServerFactory:
 
 def server_on_string_transport(
     factory: ExecServerFactory,
-) -> tuple[ExecServerProtocol, StringTransport]:
-    proto = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+) -> tuple[EdgeChannel, StringTransport]:
+    """A connection of the listener's twisted.web site (where every connection starts)."""
+    proto = factory.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
     transport = StringTransport(
         hostAddress=IPv4Address("TCP", "127.0.0.1", 9000),
         peerAddress=IPv4Address("TCP", "127.0.0.1", 40000),
     )
+    # (What a real transport has: the upgrade re-points it at the WebSocket protocol.)
+    transport.protocol = proto  # type: ignore[attr-defined]
     proto.makeConnection(transport)
     return proto, transport
 
@@ -109,10 +113,12 @@ def server_frames(data: bytes) -> list[tuple[int, bytes]]:
 
 
 def open_raw(factory: ExecServerFactory) -> tuple[ExecServerProtocol, StringTransport]:
-    proto, transport = server_on_string_transport(factory)
-    proto.dataReceived(UPGRADE + b"\r\n")
+    channel, transport = server_on_string_transport(factory)
+    channel.dataReceived(UPGRADE + b"\r\n")
     assert transport.value().startswith(b"HTTP/1.1 101 ")
     transport.clear()
+    proto = transport.protocol  # type: ignore[attr-defined]
+    assert isinstance(proto, ExecServerProtocol) and proto is channel.upgraded
     return proto, transport
 
 
@@ -448,7 +454,7 @@ class RecordingClient(WebSocketClientProtocol):
 
 def test_autobahn_client_round_trip_in_memory(clock: Clock) -> None:
     factory = make_factory(clock)
-    server = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    server = factory.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
     client_factory = WebSocketClientFactory("ws://127.0.0.1:9000", reactor=clock)
     client_factory.protocol = RecordingClient
     client_factory._batched_timer = ClockTimers(clock)
@@ -540,7 +546,7 @@ def test_bad_websocket_options_are_refused(argv: list[str], message: str) -> Non
 
 def test_nagle_is_disabled_on_accepted_sockets(clock: Clock) -> None:
     factory = make_factory(clock)
-    proto = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    proto = factory.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
     transport = StringTransport()
     calls: list[bool] = []
     transport.setTcpNoDelay = calls.append  # type: ignore[attr-defined]

@@ -1,21 +1,42 @@
-"""The plain HTTP side of the WebSocket port: ``/readyz``, ``/metrics`` and refusals.
+"""The HTTP side of the WebSocket port on ``twisted.web``: edge checks, ``/readyz``, ``/metrics``.
 
-Pure functions from a request to an :class:`HttpReply`; the WebSocket
-protocol sends the rendered reply and closes. No web framework sits in
-front of the socket.
+Every connection of a WebSocket listener starts as an :class:`EdgeChannel`
+(a ``twisted.web`` ``HTTPChannel``) of an :class:`EdgeSite`. The channel
+enforces what must be decided before any HTTP parsing: the connection limit
+(``503``), the size of the request head (``431``; Twisted's own limits would
+answer ``400``) and the time the request may take (dropped, no answer). The
+site's only resource, :class:`EdgeResource`, checks ``Host`` (loopback
+listeners), the bearer token and ``Origin``, then hands an upgrade to the
+WebSocket layer (``transports/websocket.py``, through Autobahn's public
+``WebSocketResource``) and answers anything else itself: ``/readyz`` and
+``/metrics`` are ordinary resources, ``426`` on ``/``, ``404`` elsewhere.
+One request per connection: every plain reply closes it.
+
+The replies themselves are pure functions to an :class:`HttpReply`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
+from twisted.internet.interfaces import IAddress, IDelayedCall, IProtocol, IReactorTime
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
 
-from execserver import __version__, metrics
+from execserver import __version__, metrics, tls
 
 if TYPE_CHECKING:
+    from execserver.auth import TokenStore
     from execserver.dispatcher import Dispatcher
+
+log = Logger()
 
 #: Default of ``--max-request-head-bytes``: largest accepted HTTP request
 #: head (request line and headers).
@@ -131,3 +152,379 @@ def plain_reply(
     return HttpReply(
         404, f"no resource at {path}; plain HTTP is served at /readyz and /metrics only\n"
     )
+
+
+# --- the twisted.web edge -------------------------------------------------------------
+
+#: What the edge hands an admitted upgrade to: the request and the
+#: authenticated identity (None: no token checked); returns the render result.
+Upgrade = Callable[[Request, object], Any]
+
+
+@attrs.frozen
+class EdgePolicy:
+    """What the edge of one WebSocket listener checks (from ``WebSocketSettings``)."""
+
+    dispatcher: Dispatcher
+    #: Normalized browser origins admitted to upgrade (others get 403).
+    allowed_origins: frozenset[str] = frozenset()
+    #: Accepted bearer tokens; None: no authentication.
+    auth: TokenStore | None = None
+    #: Answer only requests whose Host is a loopback name (DNS rebinding).
+    loopback_only: bool = False
+    #: Connections open at once over all WebSocket listeners.
+    max_connections: int = 4096
+    #: Largest request head (request line and headers), in bytes.
+    max_request_head_bytes: int = MAX_REQUEST_HEAD_BYTES
+    #: Seconds a client may take to send its request.
+    handshake_timeout: float = 5.0
+
+
+def _send(request: Request, reply: HttpReply) -> bytes:
+    """Put ``reply`` on a twisted.web request; the body is returned for ``render``."""
+    payload = reply.body.encode() if isinstance(reply.body, str) else reply.body
+    request.setResponseCode(reply.status, _STATUS_TEXT[reply.status].encode())
+    request.setHeader(b"Server", f"exec-server/{__version__}".encode())
+    request.setHeader(b"Content-Type", reply.content_type.encode())
+    request.setHeader(b"Cache-Control", b"no-store")
+    for name, value in reply.headers:
+        request.setHeader(name.encode("latin-1"), value.encode("latin-1"))
+    # twisted.web sets Content-Length from the body, except for HEAD (no body).
+    request.setHeader(b"Content-Length", str(len(payload)).encode())
+    return b"" if request.method == b"HEAD" else payload
+
+
+def peer_text(address: IAddress) -> str:
+    """``tcp4:HOST:PORT`` / ``tcp6:...`` / ``unix:PATH``, as Autobahn names a peer in its logs."""
+    host = getattr(address, "host", None)
+    if host is not None:
+        kind = "tcp6" if ":" in host else "tcp4"
+        return f"{kind}:{host}:{getattr(address, 'port', '')}"
+    name = getattr(address, "name", None)
+    return f"unix:{name}" if name else "unix"
+
+
+def _header(request: Request, name: bytes) -> str | None:
+    value = request.getHeader(name)
+    return None if value is None else value.decode("latin-1")
+
+
+def _only_get(request: Request, path: str) -> bytes | None:
+    if request.method in (b"GET", b"HEAD"):
+        return None
+    return _send(
+        request, HttpReply(405, f"{path} answers GET and HEAD only\n", (("Allow", "GET, HEAD"),))
+    )
+
+
+class ReadyResource(Resource):
+    """``GET /readyz``: 200 with an empty body, 503 with the reason while not ready."""
+
+    isLeaf = True
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self._dispatcher = dispatcher
+
+    def render(self, request: Request) -> bytes:
+        refused = _only_get(request, "/readyz")
+        if refused is not None:
+            return refused
+        reason = self._dispatcher.not_ready_reason()
+        return _send(
+            request, HttpReply(200, "") if reason is None else HttpReply(503, reason + "\n")
+        )
+
+
+class MetricsResource(Resource):
+    """``GET /metrics``: the Prometheus text (with authentication on, only for a valid token)."""
+
+    isLeaf = True
+
+    def __init__(self, dispatcher: Dispatcher, auth: TokenStore | None) -> None:
+        super().__init__()
+        self._dispatcher = dispatcher
+        self._auth = auth
+
+    def render(self, request: Request) -> bytes:
+        refused = _only_get(request, "/metrics")
+        if refused is not None:
+            return refused
+        auth = self._auth
+        if auth is not None and auth.authenticate(_header(request, b"authorization")) is None:
+            self._dispatcher.stats.auth_refused += 1
+            return _send(request, unauthorized("GET /metrics"))
+        return _send(
+            request,
+            HttpReply(200, metrics.render(self._dispatcher), content_type=metrics.CONTENT_TYPE),
+        )
+
+
+class EdgeResource(Resource):
+    """The site's root: Host, token and Origin checks, then the upgrade or a plain resource.
+
+    The path of an upgrade is not checked (``ws://host:port/anything`` is
+    the endpoint), so this is a leaf that looks at ``request.path`` itself.
+    """
+
+    isLeaf = True
+
+    def __init__(self, policy: EdgePolicy, upgrade: Upgrade) -> None:
+        super().__init__()
+        self._policy = policy
+        self._upgrade = upgrade
+        self._plain: dict[bytes, Resource] = {
+            b"/readyz": ReadyResource(policy.dispatcher),
+            b"/metrics": MetricsResource(policy.dispatcher, policy.auth),
+        }
+
+    def render(self, request: Request) -> Any:
+        policy = self._policy
+        host = _header(request, b"host")
+        if policy.loopback_only and host is not None and not host_is_loopback(host):
+            return _send(request, host_refused(host))
+        if request.getHeader(b"upgrade") is None:
+            resource = self._plain.get(request.path)
+            if resource is not None:
+                return resource.render(request)
+            if request.path == b"/":
+                return _send(
+                    request,
+                    HttpReply(
+                        426,
+                        "this is an exec-server WebSocket endpoint: connect with a WebSocket "
+                        "client (ws://HOST:PORT); plain HTTP is served only at GET /readyz and "
+                        "GET /metrics\n",
+                        (("Upgrade", "websocket"),),
+                    ),
+                )
+            path = request.path.decode("latin-1")
+            return _send(
+                request,
+                HttpReply(
+                    404,
+                    f"no resource at {path}; plain HTTP is served at /readyz and /metrics only\n",
+                ),
+            )
+        origin = _header(request, b"origin")
+        if origin is not None and normalize_origin(origin) not in policy.allowed_origins:
+            return _send(request, origin_refused(origin))
+        identity: object = None
+        if policy.auth is not None:
+            authorization = _header(request, b"authorization")
+            identity = policy.auth.authenticate(authorization)
+            if identity is None:
+                policy.dispatcher.stats.auth_refused += 1
+                log.info(
+                    "refused a WebSocket upgrade from {peer}: {why} bearer token",
+                    peer=peer_text(request.getClientAddress()),
+                    why="no" if authorization is None else "an invalid",
+                )
+                return _send(request, unauthorized("a WebSocket upgrade"))
+        return self._upgrade(request, identity)
+
+
+class EdgeRequest(Request):
+    """A twisted.web request that answers in HTTP/1.1 whatever version the client spoke.
+
+    (RFC 9110, section 6.2: a server sends the highest version it conforms
+    to; the replies of the earlier hand-written edge did the same.)
+    """
+
+    def process(self) -> None:
+        self.clientproto = b"HTTP/1.1"
+        super().process()
+
+
+class EdgeChannel(HTTPChannel):
+    """One connection of a WebSocket listener until it is upgraded or answered.
+
+    Before twisted.web parses anything, the channel counts the connection
+    (``--max-connections``: 503), bounds the request head
+    (``--max-request-head-bytes``: 431, where Twisted's ``totalHeadersSize``
+    would answer a bare 400) and starts the handshake timer
+    (``--handshake-timeout-ms``). After an upgrade (:meth:`hand_over`) the
+    WebSocket protocol owns the socket and the count.
+    """
+
+    site: EdgeSite
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._head = bytearray()
+        self._head_done = False
+        self._refused = False
+        self._counted = False
+        self._timer: IDelayedCall | None = None
+        #: The WebSocket protocol this connection was upgraded to.
+        self.upgraded: IProtocol | None = None
+        self.lost = False
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        # (HTTPChannel does this only for a transport declaring ITCPTransport.)
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
+        site = self.site
+        policy = site.policy
+        stats = policy.dispatcher.stats
+        stats.sockets_open += 1
+        self._counted = True
+        site.channels.add(self)
+        if stats.sockets_open > policy.max_connections:
+            stats.refused["connections"] += 1
+            log.warn(
+                "refusing a connection from {peer}: {limit} connections are open "
+                "(--max-connections)",
+                peer=peer_text(self.transport.getPeer()),  # type: ignore[union-attr]
+                limit=policy.max_connections,
+            )
+            self._refuse(
+                HttpReply(
+                    503,
+                    f"the server has {policy.max_connections} connections open, its limit "
+                    "(--max-connections); retry later\n",
+                    (("Retry-After", "1"),),
+                )
+            )
+            return
+        self._timer = site.clock.callLater(policy.handshake_timeout, self._timed_out)
+
+    def _timed_out(self) -> None:
+        # A peer that does not finish its request in time (slow headers)
+        # holds a connection for nothing: counted, then dropped unanswered.
+        self._timer = None
+        self.site.policy.dispatcher.stats.refused["handshake_timeout"] += 1
+        self._refused = True
+        self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def _refuse(self, reply: HttpReply) -> None:
+        """Answer before (or instead of) parsing, and close."""
+        self._refused = True
+        self._head = bytearray()
+        self.transport.write(reply.render())  # type: ignore[union-attr]
+        self.transport.loseConnection()  # type: ignore[union-attr]
+
+    def dataReceived(self, data: bytes) -> None:
+        upgraded = self.upgraded
+        if upgraded is not None:
+            # (Only a transport that still calls the channel gets here, e.g. a test's.)
+            upgraded.dataReceived(data)
+            return
+        if self._refused:
+            return
+        if self._head_done:
+            super().dataReceived(data)
+            return
+        head = self._head
+        head += data
+        end = head.find(b"\r\n\r\n")
+        limit = self.site.policy.max_request_head_bytes
+        if (end < 0 and len(head) > limit) or end > limit:
+            self.site.policy.dispatcher.stats.refused["request_head_bytes"] += 1
+            self._refuse(
+                HttpReply(431, f"request head exceeds {limit} bytes (--max-request-head-bytes)\n")
+            )
+            return
+        if end < 0:
+            return
+        self._head_done = True
+        self._head = bytearray()
+        data = bytes(head)
+        super().dataReceived(data[: end + 4])
+        if self.upgraded is not None:
+            # The upgraded request never finishes: drop it, so the request
+            # (and through it this channel) is freed by reference counting
+            # with the connection, not at a garbage collection.
+            self.requests = []
+        rest = data[end + 4 :]
+        if rest:
+            # Bytes sent right behind an upgrade request (frames from a client
+            # that did not wait for the 101) belong to the WebSocket.
+            if self.upgraded is not None:
+                self.upgraded.dataReceived(rest)
+            elif not self._refused and self.transport is not None:
+                super().dataReceived(rest)
+
+    def checkPersistence(self, request: Any, version: bytes) -> bool:
+        # One request per connection: the port is not a general web server.
+        request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+        return False
+
+    def hand_over(self, protocol: IProtocol) -> None:
+        """The upgrade took the socket: stop the timer, leave the producer slot and the count."""
+        self.upgraded = protocol
+        self._cancel_timer()
+        self.site.channels.discard(self)
+        self._counted = False
+        # HTTPChannel registered itself as the transport's producer; the
+        # WebSocket connection registers its own.
+        self.transport.unregisterProducer()  # type: ignore[union-attr]
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            if self._timer.active():
+                self._timer.cancel()
+            self._timer = None
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        why = tls.tls_error_text(reason.value)
+        if why is not None:
+            # A peer that fails the TLS handshake (wrong CA, no client
+            # certificate) is the peer's problem, not an error of ours.
+            log.info(
+                "TLS handshake with {peer} failed: {why}",
+                peer=peer_text(self.transport.getPeer()),  # type: ignore[union-attr]
+                why=why,
+            )
+        self._cancel_timer()
+        self.site.channels.discard(self)
+        if self._counted:
+            self._counted = False
+            self.site.policy.dispatcher.stats.sockets_open -= 1
+        self._head = bytearray()
+        self.lost = True
+        super().connectionLost(reason)
+
+
+class EdgeSite(Site):
+    """The ``twisted.web`` site of one WebSocket listener."""
+
+    protocol = EdgeChannel  # type: ignore[assignment]
+    requestFactory = EdgeRequest
+    noisy = False
+    displayTracebacks = False
+
+    def __init__(self, policy: EdgePolicy, upgrade: Upgrade, clock: IReactorTime) -> None:
+        # No idle timeout: EdgeChannel's handshake timer bounds the request,
+        # and every connection ends after one reply or an upgrade.
+        super().__init__(EdgeResource(policy, upgrade), timeout=None, reactor=clock)
+        self.policy = policy
+        self.clock = clock
+        #: Connections not (yet) upgraded, aborted when the listener stops.
+        self.channels: set[EdgeChannel] = set()
+
+    def buildProtocol(self, addr: Any) -> EdgeChannel:  # type: ignore[override]
+        channel = cast(EdgeChannel, super().buildProtocol(addr))
+        # The channel has bounded the head before twisted.web parses it:
+        # Twisted's own limits (400 at 16 KiB or 500 headers) must not come first.
+        head = self.policy.max_request_head_bytes
+        channel.MAX_LENGTH = channel.totalHeadersSize = channel.maxHeaders = head + 4
+        return channel
+
+    def startFactory(self) -> None:
+        # No access log (and so none of its once-a-second date timer).
+        pass
+
+    def stopFactory(self) -> None:
+        pass
+
+    def log(self, request: Any) -> None:
+        pass
+
+    def abort_all(self) -> None:
+        """Drop every connection that has not been upgraded (the listener stops)."""
+        for channel in list(self.channels):
+            if channel.transport is not None:
+                cast(Any, channel.transport).abortConnection()

@@ -7,10 +7,14 @@ session; when the connection ends (close frame, TCP reset, ping timeout) the
 session's processes are terminated, whole groups, as the reference does.
 
 The same port answers, without an upgrade, ``GET /readyz`` (200, empty) and
-``GET /metrics`` (Prometheus text). Everything HTTP is decided in
-:meth:`ExecServerProtocol.processHandshake` before Autobahn parses the
-upgrade; the replies are built in ``transports/http.py``, and the
-connection's backpressure (both ways) lives in ``transports/backpressure.py``.
+``GET /metrics`` (Prometheus text). Every connection starts in a
+``twisted.web`` site (``transports/http.py``: limits, Host, token and Origin
+checks, the plain resources); an admitted upgrade is handed to this module's
+factory through Autobahn's public ``WebSocketResource``, so Autobahn parses
+and answers the handshake itself. The connection's backpressure (both ways)
+lives in ``transports/backpressure.py``; the private Autobahn corners still
+used (close codes, exact timers, the fast frame path) in
+``transports/autobahn_private.py``.
 
 Size limits are ours, not Autobahn's: Autobahn's ``maxMessagePayloadSize``
 also caps *outgoing* messages and closes the connection, whereas a too-large
@@ -33,17 +37,16 @@ import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Final, cast
-from urllib.parse import urlsplit
 
 import attrs
+from autobahn.twisted.resource import WebSocketResource
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
-from autobahn.websocket.protocol import WebSocketProtocol, parseHttpHeader
+from autobahn.websocket.protocol import WebSocketProtocol
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import (
     IAddress,
-    IDelayedCall,
     IListeningPort,
     IReactorTCP,
     IReactorTime,
@@ -56,7 +59,7 @@ from execserver import __version__, tls
 from execserver.auth import TokenStore
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.registry import ANONYMOUS
-from execserver.transports import http
+from execserver.transports import autobahn_private, http
 from execserver.transports.backpressure import RequestBackpressure, read_pause_bytes
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
@@ -71,6 +74,9 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = Logger()
+
+#: (Re-exported: tests and callers knew it here.)
+ClockTimers = autobahn_private.ClockTimers
 
 
 #: Close codes sent by the server (RFC 6455 section 7.4.1; 1013 is in the
@@ -167,103 +173,6 @@ class ExecServerProtocol(WebSocketServerProtocol):
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             set_no_delay(True)
-        stats = self.factory.dispatcher.stats
-        stats.sockets_open += 1
-        self._counted = True
-        limit = self.factory.settings.max_connections
-        if stats.sockets_open > limit:
-            stats.refused["connections"] += 1
-            log.warn(
-                "refusing a connection from {peer}: {limit} connections are open "
-                "(--max-connections)",
-                peer=self.peer,
-                limit=limit,
-            )
-            self._send_http(
-                http.HttpReply(
-                    503,
-                    f"the server has {limit} connections open, its limit "
-                    "(--max-connections); retry later\n",
-                    (("Retry-After", "1"),),
-                )
-            )
-
-    def onOpenHandshakeTimeout(self) -> None:
-        # A peer that does not finish its request in time (slow headers)
-        # holds a connection for nothing: counted, then dropped by Autobahn.
-        if self.state == WebSocketProtocol.STATE_CONNECTING:
-            self.factory.dispatcher.stats.refused["handshake_timeout"] += 1
-        super().onOpenHandshakeTimeout()
-
-    # --- HTTP, before any upgrade --------------------------------------------------
-
-    def processHandshake(self) -> None:
-        head_end = self.data.find(b"\r\n\r\n")
-        limit = self.factory.settings.max_request_head_bytes
-        if (head_end < 0 and len(self.data) > limit) or head_end > limit:
-            self.factory.dispatcher.stats.refused["request_head_bytes"] += 1
-            self._http_reply(
-                431, f"request head exceeds {limit} bytes (--max-request-head-bytes)\n"
-            )
-            return
-        if head_end < 0:
-            return
-        try:
-            request_line, headers, _ = parseHttpHeader(self.data[: head_end + 4])
-        except Exception:
-            self._http_reply(400, "malformed HTTP request\n")
-            return
-        parts = request_line.split()
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            self._http_reply(400, f"malformed HTTP request line {request_line!r}\n")
-            return
-        method, target, _version = parts
-        factory = self.factory
-        host = headers.get("host")
-        if factory.loopback_only and host is not None and not http.host_is_loopback(host):
-            self._send_http(http.host_refused(host))
-            return
-        auth = factory.settings.auth
-        identity = None if auth is None else auth.authenticate(headers.get("authorization"))
-        if "upgrade" not in headers:
-            path = urlsplit(target).path
-            reply = http.plain_reply(
-                method, path, factory.dispatcher, authorized=auth is None or identity is not None
-            )
-            if reply.status == 401:
-                factory.dispatcher.stats.auth_refused += 1
-            self._send_http(reply, head_only=method == "HEAD")
-            return
-        origin = headers.get("origin")
-        if origin is not None and http.normalize_origin(origin) not in factory.allowed_origins:
-            self._send_http(http.origin_refused(origin))
-            return
-        if auth is not None:
-            if identity is None:
-                factory.dispatcher.stats.auth_refused += 1
-                log.info(
-                    "refused a WebSocket upgrade from {peer}: {why} bearer token",
-                    peer=self.peer,
-                    why="no" if "authorization" not in headers else "an invalid",
-                )
-                self._send_http(http.unauthorized("a WebSocket upgrade"))
-                return
-            self.identity = identity
-        else:
-            # Mutual TLS without tokens: the client certificate is who connects.
-            self.identity = tls.certificate_identity(self.transport) or ANONYMOUS
-        super().processHandshake()
-
-    def _http_reply(self, status: int, body: str) -> None:
-        self._send_http(http.HttpReply(status, body))
-
-    def _send_http(self, reply: http.HttpReply, head_only: bool = False) -> None:
-        """Send one HTTP response and close: the port is not a general web server."""
-        self.sendData(reply.render(head_only))
-        self.data = b""
-        # Not a WebSocket failure: keep Autobahn from logging a warning.
-        self.wasClean = True
-        self.dropConnection(abort=False)
 
     # --- WebSocket lifecycle -------------------------------------------------------
 
@@ -339,68 +248,20 @@ class ExecServerProtocol(WebSocketServerProtocol):
         return self._lost.wait()
 
     def processData(self) -> bool:
-        """Parse buffered frames: small complete messages here, the rest by Autobahn.
+        """Parse buffered frames: small complete messages on our own path, the rest by Autobahn.
 
-        Autobahn spends ~15 us of Python per frame (frame object, callbacks,
-        masker and validator objects, one copy of the remaining buffer per
-        frame). Requests are small single-frame messages, so a complete,
-        unfragmented, masked text or binary frame of at most 64 KiB, with no
-        message in progress, is decoded here; anything else (control frames,
-        fragments, big or partial frames, bad UTF-8, protocol errors) is left
-        in the buffer for Autobahn's parser, which handles it with all its
-        checks. ``tests/test_websocket_frames.py`` feeds random frame streams
-        to both and requires the same messages, replies and close codes.
+        See ``autobahn_private.fast_frames`` (and ``--no-fast-frames``).
         """
-        if not self.factory.settings.fast_frames:
-            return bool(super().processData())
-        data = self.data
-        end = len(data)
-        offset = 0
-        limit = self.factory.settings.max_message_bytes
-        while (
-            self.state == WebSocketProtocol.STATE_OPEN
-            and self.current_frame is None
-            and not self.inside_message
-            and end - offset >= 6
-        ):
-            b0 = data[offset]
-            b1 = data[offset + 1]
-            # FIN set, no RSV bits, text (1) or binary (2); masked.
-            if b0 not in (0x81, 0x82) or not b1 & 0x80:
-                break
-            length = b1 & 0x7F
-            if length < 126:
-                start = offset + 6
-            elif length == 126 and end - offset >= 8:
-                length = (data[offset + 2] << 8) | data[offset + 3]
-                start = offset + 8
-            else:
-                break
-            if end < start + length or length > limit:
-                break
-            mask = data[start - 4 : start]
-            payload = data[start : start + length]
-            if mask != b"\0\0\0\0":
-                key = int.from_bytes((mask * (length // 4 + 1))[:length], "little")
-                payload = (int.from_bytes(payload, "little") ^ key).to_bytes(length, "little")
-            if b0 == 0x81 and self.utf8validateIncoming:
-                try:
-                    payload.decode("utf-8")
-                except UnicodeDecodeError:
-                    break  # Autobahn fails the connection with 1007
-            offset = start + length
-            if self.autoPingTimeoutCall and self.autoPingRestartOnAnyTraffic:
-                self._cancelAutoPingTimeoutCall()
-            self._deliver(payload)
-        if offset == 0:
-            return bool(super().processData())
-        self.data = data[offset:]
-        return len(self.data) > 0
+        if self.factory.settings.fast_frames:
+            more = autobahn_private.fast_frames(
+                self, self.factory.settings.max_message_bytes, self._deliver
+            )
+            if more is not None:
+                return more
+        return bool(super().processData())
 
     def dataReceived(self, data: bytes) -> None:
-        # Autobahn's own dataReceived formats a debug log line (colouring
-        # arguments eagerly) for every read, even with debug logging off.
-        self._dataReceived(data)
+        autobahn_private.receive(self, data)
 
     # --- incoming messages, size-limited as they stream in -------------------------
 
@@ -436,11 +297,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
                 limit=limit,
                 held=held,
             )
-            self.sendCloseFrame(
-                code=CLOSE_TRY_AGAIN_LATER,
-                reasonUtf8=partial_limit_reason(limit).encode(),
-                isReply=False,
-            )
+            autobahn_private.send_close(self, CLOSE_TRY_AGAIN_LATER, partial_limit_reason(limit))
             return
         self._parts.append(payload)
         self._parts_bytes += size
@@ -541,11 +398,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def close_connection(self) -> None:
         """Close after a JSON-RPC protocol violation (the dispatcher logged why)."""
         if self.state == WebSocketProtocol.STATE_OPEN:
-            self.sendCloseFrame(
-                code=CLOSE_POLICY_VIOLATION,
-                reasonUtf8=b"JSON-RPC protocol violation",
-                isReply=False,
-            )
+            autobahn_private.send_close(self, CLOSE_POLICY_VIOLATION, "JSON-RPC protocol violation")
 
     # --- server shutdown -----------------------------------------------------------
 
@@ -560,44 +413,28 @@ class ExecServerProtocol(WebSocketServerProtocol):
 
         def close(_: object) -> Deferred[None]:
             if self.state == WebSocketProtocol.STATE_OPEN:
-                self.sendCloseFrame(
-                    code=CLOSE_GOING_AWAY, reasonUtf8=b"exec-server is shutting down"
-                )
+                autobahn_private.send_close(self, CLOSE_GOING_AWAY, "exec-server is shutting down")
             # Autobahn drops TCP after closeHandshakeTimeout if the peer never replies.
             return self.when_lost()
 
         return d.addBoth(close)
 
 
-class _Timer:
-    """A cancellable timer whose ``cancel`` is a no-op once it has run."""
+class _HandOver:
+    """What ``WebSocketResource`` builds the protocol from: the factory plus the edge's findings."""
 
-    __slots__ = ("_call",)
+    def __init__(self, factory: ExecServerFactory, channel: http.EdgeChannel, identity: object):
+        self._factory = factory
+        self._channel = channel
+        self._identity = identity
 
-    def __init__(self, call: IDelayedCall) -> None:
-        self._call = call
-
-    def cancel(self) -> None:
-        if self._call.active():
-            self._call.cancel()
-
-
-@attrs.frozen
-class ClockTimers:
-    """Autobahn's timer hook (``factory._batched_timer``) on an injected clock.
-
-    Autobahn's default batches timers through txaio into buckets computed
-    from *whole seconds* (``int(now + delay) * 1000``), so a 300 ms ping
-    timeout can fire at once or up to a second late. Exact timers are
-    cheap in Twisted's heap, and an injected clock makes them testable.
-    """
-
-    clock: IReactorTime
-
-    def call_later(
-        self, delay: float, func: Callable[..., object], *args: Any, **kw: Any
-    ) -> _Timer:
-        return _Timer(self.clock.callLater(delay, func, *args, **kw))
+    def buildProtocol(self, addr: IAddress) -> ExecServerProtocol:
+        proto = self._factory.buildProtocol(addr)
+        proto.identity = self._identity
+        # The socket's place in --max-connections moves with it.
+        self._channel.hand_over(proto)
+        proto._counted = True
+        return proto
 
 
 class ExecServerFactory(WebSocketServerFactory):
@@ -605,19 +442,38 @@ class ExecServerFactory(WebSocketServerFactory):
     noisy = False
 
     def __init__(
-        self, dispatcher: Dispatcher, settings: WebSocketSettings, reactor: IReactorTime
+        self,
+        dispatcher: Dispatcher,
+        settings: WebSocketSettings,
+        reactor: IReactorTime,
+        loopback_only: bool = False,
     ) -> None:
         super().__init__(server=f"exec-server/{__version__}", reactor=reactor)
-        self._batched_timer = ClockTimers(reactor)
+        autobahn_private.install_exact_timers(self, reactor)
         self.dispatcher = dispatcher
         self.settings = settings
-        self.allowed_origins = frozenset(http.normalize_origin(o) for o in settings.allowed_origins)
-        #: A loopback listener answers only requests whose Host is loopback
-        #: (a DNS-rebinding page reaches it with its own name as Host).
-        self.loopback_only = False
         self.protocols: set[ExecServerProtocol] = set()
+        #: The twisted.web site every connection starts in (a listener
+        #: listens with it); admitted upgrades come back to :meth:`upgrade`.
+        self.site = http.EdgeSite(
+            http.EdgePolicy(
+                dispatcher,
+                allowed_origins=frozenset(
+                    http.normalize_origin(o) for o in settings.allowed_origins
+                ),
+                auth=settings.auth,
+                # A loopback listener answers only requests whose Host is
+                # loopback (a DNS-rebinding page sends its own name as Host).
+                loopback_only=loopback_only,
+                max_connections=settings.max_connections,
+                max_request_head_bytes=settings.max_request_head_bytes,
+                handshake_timeout=settings.open_handshake_timeout,
+            ),
+            self.upgrade,
+            reactor,
+        )
         self.setProtocolOptions(
-            # Plain GETs are answered in ExecServerProtocol.processHandshake.
+            # Plain GETs are answered by the twisted.web site in front.
             webStatus=False,
             # Limits are enforced per message by the protocol (see module doc).
             maxFramePayloadSize=0,
@@ -628,7 +484,7 @@ class ExecServerFactory(WebSocketServerFactory):
             closeHandshakeTimeout=settings.close_handshake_timeout,
             autoPingInterval=settings.ping_interval,
             autoPingTimeout=settings.ping_timeout if settings.ping_interval else 0,
-            # Origins are checked before Autobahn sees the request.
+            # Origins are checked by the site before Autobahn sees the request.
             allowedOrigins=["*"],
             allowNullOrigin=True,
             perMessageCompressionAccept=lambda _offers: None,
@@ -639,7 +495,15 @@ class ExecServerFactory(WebSocketServerFactory):
         self.protocols.add(proto)
         return proto
 
+    def upgrade(self, request: Any, identity: object) -> Any:
+        """Hand an admitted upgrade request to Autobahn (``http.EdgeResource`` checked it)."""
+        if identity is None:
+            # Mutual TLS without tokens: the client certificate is who connects.
+            identity = tls.certificate_identity(request.channel.transport) or ANONYMOUS
+        return WebSocketResource(_HandOver(self, request.channel, identity)).render(request)
+
     def shut_down(self) -> Deferred[None]:
+        self.site.abort_all()
         waits = [proto.shut_down() for proto in list(self.protocols)]
         return DeferredList(waits).addCallback(lambda _: None)
 
@@ -659,9 +523,13 @@ class WebSocketService(Service):
         self.reactor = reactor
         self.address = address
         self.settings = settings or WebSocketSettings(dispatcher.config.max_message_bytes)
-        self.factory = ExecServerFactory(dispatcher, self.settings, IReactorTime(reactor))
-        # (A browser cannot reach a Unix socket: no Host check there.)
-        self.factory.loopback_only = isinstance(address, WebSocketAddress) and address.is_loopback
+        self.factory = ExecServerFactory(
+            dispatcher,
+            self.settings,
+            IReactorTime(reactor),
+            # (A browser cannot reach a Unix socket: no Host check there.)
+            loopback_only=isinstance(address, WebSocketAddress) and address.is_loopback,
+        )
         self._banner = banner or _print_to(sys.stderr)
         self.port: IListeningPort | None = None
         #: The bound address, ``ws://IP:PORT`` (real port), once started.
@@ -674,7 +542,7 @@ class WebSocketService(Service):
         settings = self.settings
         listening = server_endpoint(
             self.reactor, self.address, settings.socket_mode, settings.tls_options
-        ).listen(self.factory)
+        ).listen(self.factory.site)
         failed: list[Failure] = []
         listening.addCallbacks(self._listening, failed.append)
         if failed:

@@ -1,0 +1,92 @@
+"""The twisted.web edge of a WebSocket listener (``transports/http.py``), in memory.
+
+Every connection starts as an ``EdgeChannel`` of the listener's ``EdgeSite``;
+these tests cover what the edge adds around twisted.web and Autobahn's
+``WebSocketResource``: bytes sent right behind the upgrade request, head
+limits above Twisted's own, the connection count moving with an upgrade,
+and half-sent requests at shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import txaio
+from twisted.internet.error import ConnectionLost
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+
+from execserver.transports.websocket import ExecServerProtocol
+from tests.test_websocket_protocol import (
+    UPGRADE,
+    client_frame,
+    http,
+    make_factory,
+    server_frames,
+    server_on_string_transport,
+)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    clock = Clock()
+    monkeypatch.setattr(txaio.config, "loop", clock)  # type: ignore[attr-defined]
+    yield clock
+
+
+def test_frames_in_the_same_read_as_the_upgrade_are_answered(clock: Clock) -> None:
+    channel, transport = server_on_string_transport(make_factory(clock))
+    request = client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    channel.dataReceived(UPGRADE + b"\r\n" + request + client_frame(1, b'{"id":2,"method":"x"}'))
+    head, _, frames = transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    assert [json.loads(p)["id"] for _, p in server_frames(frames)] == [1, 2]
+
+
+def test_a_head_limit_above_twisteds_own_is_honoured(clock: Clock) -> None:
+    # twisted.web alone answers 400 past 16 KiB of headers (totalHeadersSize).
+    factory = make_factory(clock, max_request_head_bytes=64 * 1024)
+    filler = b"X-Filler: " + b"f" * 30_000 + b"\r\n"
+    response, _ = http(factory, b"GET /readyz HTTP/1.1\r\nHost: x\r\n" + filler + b"\r\n")
+    assert response.startswith(b"HTTP/1.1 200 OK\r\n")
+    response, _ = http(factory, b"GET /readyz HTTP/1.1\r\n" + filler * 3 + b"\r\n")
+    assert response.startswith(b"HTTP/1.1 431 ")
+    assert response.endswith(b"request head exceeds 65536 bytes (--max-request-head-bytes)\n")
+
+
+def test_a_plain_reply_says_connection_close_and_closes(clock: Clock) -> None:
+    factory = make_factory(clock)
+    response, transport = http(factory, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b"\r\nConnection: close\r\n" in response
+    assert b"\r\nCache-Control: no-store\r\n" in response
+    assert transport.disconnecting
+
+
+def test_the_connection_count_moves_with_the_upgrade(clock: Clock) -> None:
+    factory = make_factory(clock)
+    stats = factory.dispatcher.stats
+    channel, transport = server_on_string_transport(factory)
+    assert stats.sockets_open == 1
+    channel.dataReceived(UPGRADE + b"\r\n")
+    proto = transport.protocol  # type: ignore[attr-defined]
+    assert isinstance(proto, ExecServerProtocol)
+    assert stats.sockets_open == 1
+    assert factory.site.channels == set()
+    # The handshake timer was the channel's: an open connection outlives it.
+    clock.advance(60)
+    assert not transport.disconnecting
+    proto.connectionLost(Failure(ConnectionLost()))
+    assert stats.sockets_open == 0
+    assert stats.refused["handshake_timeout"] == 0
+
+
+def test_shutdown_drops_connections_still_sending_their_request(clock: Clock) -> None:
+    factory = make_factory(clock)
+    channel, transport = server_on_string_transport(factory)
+    channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n")
+    assert factory.site.channels == {channel}
+    factory.shut_down()
+    assert transport.disconnecting or transport.disconnected
+    assert transport.value() == b""
