@@ -20,6 +20,13 @@ msgspec decoder. Figures are medians of ``--rounds``.
 
     python bench/bench_websocket.py [--rounds 3] [--mib 256] [--connections 200]
     python bench/bench_websocket.py --frames   # own frame path vs Autobahn's parser
+    python bench/bench_websocket.py --edge-baseline DIR   # this checkout vs another tree
+
+``--edge-baseline DIR`` compares this checkout's WebSocket edge with the
+``execserver`` package of another tree (e.g. ``git archive OLD execserver |
+tar -x -C DIR``), both servers running in the same run: upgrades/s
+(sequential connect, upgrade, close), plain ``GET /readyz``/s, and round
+trips at depth 1 and 64, each as a ratio this/baseline.
 """
 
 from __future__ import annotations
@@ -83,16 +90,16 @@ def start_params(process_id: str, argv: list[str]) -> dict[str, Any]:
 
 
 class Server:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, tree: Path = REPO) -> None:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=str(tree))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "execserver", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             env=env,
-            cwd=str(REPO),
+            cwd=str(tree),
         )
 
     def ws_address(self, timeout: float = 10.0) -> tuple[str, int]:
@@ -381,6 +388,65 @@ def frame_paths(depth: int, total: int) -> tuple[float, float]:
         public.stop()
 
 
+def upgrades(address: tuple[str, int], count: int) -> float:
+    """Sequential WebSocket upgrades per second (connect, upgrade, close)."""
+    start = time.perf_counter()
+    for _ in range(count):
+        WsClient(*address).close()
+    return count / (time.perf_counter() - start)
+
+
+def readyz(address: tuple[str, int], count: int) -> float:
+    """Sequential plain ``GET /readyz`` requests per second (each on its own connection)."""
+    host, port = address
+    request = f"GET /readyz HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    start = time.perf_counter()
+    for _ in range(count):
+        with socket.create_connection(address) as sock:
+            sock.sendall(request)
+            reply = b""
+            while True:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200 "), reply[:40]
+    return count / (time.perf_counter() - start)
+
+
+def edge(baseline: Path, count: int, total: int) -> dict[str, float]:
+    """This checkout's WebSocket edge against ``baseline``'s, both started now."""
+    ours = Server("--listen", "ws://127.0.0.1:0")
+    theirs = Server("--listen", "ws://127.0.0.1:0", tree=baseline)
+    try:
+        a, b = ours.ws_address(), theirs.ws_address()
+        upgrades(a, 50)
+        upgrades(b, 50)
+        mine_up, base_up = upgrades(a, count), upgrades(b, count)
+        mine_ready, base_ready = readyz(a, count), readyz(b, count)
+        figures = {
+            "upgrades": mine_up / base_up,
+            "upgrades_abs": mine_up,
+            "upgrades_base": base_up,
+            "readyz": mine_ready / base_ready,
+            "readyz_abs": mine_ready,
+            "readyz_base": base_ready,
+        }
+        for depth in (1, 64):
+            a_client = WsClient(*a)
+            handshake(a_client)
+            b_client = WsClient(*b)
+            handshake(b_client)
+            mine, base = paired_round_trips(a_client, b_client, depth, total)
+            figures[f"rtt{depth}"] = mine / base
+            a_client.close()
+            b_client.close()
+        return figures
+    finally:
+        ours.stop()
+        theirs.stop()
+
+
 def connections(count: int) -> dict[str, float]:
     ws = Server("--listen", "ws://127.0.0.1:0")
     stdio = Server()
@@ -450,8 +516,37 @@ def main() -> None:
         action="store_true",
         help="only compare the fast frame path with --no-fast-frames (Autobahn's parser)",
     )
+    parser.add_argument(
+        "--edge-baseline",
+        type=Path,
+        metavar="DIR",
+        help="only compare this checkout's WebSocket edge with the execserver package in DIR",
+    )
     args = parser.parse_args()
     median = statistics.median
+    if args.edge_baseline is not None:
+        count = args.connections * 5
+        print(
+            f"WebSocket edge: this checkout / {args.edge_baseline} "
+            f"({args.rounds} rounds, medians of same-run ratios)"
+        )
+        edge_runs = [
+            edge(args.edge_baseline, count, args.requests // 4) for _ in range(args.rounds)
+        ]
+        for key, label in (
+            ("upgrades", f"{count} sequential upgrades (connect, 101, close)"),
+            ("readyz", f"{count} sequential GET /readyz"),
+            ("rtt1", "round trips depth  1"),
+            ("rtt64", "round trips depth 64"),
+        ):
+            line = f"{label}: ratio {median(r[key] for r in edge_runs):.2f}"
+            if f"{key}_abs" in edge_runs[0]:
+                line += (
+                    f" ({median(r[key + '_abs'] for r in edge_runs):,.0f}/s vs "
+                    f"{median(r[key + '_base'] for r in edge_runs):,.0f}/s)"
+                )
+            print(line)
+        return
     if args.frames:
         print(f"WebSocket frame paths ({args.rounds} rounds, medians)")
         for depth in (1, 64):

@@ -15,11 +15,14 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import txaio
 from autobahn.twisted.websocket import WebSocketServerFactory
 from autobahn.websocket.protocol import WebSocketProtocol
+from twisted.internet.error import ConnectionLost
 from twisted.internet.task import Clock
+from twisted.python.failure import Failure
 
 from execserver.transports import autobahn_private
 from execserver.transports.autobahn_private import (
@@ -27,6 +30,7 @@ from execserver.transports.autobahn_private import (
     ClockTimers,
     close_frame_problems,
     fast_frame_problems,
+    state_problems,
     timer_problems,
 )
 from execserver.transports.websocket import ExecServerProtocol
@@ -41,8 +45,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
 
 
 def test_the_installed_autobahn_has_every_shape_relied_on() -> None:
-    assert (close_frame_problems(), timer_problems(), fast_frame_problems()) == ([], [], [])
-    assert (CORNERS.close_frame, CORNERS.exact_timers, CORNERS.fast_frames) == (True, True, True)
+    problems = (close_frame_problems(), timer_problems(), fast_frame_problems(), state_problems())
+    assert problems == ([], [], [], [])
+    assert attrs.astuple(CORNERS) == (True, True, True, True)
 
 
 def _broken(base: type, **attrs: Any) -> type:
@@ -76,6 +81,9 @@ def test_each_check_notices_a_changed_shape() -> None:
     assert problems == ["processData reading data, current_frame, inside_message"]
     renamed = _broken(WebSocketProtocol, _cancelAutoPingTimeoutCall=None)
     assert fast_frame_problems(renamed) == ["_cancelAutoPingTimeoutCall(self)"]
+    assert state_problems(_broken(WebSocketProtocol, _connectionMade=made)) == [
+        "_connectionMade setting failedByMe and data"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -146,3 +154,21 @@ def test_frames_fall_back_to_autobahns_parser(
     replies = [json.loads(p) for _, p in server_frames(transport.value())]
     assert [r["id"] for r in replies] == [1, 2]
     assert paths == ["autobahn", "autobahn"]
+
+
+def test_parser_state_falls_back_to_public_checks(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CORNERS, "parser_state", False)
+    # A message whose text is invalid UTF-8 fails the connection (1007) and
+    # is not delivered, without reading failedByMe.
+    delivered: list[bytes | None] = []
+    proto, transport = open_raw(make_factory(clock, fast_frames=False))
+    proto._dispatch = delivered.append  # type: ignore[method-assign,assignment]
+    proto.dataReceived(client_frame(1, b'{"id":1,"method":"\xff"}'))
+    assert _close_code(transport) == 1007
+    assert delivered == []
+    # A lost connection is still torn down (its input is left to the collector).
+    proto.dataReceived(b"\x81")
+    proto.connectionLost(Failure(ConnectionLost()))
+    assert proto.connection is None

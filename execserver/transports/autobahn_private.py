@@ -27,6 +27,13 @@ used (after one warning) when the check fails:
   replies and close codes. Fallback: Autobahn's parser for every frame.
   The same check covers skipping the adapter's ``dataReceived`` (a debug
   line formatted on every read) for ``_dataReceived``.
+- **Parser state read elsewhere.** ``failedByMe`` (Autobahn keeps parsing
+  after it failed a connection, to read the close reply, and still delivers
+  the offending message: :func:`failed_by_me`) and the unparsed input
+  ``data``, emptied when a connection is lost so a half-received frame is
+  freed at once (:func:`release_input`). Fallbacks: "not failed" (the
+  protocol also requires the OPEN state before it delivers) and leaving the
+  buffer to the garbage collector.
 
 ``tests/test_autobahn_private.py`` breaks each shape on purpose and checks
 that the check notices and that the fallback serves a real connection.
@@ -130,6 +137,18 @@ def fast_frame_problems(cls: type = WebSocketProtocol) -> list[str]:
     )
 
 
+def state_problems(cls: type = WebSocketProtocol) -> list[str]:
+    """What is missing for :func:`failed_by_me` and :func:`release_input`."""
+    return _missing(
+        [
+            (
+                {"failedByMe", "data"} <= _names(getattr(cls, "_connectionMade", None)),
+                "_connectionMade setting failedByMe and data",
+            ),
+        ]
+    )
+
+
 @attrs.define
 class Corners:
     """Which private corners are usable (decided once, at import)."""
@@ -137,6 +156,7 @@ class Corners:
     close_frame: bool
     exact_timers: bool
     fast_frames: bool
+    parser_state: bool
 
 
 def _check() -> Corners:
@@ -144,6 +164,7 @@ def _check() -> Corners:
         "sendCloseFrame": close_frame_problems(),
         "_batched_timer": timer_problems(),
         "the frame parser's state": fast_frame_problems(),
+        "failedByMe and data": state_problems(),
     }
     for corner, problems in found.items():
         if problems:
@@ -157,6 +178,7 @@ def _check() -> Corners:
         close_frame=not found["sendCloseFrame"],
         exact_timers=not found["_batched_timer"],
         fast_frames=not found["the frame parser's state"],
+        parser_state=not found["failedByMe and data"],
     )
 
 
@@ -288,3 +310,17 @@ def fast_frames(proto: Any, limit: int, deliver: Callable[[bytes], None]) -> boo
         return None
     proto.data = data[offset:]
     return len(proto.data) > 0
+
+
+# --- parser state -----------------------------------------------------------------------------
+
+
+def failed_by_me(proto: Any) -> bool:
+    """Whether Autobahn failed this connection itself (it may still deliver a message)."""
+    return CORNERS.parser_state and bool(proto.failedByMe)
+
+
+def release_input(proto: Any) -> None:
+    """Free the unparsed input of a lost connection now, not at a garbage collection."""
+    if CORNERS.parser_state:
+        proto.data = b""

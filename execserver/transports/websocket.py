@@ -228,7 +228,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         # ``is_closed`` Deferred holds it as its result), so it is freed
         # by reference counting, not at the next full garbage collection.
         self._release_parts()
-        self.data = b""
+        autobahn_private.release_input(self)
         self._held.clear()
         if self._outbox is not None:
             self._outbox.discard()
@@ -273,7 +273,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def onMessageFrameBegin(self, length: int) -> None:
         # The frame header announces its length: refuse before buffering any of it.
         self._size += length
-        if self.failedByMe:
+        if autobahn_private.failed_by_me(self):
             return
         if not self._oversized and self._size > self.factory.settings.max_message_bytes:
             self._oversized = True
@@ -318,7 +318,11 @@ class ExecServerProtocol(WebSocketServerProtocol):
         self._release_parts()
         # failedByMe: Autobahn keeps parsing after failing a connection (to
         # read the close reply) and still delivers the offending message.
-        if self._oversized or self.failedByMe or self.state != WebSocketProtocol.STATE_OPEN:
+        if (
+            self._oversized
+            or autobahn_private.failed_by_me(self)
+            or self.state != WebSocketProtocol.STATE_OPEN
+        ):
             return
         self._deliver(parts[0] if len(parts) == 1 else b"".join(parts))
 
