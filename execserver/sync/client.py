@@ -1,0 +1,575 @@
+"""The blocking client: :mod:`execserver.aio` run on a background event loop.
+
+``connect()`` returns a :class:`Client` whose methods block until the
+asyncio client's coroutine (run on the shared loop thread, see
+:mod:`execserver.sync._loop`) finishes. Names, arguments, results and errors
+are the asyncio client's. Every blocking call has a bound:
+
+- protocol calls (fs, signal, list, ...) wait at most ``call_timeout``
+  seconds (60 by default), then the request is cancelled and
+  :class:`TimeoutError` raised;
+- ``connect`` waits at most ``connect_timeout`` plus ``call_timeout``
+  (the handshake) seconds;
+- ``run``, ``Process.wait``, ``Process.output`` and ``upload``/``download``
+  wait as long as the caller's ``timeout`` says (None: until the process
+  ends, the transfer completes or the connection is lost).
+
+A KeyboardInterrupt while a call blocks cancels its coroutine (a cancelled
+``run`` terminates its process) before it propagates. Any number of threads
+may use one client (and its process handles) at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, TypeVar
+
+from execserver import aio
+from execserver import protocol as p
+from execserver.aio import RunResult
+from execserver.clientcore.errors import ConnectionClosed, ExecServerError
+from execserver.clientcore.types import OutputEvent
+from execserver.sync._loop import CANCEL_GRACE, LOOP, Call, check_not_loop_thread
+
+T = TypeVar("T")
+
+#: Bound of every protocol call that has no timeout of its own (seconds).
+DEFAULT_CALL_TIMEOUT = 60.0
+#: Bound of ``close()``: terminating the processes and closing the connection.
+CLOSE_TIMEOUT = 30.0
+
+LocalFile = str | os.PathLike[str] | BinaryIO
+Progress = Callable[[int, int | None], object]
+
+
+class Client:
+    """A connected, initialized exec-server client with blocking methods."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        client: aio.Client,
+        call_timeout: float | None,
+    ) -> None:
+        self._loop = loop
+        self._aio = client
+        self.call_timeout = call_timeout
+        self._close_lock = threading.Lock()
+        self._run_ids = itertools.count(1)
+        self._closed = False
+        _OPEN.add(self)
+        # Dropped unclosed: close on the loop, and let the loop stop.
+        self._finalizer = weakref.finalize(self, _close_dropped, loop, client)
+
+    def __repr__(self) -> str:
+        return f"<execserver.sync.Client session {self.session_id!r}>"
+
+    # --- running coroutines ------------------------------------------------------------
+
+    def _blocking(
+        self,
+        factory: Callable[[], Awaitable[T]],
+        timeout: float | None,
+        what: str,
+        on_progress: Callable[..., object] | None = None,
+    ) -> T:
+        check_not_loop_thread()
+        if self._closed:
+            raise ConnectionClosed("the client was closed")
+        call = Call(self._loop, factory, what)
+        call.start()
+        return call.wait(timeout, on_progress)
+
+    def _rpc(self, what: str, factory: Callable[[], Awaitable[T]]) -> T:
+        return self._blocking(factory, self.call_timeout, what)
+
+    # --- state ---------------------------------------------------------------------------
+
+    @property
+    def aio(self) -> aio.Client:
+        """The underlying asyncio client (use it only on :attr:`loop`)."""
+        return self._aio
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def session_id(self) -> str | None:
+        return self._aio.session_id
+
+    @property
+    def capabilities(self) -> list[str]:
+        return list(self._aio.capabilities)
+
+    def supports(self, method: str) -> bool:
+        return self._aio.supports(method)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- processes -----------------------------------------------------------------------
+
+    def start(
+        self,
+        argv: Sequence[str] | p.ExecParams,
+        *,
+        process_id: str | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        tty: bool = False,
+        arg0: str | None = None,
+        pipe_stdin: bool = False,
+        size: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        idle_timeout_ms: int | None = None,
+        detach: bool = False,
+    ) -> Process:
+        """``process/start``; the handle follows the process (see :class:`Process`)."""
+        handle = self._rpc(
+            "process/start",
+            lambda: self._aio.start(
+                argv,
+                process_id=process_id,
+                cwd=cwd,
+                env=dict(env) if env is not None else None,
+                tty=tty,
+                arg0=arg0,
+                pipe_stdin=pipe_stdin,
+                size=size,
+                timeout_ms=timeout_ms,
+                idle_timeout_ms=idle_timeout_ms,
+                detach=detach,
+            ),
+        )
+        return Process(self, handle)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        input: bytes | None = None,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        tty: bool = False,
+        arg0: str | None = None,
+        size: tuple[int, int] | None = None,
+        timeout_ms: int | None = None,
+        idle_timeout_ms: int | None = None,
+    ) -> RunResult:
+        """Run ``argv`` to its end: stdout, stderr, exit code (a :class:`RunResult`).
+
+        After ``timeout`` seconds the process tree is terminated and
+        :class:`TimeoutError` raised; None waits as long as it runs. Interrupted
+        (KeyboardInterrupt), the process is terminated, and has ended, before
+        the exception propagates.
+        """
+        process_id = f"run-{next(self._run_ids)}"
+
+        async def run_reaped() -> RunResult:
+            try:
+                return await self._aio.run(
+                    argv,
+                    input=input,
+                    timeout=timeout,
+                    process_id=process_id,
+                    cwd=cwd,
+                    env=dict(env) if env is not None else None,
+                    tty=tty,
+                    arg0=arg0,
+                    size=size,
+                    timeout_ms=timeout_ms,
+                    idle_timeout_ms=idle_timeout_ms,
+                )
+            except BaseException:
+                # The asyncio client terminates the process of a cancelled or
+                # timed-out run in a task of its own; a script that goes on
+                # (or exits) right after the exception must find it ended.
+                await asyncio.shield(self._reap(process_id))
+                raise
+
+        bound = None if timeout is None else timeout + (self.call_timeout or CLOSE_TIMEOUT)
+        return self._blocking(run_reaped, bound, f"run {list(argv)[:1]}")
+
+    async def _reap(self, process_id: str) -> None:
+        handle = self._aio.process(process_id)
+        if handle is None or handle.is_closed:
+            return
+        with contextlib.suppress(ExecServerError, TimeoutError):
+            async with asyncio.timeout(CANCEL_GRACE):
+                await self._aio.terminate(process_id)
+                await handle.closed()
+
+    def read(
+        self,
+        process_id: str,
+        after_seq: int | None = None,
+        max_bytes: int | None = None,
+        wait_ms: int | None = None,
+    ) -> p.ReadResponse:
+        return self._rpc(
+            "process/read", lambda: self._aio.read(process_id, after_seq, max_bytes, wait_ms)
+        )
+
+    def write(self, process_id: str, data: bytes) -> p.WriteResponse:
+        return self._rpc("process/write", lambda: self._aio.write(process_id, data))
+
+    def terminate(self, process_id: str, grace_ms: int | None = None) -> p.TerminateResponse:
+        return self._rpc(
+            "process/terminate", lambda: self._aio.terminate(process_id, grace_ms=grace_ms)
+        )
+
+    def signal(self, process_id: str, signal: int | str) -> p.SignalResponse:
+        return self._rpc("process/signal", lambda: self._aio.signal(process_id, signal))
+
+    def close_stdin(self, process_id: str) -> p.CloseStdinResponse:
+        return self._rpc("process/closeStdin", lambda: self._aio.close_stdin(process_id))
+
+    def resize(self, process_id: str, rows: int, cols: int) -> p.Empty:
+        return self._rpc("process/resize", lambda: self._aio.resize(process_id, rows, cols))
+
+    def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
+        """``process/wait``; bounded by ``timeout_ms`` plus ``call_timeout``."""
+        bound = self.call_timeout
+        if bound is not None:
+            bound = None if timeout_ms is None else bound + timeout_ms / 1000
+        return self._blocking(lambda: self._aio.wait(process_id, timeout_ms), bound, "process/wait")
+
+    def list_processes(self) -> p.ListResponse:
+        return self._rpc("process/list", self._aio.list_processes)
+
+    # --- fs --------------------------------------------------------------------------------
+
+    def fs_read_file(self, path: str) -> p.FsReadFileResponse:
+        return self._rpc("fs/readFile", lambda: self._aio.fs_read_file(path))
+
+    def fs_write_file(self, path: str, data: bytes) -> p.Empty:
+        return self._rpc("fs/writeFile", lambda: self._aio.fs_write_file(path, data))
+
+    def fs_create_directory(self, path: str, recursive: bool | None = None) -> p.Empty:
+        return self._rpc(
+            "fs/createDirectory", lambda: self._aio.fs_create_directory(path, recursive)
+        )
+
+    def fs_get_metadata(self, path: str) -> p.FsGetMetadataResponse:
+        return self._rpc("fs/getMetadata", lambda: self._aio.fs_get_metadata(path))
+
+    def fs_read_directory(self, path: str) -> p.FsReadDirectoryResponse:
+        return self._rpc("fs/readDirectory", lambda: self._aio.fs_read_directory(path))
+
+    def fs_remove(
+        self, path: str, recursive: bool | None = None, force: bool | None = None
+    ) -> p.Empty:
+        return self._rpc("fs/remove", lambda: self._aio.fs_remove(path, recursive, force))
+
+    def fs_copy(self, source_path: str, destination_path: str, recursive: bool = False) -> p.Empty:
+        return self._rpc(
+            "fs/copy", lambda: self._aio.fs_copy(source_path, destination_path, recursive)
+        )
+
+    def upload(
+        self,
+        path: str,
+        local_file: LocalFile,
+        *,
+        progress: Progress | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Copy a local file (path or binary file object) to ``path``; the bytes sent.
+
+        ``progress(done, total)`` is called in this thread after each range.
+        """
+        return self._transfer("upload", path, local_file, progress, timeout)
+
+    def download(
+        self,
+        path: str,
+        local_file: LocalFile,
+        *,
+        progress: Progress | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Copy ``path`` to a local file (path or binary file object); the bytes received."""
+        return self._transfer("download", path, local_file, progress, timeout)
+
+    def _transfer(
+        self,
+        direction: str,
+        path: str,
+        local_file: LocalFile,
+        progress: Progress | None,
+        timeout: float | None,
+    ) -> int:
+        check_not_loop_thread()
+        if self._closed:
+            raise ConnectionClosed("the client was closed")
+        method = self._aio.upload if direction == "upload" else self._aio.download
+
+        async def transfer() -> int:
+            done = await method(
+                path, local_file, progress=call.progress if progress is not None else None
+            )
+            return int(done) if done is not None else 0
+
+        call: Call[int] = Call(self._loop, transfer, f"{direction} {path}")
+        call.start()
+        return call.wait(timeout, progress)
+
+    # --- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Terminate the processes this client started (unless detached) and disconnect.
+
+        Idempotent and thread-safe; the last open client stops the loop thread.
+        """
+        check_not_loop_thread()
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._finalizer.detach()
+        _OPEN.discard(self)
+        try:
+            call = Call(self._loop, self._aio.close, "close")
+            call.start()
+            call.wait(CLOSE_TIMEOUT)
+        finally:
+            LOOP.release()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Process:
+    """A process started by :meth:`Client.start`, with blocking methods."""
+
+    def __init__(self, client: Client, process: aio.Process) -> None:
+        self._client = client
+        self._aio = process
+
+    def __repr__(self) -> str:
+        return f"<execserver.sync.Process {self.process_id!r}>"
+
+    @property
+    def aio(self) -> aio.Process:
+        return self._aio
+
+    @property
+    def process_id(self) -> str:
+        return self._aio.process_id
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._aio.exit_code
+
+    @property
+    def signal(self) -> str | None:
+        """The signal that ended the process (``"SIGTERM"``), once exited."""
+        return self._aio.signal
+
+    @property
+    def has_exited(self) -> bool:
+        return self._aio.has_exited
+
+    @property
+    def timed_out(self) -> str | None:
+        return self._aio.timed_out
+
+    def output(self, timeout: float | None = None) -> Iterator[OutputEvent]:
+        """The output events (:class:`OutputEvent`, :class:`GapEvent`) up to the close.
+
+        ``timeout`` bounds the whole iteration (TimeoutError when it expires).
+        """
+        return _OutputIterator(self, timeout)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code once the process exited (TimeoutError after ``timeout``)."""
+        return self._client._blocking(self._aio.wait, timeout, f"wait {self.process_id}")
+
+    def write(self, data: bytes) -> p.WriteResponse:
+        return self._client._rpc("process/write", lambda: self._aio.write(data))
+
+    def close_stdin(self) -> p.CloseStdinResponse:
+        return self._client._rpc("process/closeStdin", self._aio.close_stdin)
+
+    def send_signal(self, sig: int | str) -> p.SignalResponse:
+        """``process/signal``: a name (``"SIGINT"``, ``"INT"``) or a number."""
+        return self._client._rpc("process/signal", lambda: self._aio.send_signal(sig))
+
+    def resize(self, rows: int, cols: int) -> p.Empty:
+        return self._client._rpc("process/resize", lambda: self._aio.resize(rows, cols))
+
+    def terminate(self, grace_ms: int | None = None) -> p.TerminateResponse:
+        return self._client._rpc(
+            "process/terminate", lambda: self._aio.terminate(grace_ms=grace_ms)
+        )
+
+    def read(
+        self,
+        after_seq: int | None = None,
+        max_bytes: int | None = None,
+        wait_ms: int | None = None,
+    ) -> p.ReadResponse:
+        return self._client.read(self.process_id, after_seq, max_bytes, wait_ms)
+
+
+class _OutputIterator(Iterator[OutputEvent]):
+    """Pulls the asyncio handle's output stream one event per blocking call.
+
+    The stream is created (and iterated) on the loop thread; an iterator
+    dropped before the end closes it, so it stops buffering output.
+    """
+
+    def __init__(self, process: Process, timeout: float | None) -> None:
+        self._process = process
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._ended = False
+        #: [the aio OutputStream] once created (a list: shared with the finalizer).
+        self._stream: list[Any] = []
+        weakref.finalize(self, _close_stream, process._client.loop, self._stream)
+
+    def __iter__(self) -> Iterator[OutputEvent]:
+        return self
+
+    def __next__(self) -> OutputEvent:
+        if self._ended:
+            raise StopIteration
+
+        async def step() -> OutputEvent | None:
+            if not self._stream:
+                self._stream.append(self._process.aio.output())
+            try:
+                event: OutputEvent = await self._stream[0].__anext__()
+            except StopAsyncIteration:
+                return None
+            return event
+
+        remaining = None
+        if self._deadline is not None:
+            remaining = max(0.0, self._deadline - time.monotonic())
+        event = self._process._client._blocking(
+            step, remaining, f"output of {self._process.process_id}"
+        )
+        if event is None:
+            self._ended = True
+            raise StopIteration
+        return event
+
+    def close(self) -> None:
+        """Stop following the output (what is buffered is dropped)."""
+        self._ended = True
+        _close_stream(self._process._client.loop, self._stream)
+
+
+def _close_stream(loop: asyncio.AbstractEventLoop, holder: list[Any]) -> None:
+    if holder:
+        stream = holder.pop()
+        with contextlib.suppress(RuntimeError):  # the loop is gone: so is the stream
+            loop.call_soon_threadsafe(stream.close)
+
+
+# --- open clients, for interpreter exit ------------------------------------------------
+
+_OPEN: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _close_dropped(loop: asyncio.AbstractEventLoop, client: aio.Client) -> None:
+    def close() -> None:
+        task = loop.create_task(client.close())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    try:
+        loop.call_soon_threadsafe(close)
+    except RuntimeError:
+        return  # the loop is gone already
+    LOOP.release()
+
+
+def _close_all() -> None:
+    for client in list(_OPEN):
+        try:
+            client.close()
+        except Exception:
+            continue
+
+
+# Registered after the loop's own atexit hook, so it runs before it (LIFO).
+atexit.register(_close_all)
+
+
+# --- connecting ------------------------------------------------------------------------
+
+
+def connect(
+    url: str | None = None,
+    *,
+    server_command: Sequence[str] | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    ca_file: str | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+    connect_timeout: float = 10.0,
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
+    resume: bool = True,
+    session_ttl_ms: int | None = None,
+    on_detached_full: str | None = None,
+    client_name: str = "exec-server-sync",
+    env: dict[str, str] | None = None,
+    stderr: Callable[[bytes], None] | None = None,
+    shutdown_grace: float = 5.0,
+) -> Client:
+    """Connect and initialize; use as ``with connect(...) as client:``.
+
+    The arguments are :func:`execserver.aio.connect`'s (``url`` None: a local
+    server over stdio; ``ws://``, ``wss://``, ``unix:///PATH``), plus
+    ``call_timeout``: the bound of every protocol call (seconds, default 60;
+    None: unbounded), also passed on as the asyncio client's
+    ``request_timeout``. ``stderr`` (the local server's stderr) is called on
+    the loop thread. Waits at most ``2 * connect_timeout`` (connection, then
+    handshake) plus a second.
+    """
+    check_not_loop_thread()
+    loop = LOOP.acquire()
+    try:
+        client = Call(
+            loop,
+            lambda: aio.connect(
+                url,
+                server_command=server_command,
+                token=token,
+                token_file=token_file,
+                ca_file=ca_file,
+                client_cert=client_cert,
+                client_key=client_key,
+                connect_timeout=connect_timeout,
+                request_timeout=call_timeout,
+                resume=resume,
+                session_ttl_ms=session_ttl_ms,
+                on_detached_full=on_detached_full,
+                client_name=client_name,
+                env=env,
+                stderr=stderr,
+                shutdown_grace=shutdown_grace,
+            ),
+            f"connect {url or 'stdio'}",
+        )
+        client.start()
+        connected = client.wait(2 * connect_timeout + 1.0)
+    except BaseException:
+        LOOP.release()
+        raise
+    return Client(loop, connected, call_timeout)
