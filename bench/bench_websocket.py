@@ -25,8 +25,9 @@ msgspec decoder. Figures are medians of ``--rounds``.
 ``--edge-baseline DIR`` compares this checkout's WebSocket edge with the
 ``execserver`` package of another tree (e.g. ``git archive OLD execserver |
 tar -x -C DIR``), both servers running in the same run: upgrades/s
-(sequential connect, upgrade, close), plain ``GET /readyz``/s, and round
-trips at depth 1 and 64, each as a ratio this/baseline.
+(sequential connect, upgrade, close), plain ``GET /readyz``/s, round
+trips at depth 1 and 64 and output throughput, each as a ratio
+this/baseline.
 """
 
 from __future__ import annotations
@@ -441,6 +442,12 @@ def edge(baseline: Path, count: int, total: int) -> dict[str, float]:
             figures[f"rtt{depth}"] = mine / base
             a_client.close()
             b_client.close()
+        a_client, b_client = WsClient(*a), WsClient(*b)
+        handshake(a_client)
+        handshake(b_client)
+        figures["throughput"] = stream_rate(a_client, 256 * MiB, "t") / stream_rate(
+            b_client, 256 * MiB, "t"
+        )
         return figures
     finally:
         ours.stop()
@@ -538,6 +545,7 @@ def main() -> None:
             ("readyz", f"{count} sequential GET /readyz"),
             ("rtt1", "round trips depth  1"),
             ("rtt64", "round trips depth 64"),
+            ("throughput", "256 MiB output, client decodes every chunk"),
         ):
             line = f"{label}: ratio {median(r[key] for r in edge_runs):.2f}"
             if f"{key}_abs" in edge_runs[0]:

@@ -90,3 +90,13 @@ def test_shutdown_drops_connections_still_sending_their_request(clock: Clock) ->
     factory.shut_down()
     assert transport.disconnecting or transport.disconnected
     assert transport.value() == b""
+
+
+def test_an_absolute_form_target_names_the_same_path(clock: Clock) -> None:
+    response, _ = http(make_factory(clock), b"GET http://x/readyz?a=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 200 OK\r\n")
+    response, _ = http(make_factory(clock), b"GET http://x/else HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 404 ")
+    assert response.endswith(
+        b"no resource at /else; plain HTTP is served at /readyz and /metrics only\n"
+    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
+from urllib.parse import urlsplit
 
 import attrs
 from twisted.internet.interfaces import IAddress, IDelayedCall, IProtocol, IReactorTime
@@ -284,10 +285,14 @@ class EdgeResource(Resource):
         if policy.loopback_only and host is not None and not host_is_loopback(host):
             return _send(request, host_refused(host))
         if request.getHeader(b"upgrade") is None:
-            resource = self._plain.get(request.path)
+            # (An absolute-form target, ``GET http://host/readyz``, names the same path.)
+            target = (
+                urlsplit(request.path).path if not request.path.startswith(b"/") else request.path
+            )
+            resource = self._plain.get(target)
             if resource is not None:
                 return resource.render(request)
-            if request.path == b"/":
+            if target == b"/":
                 return _send(
                     request,
                     HttpReply(
@@ -298,7 +303,7 @@ class EdgeResource(Resource):
                         (("Upgrade", "websocket"),),
                     ),
                 )
-            path = request.path.decode("latin-1")
+            path = target.decode("latin-1")
             return _send(
                 request,
                 HttpReply(
