@@ -29,7 +29,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__, codec, environment
+from execserver import __version__, codec, environment, environment_config
 from execserver import fs as filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
@@ -187,6 +187,7 @@ class Dispatcher:
             if method not in self.capabilities
         )
         self.fs = filesystem.register(self)
+        environment_config.register(self)
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"

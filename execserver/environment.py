@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Final
 
-from execserver import __version__
+from execserver import __version__, environment_config
 from execserver import protocol as p
 from execserver.fs import watch
 from execserver.fs.paths import path_to_uri
@@ -44,10 +44,12 @@ def capabilities() -> dict[str, bool]:
 
     As ``environmentInfo.capabilities`` names them. Only what is implemented
     is listed; a client treats a missing name as false and does not call the
-    method (environmentConfig/read and capabilities/discoverV2 are not
-    implemented; fs/watchMissing needs inotify).
+    method (capabilities/discoverV2 is not implemented; fs/watchMissing
+    needs inotify).
     """
-    return {"fsWatchMissing": True} if watch.available() else {}
+    found = {"fsWatchMissing": True} if watch.available() else {}
+    found[environment_config.CAPABILITY] = True
+    return found
 
 
 def _matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:

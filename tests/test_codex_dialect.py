@@ -134,7 +134,7 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
     work.mkdir()
     async with serving(CODEX_INIT) as server:
         info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
-        assert info["capabilities"] == {"fsWatchMissing": True}
+        assert info["capabilities"] == {"fsWatchMissing": True, "environmentConfigRead": True}
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"
         assert info["shell"]["path"].startswith("/")
@@ -232,9 +232,8 @@ def _changed(server: ServerProcess, watch_id: object) -> Any:
 @pytest_twisted.ensureDeferred
 async def test_watch_missing_fires_when_a_deep_path_appears(tmp_path: Path) -> None:
     async with serving(CODEX_INIT) as server:
-        assert server.last_init["environmentInfo"]["capabilities"] == {  # type: ignore[attr-defined]
-            "fsWatchMissing": True
-        }
+        capabilities = server.last_init["environmentInfo"]["capabilities"]  # type: ignore[attr-defined]
+        assert capabilities["fsWatchMissing"] is True
         deep = tmp_path / "a" / "b" / "AGENTS.md"
         params = {"watchId": 1, "missing": [path_to_uri(str(deep))], "present": None}
         assert await server.call("fs/watchMissing", params) == {"watching": True}
