@@ -350,11 +350,16 @@ class Client:
                 self.resumes += 1
                 self._install(rpc)
                 await self._catch_up_all(rpc)
-                if not rpc.is_closed:
-                    waiters, self._waiters = self._waiters, []
-                    for waiter in waiters:
-                        if not waiter.done():
-                            waiter.set_result(rpc)
+                if rpc.is_closed:
+                    # Dropped again meanwhile (this task still running, no
+                    # other was started): resume again; the handles wait.
+                    started, refused_since, delay = loop.time(), None, 0.05
+                    cause = rpc.closed_reason or cause
+                    continue
+                waiters, self._waiters = self._waiters, []
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(rpc)
                 return
             if loop.time() - started >= ttl:
                 self._give_up(f"no connection within its {ttl:g} s TTL ({cause})")

@@ -31,7 +31,8 @@ from twisted.logger import Logger
 
 from execserver import protocol as p
 from execserver.client.errors import OutputLagged
-from execserver.client.types import GapEvent, OutputEvent
+from execserver.client.types import OutputEvent
+from execserver.clientcore.ordering import SeqOrdering
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -138,8 +139,14 @@ class OutputSubscription:
         return event
 
 
-class RemoteProcess:
-    """A process started by a client, followed through its notifications."""
+class RemoteProcess(SeqOrdering):
+    """A process started by a client, followed through its notifications.
+
+    Seq-ordered, at-most-once delivery across a resumed session
+    (``accept_*``, ``begin_catch_up``/``catch_up``/``end_catch_up``) is
+    :class:`~execserver.clientcore.ordering.SeqOrdering`, shared with the
+    asyncio client's handle.
+    """
 
     def __init__(
         self, api: ClientApi, process_id: str, backlog_bytes: int = DEFAULT_BACKLOG_BYTES
@@ -160,12 +167,8 @@ class RemoteProcess:
         self._backlog_limit = backlog_bytes
         self._backlog_overflow_seq: int | None = None
         self._backlog_overflowed = False
-        #: The highest seq delivered (output, exit or close): a resumed
-        #: session is caught up from here, and nothing at or below it is
-        #: delivered twice.
-        self.last_seq = 0
-        #: While catching up after a resume, live events wait here by seq.
-        self._pending: dict[int, Callable[[], None]] | None = None
+        # last_seq and the events held back while catching up (the mixin).
+        self._init_ordering()
         #: Why the handle ended without its exit (None: it did not).
         self.lost_reason: Exception | None = None
         #: Output bytes (with per-chunk overhead) not yet acknowledged ("pause").
@@ -237,101 +240,9 @@ class RemoteProcess:
         for sub in list(self._subscriptions):
             sub.push(event)
 
-    # --- ordered delivery (seqs) --------------------------------------------------
-
-    def accept_output(self, event: OutputEvent) -> bool:
-        """Deliver output in seq order, at most once; False if it was not (yet)."""
-        seq = event.seq
-        if seq is None:
-            self.deliver_output(event)
-            return True
-        if seq <= self.last_seq:
-            return False
-        if self._pending is not None:
-            self._pending.setdefault(seq, lambda: self.deliver_output(event))
-            return False
-        self.last_seq = seq
-        self.deliver_output(event)
-        return True
-
-    # Exit and close happen once: they are de-duplicated by state, not by
-    # seq (a server of the seed era numbered close like the last output).
-
-    def accept_exit(
-        self, seq: int | None, exit_code: int, signal: str | None, timed_out: str | None
-    ) -> bool:
-        if self.has_exited:
-            return False
-        if self._pending is not None and seq is not None:
-            self._pending.setdefault(seq, lambda: self.mark_exited(exit_code, signal, timed_out))
-            return False
-        self.last_seq = max(self.last_seq, seq or 0)
-        self.mark_exited(exit_code, signal, timed_out)
-        return True
-
-    def accept_close(self, seq: int | None) -> bool:
-        if self.is_closed:
-            return False
-        if self._pending is not None and seq is not None:
-            self._pending.setdefault(seq, self.mark_closed)
-            return False
-        self.last_seq = max(self.last_seq, seq or 0)
-        self.mark_closed()
-        return True
-
-    def begin_catch_up(self) -> None:
-        """Live events wait until :meth:`end_catch_up`; reads fill in before them."""
-        if self._pending is None:
-            self._pending = {}
-
-    def catch_up(self, read: p.ReadResponse) -> bool:
-        """Deliver what a ``process/read`` after :attr:`last_seq` returned, in order.
-
-        Returns True while more reads are needed.
-        """
-        events: list[tuple[int, Callable[[], None]]] = []
-        gap = read.gap
-        if isinstance(gap, p.SeqGap) and gap.to_seq > self.last_seq:
-            low = max(gap.from_seq, self.last_seq + 1)
-            event = GapEvent(self.process_id, "stdout", b"", low, low, gap.to_seq)
-            events.append((gap.to_seq, lambda: self.deliver_output(event)))
-        for chunk in read.chunks:
-            out = OutputEvent(self.process_id, chunk.stream, chunk.chunk, chunk.seq)
-            events.append((chunk.seq, lambda out=out: self.deliver_output(out)))  # type: ignore[misc]
-        exited_seq = read.exited_seq
-        if read.exited and isinstance(exited_seq, int):
-            code = read.exit_code if read.exit_code is not None else -1
-            signal = read.signal if isinstance(read.signal, str) else None
-            timed_out = read.timed_out if isinstance(read.timed_out, str) else None
-            events.append((exited_seq, lambda: self.mark_exited(code, signal, timed_out)))
-        closed_seq = read.closed_seq
-        if read.closed is True and isinstance(closed_seq, int):
-            events.append((closed_seq, self.mark_closed))
-        for seq, deliver in sorted(events, key=lambda e: e[0]):
-            # Beyond nextSeq the read says nothing: exit and close wait for
-            # the output before them (the next read brings it).
-            if seq >= read.next_seq:
-                break
-            if seq > self.last_seq:
-                self.last_seq = seq
-                deliver()
-        # Done once a read brings nothing new, or once the live events
-        # waiting meanwhile continue right where the reads got to (a process
-        # writing all the time would otherwise keep the catch-up reading).
-        pending = self._pending
-        return bool(read.chunks) and (pending is None or self.last_seq + 1 not in pending)
-
-    def end_catch_up(self) -> None:
-        """Deliver the live events that arrived meanwhile, in seq order."""
-        pending, self._pending = self._pending, None
-        for seq in sorted(pending or {}):
-            if seq > self.last_seq:
-                self.last_seq = seq
-                pending[seq]()  # type: ignore[index]
-
     def fail(self, error: Exception) -> None:
         """The process is out of reach (its session is lost): end the handle with ``error``."""
-        self._pending = None
+        self.abandon_catch_up()
         self.lost_reason = error
         subs = list(self._subscriptions)
         for sub in subs:

@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from execserver import codec
 from execserver import protocol as p
 from execserver.client.errors import ConnectionClosed, ProtocolViolation, ServerError
+from execserver.clientcore.calls import PendingCalls
 from execserver.waiters import Latch
 
 T = TypeVar("T")
@@ -65,13 +66,6 @@ def decode_as(raw: msgspec.Raw | bytes | None, result_type: type[T]) -> T:
     return result
 
 
-@attrs.define
-class _Pending:
-    method: str
-    result_type: type[Any]
-    deferred: Deferred[Any]
-
-
 NotificationHandler = Callable[[str, msgspec.Raw | None], None]
 
 
@@ -92,8 +86,7 @@ class RpcClient:
         self.label = label
         self.on_notification: NotificationHandler | None = None
         self._sink: MessageSink | None = None
-        self._pending: dict[int | str, _Pending] = {}
-        self._next_id = 1
+        self._pending: PendingCalls[Deferred[Any]] = PendingCalls()
         self._closed_reason: str | None = None
         self._closed: Latch[str] = Latch()
         self._lost_listeners: list[Callable[[str], None]] = []
@@ -183,9 +176,8 @@ class RpcClient:
             return
         self._closed_reason = reason
         self._sink = None
-        pending, self._pending = self._pending, {}
-        for entry in pending.values():
-            entry.deferred.errback(ConnectionClosed(reason))
+        for entry in self._pending.take_all():
+            entry.waiter.errback(ConnectionClosed(reason))
         self._closed.fire(reason)
         for listener in list(self._lost_listeners):
             try:
@@ -226,23 +218,23 @@ class RpcClient:
         sink = self._sink
         if sink is None:
             return fail(ConnectionClosed(self._closed_reason or "not connected"))
-        request_id = self._next_id
-        self._next_id += 1
-        try:
-            data = codec.encode(p.Request(request_id, method, params))
-        except (TypeError, ValueError, msgspec.EncodeError) as exc:
-            return fail(ProtocolViolation(f"cannot encode {method} params: {exc}"))
+        request_id = 0
 
         def cancel(_: Deferred[T]) -> None:
-            self._pending.pop(request_id, None)
+            self._pending.discard(request_id)
 
         d: Deferred[T] = Deferred(cancel)
         # Register before sending: an in-process server answers synchronously.
-        self._pending[request_id] = _Pending(method, result_type, d)
+        request_id = self._pending.add(method, result_type, d)
+        try:
+            data = codec.encode(p.Request(request_id, method, params))
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            self._pending.discard(request_id)
+            return fail(ProtocolViolation(f"cannot encode {method} params: {exc}"))
         try:
             sink.send_message(data)
         except Exception as exc:
-            if self._pending.pop(request_id, None) is not None:
+            if self._pending.pop(request_id) is not None:
                 d.errback(ConnectionClosed(f"sending {method} failed: {exc}"))
         return d
 
@@ -262,21 +254,21 @@ class RpcClient:
     # --- internals ------------------------------------------------------------
 
     def _settle_result(self, request_id: int | str, raw: msgspec.Raw) -> None:
-        entry = self._pending.pop(request_id, None)
+        entry = self._pending.pop(request_id)
         if entry is None:
             log.debug("ignoring response to unknown request id {id!r}", id=request_id)
             return
         try:
             value = decode_as(raw, entry.result_type)
         except msgspec.DecodeError as exc:
-            entry.deferred.errback(
+            entry.waiter.errback(
                 ProtocolViolation(f"invalid {entry.method} result from server: {exc}")
             )
             return
-        entry.deferred.callback(value)
+        entry.waiter.callback(value)
 
     def _settle_error(self, request_id: object, error: p.ErrorObject) -> None:
-        entry = self._pending.pop(request_id, None) if isinstance(request_id, int | str) else None
+        entry = self._pending.pop(request_id)
         if entry is None:
             # id null: the server could not read one of our messages.
             log.warn(
@@ -287,7 +279,7 @@ class RpcClient:
                 message=error.message,
             )
             return
-        entry.deferred.errback(ServerError(entry.method, error.code, error.message, error.data))
+        entry.waiter.errback(ServerError(entry.method, error.code, error.message, error.data))
 
     def protocol_error(self, reason: str) -> None:
         """The channel or a message broke the protocol: close, failing every pending call."""

@@ -1,0 +1,240 @@
+"""The asyncio client rides through dropped connections as ResumingClient does.
+
+The real server, the test-only cutting proxy (tests/cutting_proxy.py) on the
+reactor, and the aio client in an event loop on a worker thread
+(tests/aio_harness.py). The child writes a known pseudo-random stream; what
+the handle delivers must be exactly that stream, in order, then the exit --
+or, with a tiny retention, a GapEvent naming exactly the lost seqs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest_twisted
+
+from execserver import aio
+from tests.aio_harness import in_asyncio, on_reactor
+from tests.cutting_proxy import CuttingProxy
+from tests.harness import REPO_ROOT, child_env, descendants
+from tests.test_resume_client import (
+    CHUNK,
+    CHUNKS,
+    EXIT_CODE,
+    STREAM_SCRIPT,
+    chosen_cuts,
+    expected_stream,
+)
+from tests.ws_harness import WsServerProcess
+
+CWD = str(REPO_ROOT)
+
+
+class Recorder:
+    """What a process handle delivers, in order."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.gaps: list[aio.GapEvent] = []
+        self.seqs: list[int] = []
+
+    def output(self, event: aio.OutputEvent) -> None:
+        if isinstance(event, aio.GapEvent):
+            self.gaps.append(event)
+            return
+        self.data += event.chunk
+        if event.seq is not None:
+            self.seqs.append(event.seq)
+
+
+async def until(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    """Poll ``condition`` (state owned by another thread) until true, bounded."""
+    try:
+        async with asyncio.timeout(seconds):
+            while not condition():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise TimeoutError(f"timed out after {seconds}s waiting for {what}") from None
+
+
+async def started(*server_args: str) -> tuple[WsServerProcess, CuttingProxy]:
+    server = await WsServerProcess.start(*server_args)
+    proxy = await CuttingProxy(server.host_port).start()
+    return server, proxy
+
+
+def connect(proxy: CuttingProxy, **kwargs: Any) -> Any:
+    return aio.connect(proxy.url, session_ttl_ms=30_000, connect_timeout=5.0, **kwargs)
+
+
+async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any) -> None:
+    server, proxy = await started(*server_args)
+    try:
+
+        async def scenario() -> None:
+            async with connect(proxy, **kwargs) as client:
+                proc = await client.start(
+                    [sys.executable, "-c", STREAM_SCRIPT], cwd=CWD, env=child_env()
+                )
+                recorder = Recorder()
+                proc.add_output_listener(recorder.output)
+                for offset in cuts:
+                    before = proxy.cuts
+                    await on_reactor(proxy.cut_after, offset)
+                    await until(
+                        lambda before=before: proxy.cuts > before or proc.is_closed,  # type: ignore[misc]
+                        30.0,
+                        "the cut or the end",
+                    )
+                assert await proc.wait(timeout=30) == EXIT_CODE
+                await proc.closed(timeout=30)
+                assert proxy.cuts >= 1
+                assert 1 <= client.resumes <= proxy.cuts
+                assert recorder.gaps == []
+                assert bytes(recorder.data) == expected_stream(), f"cuts={cuts}"
+                assert recorder.seqs == sorted(set(recorder.seqs)), "in order, never twice"
+                assert client.lost is None
+
+        await in_asyncio(scenario)
+    finally:
+        await proxy.stop()
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_byte_arrives_once_in_order_through_random_cuts() -> None:
+    for cuts in chosen_cuts():
+        await stream_through_cuts(cuts, "--retained-output-bytes", str(4 * CHUNK * CHUNKS))
+
+
+@pytest_twisted.ensureDeferred
+async def test_pause_with_a_tiny_retention_loses_nothing() -> None:
+    for cuts in chosen_cuts()[:2]:
+        await stream_through_cuts(
+            cuts, "--retained-output-bytes", str(3 * CHUNK), on_detached_full="pause"
+        )
+
+
+@pytest_twisted.ensureDeferred
+async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
+    server, proxy = await started("--retained-output-bytes", str(4 * (1024 + 96)))
+    go, done = tmp_path / "go", tmp_path / "done"
+    script = (
+        f'printf first; while [ ! -e "{go}" ]; do sleep 0.01; done; '
+        "i=0; while [ $i -lt 40 ]; do head -c 1024 /dev/zero | tr '\\0' x; "
+        f'sleep 0.005; i=$((i+1)); done; touch "{done}"'
+    )
+
+    async def scenario() -> None:
+        async with connect(proxy) as client:
+            proc = await client.start(["sh", "-c", script], cwd=CWD)
+            events: list[aio.OutputEvent] = []
+            stream = proc.output()
+            events.append(await anext(stream))
+            assert events[0].chunk == b"first"
+            # Nothing reaches the client now; the output piles up in the server.
+            await on_reactor(proxy.stall)
+            go.touch()
+            await until(done.exists, 30.0, "the child to finish writing")
+            await on_reactor(proxy.cut)
+            await on_reactor(proxy.unstall)
+            events += [event async for event in stream]
+            assert await proc.wait(timeout=10) == 0
+            gaps = [e for e in events if isinstance(e, aio.GapEvent)]
+            seqs = [e.seq for e in events if not isinstance(e, aio.GapEvent)]
+            [gap] = gaps
+            assert gap.from_seq == 2 and events[1] is gap
+            assert seqs[0] == 1 and seqs[1] == gap.to_seq + 1
+            assert seqs[1:] == list(range(gap.to_seq + 1, gap.to_seq + len(seqs)))
+
+    try:
+        await in_asyncio(scenario)
+    finally:
+        await proxy.stop()
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> None:
+    server, proxy = await started("--max-session-ttl-ms", "200")
+    assert server.pid is not None
+    server_pid = server.pid
+
+    async def scenario() -> None:
+        async with connect(proxy) as client:
+            proc = await client.start(["sleep", "30"], cwd=CWD)
+            stream = proc.output()
+            await on_reactor(proxy.stall)
+            await on_reactor(proxy.cut)
+            # Longer than the granted TTL: the server ends the session meanwhile.
+            await until(lambda: not descendants(server_pid), 10.0, "the session to expire")
+            await on_reactor(proxy.unstall)
+            assert await proc.wait(timeout=20) is None
+            assert isinstance(proc.lost_reason, aio.SessionLost)
+            assert "unknown session id" in str(proc.lost_reason)
+            try:
+                await anext(stream)
+            except aio.SessionLost as exc:
+                assert exc is proc.lost_reason
+            else:
+                raise AssertionError("the output stream must fail with SessionLost")
+            try:
+                await client.list_processes()
+            except aio.SessionLost as exc:
+                assert exc is client.lost
+            else:
+                raise AssertionError("calls after the loss must fail with SessionLost")
+
+    try:
+        await in_asyncio(scenario)
+    finally:
+        await proxy.stop()
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
+    tmp_path: Path,
+) -> None:
+    server, proxy = await started()
+    copy = tmp_path / "copy"
+
+    async def scenario() -> None:
+        async with connect(proxy) as client:
+            cat = await client.start(["sh", "-c", f'tee "{copy}"'], cwd=CWD, pipe_stdin=True)
+            recorder = Recorder()
+            cat.add_output_listener(recorder.output)
+            # The server gets these requests, but their answers are lost in the cut.
+            await on_reactor(proxy.stall_replies)
+            write = asyncio.ensure_future(cat.write(b"once\n"))
+            waited = asyncio.ensure_future(client.wait(cat.process_id, timeout_ms=60_000))
+            signalled = asyncio.ensure_future(cat.send_signal("SIGCONT"))
+            listed = asyncio.ensure_future(client.list_processes())
+            await until(lambda: copy.exists() and copy.read_bytes() == b"once\n", 10.0, "the write")
+            await on_reactor(proxy.cut)
+            await on_reactor(proxy.unstall)
+            # Safe to repeat: answered on the resumed session (the write once).
+            assert (await write).accepted
+            assert [x.process_id for x in (await listed).processes] == [cat.process_id]
+            try:
+                await signalled
+            except aio.OutcomeUnknown as exc:
+                assert exc.method == "process/signal"
+            else:
+                raise AssertionError("process/signal in flight at the drop must fail")
+            await cat.close_stdin()
+            assert (await waited).exited
+            await cat.closed(timeout=20)
+            assert copy.read_bytes() == b"once\n"
+            assert bytes(recorder.data) == b"once\n"
+            assert client.resumes == 1 and client.pending_request_count == 0
+
+    try:
+        await in_asyncio(scenario)
+    finally:
+        await proxy.stop()
+        await server.stop()
