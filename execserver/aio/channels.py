@@ -294,7 +294,7 @@ def _connect_error_text(exc: BaseException) -> str:
         return "host name not found"
     if isinstance(exc, ssl.SSLCertVerificationError):
         return (
-            f"TLS handshake failed: {exc.verify_message or exc.reason}: the server's "
+            f"TLS handshake failed: certificate verify failed ({exc.verify_message}): the server's "
             "certificate is not signed by a trusted CA (give the CA that signed it: ca_file)"
         )
     if isinstance(exc, ssl.SSLError):
