@@ -42,7 +42,7 @@ def library_decode_rate(reads: list[bytes]) -> float:
     from twisted.internet.testing import StringTransport
 
     from execserver.client import ExecServerClient, RpcClient
-    from execserver.client.connect import NdjsonProtocol
+    from execserver.client.channels import NdjsonProtocol
     from execserver.client.process import RemoteProcess
     from execserver.client.types import OutputEvent
 

@@ -26,7 +26,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from execserver.client import ConnectOptions, ExecServerClient, RpcClient
-from execserver.client.connect import NdjsonProtocol
+from execserver.client.channels import NdjsonProtocol
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.spawn import PosixSpawner

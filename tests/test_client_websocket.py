@@ -100,6 +100,87 @@ async def test_websocket_connect_timeout_when_the_upgrade_is_never_answered() ->
         await listening.stopListening()
 
 
+class _CannedAnswer(Protocol):
+    """Answers an upgrade request with one fixed HTTP response, then hangs up."""
+
+    answer = b""
+
+    def connectionMade(self) -> None:
+        self._request = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        self._request += data
+        if b"\r\n\r\n" in self._request:
+            assert self.transport is not None
+            self.transport.write(self.answer)
+            self.transport.loseConnection()
+
+
+async def _answered_with(status_line: bytes, **kwargs: Any) -> BaseException:
+    canned = type("Canned", (_CannedAnswer,), {"answer": status_line + b"\r\n\r\n"})
+    listening = reactor.listenTCP(0, Factory.forProtocol(canned), interface="127.0.0.1")
+    try:
+        with pytest.raises(ConnectFailed) as info:
+            await _connect(f"ws://127.0.0.1:{listening.getHost().port}", **kwargs)
+        return info.value
+    finally:
+        await listening.stopListening()
+
+
+@pytest.mark.parametrize(
+    ("status_line", "status", "text"),
+    [
+        (b"HTTP/1.1 401 Unauthorized", 401, "authentication refused (HTTP 401 Unauthorized)"),
+        (b"HTTP/1.1 403 Forbidden", 403, "authentication refused (HTTP 403 Forbidden)"),
+        # The status decides, whatever else Autobahn finds wrong with the answer.
+        (b"HTTP/1.0 403  Not  Allowed", 403, "authentication refused (HTTP 403 Not Allowed)"),
+    ],
+)
+@pytest_twisted.ensureDeferred
+async def test_a_401_or_403_upgrade_answer_is_auth_refused_with_its_status(
+    status_line: bytes, status: int, text: str
+) -> None:
+    error = await _answered_with(status_line)
+    assert isinstance(error, AuthRefused)
+    assert error.status == status
+    assert text in str(error)
+
+
+@pytest.mark.parametrize(
+    "status_line",
+    [b"HTTP/1.1 503 Service Unavailable", b"HTTP/1.1 404 Not Found", b"HTTP/1.1 101 Switching"],
+)
+@pytest_twisted.ensureDeferred
+async def test_other_upgrade_answers_are_connect_failed_quoting_autobahn(
+    status_line: bytes,
+) -> None:
+    error = await _answered_with(status_line)
+    assert not isinstance(error, AuthRefused | ConnectTimeout)
+    status = status_line.split()[1].decode()
+    if status == "101":
+        assert "Upgrade header missing" in str(error)
+    else:
+        assert f"upgrade failed [{status}]" in str(error)
+
+
+@pytest_twisted.ensureDeferred
+async def test_autobahns_own_opening_handshake_timeout_is_connect_timeout() -> None:
+    # The reconnecting client has no timer of its own around the upgrade:
+    # Autobahn's opening handshake timeout is what ends a silent server.
+    listening = reactor.listenTCP(0, Factory.forProtocol(Protocol), interface="127.0.0.1")
+    client = ReconnectingClient(
+        reactor, f"ws://127.0.0.1:{listening.getHost().port}", connect_timeout=0.3
+    )
+    try:
+        client.start()
+        await eventually(lambda: client.last_error is not None, "the first attempt to fail")
+        assert isinstance(client.last_error, ConnectTimeout), client.last_error
+        assert client.last_error.timeout == 0.3
+    finally:
+        await client.stop()
+        await listening.stopListening()
+
+
 @pytest_twisted.ensureDeferred
 async def test_websocket_initialize_timeout_when_the_server_is_silent() -> None:
     server = LocalWsServer(silent=True).start()

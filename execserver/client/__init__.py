@@ -15,8 +15,13 @@ Quick start (see docs/client.md)::
     task.react(lambda r: defer.Deferred.fromCoroutine(main(r)))
 """
 
-from execserver.client.client import ConnectOptions, ExecServerClient
-from execserver.client.connect import connect_in_process, connect_websocket, spawn_local
+from execserver.client.client import (
+    ConnectOptions,
+    ExecServerClient,
+    connect_in_process,
+    connect_websocket,
+    spawn_local,
+)
 from execserver.client.errors import (
     AuthRefused,
     ConnectFailed,

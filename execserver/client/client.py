@@ -2,7 +2,10 @@
 
 The client speaks JSON-RPC through an :class:`~execserver.client.rpc.RpcClient`
 and does not care what carries the bytes; the three ways to connect live in
-:mod:`execserver.client.connect` and are offered here as class methods:
+:mod:`execserver.client.connect` (which hands back an attached channel for
+:meth:`ExecServerClient.connect_rpc` to finish) and are offered here as class
+methods, and as the module functions :func:`spawn_local`,
+:func:`connect_websocket` and :func:`connect_in_process`:
 
 - :meth:`ExecServerClient.spawn_local` launches ``python -m execserver`` and
   talks NDJSON over its stdin/stdout (the reference's ``spawn_local_exec_server``);
@@ -32,6 +35,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from execserver import protocol as p
+from execserver.client import connect
 from execserver.client.api import ClientApi
 from execserver.client.errors import (
     ConnectionClosed,
@@ -82,7 +86,7 @@ class ConnectOptions:
     on_detached_full: str | None = None
 
 
-Closer = Callable[[], Deferred[None]]
+Closer = connect.Closer
 
 
 def _weak(method: Callable[..., None]) -> Callable[..., None]:
@@ -182,6 +186,26 @@ class ExecServerClient(ClientApi, FileTransfers):
         return d.addTimeout(options.initialize_timeout, self._clock, onTimeoutCancel=timed_out)
 
     @classmethod
+    def _handshake_over(
+        cls, clock: IReactorTime, options: ConnectOptions | None
+    ) -> connect.Handshake[ExecServerClient]:
+        def handshake(link: connect.Link) -> Deferred[ExecServerClient]:
+            d = cls.connect_rpc(
+                link.rpc, clock, options, closer=link.closer, on_collect=link.on_collect
+            )
+            if link.local_server is not None:
+                local_server = link.local_server
+
+                def keep(client: ExecServerClient) -> ExecServerClient:
+                    client.local_server = local_server
+                    return client
+
+                d.addCallback(keep)
+            return d
+
+        return handshake
+
+    @classmethod
     def spawn_local(
         cls,
         reactor: Any,
@@ -193,12 +217,18 @@ class ExecServerClient(ClientApi, FileTransfers):
         shutdown_grace: float = 5.0,
         new_session: bool = True,
     ) -> Deferred[ExecServerClient]:
-        """Launch a local server over stdio (default ``python -m execserver``)."""
-        from execserver.client.connect import spawn_local
+        """Launch a local server over stdio (default ``python -m execserver``).
 
-        return spawn_local(
+        The server's stderr goes to ``stderr`` (its last 8 KiB are quoted in
+        errors). ``close()`` closes the server's stdin (it then terminates its
+        processes and exits) and kills it after ``shutdown_grace`` seconds; the
+        same happens when the client is garbage-collected. With ``new_session``
+        (the default) the server leads a session of its own, so signals sent to
+        this program's terminal (Ctrl-C) do not reach it.
+        """
+        return connect.spawn_local(
             reactor,
-            options,
+            cls._handshake_over(reactor, options),
             command=command,
             env=env,
             stderr=stderr,
@@ -218,11 +248,15 @@ class ExecServerClient(ClientApi, FileTransfers):
         tls: ClientTls | None = None,
     ) -> Deferred[ExecServerClient]:
         """Connect to ``ws://HOST:PORT``, ``wss://`` (``tls``: CA file, client
-        certificate) or ``unix:///PATH``, with a connect timeout."""
-        from execserver.client.connect import connect_websocket
-
-        return connect_websocket(
-            reactor, url, options, token=token, connect_timeout=connect_timeout, tls=tls
+        certificate) or ``unix:///PATH``: TCP and the WebSocket upgrade within
+        ``connect_timeout``, then the handshake."""
+        return connect.connect_websocket(
+            reactor,
+            url,
+            cls._handshake_over(reactor, options),
+            token=token,
+            connect_timeout=connect_timeout,
+            tls=tls,
         )
 
     @classmethod
@@ -234,9 +268,9 @@ class ExecServerClient(ClientApi, FileTransfers):
         dispatcher: Dispatcher | None = None,
     ) -> Deferred[ExecServerClient]:
         """Talk to a dispatcher in this process (a new one unless given)."""
-        from execserver.client.connect import connect_in_process
-
-        return connect_in_process(reactor, options, dispatcher=dispatcher)
+        return connect.connect_in_process(
+            reactor, cls._handshake_over(reactor, options), dispatcher=dispatcher
+        )
 
     # --- state --------------------------------------------------------------------
 
@@ -565,3 +599,9 @@ class ExecServerClient(ClientApi, FileTransfers):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+#: The ways to connect, as functions (``execserver.client.spawn_local`` ...).
+spawn_local = ExecServerClient.spawn_local
+connect_websocket = ExecServerClient.connect_websocket
+connect_in_process = ExecServerClient.connect_in_process

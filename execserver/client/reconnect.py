@@ -42,14 +42,9 @@ from zope.interface import implementer
 
 from execserver import protocol as p
 from execserver.client.api import ClientApi
+from execserver.client.channels.websocket import ChannelFactory, WebSocketChannel
 from execserver.client.client import ConnectOptions, ExecServerClient
-from execserver.client.connect import (
-    ChannelFactory,
-    WebSocketChannel,
-    close_channel,
-    connect_error_text,
-    websocket_endpoint,
-)
+from execserver.client.connect import close_channel, connect_error_text, websocket_endpoint
 from execserver.client.errors import (
     ConnectFailed,
     ConnectionClosed,
