@@ -39,7 +39,9 @@ import attrs
 import msgspec
 
 from execserver.errors import RpcError
+from execserver.fs.handlers import FileSystem
 from execserver.fs.paths import absolute_path, path_to_uri
+from execserver.fs.pool import Runner
 from execserver.spawn.lookup import os_error_text
 from execserver.toml_writer import dumps
 
@@ -580,13 +582,20 @@ def read_environment_config(
     )
 
 
-def _handle(conn: Any, params: EnvironmentConfigReadParams) -> Any:
-    cwd = validate(params)
-    # Reading files may block (a slow or hung file system): the fs pool
-    # runs it, bounded per connection like any fs call.
-    return conn.dispatcher.fs.run(read_environment_config, params, cwd, owner=conn)
+def register(router: Any, run: Runner | None = None) -> None:
+    """Add ``environmentConfig/read`` to ``router`` (after the fs routes).
 
+    Reading files may block (a slow or hung file system), so the work runs on
+    ``run``: by default the fs pool of ``router``'s FileSystem, bounded per
+    connection like any fs call.
+    """
+    if run is None:
+        fs = router.part(FileSystem) if hasattr(router, "part") else router.fs
+        run = fs.run
+    runner = run
 
-def register(router: Any) -> None:
-    """Add ``environmentConfig/read`` to ``router`` (a Dispatcher or anything with add_route)."""
-    router.add_route(ENVIRONMENT_CONFIG_READ, EnvironmentConfigReadParams, _handle, FAMILY)
+    def handle(conn: Any, params: EnvironmentConfigReadParams) -> Any:
+        cwd = validate(params)
+        return runner(read_environment_config, params, cwd, owner=conn)
+
+    router.add_route(ENVIRONMENT_CONFIG_READ, EnvironmentConfigReadParams, handle, FAMILY)

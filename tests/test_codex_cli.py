@@ -140,10 +140,12 @@ async def run_codex(
 
 
 @asynccontextmanager
-async def our_server(*args: str) -> AsyncIterator[WsServerProcess]:
-    # The child inherits it through Codex's envPolicy: output that names it
-    # proves the command ran on this server, not locally in Codex.
-    server = await WsServerProcess.start(*args, env={"INTEROP_SIDE": "exec-server"})
+async def our_server(codex_home: Path) -> AsyncIterator[WsServerProcess]:
+    # The child inherits INTEROP_SIDE through Codex's envPolicy: output that
+    # names it proves the command ran on this server, not locally in Codex.
+    # CODEX_HOME is the server's own Codex config (environmentConfig/read).
+    env = {"INTEROP_SIDE": "exec-server", "CODEX_HOME": str(codex_home)}
+    server = await WsServerProcess.start(env=env)
     try:
         yield server
     finally:
@@ -172,7 +174,9 @@ class Run:
 
 
 async def scenario(codex: Path, tmp: Path, spec: dict[str, Any], via: Any = None) -> Run:
-    async with fake_model(spec, tmp / "model.jsonl") as port, our_server() as server:
+    server_home = tmp / "server-codex-home"
+    server_home.mkdir(exist_ok=True)
+    async with fake_model(spec, tmp / "model.jsonl") as port, our_server(server_home) as server:
         url = server.url if via is None else await via(server)
         events, _ = await run_codex(codex, tmp, url, port)
         _, _, body = await http_get(*server.host_port, get_request("/metrics"))
@@ -201,6 +205,32 @@ async def test_agents_md_is_read_through_the_server(codex_binary: Path, tmp_path
     assert run.metric('exec_server_requests_total{method="fs/watchMissing",outcome="ok"}') >= 1
     requests = (tmp_path / "model.jsonl").read_text()
     assert "quokka-7731" in requests
+
+
+@pytest_twisted.ensureDeferred
+async def test_executor_config_is_read_through_the_server(
+    codex_binary: Path, tmp_path: Path
+) -> None:
+    # Advertised as environmentConfigRead, so Codex asks the server for the
+    # MCP servers in the executor's own config.toml. It acts on the answer:
+    # it tries to reach the HTTP one through the executor, with a method
+    # this server does not implement (one -32601; a stdio-only config makes
+    # none), and the run goes on as without it.
+    home = tmp_path / "server-codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[mcp_servers.local]\ncommand = "/bin/false"\n'
+        '[mcp_servers.docs]\nurl = "http://127.0.0.1:9/mcp"\n'
+    )
+    run = await scenario(codex_binary, tmp_path, {"cmd": "echo configured-$INTEROP_SIDE"})
+    [item] = run.items("command_execution")
+    assert item["exit_code"] == 0, item
+    assert item["aggregated_output"] == "configured-exec-server\n", item
+    assert (
+        run.metric('exec_server_requests_total{method="environmentConfig/read",outcome="ok"}') >= 1
+    )
+    assert 'method="environmentConfig/read",outcome="error"' not in run.metrics
+    assert run.metric('exec_server_requests_total{method="<unknown>",outcome="error"}') >= 1
 
 
 @pytest_twisted.ensureDeferred
