@@ -56,7 +56,13 @@ def default_server_command() -> list[str]:
 
 
 class _ServerPipes(asyncio.SubprocessProtocol):
-    """stdout -> NDJSON frames -> rpc; stderr kept (its tail quoted in errors)."""
+    """stdout -> NDJSON frames -> rpc; stderr kept (its tail quoted in errors).
+
+    The server's stdout is a pipe of ours (1 MiB, read up to 1 MiB per
+    wakeup through ``loop.add_reader``): asyncio's own pipe transport reads
+    256 KiB at a time, which halved the end-to-end rate of an output flood
+    (bench/bench_aio_client.py).
+    """
 
     def __init__(self, rpc: AsyncRpc, stderr: Any) -> None:
         self.rpc = rpc
@@ -66,6 +72,7 @@ class _ServerPipes(asyncio.SubprocessProtocol):
         self.transport: asyncio.SubprocessTransport | None = None
         self.exited = asyncio.Event()
         self._stdout_open = True
+        self._stdout_fd = -1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.SubprocessTransport)
@@ -74,6 +81,8 @@ class _ServerPipes(asyncio.SubprocessProtocol):
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         if fd == 1:
             self._deliver(self._framer.feed(data))
+            return
+        if fd != 2:
             return
         self.stderr_tail = (self.stderr_tail + data)[-STDERR_TAIL_BYTES:]
         if self._stderr is not None:
@@ -96,6 +105,32 @@ class _ServerPipes(asyncio.SubprocessProtocol):
             self._stdout_open = False
             self._deliver(self._framer.finish())
             self.rpc.connection_lost("exec-server closed its stdout")
+
+    # --- the stdout pipe, read by us -----------------------------------------------------
+
+    def read_stdout(self, fd: int) -> None:
+        """Read ``fd`` whenever it is readable, until end of file."""
+        self._stdout_fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._stdout_fd, _PIPE_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.pipe_data_received(1, data)
+        else:
+            self.close_stdout()
+            self.pipe_connection_lost(1, None)
+
+    def close_stdout(self) -> None:
+        fd, self._stdout_fd = self._stdout_fd, -1
+        if fd >= 0:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
 
     def process_exited(self) -> None:
         self.rpc.connection_lost(f"exec-server exited ({self.describe_exit()})")
@@ -142,10 +177,14 @@ class StdioChannel:
         SIGKILL if it has not exited after ``shutdown_grace`` seconds."""
         with contextlib.suppress(Exception):
             self._stdin.close()
-        if await self.wait_exited(self.shutdown_grace):
-            return
-        self.kill()
-        await self.wait_exited(5.0)
+        try:
+            if await self.wait_exited(self.shutdown_grace):
+                return
+            self.kill()
+            await self.wait_exited(5.0)
+        finally:
+            self._pipes.close_stdout()
+            self._pipes.rpc.connection_lost("closed by the client")
 
     async def wait_exited(self, seconds: float) -> bool:
         try:
@@ -163,6 +202,7 @@ class StdioChannel:
         with contextlib.suppress(Exception):
             self._stdin.close()
         self.kill()
+        self._pipes.close_stdout()
 
 
 async def spawn_stdio(
@@ -177,25 +217,28 @@ async def spawn_stdio(
     """Launch the server; ``stderr(bytes)`` sees its stderr (the last 8 KiB are kept)."""
     argv = list(command) if command is not None else default_server_command()
     loop = asyncio.get_running_loop()
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    # A notification is up to ~350 KiB of JSON: a 1 MiB pipe keeps the
+    # server writing while this side decodes.
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(read_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     try:
         _transport, pipes = await loop.subprocess_exec(
             lambda: _ServerPipes(rpc, stderr),
             *argv,
             stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
+            stdout=write_end,
             stderr=asyncio.subprocess.PIPE,
             env=dict(os.environ) if env is None else env,
             start_new_session=new_session,
         )
     except OSError as exc:
+        os.close(read_end)
         raise SpawnFailed(f"cannot launch {argv[0]}: {exc}") from None
-    stdout = pipes.transport.get_pipe_transport(1) if pipes.transport is not None else None
-    pipe = stdout.get_extra_info("pipe") if stdout is not None else None
-    if pipe is not None:
-        # A notification is up to ~350 KiB of JSON: a 1 MiB pipe keeps the
-        # server writing while this side decodes.
-        with contextlib.suppress(OSError, ValueError):
-            fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    finally:
+        os.close(write_end)
+    pipes.read_stdout(read_end)
     channel = StdioChannel(pipes, argv, shutdown_grace)
     rpc.channel = channel
     return channel

@@ -1,0 +1,203 @@
+"""Client-side cost of the asyncio client: can ``execserver.aio`` keep up?
+
+- decode: a captured server stream (``head -c N /dev/zero`` in pipe mode,
+  the server's real stdout reads) fed to the aio client's stdio path
+  (``_ServerPipes.pipe_data_received`` -> NDJSON framing -> ``AsyncRpc``
+  -> ``Client`` -> the process handle's output listener), no server
+  running. Baselines in the same round: the server's own stdout rate
+  (headroom: above 1 means the client is not what limits a stream), the
+  Twisted client library on the same reads, the lean msgspec decoder of
+  the benchmarks' blocking client.
+- end to end: ``aio.connect()`` (a spawned local server over stdio) +
+  ``head -c N /dev/zero``, counting output in a listener until
+  ``process/closed``, in a child interpreter; baseline: the same run with
+  the lean blocking client.
+
+Rates are payload MB/s (10**6 bytes of child output per second); medians of
+``--rounds``. Nothing is asserted.
+
+    python bench/bench_aio_client.py [--rounds 5] [--mib 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._client import MiB, Ratio, Series, print_header, server_env
+from bench.bench_client import library_decode_rate
+from bench.bench_throughput import capture_stream, client_decode_rate, server_run
+
+
+class _NoChannel:
+    """The decode benchmark sends nothing."""
+
+    async def send(self, data: bytes) -> None:
+        raise AssertionError("nothing is sent while decoding a captured stream")
+
+    async def aclose(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def aio_decode_rate(reads: list[bytes]) -> float:
+    """Payload MB/s of the aio client on a captured stream."""
+    from execserver.aio.channels import _ServerPipes
+    from execserver.aio.client import Client, _Dialer
+    from execserver.aio.process import Process
+    from execserver.aio.rpc import AsyncRpc
+    from execserver.clientcore.types import InitializeResult, OutputEvent
+
+    rpc = AsyncRpc()
+    pipes = _ServerPipes(rpc, None)
+    dialer = _Dialer(
+        url=None,
+        server_command=None,
+        token=None,
+        ca_file=None,
+        client_cert=None,
+        client_key=None,
+        connect_timeout=10.0,
+        client_name="bench",
+        session_ttl_ms=None,
+        on_detached_full=None,
+        env=None,
+        stderr=None,
+        shutdown_grace=5.0,
+    )
+    channel: object = _NoChannel()
+    client = Client(
+        dialer,
+        rpc,
+        channel,  # type: ignore[arg-type]
+        InitializeResult("exec-server.v0"),
+        request_timeout=None,
+        resume=False,
+    )
+    handle = Process(client, "p")
+    client._processes["p"] = handle  # as start() would register it
+    received = 0
+
+    def count(event: OutputEvent) -> None:
+        nonlocal received
+        received += len(event.chunk)
+
+    handle.add_output_listener(count)
+    start = time.perf_counter()
+    for data in reads:
+        pipes.pipe_data_received(1, data)
+    seconds = time.perf_counter() - start
+    assert handle.is_closed, "the captured stream ends with process/closed"
+    return received / seconds / 1e6
+
+
+_E2E = """
+import asyncio, sys, time
+from execserver import aio
+
+async def main():
+    total = int(sys.argv[1])
+    async with aio.connect() as client:
+        received = 0
+        def count(event):
+            nonlocal received
+            received += len(event.chunk)
+        start = time.perf_counter()
+        proc = await client.start(["head", "-c", str(total), "/dev/zero"])
+        proc.add_output_listener(count)
+        await proc.closed()
+        seconds = time.perf_counter() - start
+    assert received == total, (received, total)
+    print(total / seconds / 1e6)
+
+asyncio.run(main())
+"""
+
+
+def aio_end_to_end_rate(total_bytes: int) -> float:
+    """Payload MB/s through aio.connect() over stdio (own interpreter)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _E2E, str(total_bytes)],
+        env=server_env(),
+        cwd=str(Path(__file__).resolve().parent.parent),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
+    total = mib * MiB
+    aio_rates: list[float] = []
+    twisted_rates: list[float] = []
+    lean: list[float] = []
+    server: list[float] = []
+    e2e: list[float] = []
+    e2e_lean: list[float] = []
+    for _ in range(rounds):
+        reads = capture_stream(total)
+        # Unmeasured warm-up: the first decoder to run pays for growing the
+        # heap (glibc raises its mmap threshold after the first large free),
+        # which would favour whichever decoder runs later.
+        aio_decode_rate(reads)
+        aio_rates.append(aio_decode_rate(reads))
+        twisted_rates.append(library_decode_rate(reads))
+        lean.append(client_decode_rate(reads))
+        del reads
+        server.append(server_run(total, tty=False)[0])
+        e2e.append(aio_end_to_end_rate(total))
+        e2e_lean.append(server_run(total, tty=False)[0])
+    aio_series = Series("aio client decode", "MB/s", tuple(aio_rates))
+    return [
+        Ratio(
+            "aio client headroom (aio decode / server stdout)",
+            aio_series,
+            Series("server stdout", "MB/s", tuple(server)),
+        ),
+        Ratio(
+            f"aio client decode, {mib} MiB captured (aio / Twisted client library)",
+            aio_series,
+            Series("Twisted client library decode", "MB/s", tuple(twisted_rates)),
+        ),
+        Ratio(
+            f"aio client decode, {mib} MiB captured (aio / lean msgspec decoder)",
+            aio_series,
+            Series("lean decoder", "MB/s", tuple(lean)),
+        ),
+        Ratio(
+            f"end to end {mib} MiB (aio.connect() over stdio / lean blocking client)",
+            Series("aio end to end", "MB/s", tuple(e2e)),
+            Series("lean client end to end", "MB/s", tuple(e2e_lean)),
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mib", type=int, default=128)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = parser.parse_args()
+    print_header(f"aio client ({os.cpu_count()} CPUs)")
+    results = run(args.rounds, args.mib)
+    for result in results:
+        print(result.describe(), flush=True)
+    if args.json:
+        print(
+            json.dumps({r.name: (r.ratio if isinstance(r, Ratio) else r.median) for r in results})
+        )
+
+
+if __name__ == "__main__":
+    main()
