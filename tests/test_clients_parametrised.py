@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.threads import deferToThread
 
 from execserver.clientcore.errors import (
     AuthRefused,
@@ -578,3 +579,61 @@ def test_sync_and_aio_import_no_twisted() -> None:
         cwd=str(REPO_ROOT),
     )
     assert done.returncode == 0, done.stderr.decode()
+
+
+UNCLOSED_SCRIPT = """
+import os, sys, time
+from execserver import sync
+
+client = sync.connect(sys.argv[2])
+client.start(["sh", "-c", 'echo $$ > "%s.tmp" && mv "%s.tmp" "%s" && exec sleep 1000'
+              % ((sys.argv[1],) * 3)])
+deadline = time.monotonic() + 10
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("started", flush=True)
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_sync_client_left_open_at_exit_is_closed_and_its_process_ended(
+    tmp_path: Path,
+) -> None:
+    # Over WebSocket the session outlives a dropped connection (60 s by
+    # default): only the exit-time close ends the process at once.
+    pid_file = tmp_path / "pid"
+    async with served("ws") as target:
+        assert target.url is not None
+        done = await deferToThread(
+            subprocess.run,
+            [sys.executable, "-c", UNCLOSED_SCRIPT, str(pid_file), target.url],
+            env=server_env(),
+            cwd=tempfile.gettempdir(),
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert (done.returncode, done.stdout) == (0, b"started\n"), done.stderr.decode()
+        await wait_gone(int(pid_file.read_text()), "the process of the unclosed client")
+
+
+def test_sync_transfer_progress_runs_in_the_calling_thread(tmp_path: Path) -> None:
+    from execserver import sync
+    from tests.client_adapters import stdio_command
+
+    data = random.Random(3).randbytes(9 * 1024 * 1024)
+    (tmp_path / "in.bin").write_bytes(data)
+    calls: list[tuple[int, int | None, threading.Thread]] = []
+
+    def progress(done: int, total: int | None) -> None:
+        calls.append((done, total, threading.current_thread()))
+
+    with sync.connect(server_command=stdio_command(), env=server_env()) as client:
+        sent = client.upload(
+            str(tmp_path / "remote.bin"), str(tmp_path / "in.bin"), progress=progress
+        )
+        got = client.download(str(tmp_path / "remote.bin"), str(tmp_path / "out.bin"))
+    assert sent == got == len(data)
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert [(d, t) for d, t, _ in calls] == [(8 * 1024 * 1024, len(data)), (len(data), len(data))]
+    assert {thread for _, _, thread in calls} == {threading.current_thread()}

@@ -68,6 +68,8 @@ class Client:
         _OPEN.add(self)
         # Dropped unclosed: close on the loop, and let the loop stop.
         self._finalizer = weakref.finalize(self, _close_dropped, loop, client)
+        # At interpreter exit _close_all closes it properly (and waits).
+        self._finalizer.atexit = False
 
     def __repr__(self) -> str:
         return f"<execserver.sync.Client session {self.session_id!r}>"
