@@ -417,7 +417,7 @@ class _FakeClient:
 
 
 def _interrupts(signals: list[int], server_signals: bool = True) -> tuple[list[str], list[str]]:
-    from execserver.client.cli import _Interrupts
+    from execserver.client.cli.run import _Interrupts
 
     proc = _FakeProc()
     notes: list[str] = []
@@ -450,7 +450,7 @@ def test_interrupt_escalation_steps() -> None:
 
 
 def test_no_interrupt_is_sent_once_the_process_exited() -> None:
-    from execserver.client.cli import _Interrupts
+    from execserver.client.cli.run import _Interrupts
 
     proc = _FakeProc()
     proc.has_exited = True
@@ -460,7 +460,7 @@ def test_no_interrupt_is_sent_once_the_process_exited() -> None:
 
 
 def test_terminal_size_helper_ignores_non_terminals() -> None:
-    from execserver.client.cli import terminal_size
+    from execserver.client.cli.run import terminal_size
 
     read_fd, write_fd = os.pipe()
     try:
