@@ -13,6 +13,12 @@ The dispatcher knows nothing of sockets or pipes: a transport implements
 :class:`Outbound` (write one encoded message, close) and calls
 :meth:`Connection.message_received`, :meth:`Connection.oversized_message`
 and :meth:`Connection.shutdown`.
+
+Nor does it know the application: the composition root
+(:mod:`execserver.app`) adds the routes, gives the factory of each
+connection's session (known here only as a
+:class:`~execserver.registry.ResumableSession`) and plugs in the parts that
+must hear of closed connections or can make the server not ready.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import re
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import msgspec
@@ -29,18 +35,13 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__, codec, environment, environment_config
-from execserver import fs as filesystem
+from execserver import codec
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
-from execserver.fs import watch as watch_module
-from execserver.fs.paths import absolute_path
-from execserver.fs.watch import WatchHub
-from execserver.registry import ANONYMOUS, SessionRegistry
-from execserver.session import Session
-from execserver.spawn import Spawner
-from execserver.waiters import Waiters
+from execserver.registry import ANONYMOUS, ResumableSession, SessionRegistry
+from execserver.replies import Charged, Releasable
+from execserver.waiters import Latch, Waiters
 from execserver.writebuffer import discard_unsent, unsent_bytes
 
 log = Logger()
@@ -48,9 +49,6 @@ log = Logger()
 #: Raw results at least this large are written as pieces, not re-rendered.
 LARGE_RESULT_BYTES = 64 * 1024
 
-#: Session lifetime after a disconnect for current-dialect clients, which
-#: never ask for one: the reference's (unless --default-session-ttl-ms is set).
-CURRENT_DIALECT_TTL_MS = 30_000
 #: The current dialect answers unknown methods with JSON-RPC's "method not found".
 METHOD_NOT_FOUND = -32601
 #: The current dialect's code for an fs path that does not exist.
@@ -99,6 +97,9 @@ class _GoneOutbound:
 _GONE = _GoneOutbound()
 
 Handler = Callable[["Connection", Any], Any]
+#: Builds the session of a new connection (the composition root's).
+SessionFactory = Callable[["Connection"], ResumableSession]
+Part = TypeVar("Part")
 
 
 @attrs.frozen
@@ -140,59 +141,42 @@ class Dispatcher:
         self,
         config: ServerConfig,
         clock: IReactorTime,
-        spawner: Spawner,
+        session_factory: SessionFactory,
         capabilities: tuple[str, ...] = (),
     ) -> None:
         self.config = config
         self.clock = clock
-        self.spawner = spawner
+        self.session_factory = session_factory
+        #: Listed in ``initialize``'s result; routes add theirs.
         self.capabilities = list(capabilities)
         self.stats = Stats()
         self.connections: set[Connection] = set()
         #: Sessions that may outlive their connection (server-wide).
         self.sessions = SessionRegistry(clock)
         self._stopping = False
+        #: The method table, filled by the composition root.
         self.routes: dict[str, Route] = {}
-        self.add_route(p.INITIALIZE, p.InitializeParams, _initialize, family=None)
-        # Current dialect (docs/protocol.md, "Dialects"); its params are null.
-        self.add_route(
-            ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
-        )
-        self.watches = WatchHub(clock)
-        if watch_module.available():
-            self.add_route(
-                FS_WATCH_MISSING, p.FsWatchMissingParams, _watch_missing, family="filesystem"
-            )
-        self.add_route(p.PROCESS_START, p.ExecParams, lambda c, a: c.session.start(a))
-        self.add_route(p.PROCESS_READ, p.ReadParams, lambda c, a: c.session.read(a))
-        self.add_route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: c.session.write(a))
-        self.add_route(p.PROCESS_TERMINATE, p.TerminateParams, lambda c, a: c.session.terminate(a))
-        # Process-control extensions (docs/process-control.md), listed in capabilities.
-        self.add_route(p.PROCESS_SIGNAL, p.SignalParams, lambda c, a: c.session.signal(a))
-        self.add_route(
-            p.PROCESS_CLOSE_STDIN, p.CloseStdinParams, lambda c, a: c.session.close_stdin(a)
-        )
-        self.add_route(p.PROCESS_RESIZE, p.ResizeParams, lambda c, a: c.session.resize(a))
-        self.add_route(p.PROCESS_WAIT, p.WaitParams, lambda c, a: c.session.wait(a))
-        self.add_route(p.PROCESS_LIST, p.ListParams, lambda c, a: c.session.list(a))
-        self.capabilities.extend(
-            method
-            for method in (
-                p.PROCESS_SIGNAL,
-                p.PROCESS_CLOSE_STDIN,
-                p.PROCESS_RESIZE,
-                p.PROCESS_WAIT,
-                p.PROCESS_LIST,
-            )
-            if method not in self.capabilities
-        )
-        self.fs = filesystem.register(self)
-        environment_config.register(self)
+        #: Told when a connection's transport is gone (drop its queued work).
+        self.closed_hooks: list[Callable[[Connection], None]] = []
+        #: Each says why the server should not get new work now, or None.
+        self.readiness_checks: list[Callable[[], str | None]] = []
+        self._parts: dict[type[Any], object] = {}
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"
     ) -> None:
         self.routes[method] = Route(params_type, handler, family)
+
+    def provide(self, part: object) -> None:
+        """Keep an application part (found again by its class with :meth:`part`)."""
+        self._parts[type(part)] = part
+
+    def part(self, kind: type[Part]) -> Part:
+        """The part of class ``kind`` the composition root provided."""
+        found = self._parts.get(kind)
+        if not isinstance(found, kind):
+            raise LookupError(f"no {kind.__name__} was provided to this dispatcher")
+        return found
 
     def connect(self, outbound: Outbound, label: str = "connection") -> Connection:
         conn = Connection(self, outbound, label)
@@ -206,19 +190,12 @@ class Dispatcher:
             self.connections.discard(conn)
             self.stats.connections_active -= 1
 
-    def all_sessions(self) -> set[Session]:
+    def all_sessions(self) -> list[ResumableSession]:
         """Every live session: attached to a connection, or detached and resumable."""
-        found = {conn.session for conn in self.connections}
-        found.update(self.sessions.detached_sessions())
-        return found
-
-    def retained_output_bytes(self) -> int:
-        """Output retained over all sessions' processes (``--max-total-retained-bytes``)."""
-        return sum(
-            proc.output.retained_bytes
-            for session in self.all_sessions()
-            for proc in session.processes.values()
-        )
+        found = {id(conn.session): conn.session for conn in self.connections}
+        for session in self.sessions.detached_sessions():
+            found[id(session)] = session
+        return list(found.values())
 
     def sessions_of(self, identity: object) -> int:
         """Initialized sessions (attached or detached) owned by ``identity``."""
@@ -231,7 +208,11 @@ class Dispatcher:
 
     def not_ready_reason(self) -> str | None:
         """Why the server should not get new work now (for /readyz), or None."""
-        return self.fs.stall_reason()
+        for check in self.readiness_checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
 
     @property
     def stopping(self) -> bool:
@@ -243,85 +224,6 @@ class Dispatcher:
         waits = [conn.shutdown() for conn in list(self.connections)]
         waits.append(self.sessions.shutdown())
         return DeferredList(waits).addCallback(lambda _: None)
-
-
-ENVIRONMENT_INFO = "environment/info"
-FS_WATCH_MISSING = "fs/watchMissing"
-FS_MISSING_CHANGED = "fs/missingChanged"
-
-
-def _watch_missing(conn: Connection, params: p.FsWatchMissingParams) -> p.FsWatchMissingResponse:
-    missing = [absolute_path(path, "missing") for path in params.missing]
-    present = [absolute_path(path, "present") for path in params.present or ()]
-    note = p.Notification(FS_MISSING_CHANGED, p.FsMissingChangedNotification(params.watch_id))
-    conn.dispatcher.watches.add(conn, params.watch_id, missing, present, lambda: conn.send(note))
-    return p.FsWatchMissingResponse(watching=True)
-
-
-def _initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:
-    if conn.initialize_requested:
-        raise RpcError.invalid_request("initialize may only be sent once per connection")
-    config = conn.dispatcher.config
-    registry = conn.dispatcher.sessions
-    # The current reference client always sends the key (``null`` for a new
-    # session); a seed-era client never does.
-    current = params.resume_session_id is not msgspec.UNSET
-    if current:
-        conn.current = True
-    resume_id = params.resume_session_id if isinstance(params.resume_session_id, str) else None
-    if resume_id is not None:
-        # Checked before anything changes: a refused resume leaves this
-        # connection as it was (it may initialize again or resume later).
-        session = registry.take_over(resume_id, conn.identity)
-        conn.adopt(session)
-    else:
-        limit = config.max_sessions_per_identity
-        held = conn.dispatcher.sessions_of(conn.identity)
-        if held >= limit:
-            conn.dispatcher.stats.refused["sessions_per_identity"] += 1
-            raise RpcError.invalid_request(
-                f"too many sessions: {conn.identity} already holds {held}, the limit set by "
-                f"--max-sessions-per-identity is {limit}; close or resume one"
-            )
-        session = conn.session
-        session.owner = conn.identity
-        if params.on_detached_full is not None:
-            session.on_detached_full = params.on_detached_full
-    if conn.resumable:
-        asked = params.session_ttl_ms
-        if asked is None:
-            if resume_id:
-                asked = session.ttl_ms
-            elif current:
-                asked = config.default_session_ttl_ms or CURRENT_DIALECT_TTL_MS
-            else:
-                asked = config.default_session_ttl_ms
-        session.ttl_ms = min(asked, config.max_session_ttl_ms)
-    if session.ttl_ms > 0:
-        registry.register(session)
-    else:
-        registry.forget(session)
-    conn.initialize_requested = True
-    conn.client_name = params.client_name
-    session.current = conn.current
-    response = p.InitializeResponse(
-        protocol_version=p.PROTOCOL_VERSION,
-        session_id=session.session_id,
-        server_info=p.ServerInfo(p.SERVER_NAME, __version__),
-        capabilities=conn.dispatcher.capabilities,
-    )
-    asked = (
-        params.session_ttl_ms is not None
-        or resume_id is not None
-        or params.on_detached_full is not None
-    )
-    if current:
-        response.environment_info = environment.environment_info()
-    if asked or session.ttl_ms > 0:
-        response.session_ttl_ms = session.ttl_ms
-        response.on_detached_full = session.on_detached_full
-        response.retained_output_bytes = config.retained_output_bytes
-    return response
 
 
 class Connection:
@@ -342,24 +244,18 @@ class Connection:
         self.identity: object = getattr(outbound, "identity", ANONYMOUS)
         #: False where one connection lives as long as the server (stdio).
         self.resumable: bool = getattr(outbound, "resumable", True)
-        self.session = Session(
-            dispatcher.config,
-            dispatcher.clock,
-            dispatcher.spawner,
-            self.send,
-            stats=dispatcher.stats,
-            retained_total=dispatcher.retained_output_bytes,
-        )
+        self.session = dispatcher.session_factory(self)
         self._open = True
         #: The session was detached (kept for its TTL), not ended, at close.
         self._detached = False
         self._in_flight = 0
         self._idle: Waiters[None] = Waiters()
         self._shutdown: Deferred[None] | None = None
+        self._shut: Latch[None] = Latch()
         #: Bytes handed to the transport so far, and the charged replies
         #: (fs/readFile) among them: (end offset, charge), oldest first.
         self._written = 0
-        self._charges: deque[tuple[int, filesystem.Charge]] = deque()
+        self._charges: deque[tuple[int, Releasable]] = deque()
         self._sent_poll: IDelayedCall | None = None
 
     # --- incoming ---------------------------------------------------------------
@@ -456,7 +352,7 @@ class Connection:
 
     def _respond(self, req: codec.IncomingRequest, result: object) -> None:
         charge = None
-        if isinstance(result, filesystem.Charged):
+        if isinstance(result, Charged):
             charge = result.charge
             result = result.result
         try:
@@ -605,7 +501,7 @@ class Connection:
             return succeed(None)
         return self._idle.wait()
 
-    def adopt(self, session: Session) -> None:
+    def adopt(self, session: ResumableSession) -> None:
         """Carry the resumed ``session`` from now on (instead of this connection's own)."""
         placeholder = self.session
         # The transport registered the placeholder as its flow-control
@@ -643,14 +539,7 @@ class Connection:
             d.addCallback(lambda _: self.when_idle())
             d.addBoth(self._finished)
             self._shutdown = d
-        result: Deferred[None] = Deferred()
-
-        def forward(outcome: object) -> object:
-            result.callback(None)
-            return outcome
-
-        self._shutdown.addBoth(forward)
-        return result
+        return self._shut.wait()
 
     def _finished(self, result: object) -> None:
         if isinstance(result, Failure):
@@ -658,6 +547,7 @@ class Connection:
         self.dispatcher._forget(self)
         if not self._open and not self._detached:
             self.session.release()
+        self._shut.fire(None)
 
     def transport_closed(self) -> None:
         """The transport is gone: nothing more can be sent."""
@@ -667,8 +557,8 @@ class Connection:
         # budget it was charged to, and drop fs requests not yet started.
         discard_unsent(_write_buffer(self.outbound))
         self._release_charges()
-        self.dispatcher.fs.connection_closed(self)
-        self.dispatcher.watches.owner_closed(self)
+        for hook in self.dispatcher.closed_hooks:
+            hook(self)
         # Let go of the transport (which points back at this connection):
         # it is freed as soon as it closes, not at a garbage collection.
         self.outbound = _GONE

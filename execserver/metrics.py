@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final
 
 from execserver import __version__, fdlimit
+from execserver.app import file_system, process_sessions
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
@@ -43,7 +44,7 @@ def render(dispatcher: Dispatcher) -> bytes:
     registered = 0
     retained = 0
     # Detached (resumable) sessions' processes run and retain output too.
-    for session in dispatcher.all_sessions():
+    for session in process_sessions(dispatcher):
         for proc in session.processes.values():
             registered += 1
             if not proc.exited:
@@ -123,7 +124,7 @@ def render(dispatcher: Dispatcher) -> bytes:
         "Output bytes retained for process/read across all sessions.",
         [({}, retained)],
     )
-    fs = dispatcher.fs
+    fs = file_system(dispatcher)
     lines += _family(
         "exec_server_fs_operations_running",
         "gauge",

@@ -19,14 +19,15 @@ exactly like an unknown id, so ids cannot be probed across owners.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable
+from typing import Final, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from execserver.errors import RpcError
-from execserver.session import Session
 
 log = Logger()
 
@@ -34,12 +35,56 @@ log = Logger()
 ANONYMOUS: Final = "anonymous"
 
 
+@implementer(IPushProducer)
+class ResumableSession(Protocol):
+    """A session as its connection and this registry handle it.
+
+    The application's session (:class:`execserver.session.Session`) is one;
+    the dispatcher and the registry know it only through this. It is also
+    the flow-control producer its transport registers.
+    """
+
+    session_id: str
+    #: How long the session outlives a disconnect, in ms (0: it does not).
+    ttl_ms: int
+    #: Who created it: only the same identity may resume it.
+    owner: object
+    #: True while a connection carries it.
+    attached: bool
+    #: The client speaks the reference's current dialect.
+    current: bool
+
+    def attach(self, send: Callable[[object], None]) -> None:
+        """A connection carries the session from now on, sending through ``send``."""
+
+    def detach(self) -> None:
+        """Its connection is gone: keep running, send nothing."""
+
+    def shutdown(self) -> Deferred[None]:
+        """End everything the session runs; fires when all of it is gone."""
+
+    def release(self) -> None:
+        """After shutdown: drop what the session holds."""
+
+    def release_held(self) -> None:
+        """Send the events held back until a response had been written."""
+
+    def steer_flow_of(self, target: ResumableSession) -> None:
+        """Let this session's flow control (its transport's) steer ``target``."""
+
+    def pauseProducing(self) -> None: ...
+
+    def resumeProducing(self) -> None: ...
+
+    def stopProducing(self) -> None: ...
+
+
 class SessionRegistry:
     """Resumable sessions by id, with their expiry timers."""
 
     def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, ResumableSession] = {}
         self._expiry: dict[str, IDelayedCall] = {}
         #: Expired sessions still terminating, so shutdown waits for them.
         self._ending: set[Deferred[None]] = set()
@@ -51,23 +96,23 @@ class SessionRegistry:
     def detached_count(self) -> int:
         return len(self._expiry)
 
-    def detached_sessions(self) -> list[Session]:
+    def detached_sessions(self) -> list[ResumableSession]:
         """Sessions waiting to be resumed (their expiry timer runs)."""
         return [self._sessions[sid] for sid in self._expiry if sid in self._sessions]
 
     def detached_owned_by(self, identity: object) -> int:
         return sum(1 for session in self.detached_sessions() if session.owner == identity)
 
-    def register(self, session: Session) -> None:
+    def register(self, session: ResumableSession) -> None:
         self._sessions[session.session_id] = session
 
-    def forget(self, session: Session) -> None:
+    def forget(self, session: ResumableSession) -> None:
         """The session ended (its connection closed without a TTL)."""
         if self._sessions.get(session.session_id) is session:
             del self._sessions[session.session_id]
         self._cancel_expiry(session.session_id)
 
-    def take_over(self, session_id: str, identity: object) -> Session:
+    def take_over(self, session_id: str, identity: object) -> ResumableSession:
         """The detached session ``session_id`` for a connection of ``identity``.
 
         Raises the exact errors of the contract: ``unknown session id ID``
@@ -82,7 +127,7 @@ class SessionRegistry:
         self._cancel_expiry(session_id)
         return session
 
-    def detach(self, session: Session) -> None:
+    def detach(self, session: ResumableSession) -> None:
         """Its connection is gone: keep it for ``ttl_ms``, then end it."""
         session.detach()
         self._cancel_expiry(session.session_id)
@@ -95,7 +140,7 @@ class SessionRegistry:
         if timer is not None and timer.active():
             timer.cancel()
 
-    def _expire(self, session: Session) -> None:
+    def _expire(self, session: ResumableSession) -> None:
         self._expiry.pop(session.session_id, None)
         if self._sessions.get(session.session_id) is session:
             del self._sessions[session.session_id]
@@ -106,7 +151,7 @@ class SessionRegistry:
         )
         self._end(session)
 
-    def _end(self, session: Session) -> Deferred[None]:
+    def _end(self, session: ResumableSession) -> Deferred[None]:
         d = session.shutdown()
         self._ending.add(d)
 

@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from execserver import __version__, auth, fdlimit, tls, writebuffer
+from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
@@ -583,7 +584,7 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
     containment = Containment(config.process_containment, clock)
     spawn_path: SpawnPath = options["spawn-path"]
     spawner = PosixSpawner(processes, containment, spawn_path)
-    dispatcher = Dispatcher(config, clock, spawner)
+    dispatcher = build_dispatcher(config, clock, spawner)
     process_wide = ProcessWide(
         tune_malloc=not options["no-tune-malloc"],
         raise_fd_limit=not options["no-raise-fd-limit"],

@@ -21,7 +21,7 @@ import re
 import secrets
 import signal as _signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
@@ -37,6 +37,9 @@ from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.writebuffer import unsent_bytes
+
+if TYPE_CHECKING:
+    from execserver.registry import ResumableSession
 
 log = Logger()
 
@@ -142,7 +145,7 @@ class Session:
         self.attached = True
         #: The session whose pipes this one's flow control steers instead
         #: (set on the placeholder session of a connection that resumed).
-        self._flow_target: Session | None = None
+        self._flow_target: ResumableSession | None = None
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): results and notifications carry its fields.
         self.current = False
@@ -687,7 +690,7 @@ class Session:
 
     # --- resumption -------------------------------------------------------------
 
-    def steer_flow_of(self, target: Session) -> None:
+    def steer_flow_of(self, target: ResumableSession) -> None:
         """Let this (empty) session's transport flow control steer ``target``.
 
         A transport registers its connection's first session as its
@@ -759,3 +762,16 @@ class Session:
         self._escalating.clear()
         self._running.clear()
         self._send = _discard
+
+
+class _Carrier(Protocol):
+    @property
+    def session(self) -> object: ...
+
+
+def session_of(carrier: _Carrier) -> Session:
+    """The process session a connection carries (the composition root gives each one)."""
+    session = carrier.session
+    if not isinstance(session, Session):
+        raise RpcError.internal("internal error: this connection carries no process session")
+    return session

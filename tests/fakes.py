@@ -15,9 +15,11 @@ from twisted.internet import error
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
+from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
-from execserver.dispatcher import Connection, Dispatcher
+from execserver.dispatcher import Connection
 from execserver.processes import ManagedProcess
+from execserver.session import Session, session_of
 from execserver.spawn import ProcessSpec, SpawnError
 
 # Above Linux's largest pid_max (2**22): a fake pid never names a real process,
@@ -200,10 +202,15 @@ class Harness:
     ) -> None:
         self.clock = Clock()
         self.spawner = spawner or FakeSpawner()
-        self.dispatcher = Dispatcher(config or ServerConfig(), self.clock, self.spawner)
+        self.dispatcher = build_dispatcher(config or ServerConfig(), self.clock, self.spawner)
         self.outbound = FakeOutbound()
         self.conn: Connection = self.dispatcher.connect(self.outbound, "test")
         self._next_id = 1
+
+    @property
+    def session(self) -> Session:
+        """The process session the connection carries now."""
+        return session_of(self.conn)
 
     def send(self, message: dict[str, Any]) -> None:
         self.conn.message_received(json.dumps(message).encode())

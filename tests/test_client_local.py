@@ -22,6 +22,7 @@ from execserver.client import (
     ServerError,
     SpawnFailed,
 )
+from execserver.session import session_of
 from tests.harness import REPO_ROOT, pid_alive, reactor, server_env
 from tests.test_client_support import make_dispatcher, wait
 
@@ -127,7 +128,7 @@ async def test_dropping_in_process_client_terminates_running_processes() -> None
     await client.start_process(["sleep", "30"], process_id="proc-1", cwd=CWD)
     await client.list_processes()
     (connection,) = dispatcher.connections
-    managed = connection.session.processes["proc-1"]
+    managed = session_of(connection).processes["proc-1"]
     pid = managed.pid
     assert pid is not None and pid_alive(pid)
     del client
@@ -142,7 +143,7 @@ async def test_closing_in_process_client_terminates_processes_and_fails_calls() 
     client = await _in_process(dispatcher)
     process = await client.start_process(["sleep", "30"], process_id="proc-1", cwd=CWD)
     (connection,) = dispatcher.connections
-    pid = connection.session.processes["proc-1"].pid
+    pid = session_of(connection).processes["proc-1"].pid
     pending = client.read("proc-1", wait_ms=30_000)
     await wait(client.close(), "close")
     assert pid is not None and not pid_alive(pid)

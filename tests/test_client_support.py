@@ -25,6 +25,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
+from execserver.app import build_dispatcher
 from execserver.client import ConnectOptions, ExecServerClient, RpcClient
 from execserver.client.channels import NdjsonProtocol
 from execserver.config import ServerConfig
@@ -120,7 +121,7 @@ class ScriptedServer:
 
 
 def make_dispatcher() -> Dispatcher:
-    return Dispatcher(ServerConfig(terminate_grace_ms=500), reactor, PosixSpawner(reactor))
+    return build_dispatcher(ServerConfig(terminate_grace_ms=500), reactor, PosixSpawner(reactor))
 
 
 class _ServerProtocol(WebSocketServerProtocol):

@@ -28,6 +28,7 @@ from execserver.client import (
     NotConnected,
 )
 from execserver.client.reconnect import ReconnectingClient
+from execserver.session import session_of
 from tests.harness import REPO_ROOT, reactor, refused_port
 from tests.test_client_support import LocalWsServer, eventually, wait
 
@@ -364,7 +365,7 @@ async def test_dropping_a_websocket_client_ends_its_session() -> None:
         await client.start_process(["sleep", "30"], cwd=CWD)
         await client.list_processes()
         (connection,) = server.dispatcher.connections
-        managed = next(iter(connection.session.processes.values()))
+        managed = next(iter(session_of(connection).processes.values()))
         del client
         gc.collect()
         await wait(managed.when_closed(), "the dropped client's process to be terminated")

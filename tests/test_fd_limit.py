@@ -65,7 +65,7 @@ def test_process_limit_keeps_a_reserve_and_three_descriptors_per_process() -> No
 
 def test_starts_beyond_the_derived_limit_are_refused_with_the_limit_error() -> None:
     h = Harness(config=ServerConfig(max_processes=100))
-    h.conn.session._process_limit = lambda: 2
+    h.session._process_limit = lambda: 2
     h.handshake()
     h.start("a")
     h.start("b")
@@ -87,7 +87,7 @@ def test_the_limit_counts_processes_of_every_session() -> None:
     other = Harness(spawner=h.spawner)
     other.dispatcher = h.dispatcher
     other.conn = h.dispatcher.connect(other.outbound, "other")
-    for session in (h.conn.session, other.conn.session):
+    for session in (h.session, other.session):
         session._process_limit = lambda: 1
     other.handshake()
     h.start("a")
@@ -119,7 +119,7 @@ def test_running_out_of_descriptors_in_a_spawn_is_a_precise_error(code: int, rai
     )
     assert error["data"] == {"kind": "tooManyOpenFiles", "errno": code}
     assert h.dispatcher.stats.processes_open == 0
-    assert "p" not in h.conn.session.processes
+    assert "p" not in h.session.processes
 
 
 # --- the real server ------------------------------------------------------------------------

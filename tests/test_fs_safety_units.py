@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 
 from execserver import filesystem as fs
 from execserver import metrics
+from execserver.app import build_dispatcher, file_system
 from execserver.config import ServerConfig
 from execserver.dispatcher import SENT_POLL_SECONDS, Dispatcher
 from execserver.errors import RpcError
@@ -126,7 +127,7 @@ async def test_readyz_is_503_with_the_reason_while_the_pool_is_wedged(
 
     runner, clock, release = blocked_pool
     factory = make_factory(clock)
-    factory.dispatcher.fs.pool = runner
+    file_system(factory.dispatcher).pool = runner
     busy = [runner(lambda: release.wait(30)) for _ in range(2)]
     response, _ = http(factory, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert response.startswith(b"HTTP/1.1 200 OK\r\n")
@@ -268,7 +269,7 @@ class SlowOutbound:
 def _connect(
     clock: Clock, **config: Any
 ) -> tuple[Dispatcher, SlowOutbound, Any]:  # Any: the dispatcher's Connection
-    dispatcher = Dispatcher(ServerConfig(**config), clock, FakeSpawner())
+    dispatcher = build_dispatcher(ServerConfig(**config), clock, FakeSpawner())
     outbound = SlowOutbound()
     conn = dispatcher.connect(outbound, "slow")
     conn.message_received(b'{"id":0,"method":"initialize","params":{"clientName":"t"}}')
@@ -287,7 +288,7 @@ def test_a_reply_is_charged_until_the_transport_has_sent_it(tmp_path: Path) -> N
     (tmp_path / "f").write_bytes(b"x" * size)
     reply = fs.encoded_result_size(size)
     dispatcher, outbound, conn = _connect(clock)
-    budget = dispatcher.fs.budget
+    budget = file_system(dispatcher).budget
     _read_request(conn, 1, tmp_path / "f")
     assert base64.b64decode(outbound.responses()[1]["result"]["dataBase64"]) == b"x" * size
     assert budget.used == reply
@@ -317,7 +318,7 @@ def test_a_small_file_is_read_at_once_and_charged_what_its_reply_took(tmp_path: 
     (tmp_path / "big").write_bytes(b"b" * 300_000)
     big = fs.encoded_result_size(300_000)
     dispatcher, outbound, conn = _connect(clock, connection_reply_budget_bytes=big)
-    budget = dispatcher.fs.budget
+    budget = file_system(dispatcher).budget
     _read_request(conn, 1, tmp_path / "small")
     assert budget.used == fs.encoded_result_size(1000)
     # A small read beyond the budget waits like any other.
@@ -343,18 +344,18 @@ def test_requests_beyond_the_connection_budget_wait_for_it(tmp_path: Path) -> No
     for request_id in (1, 2, 3):
         _read_request(conn, request_id, tmp_path / "f")
     assert sorted(outbound.responses()) == [0, 1, 2]  # the third waits, holding nothing
-    assert dispatcher.fs.budget.waiting == 1
+    assert file_system(dispatcher).budget.waiting == 1
     outbound.transport.send(outbound.transport._tempDataLen)
     clock.advance(SENT_POLL_SECONDS)
     assert sorted(outbound.responses()) == [0, 1, 2, 3]
-    assert dispatcher.fs.budget.used == reply
+    assert file_system(dispatcher).budget.used == reply
 
 
 def test_closing_releases_the_budget_and_drops_what_the_transport_held(tmp_path: Path) -> None:
     clock = Clock()
     (tmp_path / "f").write_bytes(b"z" * 200_000)
     dispatcher, outbound, conn = _connect(clock)
-    budget = dispatcher.fs.budget
+    budget = file_system(dispatcher).budget
     _read_request(conn, 1, tmp_path / "f")
     assert budget.used > 0
     transport = outbound.transport
@@ -376,15 +377,15 @@ def test_a_reply_computed_after_the_close_is_dropped(tmp_path: Path) -> None:
         pending.append((d, func, args))
         return d
 
-    dispatcher.fs.run = manual
+    file_system(dispatcher).run = manual
     _read_request(conn, 1, tmp_path / "f")
     d, func, args = pending.pop()
     d.callback(func(*args))  # sized: the reply's bytes are reserved
-    assert dispatcher.fs.budget.used == fs.encoded_result_size(200_000)
+    assert file_system(dispatcher).budget.used == fs.encoded_result_size(200_000)
     d, func, args = pending.pop()  # now being built
     outbound.transport.connected = 0
     conn.transport_closed()
-    assert dispatcher.fs.budget.used > 0  # still being built: still charged
+    assert file_system(dispatcher).budget.used > 0  # still being built: still charged
     d.callback(func(*args))
-    assert dispatcher.fs.budget.used == 0
+    assert file_system(dispatcher).budget.used == 0
     assert sorted(outbound.responses()) == [0]

@@ -26,6 +26,7 @@ import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred
 
+from execserver.app import build_dispatcher, file_system
 from execserver.client import ConnectOptions, ExecServerClient
 from execserver.client.fs import RangesNotSupported
 from execserver.config import ServerConfig
@@ -98,7 +99,7 @@ async def test_upload_and_download_round_trip_through_a_real_server(tmp_path: Pa
 async def test_no_ranged_upload_to_a_server_without_ranges(tmp_path: Path) -> None:
     """A server that does not list the range capabilities (a baseline one would
     ignore ``offset`` and replace the file with each range) gets no ranged call."""
-    dispatcher = Dispatcher(ServerConfig(), reactor, FakeSpawner())
+    dispatcher = build_dispatcher(ServerConfig(), reactor, FakeSpawner())
     dispatcher.capabilities[:] = [c for c in dispatcher.capabilities if ":range" not in c]
     client: ExecServerClient = await wait(
         ExecServerClient.connect_in_process(reactor, OPTIONS, dispatcher=dispatcher), "connect"
@@ -118,8 +119,9 @@ async def test_no_ranged_upload_to_a_server_without_ranges(tmp_path: Path) -> No
         assert remote.read_bytes() == b"x" * 300
     finally:
         await wait(client.close(), "close")
-        assert dispatcher.fs.pool is not None
-        dispatcher.fs.pool.stop()
+        pool = file_system(dispatcher).pool
+        assert pool is not None
+        pool.stop()
 
 
 # --- the CLI ----------------------------------------------------------------------------------
@@ -224,8 +226,8 @@ async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
     for name in ("stat", "lstat"):
         monkeypatch.setattr(os, name, _slowed(getattr(os, name), str(slow), release))
     monkeypatch.setattr(local, "lstatx", _slowed(paths.lstatx, str(slow), release))
-    dispatcher = Dispatcher(ServerConfig(), reactor, FakeSpawner())
-    dispatcher.fs.locality = Locality(mountinfo=str(mountinfo))
+    dispatcher = build_dispatcher(ServerConfig(), reactor, FakeSpawner())
+    file_system(dispatcher).locality = Locality(mountinfo=str(mountinfo))
     try:
         a, a_out = _connect(dispatcher)
         b, b_out = _connect(dispatcher)
@@ -271,7 +273,7 @@ async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
         assert answers[5]["error"]["data"]["kind"] == "notFound"
         # The slow calls are still running, on pool threads.
         assert not a_out.answer(1).called and not a_out.answer(2).called
-        assert dispatcher.fs.running == 2
+        assert file_system(dispatcher).running == 2
         release.set()
         got = await with_timeout(a_out.answer(1), 10, "the slow getMetadata")
         assert got["result"]["size"] == 6
@@ -279,8 +281,9 @@ async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
         assert [e["fileName"] for e in got["result"]["entries"]] == ["file"]
     finally:
         release.set()
-        assert dispatcher.fs.pool is not None
-        dispatcher.fs.pool.stop()
+        pool = file_system(dispatcher).pool
+        assert pool is not None
+        pool.stop()
 
 
 # --- memory of ranged transfers --------------------------------------------------------------

@@ -309,16 +309,16 @@ def test_long_polls_of_a_silent_process_that_time_out_leave_no_waiter() -> None:
         read_id = h.request("process/read", {"processId": "proc-1", "waitMs": 250})
         h.clock.advance(0.25)
         assert h.response(read_id) is not None
-    assert h.conn.session.processes["proc-1"]._changed.waiting == 0
+    assert h.session.processes["proc-1"]._changed.waiting == 0
 
 
 def test_running_count_follows_starts_and_exits() -> None:
     h = ready()
     h.start("a")
     h.start("b")
-    assert h.conn.session.running_count() == 2
+    assert h.session.running_count() == 2
     h.process("a").exit(0)
-    assert h.conn.session.running_count() == 1
+    assert h.session.running_count() == 1
 
 
 def test_read_of_an_exited_process_never_waits() -> None:
@@ -356,11 +356,11 @@ def test_terminate_keeps_process_ids_reserved_until_retention_expires() -> None:
     h = ready(ServerConfig(exit_retention_ms=100))
     h.start("proc-1")
     assert h.result("process/terminate", {"processId": "proc-1"}) == {"running": True}
-    assert "proc-1" in h.conn.session.processes
+    assert "proc-1" in h.session.processes
     h.process("proc-1").exit(signal=signal.SIGTERM)
-    assert "proc-1" in h.conn.session.processes
+    assert "proc-1" in h.session.processes
     h.clock.advance(0.1)
-    assert "proc-1" not in h.conn.session.processes
+    assert "proc-1" not in h.session.processes
 
 
 # --- process/write ----------------------------------------------------------------------------
@@ -561,7 +561,7 @@ def test_pause_producing_pauses_every_process_and_new_ones_start_paused() -> Non
     h = ready()
     h.start("a")
     h.start("b")
-    session = h.conn.session
+    session = h.session
     session.pauseProducing()
     assert session.paused
     assert h.process("a").paused
@@ -578,7 +578,7 @@ def test_pause_and_resume_are_idempotent_and_skip_closed_processes() -> None:
     h.start("a")
     h.start("b")
     h.process("b").exit(0)
-    session = h.conn.session
+    session = h.session
     session.pauseProducing()
     session.pauseProducing()
     assert h.process("a").pause_calls == 1
@@ -611,7 +611,7 @@ def test_shutdown_terminates_every_group_and_answers_pending_reads() -> None:
 def test_shutdown_refuses_new_processes() -> None:
     h = ready()
     h.start("a")
-    h.conn.session.shutdown()
+    h.session.shutdown()
     error = h.error("process/start", exec_params("b"))
     assert error["code"] == -32600
     h.process("a").exit(0)

@@ -29,8 +29,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
+from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
-from execserver.dispatcher import Dispatcher
 from execserver.transports.listen import WebSocketAddress
 from execserver.transports.websocket import (
     CLOSE_TRY_AGAIN_LATER,
@@ -229,7 +229,7 @@ async def test_partial_messages_over_the_server_budget_close_with_1013() -> None
 
 @pytest_twisted.ensureDeferred
 async def test_a_lost_connection_is_freed_by_reference_counting() -> None:
-    dispatcher = Dispatcher(ServerConfig(), reactor, FakeSpawner())
+    dispatcher = build_dispatcher(ServerConfig(), reactor, FakeSpawner())
     service = WebSocketService(
         dispatcher,
         reactor,

@@ -24,8 +24,9 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 
 from execserver import metrics
+from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
-from execserver.dispatcher import Dispatcher
+from execserver.session import session_of
 from execserver.transports.http import EdgeChannel
 from execserver.transports.websocket import (
     ClockTimers,
@@ -57,7 +58,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
 
 
 def make_factory(clock: Clock, **settings: Any) -> ExecServerFactory:
-    dispatcher = Dispatcher(ServerConfig(max_message_bytes=LIMIT), clock, NoSpawner())
+    dispatcher = build_dispatcher(ServerConfig(max_message_bytes=LIMIT), clock, NoSpawner())
     options: dict[str, Any] = {"max_message_bytes": LIMIT, "ping_interval": 0.0}
     options.update(settings)
     return ExecServerFactory(dispatcher, WebSocketSettings(**options), clock)
@@ -371,7 +372,7 @@ def test_requests_stop_being_read_while_replies_pile_up(
         + client_frame(1, b'{"id":4,"method":"nope"}')
     )
     assert transport.producerState == "paused"  # the socket is not read any more
-    assert proto.connection is not None and not proto.connection.session.paused
+    assert proto.connection is not None and not session_of(proto.connection).paused
     answered = [json.loads(p)["id"] for _, p in server_frames(transport.value())]
     assert answered == [1, 2]  # 3 and 4 are held, not answered
     producer: Any = transport.producer

@@ -9,8 +9,8 @@ import attrs
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 
-from execserver.codec import RenderedParts
 from execserver.fs.paths import BUSY_KIND, closed_error, invalid
+from execserver.replies import Charged
 
 # --- reply budget ---------------------------------------------------------------
 
@@ -169,13 +169,4 @@ class ReplyBudget:
             wait.deferred.cancel()
 
 
-@attrs.frozen
-class Charged:
-    """A result charged to the reply budget until the transport has sent it.
-
-    The dispatcher releases :attr:`charge` once the transport's unsent bytes
-    show the reply has left, or at once if the connection is closed.
-    """
-
-    result: RenderedParts
-    charge: Charge
+__all__ = ["Charge", "Charged", "ReplyBudget"]

@@ -1,0 +1,142 @@
+"""The composition root of the JSON-RPC application: what a dispatcher serves.
+
+:class:`~execserver.dispatcher.Dispatcher` knows no method and no session;
+:func:`build_dispatcher` gives it both: the route table (``initialize``, the
+current dialect's ``environment/*`` and ``fs/watchMissing``, ``process/*``,
+``fs/*``, ``environmentConfig/read``), the factory of each connection's
+:class:`~execserver.session.Session`, and the parts that hear of closed
+connections (the fs pool and reply budget, the watches) or can make the
+server not ready (a wedged fs pool). ``service.build_service`` and the
+client's in-process server (``execserver.client.connect``) both build their
+dispatcher here; nothing else imports the handlers' modules for the routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from twisted.internet.interfaces import IReactorTime
+
+from execserver import environment, environment_config, handshake
+from execserver import fs as filesystem
+from execserver import protocol as p
+from execserver.config import ServerConfig
+from execserver.dispatcher import Connection, Dispatcher
+from execserver.fs import watch
+from execserver.fs.paths import absolute_path
+from execserver.fs.pool import Runner
+from execserver.fs.watch import WatchHub
+from execserver.session import Session, session_of
+from execserver.spawn import Spawner
+
+ENVIRONMENT_INFO = "environment/info"
+FS_WATCH_MISSING = "fs/watchMissing"
+FS_MISSING_CHANGED = "fs/missingChanged"
+
+#: The process-control extensions (docs/process-control.md), listed in
+#: ``initialize``'s capabilities.
+PROCESS_CONTROL = (
+    p.PROCESS_SIGNAL,
+    p.PROCESS_CLOSE_STDIN,
+    p.PROCESS_RESIZE,
+    p.PROCESS_WAIT,
+    p.PROCESS_LIST,
+)
+
+
+def build_dispatcher(
+    config: ServerConfig, clock: IReactorTime, spawner: Spawner, fs_runner: Runner | None = None
+) -> Dispatcher:
+    """A dispatcher serving exec-server's methods, its sessions starting processes with ``spawner``.
+
+    ``fs_runner`` (tests) replaces the fs thread pool; by default a real
+    reactor gets the pool and a fake clock runs fs work inline.
+    """
+
+    def new_session(conn: Connection) -> Session:
+        return Session(
+            config,
+            clock,
+            spawner,
+            conn.send,
+            stats=dispatcher.stats,
+            retained_total=lambda: retained_output_bytes(dispatcher),
+        )
+
+    dispatcher = Dispatcher(config, clock, new_session)
+    dispatcher.add_route(p.INITIALIZE, p.InitializeParams, handshake.initialize, family=None)
+    # Current dialect (docs/protocol.md, "Dialects"); its params are null.
+    dispatcher.add_route(
+        ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
+    )
+    watches = WatchHub(clock)
+    dispatcher.provide(watches)
+    dispatcher.closed_hooks.append(watches.owner_closed)
+    if watch.available():
+        dispatcher.add_route(
+            FS_WATCH_MISSING, p.FsWatchMissingParams, _watch_missing, family="filesystem"
+        )
+    _add_process_routes(dispatcher)
+    fs = filesystem.register(dispatcher, fs_runner)
+    dispatcher.provide(fs)
+    dispatcher.closed_hooks.append(fs.connection_closed)
+    dispatcher.readiness_checks.append(fs.stall_reason)
+    environment_config.register(dispatcher, fs.run)
+    return dispatcher
+
+
+def _add_process_routes(dispatcher: Dispatcher) -> None:
+    route = dispatcher.add_route
+    route(p.PROCESS_START, p.ExecParams, lambda c, a: session_of(c).start(a))
+    route(p.PROCESS_READ, p.ReadParams, lambda c, a: session_of(c).read(a))
+    route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: session_of(c).write(a))
+    route(p.PROCESS_TERMINATE, p.TerminateParams, lambda c, a: session_of(c).terminate(a))
+    route(p.PROCESS_SIGNAL, p.SignalParams, lambda c, a: session_of(c).signal(a))
+    route(p.PROCESS_CLOSE_STDIN, p.CloseStdinParams, lambda c, a: session_of(c).close_stdin(a))
+    route(p.PROCESS_RESIZE, p.ResizeParams, lambda c, a: session_of(c).resize(a))
+    route(p.PROCESS_WAIT, p.WaitParams, lambda c, a: session_of(c).wait(a))
+    route(p.PROCESS_LIST, p.ListParams, lambda c, a: session_of(c).list(a))
+    dispatcher.capabilities.extend(
+        method for method in PROCESS_CONTROL if method not in dispatcher.capabilities
+    )
+
+
+def _watch_missing(conn: Connection, params: p.FsWatchMissingParams) -> p.FsWatchMissingResponse:
+    missing = [absolute_path(path, "missing") for path in params.missing]
+    present = [absolute_path(path, "present") for path in params.present or ()]
+    note = p.Notification(FS_MISSING_CHANGED, p.FsMissingChangedNotification(params.watch_id))
+    watches = conn.dispatcher.part(WatchHub)
+    watches.add(conn, params.watch_id, missing, present, lambda: conn.send(note))
+    return p.FsWatchMissingResponse(watching=True)
+
+
+def process_sessions(dispatcher: Dispatcher) -> Iterator[Session]:
+    """Every live process session of ``dispatcher`` (attached or detached)."""
+    for session in dispatcher.all_sessions():
+        if isinstance(session, Session):
+            yield session
+
+
+def retained_output_bytes(dispatcher: Dispatcher) -> int:
+    """Output retained over all sessions' processes (``--max-total-retained-bytes``)."""
+    return sum(
+        proc.output.retained_bytes
+        for session in process_sessions(dispatcher)
+        for proc in session.processes.values()
+    )
+
+
+def file_system(dispatcher: Dispatcher) -> filesystem.FileSystem:
+    """The fs/* handlers' state (pool, reply budget) of ``dispatcher``."""
+    return dispatcher.part(filesystem.FileSystem)
+
+
+__all__ = [
+    "ENVIRONMENT_INFO",
+    "FS_MISSING_CHANGED",
+    "FS_WATCH_MISSING",
+    "build_dispatcher",
+    "file_system",
+    "process_sessions",
+    "retained_output_bytes",
+]
