@@ -102,7 +102,7 @@ stream_max_retries = 0
 
 
 async def run_codex(
-    codex: Path, tmp: Path, url: str, model_port: int
+    codex: Path, tmp: Path, url: str, model_port: int, extra_args: tuple[str, ...] = ()
 ) -> tuple[list[dict[str, Any]], _Collect]:
     home = tmp / "codex-home"
     _codex_home(home, model_port)
@@ -118,6 +118,7 @@ async def run_codex(
     argv = [
         str(codex),
         "exec",
+        *extra_args,
         "--skip-git-repo-check",
         "--dangerously-bypass-approvals-and-sandbox",
         "--json",
@@ -173,12 +174,14 @@ class Run:
         raise AssertionError(f"no {line_prefix} in /metrics:\n{self.metrics}")
 
 
-async def scenario(codex: Path, tmp: Path, spec: dict[str, Any], via: Any = None) -> Run:
+async def scenario(
+    codex: Path, tmp: Path, spec: dict[str, Any], via: Any = None, extra_args: tuple[str, ...] = ()
+) -> Run:
     server_home = tmp / "server-codex-home"
     server_home.mkdir(exist_ok=True)
     async with fake_model(spec, tmp / "model.jsonl") as port, our_server(server_home) as server:
         url = server.url if via is None else await via(server)
-        events, _ = await run_codex(codex, tmp, url, port)
+        events, _ = await run_codex(codex, tmp, url, port, extra_args)
         _, _, body = await http_get(*server.host_port, get_request("/metrics"))
         return Run(events, body.decode())
 
@@ -231,6 +234,21 @@ async def test_executor_config_is_read_through_the_server(
     )
     assert 'method="environmentConfig/read",outcome="error"' not in run.metrics
     assert run.metric('exec_server_requests_total{method="<unknown>",outcome="error"}') >= 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_capability_discovery_is_not_offered(codex_binary: Path, tmp_path: Path) -> None:
+    # capabilities/discoverV2 is not implemented, so capabilityDiscoveryV2 is
+    # not advertised: with Codex's executor capability discovery switched on
+    # it does not call the method (a call would be an unknown method and a
+    # "discovery failed" error item), and the run is as without it.
+    features = ("executor_capability_discovery", "executor_capability_discovery_v2")
+    flags = tuple(arg for name in features for arg in ("--enable", name))
+    run = await scenario(codex_binary, tmp_path, {"cmd": "echo plain"}, extra_args=flags)
+    [item] = run.items("command_execution")
+    assert (item["exit_code"], item["aggregated_output"]) == (0, "plain\n"), item
+    assert not [e for e in run.items("error") if "discovery failed" in e["message"]]
+    assert 'method="<unknown>"' not in run.metrics
 
 
 @pytest_twisted.ensureDeferred
