@@ -637,3 +637,23 @@ def test_sync_transfer_progress_runs_in_the_calling_thread(tmp_path: Path) -> No
     assert (tmp_path / "out.bin").read_bytes() == data
     assert [(d, t) for d, t, _ in calls] == [(8 * 1024 * 1024, len(data)), (len(data), len(data))]
     assert {thread for _, _, thread in calls} == {threading.current_thread()}
+
+
+def test_sync_call_caught_by_a_stopping_loop_fails_instead_of_hanging() -> None:
+    # A call handed to the loop just as the last client closed it: its
+    # coroutine starts after the loop's tasks were cancelled.
+    import asyncio
+
+    from execserver.clientcore.errors import ConnectionClosed
+    from execserver.sync._loop import Call, _drain
+
+    loop = asyncio.new_event_loop()
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    call: Call[None] = Call(loop, forever, "forever")
+    call.start()
+    _drain(loop)
+    with pytest.raises(ConnectionClosed, match="event loop has stopped"):
+        call.wait(DEFAULT_TIMEOUT)

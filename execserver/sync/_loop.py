@@ -26,6 +26,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
+from execserver.clientcore.errors import ConnectionClosed
+
 T = TypeVar("T")
 
 #: How long an interrupted or timed-out call waits for its coroutine's
@@ -121,14 +123,26 @@ def _drain(loop: asyncio.AbstractEventLoop) -> None:
         pass
     finally:
         loop.close()
+        _abandon(loop)
+
+
+#: Calls started and not finished, by loop: a loop that stops fails them
+#: (a call scheduled just as the last client closed would wait forever).
+_INFLIGHT: dict[asyncio.AbstractEventLoop, set[Call[Any]]] = {}
+_INFLIGHT_LOCK = threading.Lock()
+
+
+def _abandon(loop: asyncio.AbstractEventLoop) -> None:
+    with _INFLIGHT_LOCK:
+        calls = _INFLIGHT.pop(loop, set())
+    for call in calls:
+        call.fail(_loop_stopped())
 
 
 LOOP = LoopThread()
 
 
 def _loop_stopped() -> Exception:
-    from execserver.aio import ConnectionClosed
-
     return ConnectionClosed("the client's event loop has stopped")
 
 
@@ -154,14 +168,30 @@ class Call(Generic[T]):
         self._items.put((_PROGRESS, args))
 
     def start(self) -> None:
+        with _INFLIGHT_LOCK:
+            _INFLIGHT.setdefault(self._loop, set()).add(self)
         try:
             self._loop.call_soon_threadsafe(self._start)
         except RuntimeError:
+            self._finish()
             raise _loop_stopped() from None
+
+    def _finish(self) -> None:
+        with _INFLIGHT_LOCK:
+            calls = _INFLIGHT.get(self._loop)
+            if calls is not None:
+                calls.discard(self)
+        self._finished.set()
+
+    def fail(self, error: Exception) -> None:
+        """End the call with ``error`` unless it has ended (its loop stopped)."""
+        if not self._finished.is_set():
+            self._items.put((_ERROR, error))
+            self._finish()
 
     def _start(self) -> None:
         if self._cancelled:
-            self._finished.set()
+            self._finish()
             return
         self._task = self._loop.create_task(self._run())
 
@@ -180,12 +210,12 @@ class Call(Generic[T]):
         else:
             self._items.put((_RESULT, result))
         finally:
-            self._finished.set()
+            self._finish()
 
     def _cancel(self) -> None:
         self._cancelled = True
         if self._task is None:
-            self._finished.set()
+            self._finish()
         else:
             self._task.cancel()
 
