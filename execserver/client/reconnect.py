@@ -33,7 +33,7 @@ from typing import Any, NoReturn, TypeVar
 
 import attrs
 from twisted.application.internet import ClientService, backoffPolicy
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -147,7 +147,76 @@ class _GatedEndpoint:
         return self._gates.pop(id(protocol))
 
 
-class ReconnectingClient(ClientApi):
+class _FollowsSession(ClientApi):
+    """The calls of a client that follows one resumable session across connections.
+
+    Shared by :class:`ReconnectingClient` and :class:`ResumingClient`, which
+    differ only in how the next connection comes (:meth:`_next_client`).
+    A call in flight when the connection drops is sent again on the resumed
+    session when repeating it is harmless (:func:`_repeatable`), and fails
+    with :class:`OutcomeUnknown` otherwise; a session that could not be
+    resumed fails it with :class:`SessionLost`.
+    """
+
+    _stopped: bool
+
+    def _connected_client(self) -> ExecServerClient | None:
+        """The client of the current connection, if it is up."""
+        raise NotImplementedError
+
+    def _next_client(self) -> Deferred[ExecServerClient]:
+        """The client to send on: the current one, or the next connected one."""
+        raise NotImplementedError
+
+    def _lost_error(self, session_id: str) -> Exception:
+        """Why calls of ``session_id`` can no longer be answered."""
+        raise NotImplementedError
+
+    def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
+        client = self._connected_client()
+        if client is not None and not client.resumable:
+            return client._call(method, params, result_type)
+
+        async def attempt() -> T:
+            session: str | None = None
+            while True:
+                client = await self._next_client()
+                if session is not None and client.session_id != session:
+                    # The session the call belonged to could not be resumed.
+                    raise self._lost_error(session)
+                try:
+                    return await client._call(method, params, result_type)
+                except ConnectionClosed as exc:
+                    if not client.resumable or self._stopped:
+                        raise
+                    if not _repeatable(method, params):
+                        raise OutcomeUnknown(method, exc.reason) from None
+                    # Safe to send again once the session is resumed.
+                    session = client.session_id
+
+        return Deferred.fromCoroutine(attempt())
+
+    def write(self, process_id: str, chunk: bytes) -> Deferred[p.WriteResponse]:
+        """``process/write`` with a ``writeId``, so a retry after a drop writes once."""
+        params = p.WriteParams(process_id, bytes(chunk), write_id=uuid.uuid4().hex)
+        return self._call(p.PROCESS_WRITE, params, p.WriteResponse)
+
+    def start_process(
+        self, argv: Sequence[str] | p.ExecParams, **kwargs: Any
+    ) -> Deferred[RemoteProcess]:
+        """``ExecServerClient.start_process`` on the current (or next) connection."""
+
+        async def run() -> RemoteProcess:
+            client = await self._next_client()
+            handle = await client.start_process(argv, **kwargs)
+            # Requests of the handle follow the session across connections.
+            handle._api = self
+            return handle
+
+        return Deferred.fromCoroutine(run())
+
+
+class ReconnectingClient(_FollowsSession):
     """Typed protocol methods over a connection that comes back by itself."""
 
     def __init__(
@@ -342,51 +411,12 @@ class ReconnectingClient(ClientApi):
             except Exception:
                 log.failure("disconnect listener failed")
 
-    # --- calls --------------------------------------------------------------------
-
-    def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
-        async def attempt() -> T:
-            session: str | None = None
-            while True:
-                client = self.client
-                if client is None or not client.is_connected:
-                    client = await self.when_connected()
-                if session is not None and client.session_id != session:
-                    # The session the call belonged to could not be resumed.
-                    raise self._lost_error(session)
-                try:
-                    return await client._call(method, params, result_type)
-                except ConnectionClosed as exc:
-                    if not client.resumable or self._stopped:
-                        raise
-                    if not _repeatable(method, params):
-                        raise OutcomeUnknown(method, exc.reason) from None
-                    # Safe to send again once the session is resumed.
-                    session = client.session_id
-
+    def _connected_client(self) -> ExecServerClient | None:
         client = self.client
-        if client is not None and client.is_connected and not client.resumable:
-            return client._call(method, params, result_type)
-        return Deferred.fromCoroutine(attempt())
+        return client if client is not None and client.is_connected else None
 
-    def write(self, process_id: str, chunk: bytes) -> Deferred[p.WriteResponse]:
-        """``process/write`` with a ``writeId``, so a retry after a drop writes once."""
-        params = p.WriteParams(process_id, bytes(chunk), write_id=uuid.uuid4().hex)
-        return self._call(p.PROCESS_WRITE, params, p.WriteResponse)
-
-    def start_process(
-        self, argv: Sequence[str] | p.ExecParams, **kwargs: Any
-    ) -> Deferred[RemoteProcess]:
-        """``ExecServerClient.start_process`` on the current (or next) connection."""
-
-        async def run() -> RemoteProcess:
-            client = await self.when_connected()
-            handle = await client.start_process(argv, **kwargs)
-            # Requests of the handle follow the session across connections.
-            handle._api = self
-            return handle
-
-        return Deferred.fromCoroutine(run())
+    def _next_client(self) -> Deferred[ExecServerClient]:
+        return self.when_connected()
 
 
 #: Methods whose repetition changes nothing (process/write only with a writeId).
@@ -413,7 +443,7 @@ def _repeatable(method: str, params: object) -> bool:
 REFUSED_GIVE_UP_SECONDS = 2.0
 
 
-class ResumingClient(ClientApi):
+class ResumingClient(_FollowsSession):
     """Keeps one resumable session across drops, starting from a connected client.
 
     For callers that make the first connection themselves (the CLI, which
@@ -440,7 +470,7 @@ class ResumingClient(ClientApi):
         self._initial_delay = initial_delay
         self._max_delay = max_delay
         self.client = first
-        self._closed = False
+        self._stopped = False
         self.lost: SessionLost | None = None
         self.resumes = 0
         self._waiters: Waiters[ExecServerClient] = Waiters()
@@ -462,23 +492,9 @@ class ResumingClient(ClientApi):
         return self.client.rpc.closed_reason
 
     def close(self) -> Deferred[None]:
-        self._closed = True
+        self._stopped = True
         self._waiters.fail(ConnectionClosed("the client was closed"))
         return self.client.close()
-
-    def start_process(
-        self, argv: Sequence[str] | p.ExecParams, **kwargs: Any
-    ) -> Deferred[RemoteProcess]:
-        async def run() -> RemoteProcess:
-            handle = await self.client.start_process(argv, **kwargs)
-            handle._api = self
-            return handle
-
-        return Deferred.fromCoroutine(run())
-
-    def write(self, process_id: str, chunk: bytes) -> Deferred[p.WriteResponse]:
-        params = p.WriteParams(process_id, bytes(chunk), write_id=uuid.uuid4().hex)
-        return self._call(p.PROCESS_WRITE, params, p.WriteResponse)
 
     # --- resuming ----------------------------------------------------------------------
 
@@ -486,7 +502,7 @@ class ResumingClient(ClientApi):
         client.when_disconnected().addCallback(lambda reason: self._dropped(client, reason))
 
     def _dropped(self, client: ExecServerClient, reason: str) -> None:
-        if self._closed or client is not self.client or not client.resumable:
+        if self._stopped or client is not self.client or not client.resumable:
             return
         Deferred.fromCoroutine(self._resume(client, reason)).addErrback(
             lambda f: log.failure("resuming the session failed", f)
@@ -498,7 +514,7 @@ class ResumingClient(ClientApi):
         started = self._reactor.seconds()
         refused_since: float | None = None
         delay = self._initial_delay
-        while not self._closed:
+        while not self._stopped:
             try:
                 new = await self._dial(session_id)
             except ServerError as exc:
@@ -515,7 +531,7 @@ class ResumingClient(ClientApi):
                 else:
                     refused_since = None
             else:
-                if self._closed:
+                if self._stopped:
                     await new.close()
                     return None
                 self.client = new
@@ -539,27 +555,15 @@ class ResumingClient(ClientApi):
         old.fail_suspended(self.lost)
         self._waiters.fail(self.lost)
 
-    def _current(self) -> Deferred[ExecServerClient]:
+    def _connected_client(self) -> ExecServerClient | None:
+        return self.client if self.client.is_connected else None
+
+    def _next_client(self) -> Deferred[ExecServerClient]:
         if self.lost is not None:
-            failed: Deferred[ExecServerClient] = Deferred()
-            failed.errback(self.lost)
-            return failed
+            return fail(self.lost)
         if self.client.is_connected or not self.client.resumable:
-            d: Deferred[ExecServerClient] = Deferred()
-            d.callback(self.client)
-            return d
+            return succeed(self.client)
         return self._waiters.wait()
 
-    def _call(self, method: str, params: object, result_type: type[T]) -> Deferred[T]:
-        async def attempt() -> T:
-            while True:
-                client = await self._current()
-                try:
-                    return await client._call(method, params, result_type)
-                except ConnectionClosed as exc:
-                    if not client.resumable or self._closed:
-                        raise
-                    if not _repeatable(method, params):
-                        raise OutcomeUnknown(method, exc.reason) from None
-
-        return Deferred.fromCoroutine(attempt())
+    def _lost_error(self, session_id: str) -> Exception:
+        return self.lost or SessionLost(session_id, "the session was not resumed")
