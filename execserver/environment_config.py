@@ -21,7 +21,7 @@ Config layers, in order (docs/protocol.md, "environmentConfig/read"):
 Requirements layers: ``/etc/codex/requirements.toml``, then the legacy
 managed config read as requirements. A missing file is an empty layer;
 layers left empty by the selection are dropped. All file work runs on the
-fs pool (it may block); this module has no Twisted import beyond the route.
+fs pool, since it may block.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import attrs
 import msgspec
 
 from execserver.errors import RpcError
-from execserver.fs.handlers import FileSystem
 from execserver.fs.paths import absolute_path, path_to_uri
 from execserver.fs.pool import Runner
 from execserver.spawn.lookup import os_error_text
@@ -582,20 +581,15 @@ def read_environment_config(
     )
 
 
-def register(router: Any, run: Runner | None = None) -> None:
-    """Add ``environmentConfig/read`` to ``router`` (after the fs routes).
+def register(router: Any, run: Runner) -> None:
+    """Add ``environmentConfig/read`` to ``router``; its file work runs on ``run``.
 
-    Reading files may block (a slow or hung file system), so the work runs on
-    ``run``: by default the fs pool of ``router``'s FileSystem, bounded per
-    connection like any fs call.
+    Reading files may block (a slow or hung file system), so ``run`` is the
+    fs pool's runner: bounded per connection like any fs call.
     """
-    if run is None:
-        fs = router.part(FileSystem) if hasattr(router, "part") else router.fs
-        run = fs.run
-    runner = run
 
     def handle(conn: Any, params: EnvironmentConfigReadParams) -> Any:
         cwd = validate(params)
-        return runner(read_environment_config, params, cwd, owner=conn)
+        return run(read_environment_config, params, cwd, owner=conn)
 
     router.add_route(ENVIRONMENT_CONFIG_READ, EnvironmentConfigReadParams, handle, FAMILY)
