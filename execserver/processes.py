@@ -9,13 +9,18 @@ after a grace period): every descendant, as tracked by the
 transport, or only the process group when there is none. It knows nothing of
 JSON or connections; the clock and the signal sender are injected so unit
 tests drive it with a fake clock and fake transports.
+
+The session steers a process only through :class:`ChildProcess` (stdin,
+signals, terminal size, termination, reading paused or not); this module is
+the one that talks to the process transport (:class:`ChildTransport`, what
+both spawn paths give) and its pipes.
 """
 
 from __future__ import annotations
 
 import signal as _signal
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from twisted.internet import error as _error
 from twisted.internet.defer import Deferred
@@ -29,6 +34,7 @@ from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
 from execserver.spawn import group_alive, kill_group
 from execserver.waiters import Latch, Waiters
+from execserver.writebuffer import unsent_bytes
 
 log = Logger()
 
@@ -39,6 +45,75 @@ class ProcessObserver(Protocol):
     ) -> None: ...
     def process_exited(self, proc: ManagedProcess) -> None: ...
     def process_closed(self, proc: ManagedProcess) -> None: ...
+
+
+class ChildTransport(Protocol):
+    """What :class:`ManagedProcess` uses of its process transport.
+
+    Twisted's ``Process``/``PTYProcess`` (the fast path's subclasses, or the
+    stock path's, with ``drain_output``, ``tree`` and the PTY's
+    ``set_window_size``/``eof_char`` attached; see :mod:`execserver.spawn`).
+    A pipe process's stdin is ``pipes[0]``; a PTY's is the transport itself.
+    """
+
+    pid: int | None
+
+    def write(self, data: bytes) -> None: ...
+
+    def closeStdin(self) -> None: ...
+
+    def pauseProducing(self) -> None: ...
+
+    def resumeProducing(self) -> None: ...
+
+    def loseConnection(self) -> None: ...
+
+
+class TerminalTransport(ChildTransport, Protocol):
+    """A PTY process's transport: the terminal behind its master."""
+
+    def set_window_size(self, rows: int, cols: int) -> None: ...
+
+    def eof_char(self) -> bytes: ...
+
+
+class ChildProcess(Protocol):
+    """How a session steers one of its processes (:class:`ManagedProcess` is one)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exited(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def stdin_writable(self) -> bool:
+        """Its stdin is open and can be written."""
+
+    def stdin_unsent(self) -> int:
+        """Bytes written to stdin that the child has not read yet."""
+
+    def write_stdin(self, data: bytes) -> None: ...
+
+    def close_stdin(self) -> bool:
+        """Close a pipe's stdin after what is buffered; False if it was closed already."""
+
+    def send_eof(self) -> None:
+        """A terminal's EOF character (a PTY has no stdin of its own to close)."""
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set a PTY's window size (raises OSError)."""
+
+    def send_signal(self, signum: int) -> bool: ...
+
+    def terminate(self, grace_seconds: float) -> None: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
 
 
 def signal_name(signum: int) -> str:
@@ -159,6 +234,7 @@ class ManagedProcess(ProcessProtocol):
         self._idle_seconds = 0.0
         self._reading_paused = False
         self._last_output = 0.0
+        self._child: ChildTransport | None = None
 
     # --- ProcessProtocol ------------------------------------------------------
 
@@ -166,7 +242,59 @@ class ManagedProcess(ProcessProtocol):
         self.pid = transport.pid
         tree = getattr(transport, "tree", None)
         self._tree = tree if tree is not None else ProcessGroup(self, transport.pid)
+        self._child = transport
         super().makeConnection(transport)
+
+    # --- the session's interface (ChildProcess) -------------------------------
+
+    @property
+    def stdin_writable(self) -> bool:
+        return self.stdin_open and self._child is not None
+
+    def stdin_unsent(self) -> int:
+        if self._child is None:
+            return 0
+        writer = self._child if self.tty else getattr(self._child, "pipes", {}).get(0)
+        return unsent_bytes(writer)
+
+    def write_stdin(self, data: bytes) -> None:
+        if self._child is not None:
+            self._child.write(data)
+
+    def close_stdin(self) -> bool:
+        if not self.stdin_open or self._child is None:
+            return False
+        self.stdin_open = False
+        # Buffered input is still written before the pipe is closed.
+        self._child.closeStdin()
+        return True
+
+    def send_eof(self) -> None:
+        if self._child is not None and self.tty:
+            terminal = cast(TerminalTransport, self._child)
+            terminal.write(terminal.eof_char())
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self._child is not None and self.tty:
+            cast(TerminalTransport, self._child).set_window_size(rows, cols)
+
+    @property
+    def readable(self) -> bool:
+        """Its output can still be paused or resumed (not closed)."""
+        return not self.closed and self._child is not None
+
+    def pause_reading(self) -> None:
+        """Stop reading its output (flow control); nothing once it is closed."""
+        if self.readable:
+            assert self._child is not None
+            self._child.pauseProducing()
+            self.set_reading_paused(True)
+
+    def resume_reading(self) -> None:
+        if self.readable:
+            assert self._child is not None
+            self._child.resumeProducing()
+            self.set_reading_paused(False)
 
     @property
     def tree(self) -> ProcessTree:

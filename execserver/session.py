@@ -36,7 +36,6 @@ from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
-from execserver.writebuffer import unsent_bytes
 
 if TYPE_CHECKING:
     from execserver.registry import ResumableSession
@@ -271,7 +270,7 @@ class Session:
         self._held[proc] = []
         self._hold_fds(proc)
         try:
-            transport = self._spawner.spawn(proc, spec)
+            self._spawner.spawn(proc, spec)
         except BaseException as exc:
             self._held.pop(proc, None)
             self._release_fds(proc)
@@ -303,9 +302,8 @@ class Session:
             self._running.add(proc)
         if self.stats is not None:
             self.stats.processes_started += 1
-        if self._paused and not proc.closed:
-            transport.pauseProducing()
-            proc.set_reading_paused(True)
+        if self._paused:
+            proc.pause_reading()
         return proc
 
     def running_count(self) -> int:
@@ -421,8 +419,7 @@ class Session:
         if write_id is not None and write_id in proc.write_ids:
             # A retry of a write whose answer was lost: written once already.
             return p.WriteResponse(accepted=True, status="accepted")
-        transport: Any = proc.transport
-        if not proc.stdin_open or transport is None:
+        if not proc.stdin_writable:
             if self.current:
                 return p.WriteResponse(accepted=False, status="stdinClosed")
             if proc.tty:
@@ -430,8 +427,7 @@ class Session:
                     f"failed to write to process stdin: process {params.process_id} has exited"
                 )
             raise RpcError.invalid_request(f"stdin is closed for process {params.process_id}")
-        writer = transport if proc.tty else transport.pipes.get(0)
-        pending = unsent_bytes(writer)
+        pending = proc.stdin_unsent()
         if pending + len(params.chunk) > self.config.max_stdin_buffer_bytes:
             raise RpcError.invalid_request(
                 f"stdin of process {params.process_id} is not being read: "
@@ -439,7 +435,7 @@ class Session:
                 f"(limit {self.config.max_stdin_buffer_bytes}); retry later"
             )
         if params.chunk:
-            transport.write(params.chunk)
+            proc.write_stdin(params.chunk)
         if write_id is None:
             if self.current:
                 return p.WriteResponse(accepted=True, status="accepted")
@@ -471,31 +467,24 @@ class Session:
 
     def close_stdin(self, params: p.CloseStdinParams) -> p.CloseStdinResponse:
         proc = self.lookup(params.process_id)
-        transport: Any = proc.transport
-        if proc.exited or transport is None:
+        if proc.exited or proc.pid is None:
             raise RpcError.invalid_request(f"process {params.process_id} has exited")
         if proc.tty:
             # A terminal has no separate input to close: its line discipline
             # turns the EOF character into end-of-file for the reader. Sent on
             # every call, as a user pressing ^D again would.
-            transport.write(transport.eof_char())
+            proc.send_eof()
             return p.CloseStdinResponse(closed=True)
-        if not proc.stdin_open:
-            return p.CloseStdinResponse(closed=False)
-        proc.stdin_open = False
-        # Buffered input is still written before the pipe is closed.
-        transport.closeStdin()
-        return p.CloseStdinResponse(closed=True)
+        return p.CloseStdinResponse(closed=proc.close_stdin())
 
     def resize(self, params: p.ResizeParams) -> p.Empty:
         proc = self.lookup(params.process_id)
         if not proc.tty:
             raise RpcError.invalid_request(f"process {params.process_id} is not a tty")
-        transport: Any = proc.transport
-        if proc.closed or transport is None:
+        if proc.closed or proc.pid is None:
             raise RpcError.invalid_request(f"process {params.process_id} has exited")
         try:
-            transport.set_window_size(params.rows, params.cols)
+            proc.resize(params.rows, params.cols)
         except OSError as exc:
             raise RpcError.internal(
                 f"failed to resize the terminal of process {params.process_id}: {exc}"
@@ -563,22 +552,17 @@ class Session:
         if encoder is None:
             encoder = proc.output_encoder = codec.OutputEncoder(proc.process_id)
         self._emit(proc, encoder.encode(stream, data, seq))
-        if proc.output.full and not proc.full_paused:
-            transport: Any = proc.transport
-            if transport is not None and not proc.closed:
-                proc.full_paused = True
-                if not self._paused:
-                    transport.pauseProducing()
-                    proc.set_reading_paused(True)
+        if proc.output.full and not proc.full_paused and proc.readable:
+            proc.full_paused = True
+            if not self._paused:
+                proc.pause_reading()
 
     def _refill(self, proc: ManagedProcess) -> None:
         """Read a child again once acknowledged output made room."""
         if proc.full_paused and not proc.output.full:
             proc.full_paused = False
-            transport: Any = proc.transport
-            if not self._paused and not proc.closed and transport is not None:
-                transport.resumeProducing()
-                proc.set_reading_paused(False)
+            if not self._paused:
+                proc.resume_reading()
 
     def process_exited(self, proc: ManagedProcess) -> None:
         self._running.discard(proc)
@@ -660,12 +644,8 @@ class Session:
             return
         self._paused = True
         for proc in self.processes.values():
-            if proc.full_paused:
-                continue
-            transport: Any = proc.transport
-            if not proc.closed and transport is not None:
-                transport.pauseProducing()
-                proc.set_reading_paused(True)
+            if not proc.full_paused:
+                proc.pause_reading()
 
     def resumeProducing(self) -> None:
         if self._flow_target is not None:
@@ -675,12 +655,8 @@ class Session:
             return
         self._paused = False
         for proc in self.processes.values():
-            if proc.full_paused:
-                continue
-            transport: Any = proc.transport
-            if not proc.closed and transport is not None:
-                transport.resumeProducing()
-                proc.set_reading_paused(False)
+            if not proc.full_paused:
+                proc.resume_reading()
 
     def stopProducing(self) -> None:
         # A lost transport stops its producer; a session with a TTL is

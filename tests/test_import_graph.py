@@ -166,3 +166,15 @@ def test_the_dispatcher_imports_no_application_module() -> None:
 
 def test_the_fs_package_does_not_import_the_dispatcher() -> None:
     assert "execserver.dispatcher" not in reachable(import_graph(), "execserver.fs")
+
+
+def test_the_session_reaches_no_process_transport() -> None:
+    # It steers processes through processes.ChildProcess; only the process
+    # module and the spawn package touch a transport or its pipes.
+    tree = ast.parse((PACKAGE / "session.py").read_text())
+    reaches = sorted(
+        f"line {node.lineno}: .{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ("transport", "pipes")
+    )
+    assert reaches == []

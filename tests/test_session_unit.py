@@ -14,7 +14,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from execserver.config import ServerConfig
-from execserver.processes import ManagedProcess
+from execserver.processes import ChildProcess, ManagedProcess
 from execserver.spawn import ProcessSpec, SpawnError
 from tests.fakes import (
     FAKE_PID_BASE,
@@ -661,3 +661,46 @@ def test_events_of_a_child_that_exited_during_spawn_are_all_delivered() -> None:
     read = h.result("process/read", {"processId": "fast"})
     assert read["exited"] is True
     assert read["chunks"][0]["chunk"] == b64(b"hi")
+
+
+# --- the session's interface to its processes ---------------------------------------------
+
+
+def test_a_process_is_steered_through_the_child_process_interface() -> None:
+    h = ready()
+    h.result("process/start", exec_params(pipeStdin=True))
+    child: ChildProcess = h.session.processes["proc-1"]
+    transport = h.spawner.by_id("proc-1")
+    stdin = transport.pipes[0]
+    assert child.stdin_writable
+    child.write_stdin(b"abc")
+    assert transport.written == b"abc"
+    # What stdin's pipe holds unsent is what bounds process/write.
+    stdin.dataBuffer = b"x" * 10
+    assert child.stdin_unsent() == 10
+    child.pause_reading()
+    assert transport.paused
+    child.resume_reading()
+    assert not transport.paused
+    assert child.close_stdin() is True
+    assert child.close_stdin() is False
+    assert not child.stdin_writable
+    transport.exit(0)
+    # Closed: flow control no longer reaches the transport.
+    calls = transport.pause_calls
+    child.pause_reading()
+    assert transport.pause_calls == calls
+
+
+def test_a_terminal_gets_its_eof_character_and_size_through_the_interface() -> None:
+    h = ready()
+    h.result("process/start", exec_params(tty=True))
+    child: ChildProcess = h.session.processes["proc-1"]
+    transport: Any = h.spawner.by_id("proc-1")
+    sizes: list[tuple[int, int]] = []
+    transport.eof_char = lambda: b"\x02"
+    transport.set_window_size = lambda rows, cols: sizes.append((rows, cols))
+    child.send_eof()
+    child.resize(50, 132)
+    assert transport.written == b"\x02"
+    assert sizes == [(50, 132)]
