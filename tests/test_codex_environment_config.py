@@ -421,3 +421,27 @@ async def test_a_seed_client_is_not_offered_environment_info(tmp_path: Path) -> 
         assert "environmentInfo" not in server.last_init  # type: ignore[attr-defined]
         result = await server.call("environmentConfig/read", _read(os.fspath(tmp_path)))
         assert result["config"] == {"layers": [], "cloudInsertionIndex": 0}
+
+
+def test_undecodable_or_malformed_user_config(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    etc = str(tmp_path / "etc")
+    home.mkdir()
+    (home / "config.toml").write_bytes(b'model = "\xff"\n')
+    with pytest.raises(ec.ConfigLoadError) as caught:
+        ec.load_layers(str(tmp_path), str(home), etc)
+    assert str(caught.value) == (
+        f"Failed to read config file {home}/config.toml: stream did not contain valid UTF-8"
+    )
+    for text, message in [
+        ("projects = 1\n", "invalid type for `projects`: expected a table"),
+        ('[projects]\n"/x" = 2\n', "invalid type for `projects./x`: expected a table"),
+        (
+            '[projects."/x"]\ntrust_level = "maybe"\n',
+            "unknown variant `maybe`, expected `trusted` or `untrusted`",
+        ),
+    ]:
+        _write(home / "config.toml", text)
+        with pytest.raises(ec.ConfigLoadError) as caught:
+            ec.load_layers(str(tmp_path), str(home), etc)
+        assert str(caught.value) == message
