@@ -42,7 +42,7 @@ from execserver.errors import RpcError
 from execserver.registry import ANONYMOUS, ResumableSession, SessionRegistry
 from execserver.replies import Charged, Releasable
 from execserver.waiters import Latch, Waiters
-from execserver.writebuffer import discard_unsent, unsent_bytes
+from execserver.writebuffer import discard_unsent, unsent_bytes, write_buffer_of
 
 log = Logger()
 
@@ -64,11 +64,10 @@ SENT_POLL_SECONDS = 0.02
 def _write_buffer(outbound: object) -> Any:
     """The Twisted FileDescriptor holding what ``outbound`` has not yet sent.
 
-    Both transports are Twisted protocols: a WebSocket's ``transport`` is its
-    TCP connection; stdio's is a StandardIO whose writer holds the buffer.
+    Both transports are Twisted protocols; :mod:`execserver.writebuffer`
+    finds the buffer behind each.
     """
-    transport = getattr(outbound, "transport", None)
-    return getattr(transport, "_writer", None) or transport
+    return write_buffer_of(getattr(outbound, "transport", None))
 
 
 class Outbound(Protocol):

@@ -21,7 +21,7 @@ import re
 import secrets
 import signal as _signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
@@ -38,6 +38,7 @@ from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 
 if TYPE_CHECKING:
+    from execserver.dispatcher import Stats
     from execserver.registry import ResumableSession
 
 log = Logger()
@@ -100,7 +101,7 @@ class Session:
         spawner: Spawner,
         send: Send,
         session_id: str | None = None,
-        stats: Any = None,
+        stats: Stats | None = None,
         process_limit: Callable[[], int] = fdlimit.process_limit,
         retained_total: Callable[[], int] | None = None,
     ) -> None:

@@ -76,6 +76,14 @@ def unsent_bytes(writer: Any) -> int:
         return held
 
 
+def write_buffer_of(transport: Any) -> Any:
+    """The FileDescriptor holding what ``transport`` has not yet sent.
+
+    A TCP (or Unix, TLS) transport is its own; StandardIO's is its writer's.
+    """
+    return getattr(transport, "_writer", None) or transport
+
+
 def set_high_water(transport: Any, limit: int) -> None:
     """Make the transport pause its producer once ``limit`` bytes are unsent.
 
@@ -83,7 +91,7 @@ def set_high_water(transport: Any, limit: int) -> None:
     and resumes it once its buffer is empty. For StandardIO the buffer is
     its writer's.
     """
-    target = getattr(transport, "_writer", None) or transport
+    target = write_buffer_of(transport)
     if hasattr(target, "bufferSize"):
         target.bufferSize = limit
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from execserver.fs.paths import BUSY_KIND, closed_error, invalid
 from execserver.replies import Charged
@@ -53,7 +52,9 @@ class ReplyBudget:
     ``wait_timeout`` seconds. A reply that could never fit fails at once.
     """
 
-    def __init__(self, clock: Any, limit: int, connection_limit: int, wait_timeout: float) -> None:
+    def __init__(
+        self, clock: IReactorTime, limit: int, connection_limit: int, wait_timeout: float
+    ) -> None:
         self._clock = clock
         self.limit = limit
         self.connection_limit = connection_limit

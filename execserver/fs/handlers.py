@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import attrs
 import msgspec
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
 from execserver import protocol as p
@@ -22,7 +23,7 @@ from execserver.fs import local, ops
 from execserver.fs.budget import Charge, Charged, ReplyBudget
 from execserver.fs.local import Locality
 from execserver.fs.paths import FAMILY, absolute_path, invalid
-from execserver.fs.pool import PoolRunner, Runner, inline_runner, thread_pool_runner
+from execserver.fs.pool import PoolRunner, Runner, inline_runner, runs_threads, thread_pool_runner
 
 # --- wire types -------------------------------------------------------------------
 
@@ -60,7 +61,7 @@ class Router(Protocol):
     capabilities: list[str]
 
     @property
-    def clock(self) -> Any: ...
+    def clock(self) -> IReactorTime: ...
 
     @property
     def config(self) -> ServerConfig: ...
@@ -248,14 +249,14 @@ class FileSystem:
 
 def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
     """Add the seven fs/* routes to ``dispatcher``."""
-    clock: Any = dispatcher.clock
+    clock = dispatcher.clock
     config = dispatcher.config
     pool: PoolRunner | None = None
     if run is None:
-        real = hasattr(clock, "callFromThread") and hasattr(clock, "addSystemEventTrigger")
-        if real:
+        if runs_threads(clock):
             pool = thread_pool_runner(
                 clock,
+                clock=dispatcher.clock,
                 wait_timeout=config.fs_wait_timeout_ms / 1000.0,
                 stall_after=config.fs_stall_ms / 1000.0,
                 per_owner=config.max_fs_ops_per_session,

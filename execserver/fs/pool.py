@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeGuard
 
 import attrs
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
 from execserver.fs.paths import BUSY_KIND, closed_error, invalid
@@ -34,6 +34,25 @@ class _Job:
     deferred: Deferred[Any]
     started_at: float | None = None
     timer: IDelayedCall | None = None
+
+
+class PoolReactor(Protocol):
+    """What the pool needs of a reactor beyond a clock.
+
+    ``IReactorFromThreads.callFromThread`` (workers hand results back) and
+    ``IReactorCore.addSystemEventTrigger`` (workers stop at shutdown).
+    """
+
+    def callFromThread(self, f: Callable[..., Any], *args: Any) -> object: ...
+
+    def addSystemEventTrigger(
+        self, phase: str, eventType: str, callable: Callable[..., Any], *args: Any
+    ) -> object: ...
+
+
+def runs_threads(reactor: object) -> TypeGuard[PoolReactor]:
+    """True for a reactor that can run the pool (a fake clock cannot)."""
+    return hasattr(reactor, "callFromThread") and hasattr(reactor, "addSystemEventTrigger")
 
 
 class PoolRunner:
@@ -60,11 +79,11 @@ class PoolRunner:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: PoolReactor,
         threads: int = FS_THREADS,
         wait_timeout: float = 30.0,
         stall_after: float = 10.0,
-        clock: Any = None,
+        clock: IReactorTime | None = None,
         per_owner: int = FS_OPS_PER_OWNER,
     ) -> None:
         #: Jobs one owner may run at once (owner None: not limited).
@@ -72,7 +91,7 @@ class PoolRunner:
         #: Running jobs by owner (only owners with any).
         self._owner_running: dict[object, int] = {}
         self._reactor = reactor
-        self._clock = clock if clock is not None else reactor
+        self._clock = clock if clock is not None else IReactorTime(reactor)
         self.threads = threads
         self.wait_timeout = wait_timeout
         self.stall_after = stall_after
@@ -286,7 +305,9 @@ class PoolRunner:
             self._wake.notify_all()
 
 
-def thread_pool_runner(reactor: Any, threads: int = FS_THREADS, **options: Any) -> PoolRunner:
+def thread_pool_runner(
+    reactor: PoolReactor, threads: int = FS_THREADS, **options: Any
+) -> PoolRunner:
     return PoolRunner(reactor, threads, **options)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from twisted.internet import inotify
+from twisted.internet.interfaces import IReactorFDSet, IReactorTime
 from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
@@ -85,7 +86,7 @@ class _Watch:
 
     def arm(self) -> None:
         self._close()
-        notifier = inotify.INotify(self.hub.reactor)
+        notifier = inotify.INotify(IReactorFDSet(self.hub.reactor))
         notifier.startReading()
         self._notifier = notifier
         directories = {_nearest_existing_dir(p) for p in self.missing}
@@ -130,7 +131,8 @@ class _Watch:
 class WatchHub:
     """The live ``fs/watchMissing`` watches of a server, by (connection, watchId)."""
 
-    def __init__(self, reactor: Any) -> None:
+    def __init__(self, reactor: IReactorTime) -> None:
+        #: The reactor's clock, and (a real reactor) what inotify reads through.
         self.reactor = reactor
         self._watches: dict[tuple[object, WatchId], _Watch] = {}
         self._per_owner: dict[object, int] = {}
