@@ -130,31 +130,6 @@ def host_is_loopback(host: str) -> bool:
         return False
 
 
-def plain_reply(
-    method: str, path: str, dispatcher: Dispatcher, authorized: bool = True
-) -> HttpReply:
-    """The answer to a request without ``Upgrade`` (``authorized``: a valid token, or no auth)."""
-    if path in ("/readyz", "/metrics"):
-        if method not in ("GET", "HEAD"):
-            return HttpReply(405, f"{path} answers GET and HEAD only\n", (("Allow", "GET, HEAD"),))
-        if path == "/readyz":
-            reason = dispatcher.not_ready_reason()
-            return HttpReply(200, "") if reason is None else HttpReply(503, reason + "\n")
-        if not authorized:
-            return unauthorized("GET /metrics")
-        return HttpReply(200, metrics.render(dispatcher), content_type=metrics.CONTENT_TYPE)
-    if path == "/":
-        return HttpReply(
-            426,
-            "this is an exec-server WebSocket endpoint: connect with a WebSocket client "
-            "(ws://HOST:PORT); plain HTTP is served only at GET /readyz and GET /metrics\n",
-            (("Upgrade", "websocket"),),
-        )
-    return HttpReply(
-        404, f"no resource at {path}; plain HTTP is served at /readyz and /metrics only\n"
-    )
-
-
 # --- the twisted.web edge -------------------------------------------------------------
 
 #: What the edge hands an admitted upgrade to: the request and the

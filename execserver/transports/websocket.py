@@ -576,12 +576,16 @@ class WebSocketService(Service):
         # twistd starts services before the reactor runs, i.e. before its
         # SIGTERM/SIGINT handlers exist: announce the listener only once they
         # do, so a supervisor that signals on "listening on" gets a clean stop.
-        # (Under a running reactor this is immediate.)
+        # Under a running reactor, the announcement still waits for the
+        # current reactor turn to end: the services started after this one
+        # (the SIGHUP token reload among them) are then in place too.
+        banner = f"exec-server listening on {self.url}"
         when_running = getattr(self.reactor, "callWhenRunning", None)
-        if when_running is None:
-            self._banner(f"exec-server listening on {self.url}")
+        call_later = getattr(self.reactor, "callLater", None)
+        if when_running is None or call_later is None:
+            self._banner(banner)
         else:
-            when_running(self._banner, f"exec-server listening on {self.url}")
+            when_running(call_later, 0, self._banner, banner)
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
