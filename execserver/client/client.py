@@ -57,6 +57,7 @@ from execserver.client.types import (
     OutputEvent,
     OutputParams,
 )
+from execserver.waiters import Latch
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
@@ -124,6 +125,7 @@ class ExecServerClient(ClientApi, FileTransfers):
         #: Lost the connection of a resumable session; handles kept.
         self._suspended = False
         self._closing: Deferred[None] | None = None
+        self._close_latch: Latch[None] = Latch()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         #: With ``spawn_local``: the server's ServerProcessProtocol (pid, stderr_tail).
         self.local_server: Any = None
@@ -580,14 +582,12 @@ class ExecServerClient(ClientApi, FileTransfers):
                 self._rpc.close()
                 self._closing = self._rpc.when_closed().addCallback(lambda _: None)
             self._closing.addErrback(self._close_failed)
-        result: Deferred[None] = Deferred()
+            self._closing.addBoth(self._close_done)
+        return self._close_latch.wait()
 
-        def forward(outcome: object) -> object:
-            result.callback(None)
-            return outcome
-
-        self._closing.addBoth(forward)
-        return result
+    def _close_done(self, outcome: object) -> object:
+        self._close_latch.fire(None)
+        return outcome
 
     def _close_failed(self, failure: Failure) -> None:
         log.failure("closing the exec-server client failed", failure)

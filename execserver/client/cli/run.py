@@ -38,7 +38,7 @@ from execserver.client.cli.common import (
     note,
     write_all,
 )
-from execserver.client.client import ExecServerClient
+from execserver.client.client import DEFAULT_PATH, ExecServerClient
 from execserver.client.connect import wait_at_most
 from execserver.client.errors import ExecServerError, ServerError
 from execserver.client.process import RemoteProcess
@@ -142,7 +142,7 @@ def _env(args: argparse.Namespace, tty_mode: bool) -> dict[str, str]:
         env = dict(os.environ)
     else:
         env = {k: os.environ[k] for k in _ENV_KEYS if k in os.environ}
-        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        env.setdefault("PATH", DEFAULT_PATH)
         if tty_mode:
             env["TERM"] = os.environ.get("TERM", "xterm-256color")
     for item in args.env:
