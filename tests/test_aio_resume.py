@@ -77,14 +77,21 @@ async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any)
 
         async def scenario() -> None:
             async with connect(proxy, **kwargs) as client:
+                # The child waits for a line on stdin: the first cut is armed
+                # before any of its output is on the way.
                 proc = await client.start(
-                    [sys.executable, "-c", STREAM_SCRIPT], cwd=CWD, env=child_env()
+                    [sys.executable, "-c", "import sys; sys.stdin.readline()\n" + STREAM_SCRIPT],
+                    cwd=CWD,
+                    env=child_env(),
+                    pipe_stdin=True,
                 )
                 recorder = Recorder()
                 proc.add_output_listener(recorder.output)
-                for offset in cuts:
+                for index, offset in enumerate(cuts):
                     before = proxy.cuts
                     await on_reactor(proxy.cut_after, offset)
+                    if index == 0:
+                        await proc.write(b"go\n")
                     await until(
                         lambda before=before: proxy.cuts > before or proc.is_closed,  # type: ignore[misc]
                         30.0,

@@ -91,6 +91,9 @@ DEFAULT_SESSION_TTL_MS = 60_000
 REFUSED_GIVE_UP_SECONDS = 2.0
 #: How long ``close()`` waits for the processes it terminated to end.
 CLOSE_WAIT_SECONDS = 10.0
+#: How long a handle stays routable after ``process/exited`` when the server
+#: sends no ``process/closed`` (a baseline server); then it is closed.
+EXITED_LINGER_SECONDS = 30.0
 
 
 class _Default(enum.Enum):
@@ -225,7 +228,7 @@ class Client:
         self._backlog_bytes = backlog_bytes
         self.initialize_result = result
         self._processes: dict[str, Process] = {}
-        self._started: dict[str, Process] = {}
+        self._linger: dict[str, asyncio.TimerHandle] = {}
         self._next_process = 1
         self._closing = False
         self._closed = asyncio.Event()
@@ -292,6 +295,7 @@ class Client:
     def _on_lost(self, rpc: AsyncRpc, reason: str) -> None:
         if rpc is not self._rpc:
             return
+        self._cancel_lingers()
         if self._closing or not (self._resume_enabled and self.resumable):
             handles, self._processes = self._processes, {}
             for handle in handles.values():
@@ -392,6 +396,12 @@ class Client:
         handle.end_catch_up()
         if handle.is_closed:
             self._forget(handle)
+        elif self.initialize_result.on_detached_full == "pause":
+            # The live events held back meanwhile were delivered unacknowledged:
+            # a "pause" server may be waiting for exactly them.
+            handle.unacked_bytes = 0
+            params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
+            self._spawn(self._ack(rpc, handle, params))
 
     def _give_up(self, cause: str) -> None:
         self.lost = SessionLost(self.session_id, cause)
@@ -681,7 +691,6 @@ class Client:
                 del self._processes[requested]
             handle.process_id = response.process_id
             self._processes[response.process_id] = handle
-        self._started[handle.process_id] = handle
         if self.lost is not None:
             handle.fail(self.lost)
         elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
@@ -766,13 +775,27 @@ class Client:
         handle = self._processes.get(ex.process_id)
         if handle is not None:
             handle.accept_exit(ex.seq, ex.exit_code, ex.signal, ex.timed_out)
+            if handle.has_exited and not handle.is_closed and handle.process_id not in self._linger:
+                # A baseline server sends no process/closed: output may
+                # still follow the exit for a while, then the handle ends.
+                self._linger[handle.process_id] = asyncio.get_running_loop().call_later(
+                    EXITED_LINGER_SECONDS, self._forget, handle
+                )
 
     def _on_closed(self, closed: ClosedParams) -> None:
         handle = self._processes.get(closed.process_id)
         if handle is not None and handle.accept_close(closed.seq):
             self._forget(handle)
 
+    def _cancel_lingers(self) -> None:
+        timers, self._linger = self._linger, {}
+        for timer in timers.values():
+            timer.cancel()
+
     def _forget(self, handle: Process) -> None:
+        timer = self._linger.pop(handle.process_id, None)
+        if timer is not None:
+            timer.cancel()
         if self._processes.get(handle.process_id) is handle:
             del self._processes[handle.process_id]
         handle.mark_closed()
@@ -806,7 +829,7 @@ class Client:
             return
         try:
             if not self._rpc.is_closed and self.lost is None:
-                running = [h for h in self._started.values() if not h.detach and not h.is_closed]
+                running = [h for h in self._processes.values() if not h.detach]
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(CLOSE_WAIT_SECONDS):
                         await asyncio.gather(
@@ -814,6 +837,7 @@ class Client:
                         )
         finally:
             self._closing = True
+            self._cancel_lingers()
             self._fail_waiters(ConnectionClosed("the client was closed"))
             for task in list(self._tasks):
                 task.cancel()
