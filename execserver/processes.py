@@ -22,7 +22,6 @@ import signal as _signal
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from twisted.internet import error as _error
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import ProcessProtocol
@@ -30,6 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from execserver.containment import ProcessTree
+from execserver.exits import exit_status, signal_name
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
 from execserver.spawn import group_alive, kill_group
@@ -114,13 +114,6 @@ class ChildProcess(Protocol):
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return _signal.Signals(signum).name
-    except ValueError:
-        return f"SIG{signum}"
 
 
 #: After the SIGKILL, how long a tree may take to disappear before the
@@ -321,16 +314,10 @@ class ManagedProcess(ProcessProtocol):
         drain = getattr(self.transport, "drain_output", None)
         if drain is not None:
             drain()
-        value = reason.value
-        code = getattr(value, "exitCode", None)
-        sig = getattr(value, "signal", None)
-        if sig is not None:
-            self.signal = signal_name(sig)
-            self.exit_code = 128 + sig
-        elif isinstance(value, _error.ProcessDone):
-            self.exit_code = 0
-        else:
-            self.exit_code = code if code is not None else -1
+        status = exit_status(reason)
+        if status.signal is not None:
+            self.signal = signal_name(status.signal)
+        self.exit_code = status.shell_code
         self.exited = True
         # One counter per process (as the reference): exit takes the seq
         # after the output read so far, close the one after everything.
@@ -575,20 +562,12 @@ class ManagedProcess(ProcessProtocol):
         """Fires at the next output, exit or close (or :meth:`wake_all`)."""
         return self._changed.wait()
 
-    def forget_change_waiter(self, d: Deferred[None]) -> None:
-        """Drop a :meth:`wait_for_change` Deferred its caller no longer needs."""
-        self._changed.forget(d)
-
     def when_closed(self) -> Deferred[None]:
         return self._closed.wait()
 
     def when_exited(self) -> Deferred[None]:
         """Fires when the process has exited (at once if it has)."""
         return self._exited.wait()
-
-    def forget_exit_waiter(self, d: Deferred[None]) -> None:
-        """Drop a :meth:`when_exited` Deferred its caller no longer needs."""
-        self._exited.forget(d)
 
     @property
     def finished(self) -> bool:

@@ -53,6 +53,10 @@ def _discard(message: object) -> None:
     """The sender of a released session."""
 
 
+def _timed_out(result: object, timeout: float) -> None:
+    """A wait that timed out ends like one that was answered: with no value."""
+
+
 def _validate_text(field: str, value: str) -> None:
     if "\0" in value:
         raise RpcError.invalid_params(f"{field} must not contain NUL characters")
@@ -341,45 +345,21 @@ class Session:
         if response.chunks or proc.exited or wait_ms <= 0:
             return response
         deadline = self._clock.seconds() + wait_ms / 1000.0
-        return self._long_poll(proc, params, deadline)
+        return Deferred.fromCoroutine(self._long_poll(proc, params, deadline))
 
-    def _long_poll(
+    async def _long_poll(
         self, proc: ManagedProcess, params: p.ReadParams, deadline: float
-    ) -> Deferred[p.ReadResponse]:
-        result: Deferred[p.ReadResponse] = Deferred()
-        timer: IDelayedCall | None = None
-        change: Deferred[None] | None = None
-
-        def watch() -> None:
-            nonlocal change
+    ) -> p.ReadResponse:
+        while (remaining := deadline - self._clock.seconds()) > 0:
+            # Polls of a silent process time out again and again: the timeout
+            # cancels the waiter, which takes it off the process's list.
             change = proc.wait_for_change()
-            change.addCallback(check)
-
-        def check(_: object = None) -> None:
-            if result.called:
-                return
+            change.addTimeout(remaining, self._clock, onTimeoutCancel=_timed_out)
+            await change
             response = self._read_now(proc, params)
-            now = self._clock.seconds()
-            if response.chunks or proc.exited or now >= deadline:
-                if timer is not None and timer.active():
-                    timer.cancel()
-                result.callback(response)
-                return
-            watch()
-
-        def expire() -> None:
-            nonlocal timer
-            timer = None
-            # Polls of a silent process time out again and again: each must
-            # take its waiter with it, or they pile up until output arrives.
-            if change is not None:
-                proc.forget_change_waiter(change)
-            if not result.called:
-                result.callback(self._read_now(proc, params))
-
-        timer = self._clock.callLater(max(0.0, deadline - self._clock.seconds()), expire)
-        watch()
-        return result
+            if response.chunks or proc.exited:
+                return response
+        return self._read_now(proc, params)
 
     def _read_now(self, proc: ManagedProcess, params: p.ReadParams) -> p.ReadResponse:
         # afterSeq may be any u64; beyond the next seq nothing is readable
@@ -498,25 +478,12 @@ class Session:
         proc = self.lookup(params.process_id)
         if proc.exited or params.timeout_ms == 0:
             return self._wait_response(proc)
-        result: Deferred[p.WaitResponse] = Deferred()
         exited = proc.when_exited()
-        timer: IDelayedCall | None = None
-
-        def on_exit(_: object) -> None:
-            if timer is not None and timer.active():
-                timer.cancel()
-            if not result.called:
-                result.callback(self._wait_response(proc))
-
-        def on_timeout() -> None:
-            proc.forget_exit_waiter(exited)
-            if not result.called:
-                result.callback(self._wait_response(proc))
-
         if params.timeout_ms is not None:
-            timer = self._clock.callLater(params.timeout_ms / 1000.0, on_timeout)
-        exited.addCallback(on_exit)
-        return result
+            # The timeout cancels the exit waiter (taking it off the list):
+            # the answer is the process's state then.
+            exited.addTimeout(params.timeout_ms / 1000.0, self._clock, onTimeoutCancel=_timed_out)
+        return exited.addCallback(lambda _: self._wait_response(proc))
 
     @staticmethod
     def _wait_response(proc: ManagedProcess) -> p.WaitResponse:

@@ -30,6 +30,7 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
+from execserver.exits import exit_status
 from tests.server_checks import ServerChecks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -315,8 +316,9 @@ class ServerProcess(RpcTestClient, ServerChecks, ProcessProtocol):
         self.stdout_closed.callback(None)
 
     def processEnded(self, reason: Failure) -> None:
-        self.exit_code = getattr(reason.value, "exitCode", None)
-        self.exit_signal = getattr(reason.value, "signal", None)
+        status = exit_status(reason)
+        self.exit_code = status.code
+        self.exit_signal = status.signal
         self._fail_pending("server exited")
         self.ended.callback(self.exit_code)
 
