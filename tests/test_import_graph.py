@@ -15,11 +15,6 @@ import execserver
 
 PACKAGE = Path(execserver.__file__).parent
 
-#: Cycles still allowed, as the groups of modules they may span: none (the
-#: client's were broken: ``connect`` hands a link to the client's handshake
-#: instead of importing the client, the ``fs`` subcommands live in ``cli/fs``).
-ALLOWED_CYCLES: tuple[frozenset[str], ...] = ()
-
 #: What the dispatcher must not depend on, even indirectly: the application
 #: comes from the composition root (``execserver.app``).
 APPLICATION = (
@@ -135,13 +130,10 @@ def test_cycles_are_found() -> None:
     assert cycles(graph) == [{"a", "b", "c"}]
 
 
-def test_no_import_cycle_among_server_modules() -> None:
-    unexpected = [
-        sorted(component)
-        for component in cycles(import_graph())
-        if not any(component <= allowed for allowed in ALLOWED_CYCLES)
-    ]
-    assert unexpected == []
+def test_no_import_cycle_in_the_package() -> None:
+    # Server and client alike (the client's client/connect and cli/fs
+    # cycles are gone too).
+    assert [sorted(component) for component in cycles(import_graph())] == []
 
 
 def test_the_dispatcher_imports_no_application_module() -> None:
