@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,3 +174,41 @@ def test_parser_state_falls_back_to_public_checks(
     proto.dataReceived(b"\x81")
     proto.connectionLost(Failure(ConnectionLost()))
     assert proto.connection is None
+
+
+BROKEN_IMPORT = """
+import json
+from twisted.logger import globalLogPublisher
+import autobahn.websocket.protocol as ab
+
+warnings = []
+def observe(event):
+    if event["log_level"].name == "warn":
+        warnings.append(event["log_format"].format(**event))
+globalLogPublisher.addObserver(observe)
+def close_frame(self, code=None, reason=None):
+    pass
+ab.WebSocketProtocol.sendCloseFrame = close_frame
+del ab.WebSocketProtocol._cancelAutoPingTimeoutCall
+from execserver.transports import autobahn_private
+import attrs
+print(json.dumps([attrs.astuple(autobahn_private.CORNERS), warnings]))
+"""
+
+
+def test_a_broken_shape_at_import_warns_and_takes_the_public_path() -> None:
+    # In a fresh interpreter: Autobahn changed before the module is imported.
+    done = subprocess.run(
+        [sys.executable, "-c", BROKEN_IMPORT],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    corners, warnings = json.loads(done.stdout)
+    assert corners == [False, True, False, True]
+    assert len(warnings) == 2
+    assert "sendCloseFrame(self, code, reasonUtf8, isReply)" in warnings[0]
+    assert "using the public path instead" in warnings[0]
+    assert "_cancelAutoPingTimeoutCall(self)" in warnings[1]
