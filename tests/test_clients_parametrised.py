@@ -657,3 +657,21 @@ def test_sync_call_caught_by_a_stopping_loop_fails_instead_of_hanging() -> None:
     _drain(loop)
     with pytest.raises(ConnectionClosed, match="event loop has stopped"):
         call.wait(DEFAULT_TIMEOUT)
+
+
+def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
+    from execserver import sync
+    from tests.client_adapters import stdio_command
+
+    with sync.connect(server_command=stdio_command(), env=server_env()) as client:
+        proc = client.start(["sh", "-c", "echo a; read x; echo b"], pipe_stdin=True)
+        first = proc.output(timeout=DEFAULT_TIMEOUT)
+        assert next(first).chunk == b"a\n"
+        with pytest.raises(TimeoutError):
+            next(proc.output(timeout=0.2))  # the child waits for its line
+        proc.write(b"go\n")
+        proc.close_stdin()
+        rest = b"".join(e.chunk for e in proc.output(timeout=DEFAULT_TIMEOUT))
+        assert rest == b"b\n"
+        assert list(first) == []  # the same stream, at its end
+        assert proc.wait(DEFAULT_TIMEOUT) == 0

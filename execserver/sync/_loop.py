@@ -162,6 +162,9 @@ class Call(Generic[T]):
         self._finished = threading.Event()
         self._task: asyncio.Task[None] | None = None
         self._cancelled = False
+        #: (result,) of a call that completed while its caller was being
+        #: interrupted: the caller may keep it (an output event is not lost).
+        self.leftover: tuple[T] | None = None
 
     def progress(self, *args: Any) -> None:
         """Hand ``args`` to the caller's progress callback (from the loop thread)."""
@@ -242,15 +245,31 @@ class Call(Generic[T]):
                         on_progress(*value)
                     continue
                 break
-        except BaseException:
+        except BaseException as exc:
             # Timed out, or interrupted (KeyboardInterrupt, an exception from
             # the progress callback): the coroutine must not live on.
             self.cancel()
-            raise
+            outcome = self._outcome()
+            if outcome is None or not isinstance(exc, TimeoutError):
+                if outcome is not None and outcome[0] == _RESULT:
+                    self.leftover = (outcome[1],)
+                raise
+            # It ended as the bound expired: what it got is not thrown away.
+            kind, value = outcome
         if kind == _ERROR:
             raise value
         result: T = value
         return result
+
+    def _outcome(self) -> tuple[int, Any] | None:
+        """The result or error already queued, if any (without waiting)."""
+        while True:
+            try:
+                kind, value = self._items.get_nowait()
+            except queue.Empty:
+                return None
+            if kind != _PROGRESS:
+                return kind, value
 
 
 def blocking(

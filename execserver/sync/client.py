@@ -76,6 +76,15 @@ class Client:
 
     # --- running coroutines ------------------------------------------------------------
 
+    def _call(self, factory: Callable[[], Awaitable[T]], what: str) -> Call[T]:
+        """A started :class:`Call` of ``factory()`` on the loop."""
+        check_not_loop_thread()
+        if self._closed:
+            raise ConnectionClosed("the client was closed")
+        call = Call(self._loop, factory, what)
+        call.start()
+        return call
+
     def _blocking(
         self,
         factory: Callable[[], Awaitable[T]],
@@ -83,12 +92,7 @@ class Client:
         what: str,
         on_progress: Callable[..., object] | None = None,
     ) -> T:
-        check_not_loop_thread()
-        if self._closed:
-            raise ConnectionClosed("the client was closed")
-        call = Call(self._loop, factory, what)
-        call.start()
-        return call.wait(timeout, on_progress)
+        return self._call(factory, what).wait(timeout, on_progress)
 
     def _rpc(self, what: str, factory: Callable[[], Awaitable[T]]) -> T:
         return self._blocking(factory, self.call_timeout, what)
@@ -361,6 +365,11 @@ class Process:
     def __init__(self, client: Client, process: aio.Process) -> None:
         self._client = client
         self._aio = process
+        #: [the aio OutputStream every output() iterator reads] once created
+        #: (a list: shared with the finalizer, which stops it with the handle).
+        self._stream: list[Any] = []
+        self._pushback: list[OutputEvent] = []
+        weakref.finalize(self, _close_stream, client.loop, self._stream)
 
     def __repr__(self) -> str:
         return f"<execserver.sync.Process {self.process_id!r}>"
@@ -393,7 +402,10 @@ class Process:
     def output(self, timeout: float | None = None) -> Iterator[OutputEvent]:
         """The output events (:class:`OutputEvent`, :class:`GapEvent`) up to the close.
 
-        ``timeout`` bounds the whole iteration (TimeoutError when it expires).
+        ``timeout`` bounds this iteration (TimeoutError when it expires). Every
+        ``output()`` of a handle reads one stream: a new iteration continues
+        where the last one stopped (after a timeout, a ``break``), so no event
+        is lost or seen twice. One thread at a time may iterate it.
         """
         return _OutputIterator(self, timeout)
 
@@ -429,19 +441,15 @@ class Process:
 
 
 class _OutputIterator(Iterator[OutputEvent]):
-    """Pulls the asyncio handle's output stream one event per blocking call.
+    """Pulls the handle's output stream one event per blocking call.
 
-    The stream is created (and iterated) on the loop thread; an iterator
-    dropped before the end closes it, so it stops buffering output.
+    The stream is created, and read, on the loop thread.
     """
 
     def __init__(self, process: Process, timeout: float | None) -> None:
         self._process = process
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._ended = False
-        #: [the aio OutputStream] once created (a list: shared with the finalizer).
-        self._stream: list[Any] = []
-        weakref.finalize(self, _close_stream, process._client.loop, self._stream)
 
     def __iter__(self) -> Iterator[OutputEvent]:
         return self
@@ -449,31 +457,34 @@ class _OutputIterator(Iterator[OutputEvent]):
     def __next__(self) -> OutputEvent:
         if self._ended:
             raise StopIteration
+        process = self._process
 
         async def step() -> OutputEvent | None:
-            if not self._stream:
-                self._stream.append(self._process.aio.output())
+            if not process._stream:
+                process._stream.append(process.aio.output())
             try:
-                event: OutputEvent = await self._stream[0].__anext__()
+                event: OutputEvent = await process._stream[0].__anext__()
             except StopAsyncIteration:
                 return None
             return event
 
+        if process._pushback:
+            return process._pushback.pop(0)
         remaining = None
         if self._deadline is not None:
             remaining = max(0.0, self._deadline - time.monotonic())
-        event = self._process._client._blocking(
-            step, remaining, f"output of {self._process.process_id}"
-        )
+        call = process._client._call(step, f"output of {process.process_id}")
+        try:
+            event = call.wait(remaining)
+        except BaseException:
+            if call.leftover is not None and call.leftover[0] is not None:
+                # Interrupted as it arrived: the next iteration starts with it.
+                process._pushback.append(call.leftover[0])
+            raise
         if event is None:
             self._ended = True
             raise StopIteration
         return event
-
-    def close(self) -> None:
-        """Stop following the output (what is buffered is dropped)."""
-        self._ended = True
-        _close_stream(self._process._client.loop, self._stream)
 
 
 def _close_stream(loop: asyncio.AbstractEventLoop, holder: list[Any]) -> None:
