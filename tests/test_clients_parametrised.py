@@ -670,7 +670,6 @@ def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
         with pytest.raises(TimeoutError):
             next(proc.output(timeout=0.2))  # the child waits for its line
         proc.write(b"go\n")
-        proc.close_stdin()
         rest = b"".join(e.chunk for e in proc.output(timeout=DEFAULT_TIMEOUT))
         assert rest == b"b\n"
         assert list(first) == []  # the same stream, at its end
