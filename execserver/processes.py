@@ -12,8 +12,9 @@ tests drive it with a fake clock and fake transports.
 
 The session steers a process only through :class:`ChildProcess` (stdin,
 signals, terminal size, termination, reading paused or not); this module is
-the one that talks to the process transport (:class:`ChildTransport`, what
-both spawn paths give) and its pipes.
+the one that talks to the process transport
+(:class:`~execserver.spawn.ChildTransport`, what both spawn paths give) and
+its pipes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from execserver.containment import ProcessTree
 from execserver.exits import exit_status, signal_name
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
-from execserver.spawn import group_alive, kill_group
+from execserver.spawn import ChildTransport, TerminalTransport, group_alive, kill_group
 from execserver.waiters import Latch, Waiters
 from execserver.writebuffer import unsent_bytes
 
@@ -45,36 +46,6 @@ class ProcessObserver(Protocol):
     ) -> None: ...
     def process_exited(self, proc: ManagedProcess) -> None: ...
     def process_closed(self, proc: ManagedProcess) -> None: ...
-
-
-class ChildTransport(Protocol):
-    """What :class:`ManagedProcess` uses of its process transport.
-
-    Twisted's ``Process``/``PTYProcess`` (the fast path's subclasses, or the
-    stock path's, with ``drain_output``, ``tree`` and the PTY's
-    ``set_window_size``/``eof_char`` attached; see :mod:`execserver.spawn`).
-    A pipe process's stdin is ``pipes[0]``; a PTY's is the transport itself.
-    """
-
-    pid: int | None
-
-    def write(self, data: bytes) -> None: ...
-
-    def closeStdin(self) -> None: ...
-
-    def pauseProducing(self) -> None: ...
-
-    def resumeProducing(self) -> None: ...
-
-    def loseConnection(self) -> None: ...
-
-
-class TerminalTransport(ChildTransport, Protocol):
-    """A PTY process's transport: the terminal behind its master."""
-
-    def set_window_size(self, rows: int, cols: int) -> None: ...
-
-    def eof_char(self) -> bytes: ...
 
 
 class ChildProcess(Protocol):

@@ -28,7 +28,7 @@ from twisted.internet.defer import Deferred
 
 from execserver.app import build_dispatcher, file_system
 from execserver.client import ConnectOptions, ExecServerClient
-from execserver.client.fs import RangesNotSupported
+from execserver.client.errors import RangesNotSupported
 from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
 from execserver.fs import local, paths

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Final, Literal, Protocol
+from typing import Final, Literal, Protocol
 
 import attrs
 from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
@@ -39,6 +39,7 @@ from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, os_error_text, res
 from execserver.spawn.overrides import PipeProcess, PtyProcess
 from execserver.spawn.reading import READ_SIZE
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
+from execserver.spawn.transport import ChildTransport, TerminalTransport
 
 log = Logger()
 
@@ -84,7 +85,7 @@ def seal_inherited_fds() -> None:
 class Spawner(Protocol):
     """What the supervisor needs to start a process (faked in unit tests)."""
 
-    def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> Any:
+    def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> ChildTransport:
         """Start ``spec`` connected to ``proto``; return its transport or raise SpawnError."""
 
 
@@ -151,7 +152,7 @@ class PosixSpawner:
         finally:
             transport.closeStdin()
 
-    def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> Any:
+    def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> ChildTransport:
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
         try:
             return self._start(proto, spec, executable, self.containment)
@@ -165,7 +166,7 @@ class PosixSpawner:
         spec: ProcessSpec,
         executable: str,
         containment: Containment | None = None,
-    ) -> Any:
+    ) -> ChildTransport:
         size = (spec.rows, spec.cols)
         if self.path == "fast":
             if spec.tty:
@@ -193,6 +194,7 @@ __all__ = [
     "DEFAULT_PATH",
     "READ_SIZE",
     "SPAWN_PATHS",
+    "ChildTransport",
     "PipeProcess",
     "PosixSpawner",
     "ProcessSpec",
@@ -201,6 +203,7 @@ __all__ = [
     "SpawnPath",
     "SpawnPathError",
     "Spawner",
+    "TerminalTransport",
     "group_alive",
     "kill_group",
     "os_error_text",

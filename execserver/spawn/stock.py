@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Final
 
-from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorProcess
+from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
@@ -44,6 +44,7 @@ from execserver.spawn.groups import wait_until_leader
 from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, check_cwd, exec_error
 from execserver.spawn.reading import PTY_READ_SIZE, READ_SIZE, drain
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
+from execserver.spawn.transport import ChildTransport
 
 #: Re-exec with another argv[0]; restores the dispositions Python ignores.
 _ARGV0_HELPER: Final = (
@@ -162,7 +163,7 @@ def spawn_stock(
     proto: IProcessProtocol,
     containment: Containment | None,
     stdin_fd: int,
-) -> IProcessTransport:
+) -> ChildTransport:
     """Start one child through ``reactor.spawnProcess``; see the module doc."""
     check_cwd(cwd)
     check_format(program, executable)
@@ -239,7 +240,7 @@ def spawn_stock(
 
         relay.on_end = release_master
     relay.release(transport)
-    result: IProcessTransport = transport
+    result: ChildTransport = transport
     return result
 
 
