@@ -12,6 +12,10 @@
   ``head -c N /dev/zero``, counting output in a listener until
   ``process/closed``, in a child interpreter; baseline: the same run with
   the lean blocking client.
+- end to end over WebSocket: the same through ``aio.connect("ws://...")``
+  (the ``websockets`` library) against one ``--listen ws://127.0.0.1:0``
+  server; baseline: the Twisted client's ``connect_websocket`` (Autobahn)
+  to the same server in the same round.
 
 Rates are payload MB/s (10**6 bytes of child output per second); medians of
 ``--rounds``. Nothing is asserted.
@@ -35,6 +39,7 @@ if __package__ in (None, ""):
 from bench._client import MiB, Ratio, Series, print_header, server_env
 from bench.bench_client import library_decode_rate
 from bench.bench_throughput import capture_stream, client_decode_rate, server_run
+from bench.bench_websocket import Server
 
 
 class _NoChannel:
@@ -51,7 +56,17 @@ class _NoChannel:
 
 
 def aio_decode_rate(reads: list[bytes]) -> float:
-    """Payload MB/s of the aio client on a captured stream."""
+    """Payload MB/s of the aio client on a captured stream (in an event loop,
+    as the client always runs)."""
+    import asyncio
+
+    async def measure() -> float:
+        return _aio_decode_rate(reads)
+
+    return asyncio.run(measure())
+
+
+def _aio_decode_rate(reads: list[bytes]) -> float:
     from execserver.aio.channels import _ServerPipes
     from execserver.aio.client import Client, _Dialer
     from execserver.aio.process import Process
@@ -107,7 +122,7 @@ from execserver import aio
 
 async def main():
     total = int(sys.argv[1])
-    async with aio.connect() as client:
+    async with aio.connect(sys.argv[2] if len(sys.argv) > 2 else None) as client:
         received = 0
         def count(event):
             nonlocal received
@@ -124,10 +139,44 @@ asyncio.run(main())
 """
 
 
-def aio_end_to_end_rate(total_bytes: int) -> float:
-    """Payload MB/s through aio.connect() over stdio (own interpreter)."""
+_E2E_TWISTED_WS = """
+import sys, time
+from twisted.internet import defer, task
+from execserver.client import ExecServerClient
+
+async def main(reactor):
+    total = int(sys.argv[1])
+    client = await ExecServerClient.connect_websocket(reactor, sys.argv[2])
+    received = 0
+    def count(event):
+        nonlocal received
+        received += len(event.chunk)
+    start = time.perf_counter()
+    proc = await client.start_process(["head", "-c", str(total), "/dev/zero"])
+    proc.add_output_listener(count)
+    await proc.closed()
+    seconds = time.perf_counter() - start
+    await client.close()
+    assert received == total, (received, total)
+    print(total / seconds / 1e6)
+
+task.react(lambda r: defer.Deferred.fromCoroutine(main(r)))
+"""
+
+
+def aio_end_to_end_rate(total_bytes: int, url: str | None = None) -> float:
+    """Payload MB/s through aio.connect() over stdio or ``url`` (own interpreter)."""
+    return _child_rate(_E2E, total_bytes, url)
+
+
+def twisted_websocket_rate(total_bytes: int, url: str) -> float:
+    """Payload MB/s through the Twisted client's connect_websocket (own interpreter)."""
+    return _child_rate(_E2E_TWISTED_WS, total_bytes, url)
+
+
+def _child_rate(script: str, total_bytes: int, url: str | None) -> float:
     out = subprocess.run(
-        [sys.executable, "-c", _E2E, str(total_bytes)],
+        [sys.executable, "-c", script, str(total_bytes), *([url] if url else [])],
         env=server_env(),
         cwd=str(Path(__file__).resolve().parent.parent),
         check=True,
@@ -145,19 +194,29 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
     server: list[float] = []
     e2e: list[float] = []
     e2e_lean: list[float] = []
-    for _ in range(rounds):
-        reads = capture_stream(total)
-        # Unmeasured warm-up: the first decoder to run pays for growing the
-        # heap (glibc raises its mmap threshold after the first large free),
-        # which would favour whichever decoder runs later.
-        aio_decode_rate(reads)
-        aio_rates.append(aio_decode_rate(reads))
-        twisted_rates.append(library_decode_rate(reads))
-        lean.append(client_decode_rate(reads))
-        del reads
-        server.append(server_run(total, tty=False)[0])
-        e2e.append(aio_end_to_end_rate(total))
-        e2e_lean.append(server_run(total, tty=False)[0])
+    ws_aio: list[float] = []
+    ws_twisted: list[float] = []
+    ws = Server("--listen", "ws://127.0.0.1:0")
+    host, port = ws.ws_address()
+    url = f"ws://{host}:{port}"
+    try:
+        for _ in range(rounds):
+            reads = capture_stream(total)
+            # Unmeasured warm-up: the first decoder to run pays for growing the
+            # heap (glibc raises its mmap threshold after the first large free),
+            # which would favour whichever decoder runs later.
+            aio_decode_rate(reads)
+            aio_rates.append(aio_decode_rate(reads))
+            twisted_rates.append(library_decode_rate(reads))
+            lean.append(client_decode_rate(reads))
+            del reads
+            server.append(server_run(total, tty=False)[0])
+            e2e.append(aio_end_to_end_rate(total))
+            e2e_lean.append(server_run(total, tty=False)[0])
+            ws_aio.append(aio_end_to_end_rate(total, url))
+            ws_twisted.append(twisted_websocket_rate(total, url))
+    finally:
+        ws.stop()
     aio_series = Series("aio client decode", "MB/s", tuple(aio_rates))
     return [
         Ratio(
@@ -179,6 +238,11 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
             f"end to end {mib} MiB (aio.connect() over stdio / lean blocking client)",
             Series("aio end to end", "MB/s", tuple(e2e)),
             Series("lean client end to end", "MB/s", tuple(e2e_lean)),
+        ),
+        Ratio(
+            f"end to end {mib} MiB over ws:// (aio with websockets / Twisted client)",
+            Series("aio over ws://", "MB/s", tuple(ws_aio)),
+            Series("Twisted client over ws://", "MB/s", tuple(ws_twisted)),
         ),
     ]
 

@@ -117,6 +117,7 @@ def main() -> None:
         ("filesystem", "bench_fs.py", ["--size-mib", "8", "--repeat", "1", "--seconds", "0.5"]),
         ("termination", "bench_terminate.py", ["--rounds", "2"]),
         ("client library", "bench_client.py", ["--rounds", "1", "--mib", "16"]),
+        ("asyncio client", "bench_aio_client.py", ["--rounds", "1", "--mib", "16"]),
     ]
     for title, script, quick in sections:
         print()
