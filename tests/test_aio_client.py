@@ -389,3 +389,72 @@ async def test_close_terminates_all_but_detached_processes_over_websocket(
     assert not psutil.pid_exists(ended_pid) or psutil.Process(ended_pid).status() == "zombie"
     assert psutil.pid_exists(kept_pid)
     os.kill(kept_pid, 9)
+
+
+@pytest_twisted.ensureDeferred
+async def test_many_calls_in_flight_are_matched_by_id(connect: Callable[..., Any]) -> None:
+    async def scenario() -> None:
+        async with connect() as client:
+            paths = ["/", "/tmp", str(REPO_ROOT), "/nonexistent"] * 25
+            results = await asyncio.gather(
+                *(client.fs_get_metadata(path) for path in paths), return_exceptions=True
+            )
+            for path, result in zip(paths, results, strict=True):
+                if path == "/nonexistent":
+                    assert isinstance(result, aio.ServerError)
+                else:
+                    assert isinstance(result, p.FsGetMetadataResponse) and result.is_directory
+            assert client.pending_request_count == 0
+
+    await in_asyncio(scenario)
+
+
+#: A stdio "server" that answers initialize, then breaks the protocol.
+GARBLING_SERVER = r"""
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("method") == "initialize":
+        reply = {"id": message["id"], "result": {"protocolVersion": "exec-server.v0"}}
+        print(json.dumps(reply), flush=True)
+    elif "id" in message:
+        print("this is not JSON", flush=True)
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_protocol_violation_fails_pending_calls_and_closes() -> None:
+    async def scenario() -> None:
+        client = await aio.connect(server_command=[sys.executable, "-c", GARBLING_SERVER])
+        async with client:
+            assert client.capabilities == [] and client.session_id is None
+            with pytest.raises(aio.ConnectionClosed, match="protocol error: undecodable"):
+                await client.list_processes()
+            assert client.pending_request_count == 0 and not client.is_connected
+            with pytest.raises(aio.ConnectionClosed):
+                await client.list_processes()
+
+    await in_asyncio(scenario)
+
+
+@pytest_twisted.ensureDeferred
+async def test_connect_timeout_when_the_upgrade_never_comes() -> None:
+    async def scenario() -> None:
+        accepted: list[asyncio.StreamWriter] = []
+
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(writer)  # never answers the upgrade
+
+        silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        try:
+            with pytest.raises(aio.ConnectTimeout) as info:
+                await aio.connect(f"ws://127.0.0.1:{port}", connect_timeout=0.3)
+            assert info.value.timeout == 0.3 and accepted
+        finally:
+            for writer in accepted:
+                writer.close()
+            silent.close()
+            await silent.wait_closed()
+
+    await in_asyncio(scenario)
