@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import signal as _signal
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -36,6 +36,10 @@ from execserver.retained import RetainedOutput
 from execserver.spawn import ChildTransport, TerminalTransport, group_alive, kill_group
 from execserver.waiters import Latch, Waiters
 from execserver.writebuffer import unsent_bytes
+
+if TYPE_CHECKING:
+    # Only the session renders output; this module knows no JSON.
+    from execserver.codec import OutputEncoder
 
 log = Logger()
 
@@ -174,7 +178,7 @@ class ManagedProcess(ProcessProtocol):
         #: "wall" or "idle" once a timeout (not the client) ended the process.
         self.timed_out: TimedOut | None = None
         #: Renders this process's output notifications (set by the session).
-        self.output_encoder: Any = None
+        self.output_encoder: OutputEncoder | None = None
         self._observer = observer
         self._clock = clock
         self._kill = kill
