@@ -52,6 +52,9 @@ class Target:
     #: Ride through dropped connections (WebSocket/unix only).
     resume: bool = False
     session_ttl_ms: int | None = None
+    #: The per-call bound of the asyncio (``request_timeout``) and blocking
+    #: (``call_timeout``) clients; the Twisted client has none of its own.
+    call_timeout: float = DEFAULT_TIMEOUT
 
 
 @attrs.frozen
@@ -431,6 +434,7 @@ class AioClient(ClientAdapter):
                     connect_timeout=target.connect_timeout,
                     resume=target.resume,
                     session_ttl_ms=target.session_ttl_ms,
+                    request_timeout=target.call_timeout,
                 )
             ),
             DEFAULT_TIMEOUT,
@@ -561,7 +565,7 @@ class SyncClient(ClientAdapter):
                 env=server_env() if target.url is None else None,
                 token=target.token,
                 connect_timeout=target.connect_timeout,
-                call_timeout=DEFAULT_TIMEOUT,
+                call_timeout=target.call_timeout,
                 resume=target.resume,
                 session_ttl_ms=target.session_ttl_ms,
             )

@@ -316,6 +316,28 @@ async def test_wrong_token_is_auth_refused(kind: str, tmp_path: Path) -> None:
             assert (await client.call("list_processes")).processes == []
 
 
+@kinds
+@pytest_twisted.ensureDeferred
+async def test_a_call_without_an_answer_times_out_and_is_forgotten(kind: str) -> None:
+    server = await WsServerProcess.start()
+    proxy = await CuttingProxy(server.host_port).start()
+    try:
+        # asyncio and blocking: the client's own per-call bound; Twisted: the
+        # caller's timeout on the Deferred (addTimeout cancels the call).
+        async with client_of(kind, Target(proxy.url, call_timeout=1.0)) as client:
+            proxy.stall_replies()
+            with pytest.raises(TimeoutError):
+                await client.call("list_processes", timeout=1.0 if kind == "twisted" else 5.0)
+            assert client.pending_request_count == 0
+            proxy.unstall()
+            # The late answer is ignored; the connection serves the next call.
+            assert (await client.call("list_processes")).processes == []
+            assert client.pending_request_count == 0
+    finally:
+        await proxy.stop()
+        await server.stop()
+
+
 # --- resumption through a connection-cutting proxy ------------------------------------------
 
 CHUNK = 4096
