@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
 
 from execserver import protocol as p
 from execserver.config import ServerConfig
+from execserver.dispatcher import Connection, Dispatcher
 from execserver.errors import RpcError
-from tests.fakes import Harness, exec_params
+from execserver.registry import ResumableSession
+from tests.fakes import FakeOutbound, Harness, exec_params
 
 EXEC_METHODS = ["process/start", "process/read", "process/write", "process/terminate"]
 
@@ -376,3 +379,81 @@ def test_an_unexpected_decoding_failure_is_answered(monkeypatch: pytest.MonkeyPa
     assert reply["id"] is None
     assert reply["error"]["code"] == -32603
     assert not h.outbound.closed
+
+
+# --- the dispatcher alone: routes, sessions and parts come from outside ------------------------
+
+
+class _BareSession:
+    """The least a connection's session must be (registry.ResumableSession)."""
+
+    def __init__(self) -> None:
+        self.session_id = "bare"
+        self.ttl_ms = 0
+        self.owner: object = None
+        self.attached = True
+        self.current = False
+        self.ended = False
+
+    def attach(self, send: Any) -> None:
+        self.attached = True
+
+    def detach(self) -> None:
+        self.attached = False
+
+    def shutdown(self) -> Deferred[None]:
+        self.ended = True
+        return succeed(None)
+
+    def release(self) -> None:
+        pass
+
+    def release_held(self) -> None:
+        pass
+
+    def steer_flow_of(self, target: ResumableSession) -> None:
+        pass
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+def test_a_bare_dispatcher_serves_only_the_routes_and_sessions_it_is_given() -> None:
+    sessions: list[_BareSession] = []
+
+    def new_session(conn: Connection) -> _BareSession:
+        sessions.append(_BareSession())
+        return sessions[-1]
+
+    dispatcher = Dispatcher(ServerConfig(), Clock(), new_session)
+    dispatcher.add_route("test/echo", p.Empty, lambda conn, params: {"ok": True}, family=None)
+    closed: list[Connection] = []
+    dispatcher.closed_hooks.append(closed.append)
+    dispatcher.readiness_checks.append(lambda: None)
+    dispatcher.readiness_checks.append(lambda: "wedged")
+    outbound = FakeOutbound()
+    conn = dispatcher.connect(outbound, "bare")
+    assert conn.session is sessions[0]
+    conn.message_received(b'{"id":1,"method":"test/echo","params":{}}')
+    conn.message_received(b'{"id":2,"method":"initialize","params":{"clientName":"t"}}')
+    replies = outbound.responses()
+    assert replies[1]["result"] == {"ok": True}
+    # No application, no handshake: initialize is as unknown as any method.
+    assert replies[2]["error"] == {"code": -32600, "message": "unknown method: initialize"}
+    assert dispatcher.not_ready_reason() == "wedged"
+    with pytest.raises(LookupError, match="no Clock was provided"):
+        dispatcher.part(Clock)
+    part = Clock()
+    dispatcher.provide(part)
+    assert dispatcher.part(Clock) is part
+    conn.transport_closed()
+    assert closed == [conn]
+    conn.shutdown()
+    assert sessions[0].ended
+    assert dispatcher.connections == set()
