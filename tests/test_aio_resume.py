@@ -245,3 +245,33 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
     finally:
         await proxy.stop()
         await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_that_is_gone_fails_the_session_after_two_seconds_of_refusals() -> None:
+    server = await WsServerProcess.start()
+
+    async def scenario() -> None:
+        async with aio.connect(server.url, session_ttl_ms=30_000) as client:
+            proc = await client.start(["sleep", "30"], cwd=CWD)
+            # The server shuts down (its sessions' processes terminated):
+            # every later connection is refused.
+            await on_reactor(server.stop)
+            started = asyncio.get_running_loop().time()
+            await until(lambda: client.lost is not None, 20.0, "the client to give up")
+            waited = asyncio.get_running_loop().time() - started
+            assert "the server is gone (connection refused" in str(client.lost)
+            # Refusals are retried for 2 s (REFUSED_GIVE_UP_SECONDS), not the TTL.
+            assert 2.0 <= waited < 20
+            assert proc.signal == "SIGTERM"  # its exit arrived before the drop
+            try:
+                await client.fs_get_metadata("/")
+            except aio.SessionLost as exc:
+                assert exc is client.lost
+            else:
+                raise AssertionError("calls after the loss must fail with SessionLost")
+
+    try:
+        await in_asyncio(scenario)
+    finally:
+        await server.stop()
