@@ -3,7 +3,8 @@
 :class:`~execserver.dispatcher.Dispatcher` knows no method and no session;
 :func:`build_dispatcher` gives it both: the route table (``initialize``, the
 current dialect's ``environment/*`` and ``fs/watchMissing``, ``process/*``,
-``fs/*``, ``environmentConfig/read``), the factory of each connection's
+``fs/*``, ``environmentConfig/read``,
+``capabilities/discoverV2``), the factory of each connection's
 :class:`~execserver.session.Session`, and the parts that hear of closed
 connections (the fs pool and reply budget, the watches) or can make the
 server not ready (a wedged fs pool). ``service.build_service`` and the
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 
 from twisted.internet.interfaces import IReactorTime
 
-from execserver import environment, environment_config, handshake
+from execserver import capability_discovery, environment, environment_config, handshake
 from execserver import fs as filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
@@ -82,6 +83,7 @@ def build_dispatcher(
     dispatcher.closed_hooks.append(fs.connection_closed)
     dispatcher.readiness_checks.append(fs.stall_reason)
     environment_config.register(dispatcher, fs.run)
+    capability_discovery.register(dispatcher, fs.run)
     return dispatcher
 
 

@@ -17,11 +17,18 @@ import tempfile
 from collections.abc import Mapping
 from typing import Final
 
-from execserver import __version__, environment_config
+from execserver import capability_discovery, environment_config
 from execserver import protocol as p
 from execserver.fs import watch
 from execserver.fs.paths import path_to_uri
 
+#: ``environmentInfo.executorVersion``: the reference release whose protocol
+#: this server speaks, not this package's version (that is ``serverInfo``'s).
+#: Codex decides by this version which executor features it may use (it
+#: calls capabilities/discoverV2 only from 0.164.0 on); with it, Codex 0.171
+#: uses exactly the methods this server implements (docs/protocol.md,
+#: "Dialects").
+EXECUTOR_VERSION: Final = "0.171.0"
 #: Names the reference drops from an inherited environment unless the policy
 #: sets ``ignoreDefaultExcludes`` (credentials are not passed on by default).
 DEFAULT_EXCLUDES: Final = ("*KEY*", "*SECRET*", "*TOKEN*")
@@ -44,10 +51,10 @@ def capabilities() -> dict[str, bool]:
 
     As ``environmentInfo.capabilities`` names them. Only what is implemented
     is listed; a client treats a missing name as false and does not call the
-    method (capabilities/discoverV2 is not implemented; fs/watchMissing
-    needs inotify).
+    method (fs/watchMissing needs inotify).
     """
     found = {"fsWatchMissing": True} if watch.available() else {}
+    found[capability_discovery.CAPABILITY] = True
     found[environment_config.CAPABILITY] = True
     return found
 
@@ -90,7 +97,7 @@ def environment_info() -> p.EnvironmentInfo:
     home = os.path.expanduser("~")
     return p.EnvironmentInfo(
         shell=_shell(),
-        executor_version=__version__,
+        executor_version=EXECUTOR_VERSION,
         cwd=path_to_uri(os.getcwd()),
         user_home_dir=path_to_uri(home),
         platform_os=sys.platform if sys.platform != "darwin" else "macos",

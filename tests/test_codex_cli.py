@@ -237,18 +237,29 @@ async def test_executor_config_is_read_through_the_server(
 
 
 @pytest_twisted.ensureDeferred
-async def test_capability_discovery_is_not_offered(codex_binary: Path, tmp_path: Path) -> None:
-    # capabilities/discoverV2 is not implemented, so capabilityDiscoveryV2 is
-    # not advertised: with Codex's executor capability discovery switched on
-    # it does not call the method (a call would be an unknown method and a
-    # "discovery failed" error item), and the run is as without it.
+async def test_skills_are_discovered_through_the_server(codex_binary: Path, tmp_path: Path) -> None:
+    # With executor capability discovery switched on (features under
+    # development in 0.171), an executor that advertises
+    # capabilityDiscoveryV2 and reports executorVersion >= 0.164.0 is asked
+    # for its skills: the skill installed in the server's CODEX_HOME reaches
+    # the model's instructions, and the run goes on as without it.
+    skill = tmp_path / "server-codex-home" / "skills" / "quokka"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").write_text(
+        "---\nname: quokka-skill\ndescription: The quokka-9931 skill.\n---\nbody\n"
+    )
     features = ("executor_capability_discovery", "executor_capability_discovery_v2")
     flags = tuple(arg for name in features for arg in ("--enable", name))
     run = await scenario(codex_binary, tmp_path, {"cmd": "echo plain"}, extra_args=flags)
     [item] = run.items("command_execution")
     assert (item["exit_code"], item["aggregated_output"]) == (0, "plain\n"), item
+    assert (
+        run.metric('exec_server_requests_total{method="capabilities/discoverV2",outcome="ok"}') >= 1
+    )
     assert not [e for e in run.items("error") if "discovery failed" in e["message"]]
     assert 'method="<unknown>"' not in run.metrics
+    requests = (tmp_path / "model.jsonl").read_text()
+    assert "quokka-skill" in requests and "quokka-9931" in requests
 
 
 @pytest_twisted.ensureDeferred

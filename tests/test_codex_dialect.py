@@ -134,7 +134,11 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
     work.mkdir()
     async with serving(CODEX_INIT) as server:
         info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
-        assert info["capabilities"] == {"fsWatchMissing": True, "environmentConfigRead": True}
+        assert info["capabilities"] == {
+            "fsWatchMissing": True,
+            "capabilityDiscoveryV2": True,
+            "environmentConfigRead": True,
+        }
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"
         assert info["shell"]["path"].startswith("/")
@@ -186,8 +190,8 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
         ]
         assert error["code"] == -32004
         assert error["message"] == "No such file or directory (os error 2)"
-        unknown = (await server.request("capabilities/discoverV2", {}))["error"]
-        assert unknown == {"code": -32601, "message": "unknown method: capabilities/discoverV2"}
+        unknown = (await server.request("no/suchMethod", {}))["error"]
+        assert unknown == {"code": -32601, "message": "unknown method: no/suchMethod"}
 
 
 @pytest_twisted.ensureDeferred

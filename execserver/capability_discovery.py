@@ -1,0 +1,908 @@
+"""``capabilities/discoverV2``: the Codex skills and plugins installed on the executor.
+
+Codex (0.171, with executor capability discovery switched on) asks the
+machine its commands run on which skills and plugins are installed *there*.
+The server scans the reference's fixed locations, in this order:
+
+1. installed plugins, ``CODEX_HOME/plugins/cache/MARKETPLACE/NAME/VERSION``
+   (the active version: ``local`` if present, else the highest, semver
+   order where both parse), each with its manifest and the MCP and app
+   files it declares, and the skills below it, named ``PLUGIN:SKILL``;
+2. standalone skills in ``CODEX_HOME/skills``, ``~/.agents/skills`` and
+   ``/etc/codex/skills`` (``SKILL.md`` files up to 6 levels down).
+
+Each ``SKILL.md`` is described by its YAML front matter (``name``,
+``description``, ``metadata.short-description``); its sibling
+``agents/openai.yaml`` adds ``dependencies`` and ``policy``. Missing
+locations are normal (empty answer); a file that cannot be used becomes one
+warning per location. The answer is bounded (4 MiB, 2048 capabilities, 64
+warnings). All file work runs on the fs pool. docs/protocol.md,
+"capabilities/discoverV2".
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import stat
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+import msgspec
+
+from execserver import yaml_subset
+from execserver.environment_config import ConfigLoadError, find_codex_home, user_home
+from execserver.errors import RpcError
+from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
+from execserver.fs.pool import Runner
+
+CAPABILITIES_DISCOVER_V2: Final = "capabilities/discoverV2"
+#: Named in ``environmentInfo.capabilities`` once the method is served.
+CAPABILITY: Final = "capabilityDiscoveryV2"
+FAMILY: Final = "capability discovery"
+SYSTEM_SKILLS: Final = "/etc/codex/skills"
+PLUGINS_CACHE: Final = "plugins/cache"
+DEFAULT_PLUGIN_VERSION: Final = "local"
+REMOTE_INSTALL_METADATA: Final = ".codex-remote-plugin-install.json"
+MANIFEST_PATHS: Final = (
+    ".codex-plugin/plugin.json",
+    ".claude-plugin/plugin.json",
+    ".cursor-plugin/plugin.json",
+)
+SKILL_FILE: Final = "SKILL.md"
+SKILL_METADATA: Final = "agents/openai.yaml"
+DEFAULT_MCP_CONFIG: Final = ".mcp.json"
+
+# Bounds, the reference's.
+MAX_RESPONSE_BYTES: Final = 4 * 1024 * 1024
+MAX_CAPABILITIES: Final = 2048
+MAX_WARNINGS: Final = 64
+MAX_LOCATIONS: Final = 512
+MAX_SCAN_DEPTH: Final = 6
+MAX_DIRECTORIES_PER_ROOT: Final = 2000
+MAX_ENTRIES_PER_ROOT: Final = 20_000
+MAX_FILE_BYTES: Final = 1024 * 1024
+MAX_BUNDLE_BYTES_PER_ROOT: Final = 16 * 1024 * 1024
+MAX_REMOTE_METADATA_BYTES: Final = 16 * 1024
+MAX_NAME_LEN: Final = 64
+MAX_QUALIFIED_NAME_LEN: Final = MAX_NAME_LEN * 2 + 1
+
+METADATA_WARNING: Final = (
+    "some capability metadata could not be loaded; discovery may be incomplete"
+)
+LOCATIONS_WARNING: Final = (
+    "some capability locations could not be resolved; discovery may be incomplete"
+)
+SIZE_WARNING: Final = "capability discovery size limit reached"
+
+_SEGMENT: Final = re.compile(r"^[A-Za-z0-9_-]+$")
+_VERSION_SEGMENT: Final = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_SEMVER: Final = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$"
+)
+
+
+# --- wire types ---------------------------------------------------------------------
+
+
+class DiscoverV2Params(msgspec.Struct, rename="camel"):
+    cwd: str
+    #: The reference's filesystem sandbox; this server has none (as for fs/*).
+    sandbox: Any = None
+
+
+class CapabilityTextFile(msgspec.Struct):
+    path: str
+    contents: str
+
+
+class DiscoveredPluginFiles(msgspec.Struct, rename="camel"):
+    manifest: CapabilityTextFile
+    mcp_config: CapabilityTextFile | None
+    apps_config: CapabilityTextFile | None
+
+
+class SkillToolDependency(msgspec.Struct, rename="camel"):
+    type: str
+    value: str
+    description: str | None
+    transport: str | None
+    command: str | None
+    url: str | None
+    oauth_callback_port: int | None
+
+
+class SkillDependencies(msgspec.Struct):
+    tools: list[SkillToolDependency]
+
+
+class SkillPolicy(msgspec.Struct, rename="camel"):
+    allow_implicit_invocation: bool | None
+    products: list[str]
+
+
+class DiscoveryRoot(msgspec.Struct):
+    id: str
+    path: str
+
+
+class PluginSkill(msgspec.Struct, rename="camel"):
+    name: str
+    description: str
+    short_description: str | None
+    path: str
+    dependencies: SkillDependencies | None
+    policy: SkillPolicy | None
+
+
+class StandaloneSkill(msgspec.Struct, rename="camel"):
+    name: str
+    description: str
+    short_description: str | None
+    path: str
+    discovery_root: DiscoveryRoot
+    dependencies: SkillDependencies | None
+    policy: SkillPolicy | None
+
+
+class ExecutorPlugin(msgspec.Struct, rename="camel"):
+    id: str
+    display_name: str
+    remote_plugin_id: str | None
+    version: str
+    root: str
+    files: DiscoveredPluginFiles
+    skills: list[PluginSkill]
+
+
+class DiscoverV2Response(msgspec.Struct):
+    plugins: list[ExecutorPlugin]
+    skills: list[StandaloneSkill]
+    warnings: list[str]
+
+
+def _size(value: msgspec.Struct) -> int:
+    return len(msgspec.json.encode(value))
+
+
+# --- params -------------------------------------------------------------------------
+
+
+def validate(params: DiscoverV2Params) -> str:
+    """The native ``cwd`` (``-32602`` with the reference's texts where it has one)."""
+    cwd = params.cwd
+    data = {"kind": "relativePath", "field": "cwd", "path": cwd}
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", cwd)
+    if scheme is not None and not cwd.startswith(FILE_URI_PREFIX):
+        raise RpcError.invalid_params(f"unsupported path URI scheme `{scheme[1].lower()}`", data)
+    if cwd.startswith(FILE_URI_PREFIX) and "?" in cwd:
+        raise RpcError.invalid_params("query parameters are not allowed in path URIs", data)
+    if scheme is None and not cwd.startswith("/"):
+        raise RpcError.invalid_params("invalid URI: relative URL without a base", data)
+    return absolute_path(cwd, "cwd")
+
+
+# --- locations ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class InstalledPlugin:
+    id: str
+    version: str
+    remote_plugin_id: str | None
+
+
+@attrs.frozen
+class Location:
+    root: str
+    #: The installed plugin at ``root``; None for a standalone skills root.
+    plugin: InstalledPlugin | None = None
+    #: ``discoveryRoot.id`` of a standalone skills root.
+    root_id: str = ""
+
+
+def _semver_key(version: str) -> tuple[Any, ...] | None:
+    found = _SEMVER.match(version)
+    if found is None:
+        return None
+    pre = found[4]
+    pre_key: tuple[Any, ...] = (1,)
+    if pre is not None:
+        pre_key = (
+            0,
+            *((0, int(p), "") if p.isdigit() else (1, 0, p) for p in pre.split(".")),
+        )
+    return (int(found[1]), int(found[2]), int(found[3]), pre_key)
+
+
+def _version_order(left: str, right: str) -> int:
+    lkey, rkey = _semver_key(left), _semver_key(right)
+    if lkey is not None and rkey is not None:
+        return (lkey > rkey) - (lkey < rkey)
+    return (left > right) - (left < right)
+
+
+def active_plugin_version(package: str) -> str | None:
+    """``local`` if installed, else the highest version directory (semver where both parse)."""
+    try:
+        entries = [e for e in os.scandir(package) if e.is_dir()]
+    except OSError:
+        return None
+    versions = [
+        e.name for e in entries if _VERSION_SEGMENT.match(e.name) and e.name not in (".", "..")
+    ]
+    if not versions:
+        return None
+    if DEFAULT_PLUGIN_VERSION in versions:
+        return DEFAULT_PLUGIN_VERSION
+    best = versions[0]
+    for version in versions[1:]:
+        if _version_order(version, best) > 0:
+            best = version
+    return best
+
+
+def _read_remote_plugin_id(path: str) -> str | None:
+    """The remote identity a remote install recorded; None without one. Raises ValueError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(os.strerror(exc.errno or 0)) from None
+    with os.fdopen(fd, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        raw = stream.read(MAX_REMOTE_METADATA_BYTES + 1)
+    if len(raw) > MAX_REMOTE_METADATA_BYTES:
+        raise ValueError("remote installation metadata exceeds its byte limit")
+    try:
+        metadata = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"failed to parse remote plugin install metadata: {exc}") from None
+    if not isinstance(metadata, dict) or metadata.get("schema_version") != 1:
+        raise ValueError("unsupported remote plugin install metadata")
+    remote = metadata.get("remote_plugin_id")
+    if not isinstance(remote, str) or not remote.strip():
+        raise ValueError("remote plugin id must not be blank")
+    if len(remote.strip().encode()) > 1024:
+        raise ValueError("remote plugin ID exceeds its byte limit")
+    return remote.strip()
+
+
+def plugin_locations(codex_home: str) -> tuple[list[Location], list[str]]:
+    """Installed plugins' active roots, by id; location warnings."""
+    cache = os.path.join(codex_home, PLUGINS_CACHE)
+    packages: dict[str, str] = {}
+    warnings: list[str] = []
+    try:
+        marketplaces = sorted(e.name for e in os.scandir(cache) if e.is_dir())
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:
+        return [], [f"failed to scan plugin cache path {cache}: {exc.strerror}"]
+    for marketplace in marketplaces:
+        try:
+            names = [e.name for e in os.scandir(os.path.join(cache, marketplace)) if e.is_dir()]
+        except OSError as exc:
+            warnings.append(f"failed to scan plugin cache path {cache}: {exc.strerror}")
+            continue
+        for name in names:
+            if _SEGMENT.match(name) and _SEGMENT.match(marketplace):
+                packages[f"{name}@{marketplace}"] = os.path.join(cache, marketplace, name)
+    locations: list[Location] = []
+    for plugin_id in sorted(packages):
+        package = packages[plugin_id]
+        version = active_plugin_version(package)
+        if version is None:
+            continue
+        if len(locations) == MAX_LOCATIONS:
+            warnings.append(f"plugin cache reached its {MAX_LOCATIONS}-location limit")
+            break
+        try:
+            remote = _read_remote_plugin_id(os.path.join(package, REMOTE_INSTALL_METADATA))
+        except ValueError as exc:
+            warnings.append(f"could not read remote installation metadata for {plugin_id}: {exc}")
+            remote = None
+        locations.append(
+            Location(os.path.join(package, version), InstalledPlugin(plugin_id, version, remote))
+        )
+    return locations, warnings
+
+
+def locations(
+    environ: Mapping[str, str], system_skills: str = SYSTEM_SKILLS
+) -> tuple[list[Location], list[str]]:
+    """Every location to scan, plugins first; warnings about resolving them."""
+    codex_home = find_codex_home(environ)
+    found, warnings = plugin_locations(codex_home)
+    found.append(Location(os.path.join(codex_home, "skills"), root_id="codex-home-skills"))
+    home = user_home(environ)
+    if home is not None:
+        found.append(Location(os.path.join(home, ".agents", "skills"), root_id="user-agent-skills"))
+    found.append(Location(system_skills, root_id="system-skills"))
+    return found, warnings
+
+
+# --- one root -----------------------------------------------------------------------
+
+
+@attrs.define
+class _Root:
+    """The files one root yields (the reference's V1 root discovery)."""
+
+    path: str
+    warnings: list[str] = attrs.Factory(list)
+    budget: int = 0
+    manifest: CapabilityTextFile | None = None
+    plugin_files: DiscoveredPluginFiles | None = None
+    plugin_invalid: bool = False
+    namespace_manifests: list[tuple[str, str]] = attrs.Factory(list)
+    skills: list[tuple[str, str, str | None]] = attrs.Factory(list)
+
+    def read(self, path: str) -> str | None:
+        """A bounded UTF-8 file's text; None if missing or unusable (with a warning)."""
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self.warnings.append(f"failed to inspect capability file {path}: {exc.strerror}")
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        if info.st_size > MAX_FILE_BYTES:
+            self.warnings.append(f"capability file {path} exceeds the {MAX_FILE_BYTES}-byte limit")
+            return None
+        if self.budget + info.st_size > MAX_BUNDLE_BYTES_PER_ROOT:
+            self.warnings.append(
+                f"capability root bundle exceeds the {MAX_BUNDLE_BYTES_PER_ROOT}-byte limit"
+            )
+            return None
+        try:
+            with open(path, "rb") as stream:
+                raw = stream.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            self.warnings.append(f"failed to read capability file {path}: {exc.strerror}")
+            return None
+        if len(raw) > MAX_FILE_BYTES or self.budget + len(raw) > MAX_BUNDLE_BYTES_PER_ROOT:
+            self.warnings.append(f"capability file {path} exceeded its read limit")
+            return None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.warnings.append(f"capability file {path} is not UTF-8: {exc}")
+            return None
+        self.budget += len(raw)
+        return text
+
+
+def _walk(root: str, warnings: list[str]) -> list[str]:
+    """Files below ``root``, breadth first in name order, within the walk limits.
+
+    Symlinked directories are followed (each real directory once); the root
+    counts as one of the directories.
+    """
+    files: list[str] = []
+    directories = 1
+    entries = 0
+    seen: set[str] = {os.path.realpath(root)}
+    pending: collections.deque[tuple[str, int]] = collections.deque([(root, 0)])
+    truncated = False
+    while pending:
+        directory, depth = pending.popleft()
+        try:
+            listing = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as exc:
+            uri = path_to_uri(directory)
+            warnings.append(f"failed to scan capability path {uri}: {exc.strerror}")
+            continue
+        for entry in listing:
+            if entries == MAX_ENTRIES_PER_ROOT:
+                truncated = True
+                break
+            entries += 1
+            try:
+                if entry.is_dir():
+                    real = os.path.realpath(entry.path)
+                    if depth + 1 >= MAX_SCAN_DEPTH or real in seen:
+                        continue
+                    if directories == MAX_DIRECTORIES_PER_ROOT:
+                        truncated = True
+                        continue
+                    directories += 1
+                    seen.add(real)
+                    pending.append((entry.path, depth + 1))
+                elif entry.is_file():
+                    files.append(entry.path)
+            except OSError:
+                continue
+        if entries == MAX_ENTRIES_PER_ROOT and truncated:
+            break
+    if truncated:
+        warnings.append(f"capability scan reached its traversal limit (root: {path_to_uri(root)})")
+    return files
+
+
+def _manifest_priority(path: str) -> int | None:
+    if os.path.basename(path) != "plugin.json":
+        return None
+    parent = os.path.basename(os.path.dirname(path))
+    for index, relative in enumerate(MANIFEST_PATHS):
+        if relative.split("/")[0] == parent:
+            return index
+    return None
+
+
+def _first_manifest(found: _Root, directory: str) -> CapabilityTextFile | None:
+    for relative in MANIFEST_PATHS:
+        path = os.path.join(directory, relative)
+        text = found.read(path)
+        if text is not None:
+            return CapabilityTextFile(path, text)
+    return None
+
+
+def _declared(root: str, field: str, value: Any, manifest: str, warnings: list[str]) -> str | None:
+    if not isinstance(value, str):
+        return None
+    if not value.startswith("./"):
+        warnings.append(f"ignoring {field} in {path_to_uri(manifest)}: path must start with `./`")
+        return None
+    relative = value[2:]
+    if not relative or ".." in re.split(r"[/\\]", relative):
+        warnings.append(
+            f"ignoring {field} in {path_to_uri(manifest)}: "
+            "path must remain below the capability root"
+        )
+        return None
+    return os.path.normpath(os.path.join(root, relative))
+
+
+def _plugin_files(found: _Root, manifest: CapabilityTextFile) -> DiscoveredPluginFiles | None:
+    """The manifest's MCP and app files; None if the manifest is unusable."""
+    try:
+        declarations = json.loads(manifest.contents)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(declarations, dict):
+        return None
+    mcp = declarations.get("mcpServers")
+    apps = declarations.get("apps")
+    if mcp is not None and not isinstance(mcp, (str, dict)):
+        return None
+    if apps is not None and not isinstance(apps, str):
+        return None
+    mcp_config: CapabilityTextFile | None = None
+    if isinstance(mcp, dict):
+        # Inline servers: their JSON, as written, under the manifest's path.
+        mcp_config = CapabilityTextFile(
+            manifest.path, json.dumps(mcp, separators=(",", ":"), ensure_ascii=False)
+        )
+    else:
+        path = _declared(found.path, "mcpServers", mcp, manifest.path, found.warnings)
+        path = path or os.path.join(found.path, DEFAULT_MCP_CONFIG)
+        text = found.read(path)
+        mcp_config = CapabilityTextFile(path, text) if text is not None else None
+    apps_config: CapabilityTextFile | None = None
+    apps_path = _declared(found.path, "apps", apps, manifest.path, found.warnings)
+    if apps_path is not None:
+        text = found.read(apps_path)
+        apps_config = CapabilityTextFile(apps_path, text) if text is not None else None
+    return DiscoveredPluginFiles(manifest, mcp_config, apps_config)
+
+
+def discover_root(root: str) -> _Root:
+    """Read what one existing root directory holds (blocking)."""
+    found = _Root(root)
+    files = _walk(root, found.warnings)
+    skill_paths = sorted((p for p in files if os.path.basename(p) == SKILL_FILE), key=path_to_uri)
+    manifest_paths = [p for p in files if _manifest_priority(p) is not None]
+    manifest_paths.sort(
+        key=lambda p: (path_to_uri(os.path.dirname(os.path.dirname(p))), _manifest_priority(p))
+    )
+    found.manifest = _first_manifest(found, root)
+    inherited = found.manifest
+    ancestor = os.path.dirname(root)
+    while inherited is None and ancestor != root:
+        inherited = _first_manifest(found, ancestor)
+        if ancestor == "/":
+            break
+        ancestor = os.path.dirname(ancestor)
+    seen: set[str] = set()
+    if inherited is not None:
+        seen.add(os.path.dirname(os.path.dirname(inherited.path)))
+        found.namespace_manifests.append((inherited.path, inherited.contents))
+    for path in manifest_paths:
+        plugin_root = os.path.dirname(os.path.dirname(path))
+        if plugin_root in seen:
+            continue
+        seen.add(plugin_root)
+        text = found.read(path)
+        if text is not None:
+            found.namespace_manifests.append((path, text))
+    if found.manifest is not None:
+        found.plugin_files = _plugin_files(found, found.manifest)
+        found.plugin_invalid = found.plugin_files is None
+    for path in skill_paths:
+        text = found.read(path)
+        if text is None:
+            continue
+        found.skills.append(
+            (path, text, found.read(os.path.join(os.path.dirname(path), SKILL_METADATA)))
+        )
+    return found
+
+
+# --- skill metadata -----------------------------------------------------------------
+
+
+class SkillParseError(ValueError):
+    pass
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _frontmatter(contents: str) -> str | None:
+    lines = contents.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    body: list[str] = []
+    for line in lines[1:]:
+        if line.strip() == "---":
+            return "\n".join(body) if body else None
+        body.append(line)
+    return None
+
+
+def _repair(frontmatter: str) -> str | None:
+    """Quote ``key: value`` scalars that hold ``: `` (prose the reference tolerates)."""
+    changed = False
+    block_indent: int | None = None
+    out: list[str] = []
+    for line in frontmatter.split("\n"):
+        indent = len(line) - len(line.lstrip(" "))
+        if block_indent is not None:
+            if not line.strip() or indent > block_indent:
+                out.append(line)
+                continue
+            block_indent = None
+        key, colon, value = line.partition(":")
+        if not colon or not key.strip() or (value and not value[0].isspace()):
+            out.append(line)
+            continue
+        stripped = value.lstrip()
+        lead = value[: len(value) - len(stripped)]
+        scalar, comment = stripped, ""
+        for index, char in enumerate(stripped):
+            if char == "#" and (index == 0 or stripped[index - 1].isspace()):
+                cut = len(stripped[:index].rstrip())
+                scalar, comment = stripped[:cut], stripped[cut:]
+                break
+        scalar = scalar.rstrip()
+        if not scalar:
+            out.append(line)
+            continue
+        if scalar[0] in "|>":
+            block_indent = indent
+            out.append(line)
+            continue
+        if scalar[0] in "'\"":
+            out.append(line)
+            continue
+        separator = re.search(r":\s", scalar) is not None
+        flow_like = False
+        if scalar[0] in "[{@`":
+            try:
+                yaml_subset.loads(scalar)
+            except yaml_subset.YamlError:
+                flow_like = True
+        if not separator and not flow_like:
+            out.append(line)
+            continue
+        quoted = "'" + scalar.replace("'", "''") + "'"
+        out.append(f"{key}:{lead}{quoted}{comment}")
+        changed = True
+    return "\n".join(out) if changed else None
+
+
+def _text_field(table: Mapping[str, Any], key: str) -> str | None:
+    value = table.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise SkillParseError(f"invalid type for `{key}`")
+
+
+def parse_skill(contents: str, directory_name: str) -> tuple[str, str, str | None]:
+    """``(name, description, short description)`` of a ``SKILL.md``, as the reference validates."""
+    frontmatter = _frontmatter(contents)
+    if frontmatter is None:
+        raise SkillParseError("missing YAML frontmatter delimited by ---")
+    try:
+        table = yaml_subset.loads(frontmatter)
+    except yaml_subset.YamlError as original:
+        repaired = _repair(frontmatter)
+        if repaired is None:
+            raise SkillParseError(f"invalid YAML: {original}") from None
+        try:
+            table = yaml_subset.loads(repaired)
+        except yaml_subset.YamlError:
+            raise SkillParseError(f"invalid YAML: {original}") from None
+    if not isinstance(table, dict):
+        raise SkillParseError("invalid YAML: expected a mapping")
+    metadata = table.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise SkillParseError("invalid type for `metadata`")
+    name = _one_line(_text_field(table, "name") or "")
+    if not name:
+        name = _one_line(directory_name) or "skill"
+    description = _one_line(_text_field(table, "description") or "")
+    short = _one_line(_text_field(metadata, "short-description") or "") or None
+    if len(name) > MAX_NAME_LEN:
+        raise SkillParseError(f"invalid name: exceeds maximum length of {MAX_NAME_LEN} characters")
+    if not description:
+        raise SkillParseError("missing field `description`")
+    return name, description, short
+
+
+def _boolean(value: Any) -> bool | None:
+    if value in ("true", "True", "TRUE"):
+        return True
+    if value in ("false", "False", "FALSE"):
+        return False
+    return None
+
+
+def _string(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def skill_extras(text: str | None) -> tuple[SkillDependencies | None, SkillPolicy | None]:
+    """``dependencies`` and ``policy`` from a skill's ``agents/openai.yaml``."""
+    if text is None:
+        return None, None
+    try:
+        table = yaml_subset.loads(text)
+    except yaml_subset.YamlError:
+        return None, None
+    if not isinstance(table, dict):
+        return None, None
+    dependencies = None
+    raw = table.get("dependencies")
+    if isinstance(raw, dict) and isinstance(raw.get("tools"), list):
+        tools = []
+        for tool in raw["tools"]:
+            if not isinstance(tool, dict):
+                continue
+            kind, value = _string(tool.get("type")), _string(tool.get("value"))
+            if kind is None or value is None:
+                continue
+            port = _string(tool.get("oauth_callback_port"))
+            tools.append(
+                SkillToolDependency(
+                    kind,
+                    value,
+                    _string(tool.get("description")),
+                    _string(tool.get("transport")),
+                    _string(tool.get("command")),
+                    _string(tool.get("url")),
+                    int(port) if port is not None and port.isdigit() else None,
+                )
+            )
+        dependencies = SkillDependencies(tools)
+    policy = None
+    raw = table.get("policy")
+    if isinstance(raw, dict):
+        products = raw.get("products")
+        policy = SkillPolicy(
+            _boolean(raw.get("allow_implicit_invocation")),
+            [p for p in products if isinstance(p, str)] if isinstance(products, list) else [],
+        )
+    return dependencies, policy
+
+
+# --- assembling the answer ----------------------------------------------------------
+
+
+@attrs.define
+class _Discovery:
+    plugin: ExecutorPlugin | None = None
+    skills: list[StandaloneSkill] = attrs.Factory(list)
+    warnings: list[str] = attrs.Factory(list)
+
+
+def _load(location: Location) -> _Discovery:
+    try:
+        info = os.stat(location.root)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return _Discovery()
+    except OSError as exc:
+        text = f"could not inspect capability root {path_to_uri(location.root)}: {exc.strerror}"
+        return _Discovery(warnings=[text])
+    if not stat.S_ISDIR(info.st_mode):
+        return _Discovery()
+    found = discover_root(location.root)
+    warnings = list(found.warnings)
+    if location.plugin is not None and (found.manifest is None or found.plugin_invalid):
+        warnings.append(
+            f"installed plugin at {path_to_uri(location.root)} has no readable manifest"
+        )
+        return _Discovery(warnings=warnings)
+    namespaces: dict[str, str] = {}
+    for path, contents in found.namespace_manifests:
+        plugin_root = os.path.dirname(os.path.dirname(path))
+        try:
+            manifest = json.loads(contents)
+        except json.JSONDecodeError:
+            continue
+        name = manifest.get("name") if isinstance(manifest, dict) else None
+        if name is not None and not isinstance(name, str):
+            continue
+        if not name or not name.strip():
+            name = os.path.basename(plugin_root)
+            if not name:
+                continue
+        namespaces.setdefault(plugin_root, name)
+    plugin_skills: list[PluginSkill] = []
+    standalone: list[StandaloneSkill] = []
+    for path, contents, metadata in found.skills:
+        directory = os.path.dirname(path)
+        try:
+            name, description, short = parse_skill(contents, os.path.basename(directory))
+        except SkillParseError:
+            warnings.append(f"invalid skill metadata at {path_to_uri(path)}")
+            continue
+        ancestor = directory
+        while True:
+            namespace = namespaces.get(ancestor)
+            if namespace is not None:
+                if len(namespace) + 1 + len(name) > MAX_QUALIFIED_NAME_LEN:
+                    warnings.append(
+                        f"invalid skill metadata at {path_to_uri(path)}: qualified name "
+                        f"exceeds {MAX_QUALIFIED_NAME_LEN} characters"
+                    )
+                    name = ""
+                else:
+                    name = f"{namespace}:{name}"
+                break
+            if ancestor == "/":
+                break
+            ancestor = os.path.dirname(ancestor)
+        if not name:
+            continue
+        dependencies, policy = skill_extras(metadata)
+        if location.plugin is not None:
+            plugin_skills.append(
+                PluginSkill(name, description, short, path_to_uri(path), dependencies, policy)
+            )
+        else:
+            root = DiscoveryRoot(location.root_id, path_to_uri(location.root))
+            standalone.append(
+                StandaloneSkill(
+                    name, description, short, path_to_uri(path), root, dependencies, policy
+                )
+            )
+    if location.plugin is None or found.manifest is None or found.plugin_files is None:
+        return _Discovery(skills=standalone, warnings=warnings)
+    manifest = json.loads(found.manifest.contents)
+    interface = manifest.get("interface")
+    display = interface.get("displayName") if isinstance(interface, dict) else None
+    name = manifest.get("name")
+    files = found.plugin_files
+    plugin = ExecutorPlugin(
+        id=location.plugin.id,
+        display_name=display if isinstance(display, str) and display.strip() else str(name or ""),
+        remote_plugin_id=location.plugin.remote_plugin_id,
+        version=location.plugin.version,
+        root=path_to_uri(location.root),
+        files=DiscoveredPluginFiles(
+            CapabilityTextFile(path_to_uri(files.manifest.path), files.manifest.contents),
+            _wire_file(files.mcp_config),
+            _wire_file(files.apps_config),
+        ),
+        skills=plugin_skills,
+    )
+    return _Discovery(plugin=plugin, warnings=warnings)
+
+
+def _wire_file(file: CapabilityTextFile | None) -> CapabilityTextFile | None:
+    return None if file is None else CapabilityTextFile(path_to_uri(file.path), file.contents)
+
+
+@attrs.define
+class _Budget:
+    capabilities: int = 0
+    bytes: int = 0
+    truncated: bool = False
+
+    def admit(self, capabilities: int, size: int) -> bool:
+        if (
+            self.capabilities + capabilities > MAX_CAPABILITIES
+            or self.bytes + size > MAX_RESPONSE_BYTES
+        ):
+            self.truncated = True
+            return False
+        self.capabilities += capabilities
+        self.bytes += size
+        return True
+
+
+def _append(response: DiscoverV2Response, found: _Discovery, budget: _Budget) -> None:
+    room = MAX_WARNINGS - len(response.warnings)
+    response.warnings.extend(found.warnings[: max(room, 0)])
+    if found.plugin is not None:
+        remaining = MAX_CAPABILITIES - budget.capabilities
+        if remaining == 0:
+            budget.truncated = True
+            return
+        plugin = found.plugin
+        if len(plugin.skills) > remaining - 1:
+            budget.truncated = True
+            del plugin.skills[remaining - 1 :]  # the plugin itself counts too
+        if budget.admit(1 + len(plugin.skills), _size(plugin)):
+            response.plugins.append(plugin)
+        return
+    for skill in found.skills:
+        if budget.capabilities == MAX_CAPABILITIES:
+            budget.truncated = True
+            break
+        if budget.admit(1, _size(skill)):
+            response.skills.append(skill)
+
+
+def _finish(response: DiscoverV2Response, truncated: bool) -> DiscoverV2Response:
+    response.plugins.sort(key=lambda plugin: (plugin.id, plugin.root))
+    del response.warnings[MAX_WARNINGS:]
+    if truncated or _size(response) > MAX_RESPONSE_BYTES:
+        del response.warnings[MAX_WARNINGS - 1 :]
+        response.warnings.insert(0, SIZE_WARNING)
+        while _size(response) > MAX_RESPONSE_BYTES:
+            # Extra warnings go first; the limit warning stays.
+            if len(response.warnings) > 1:
+                del response.warnings[1:]
+            elif response.skills:
+                response.skills.pop()
+            elif response.plugins:
+                response.plugins.pop()
+            else:
+                break
+    return response
+
+
+def discover(
+    environ: Mapping[str, str] | None = None, system_skills: str = SYSTEM_SKILLS
+) -> DiscoverV2Response:
+    """Answer one request (blocking; run off the reactor)."""
+    env = os.environ if environ is None else environ
+    try:
+        found, location_warnings = locations(env, system_skills)
+    except ConfigLoadError as exc:
+        raise RpcError.internal(f"failed to find Codex home: {exc}") from None
+    response = DiscoverV2Response([], [], [LOCATIONS_WARNING] if location_warnings else [])
+    budget = _Budget()
+    for index, location in enumerate(found):
+        discovery = _load(location)
+        if discovery.warnings:
+            discovery.warnings = [METADATA_WARNING]
+        _append(response, discovery, budget)
+        full = budget.capabilities == MAX_CAPABILITIES or budget.bytes == MAX_RESPONSE_BYTES
+        if full and index + 1 < len(found):
+            budget.truncated = True
+            break
+    return _finish(response, budget.truncated)
+
+
+def register(router: Any, run: Runner) -> None:
+    """Add ``capabilities/discoverV2`` to ``router``; its file work runs on ``run`` (fs pool)."""
+
+    def handle(conn: Any, params: DiscoverV2Params) -> Any:
+        validate(params)
+        return run(discover, owner=conn)
+
+    router.add_route(CAPABILITIES_DISCOVER_V2, DiscoverV2Params, handle, FAMILY)

@@ -1,0 +1,356 @@
+"""``capabilities/discoverV2``: the executor's Codex skills and plugins, as the reference.
+
+The expected answers are what the reference server (``codex exec-server``
+0.171.0) answered for the same trees. The method runs through the real
+server over stdio, with ``HOME`` and ``CODEX_HOME`` set for it; the
+front-matter parser is also tested directly. docs/protocol.md,
+"capabilities/discoverV2".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_twisted
+
+import execserver
+from execserver import capability_discovery as cd
+from execserver import yaml_subset
+from execserver.fs.paths import path_to_uri
+from tests.harness import ServerProcess
+
+CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
+METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _skill(directory: Path, front: str) -> Path:
+    return _write(directory / "SKILL.md", f"---\n{front}---\nbody\n")
+
+
+@asynccontextmanager
+async def serving(tmp_path: Path, init: Any = CODEX_INIT) -> AsyncIterator[ServerProcess]:
+    (tmp_path / "codex-home").mkdir(exist_ok=True)
+    env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
+    server = ServerProcess.start(env=env)
+    try:
+        server.last_init = await server.call("initialize", init)  # type: ignore[attr-defined]
+        server.notify("initialized", {})
+        yield server
+    finally:
+        await server.stop()
+
+
+async def discover(tmp_path: Path) -> Any:
+    async with serving(tmp_path) as server:
+        init = server.last_init  # type: ignore[attr-defined]
+        assert init["environmentInfo"]["capabilities"]["capabilityDiscoveryV2"] is True
+        # The reference release whose protocol is spoken (Codex gates the
+        # method on it); this package's own version stays in serverInfo.
+        assert init["environmentInfo"]["executorVersion"] == "0.171.0"
+        assert init["serverInfo"]["version"] == execserver.__version__
+        return await server.call("capabilities/discoverV2", {"cwd": path_to_uri(str(tmp_path))})
+
+
+def _standalone(path: Path, root: Path, root_id: str, name: str, description: str) -> Any:
+    return {
+        "name": name,
+        "description": description,
+        "shortDescription": None,
+        "path": path_to_uri(str(path)),
+        "discoveryRoot": {"id": root_id, "path": path_to_uri(str(root))},
+        "dependencies": None,
+        "policy": None,
+    }
+
+
+@pytest_twisted.ensureDeferred
+async def test_user_skills_plugins_and_warnings_as_the_reference(tmp_path: Path) -> None:
+    home, codex_home = tmp_path / "home", tmp_path / "codex-home"
+    skills, agents = codex_home / "skills", home / ".agents" / "skills"
+    alpha = _skill(skills / "alpha", "name: alpha\ndescription: Alpha skill does things\n")
+    _write(skills / "bad" / "SKILL.md", "no frontmatter here\n")  # invalid: one warning
+    spaced = _skill(skills / "my  dir", "description: spaced\n")  # name from the directory
+    beta = _skill(
+        agents / "beta",
+        'description: "quoted: desc"\nmetadata:\n  short-description: short beta\n',
+    )
+    deps = _skill(skills / "deps", "name: deps\ndescription: with deps\n")
+    _write(
+        skills / "deps" / "agents" / "openai.yaml",
+        "interface:\n  display_name: D\ndependencies:\n  tools:\n    - type: mcp\n"
+        "      value: github\n      description: gh\npolicy:\n  allow_implicit_invocation: false\n",
+    )
+    # A plugin nested in a skills root namespaces the skills below it.
+    _write(skills / "tools" / ".codex-plugin" / "plugin.json", '{"name":"tools"}')
+    nested = _skill(skills / "tools" / "skills" / "x", "description: x in tools\n")
+    # An installed plugin: the active version (local wins), manifest, MCP file, skills.
+    package = codex_home / "plugins" / "cache" / "market" / "plug"
+    _write(package / "1.0.0" / ".codex-plugin" / "plugin.json", '{"name":"old"}')
+    root = package / "local"
+    manifest = '{"name":"plug","interface":{"displayName":"Plug In"},"mcpServers":"./mcp.json"}'
+    _write(root / ".codex-plugin" / "plugin.json", manifest)
+    _write(root / "mcp.json", '{"mcpServers":{}}')
+    gamma = _skill(root / "skills" / "gamma", "name: gamma\ndescription: Gamma\n")
+
+    result = await discover(tmp_path)
+
+    assert result == {
+        "plugins": [
+            {
+                "id": "plug@market",
+                "displayName": "Plug In",
+                "remotePluginId": None,
+                "version": "local",
+                "root": path_to_uri(str(root)),
+                "files": {
+                    "manifest": {
+                        "path": path_to_uri(str(root / ".codex-plugin" / "plugin.json")),
+                        "contents": manifest,
+                    },
+                    "mcpConfig": {
+                        "path": path_to_uri(str(root / "mcp.json")),
+                        "contents": '{"mcpServers":{}}',
+                    },
+                    "appsConfig": None,
+                },
+                "skills": [
+                    {
+                        "name": "plug:gamma",
+                        "description": "Gamma",
+                        "shortDescription": None,
+                        "path": path_to_uri(str(gamma)),
+                        "dependencies": None,
+                        "policy": None,
+                    }
+                ],
+            }
+        ],
+        # Location order (CODEX_HOME/skills, ~/.agents/skills, /etc/codex/skills),
+        # then path order within a location.
+        "skills": [
+            _standalone(alpha, skills, "codex-home-skills", "alpha", "Alpha skill does things"),
+            {
+                **_standalone(deps, skills, "codex-home-skills", "deps", "with deps"),
+                "dependencies": {
+                    "tools": [
+                        {
+                            "type": "mcp",
+                            "value": "github",
+                            "description": "gh",
+                            "transport": None,
+                            "command": None,
+                            "url": None,
+                            "oauthCallbackPort": None,
+                        }
+                    ]
+                },
+                "policy": {"allowImplicitInvocation": False, "products": []},
+            },
+            _standalone(spaced, skills, "codex-home-skills", "my dir", "spaced"),
+            _standalone(nested, skills, "codex-home-skills", "tools:x", "x in tools"),
+            {
+                **_standalone(beta, agents, "user-agent-skills", "beta", "quoted: desc"),
+                "shortDescription": "short beta",
+            },
+        ],
+        "warnings": [METADATA_WARNING],
+    }
+    assert list(result["plugins"][0]) == [
+        "id",
+        "displayName",
+        "remotePluginId",
+        "version",
+        "root",
+        "files",
+        "skills",
+    ]
+
+
+@pytest_twisted.ensureDeferred
+async def test_inline_mcp_servers_remote_id_and_broken_plugins(tmp_path: Path) -> None:
+    cache = tmp_path / "codex-home" / "plugins" / "cache" / "mk"
+    # Semver order: 10.0.0 is newer than 9.0.0.
+    _write(cache / "p4" / "9.0.0" / ".codex-plugin" / "plugin.json", '{"name":"v9"}')
+    manifest = '{"name":"p4","mcpServers":{"b":{"x":1},"a":2}}'
+    _write(cache / "p4" / "10.0.0" / ".codex-plugin" / "plugin.json", manifest)
+    _write(
+        cache / "p4" / ".codex-remote-plugin-install.json",
+        '{"schema_version":1,"remote_plugin_id":"  rp-123 "}',
+    )
+    (cache / "nomanifest" / "1.0.0").mkdir(parents=True)  # a warning, no plugin
+    _write(cache / "inline-apps" / "1.0.0" / ".codex-plugin" / "plugin.json", '{"apps":{"a":1}}')
+    _write(cache / "bad name" / "1.0.0" / ".codex-plugin" / "plugin.json", "{}")  # not an id
+    result = await discover(tmp_path)
+    [plugin] = result["plugins"]
+    manifest_path = path_to_uri(str(cache / "p4" / "10.0.0" / ".codex-plugin" / "plugin.json"))
+    assert plugin["id"] == "p4@mk"
+    assert (plugin["version"], plugin["remotePluginId"], plugin["displayName"]) == (
+        "10.0.0",
+        "rp-123",
+        "p4",
+    )
+    # Inline MCP servers: their JSON, keys as written, under the manifest's path.
+    assert plugin["files"]["mcpConfig"] == {
+        "path": manifest_path,
+        "contents": '{"b":{"x":1},"a":2}',
+    }
+    assert result["skills"] == []
+    assert result["warnings"] == [METADATA_WARNING, METADATA_WARNING]
+
+
+@pytest_twisted.ensureDeferred
+async def test_missing_locations_are_an_empty_answer(tmp_path: Path) -> None:
+    assert await discover(tmp_path) == {"plugins": [], "skills": [], "warnings": []}
+
+
+def _many_skills(root: Path, prefix: str, count: int) -> None:
+    for index in range(count):
+        _skill(root / f"{prefix}{index:04d}", f"name: {prefix}{index:04d}\ndescription: d\n")
+
+
+@pytest_twisted.ensureDeferred
+async def test_at_most_2048_capabilities_with_the_limit_warning(tmp_path: Path) -> None:
+    _many_skills(tmp_path / "codex-home" / "skills", "s", 1990)
+    _many_skills(tmp_path / "home" / ".agents" / "skills", "u", 100)
+    result = await discover(tmp_path)
+    names = [skill["name"] for skill in result["skills"]]
+    assert len(names) == cd.MAX_CAPABILITIES == 2048
+    assert names[:2] == ["s0000", "s0001"] and names[1989:1991] == ["s1989", "u0000"]
+    assert names[-1] == "u0057"
+    assert result["warnings"] == ["capability discovery size limit reached"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_root_walk_stops_at_2000_directories(tmp_path: Path) -> None:
+    _many_skills(tmp_path / "codex-home" / "skills", "s", 2001)
+    result = await discover(tmp_path)
+    names = [skill["name"] for skill in result["skills"]]
+    # The root is one of the 2000 directories; name order, breadth first.
+    assert len(names) == 1999 and names[-1] == "s1998"
+    assert result["warnings"] == [METADATA_WARNING]
+
+
+def test_the_answer_stays_within_4_mib(tmp_path: Path) -> None:
+    # 1000 skills with ~4.5 KiB descriptions: over 4 MiB in all. Skills are
+    # admitted in order while they fit, the limit warning goes first (the
+    # reference kept 884 of them for the same files under /tmp/h3b/fd).
+    env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
+    words = " ".join(["word"] * 900)
+    for index in range(1000):
+        _skill(tmp_path / "codex-home" / "skills" / f"s{index:04d}", f"description: {words}\n")
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    kept = len(result.skills)
+    assert [skill.name for skill in result.skills] == [f"s{i:04d}" for i in range(kept)]
+    assert result.warnings == ["capability discovery size limit reached"]
+    skill_bytes = sum(len(msgspec.json.encode(skill)) for skill in result.skills)
+    one_more = len(msgspec.json.encode(result.skills[0]))
+    assert skill_bytes <= cd.MAX_RESPONSE_BYTES == 4 * 1024 * 1024 < skill_bytes + one_more
+    assert len(msgspec.json.encode(result)) <= cd.MAX_RESPONSE_BYTES
+
+
+@pytest_twisted.ensureDeferred
+async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
+    async with serving(tmp_path) as server:
+
+        async def error(params: Any) -> Any:
+            return (await server.request("capabilities/discoverV2", params))["error"]
+
+        assert await error({"cwd": "rel"}) == {
+            "code": -32602,
+            "message": "invalid URI: relative URL without a base",
+            "data": {"kind": "relativePath", "field": "cwd", "path": "rel"},
+        }
+        assert (await error({"cwd": "http://h/x"}))["message"] == (
+            "unsupported path URI scheme `http`"
+        )
+        assert (await error({"cwd": "file:///a?b"}))["message"] == (
+            "query parameters are not allowed in path URIs"
+        )
+        assert await error({}) == {
+            "code": -32602,
+            "message": "Object missing required field `cwd`",
+        }
+        assert (await error({"cwd": 5}))["code"] == -32602
+        assert (await error(None))["code"] == -32602
+        # A native absolute path is accepted, as everywhere on this server.
+        result = await server.call("capabilities/discoverV2", {"cwd": "/", "sandbox": None})
+        assert result == {"plugins": [], "skills": [], "warnings": []}
+
+
+@pytest_twisted.ensureDeferred
+async def test_handshake_first(tmp_path: Path) -> None:
+    (tmp_path / "codex-home").mkdir()
+    server = ServerProcess.start(env={"CODEX_HOME": str(tmp_path / "codex-home")})
+    try:
+        reply = await server.request("capabilities/discoverV2", {"cwd": "file:///"})
+        assert reply["error"] == {
+            "code": -32600,
+            "message": "client must call initialize before using capability discovery methods",
+        }
+    finally:
+        await server.stop()
+
+
+# --- the front matter -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("front", "expected"),
+    [
+        ("name: a\ndescription: d\n", ("a", "d", None)),
+        ("description: Build for AWS: ECS\n", ("dir", "Build for AWS: ECS", None)),
+        ("description: >\n  folded\n  text\n", ("dir", "folded text", None)),
+        ("description: |\n  lit\n  two\n", ("dir", "lit two", None)),
+        (
+            "name: '  spaced   out '\ndescription: \"tab\\there\"\n",
+            ("spaced out", "tab here", None),
+        ),
+        ("description: d # comment\nmetadata:\n  short-description: s\n", ("dir", "d", "s")),
+        ("description: [flow, list\n", ("dir", "[flow, list", None)),
+        ("name: ''\ndescription: d\n", ("dir", "d", None)),
+    ],
+)
+def test_skill_front_matter(front: str, expected: tuple[str, str, str | None]) -> None:
+    assert cd.parse_skill(f"---\n{front}---\n", "dir") == expected
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        "no front matter\n",
+        "---\nname: a\n",  # not closed
+        "---\n---\n",  # empty
+        "---\nname: a\n---\n",  # no description
+        "---\ndescription: d\nname: " + "n" * 65 + "\n---\n",  # name too long
+        "---\ndescription: d\ndescription: e\n---\n",  # duplicate key
+        "---\ndescription: [d]\n---\n",  # not a string
+        "---\nmetadata: text\ndescription: d\n---\n",
+        "---\njust text\n---\n",
+    ],
+)
+def test_invalid_skill_front_matter(contents: str) -> None:
+    with pytest.raises(cd.SkillParseError):
+        cd.parse_skill(contents, "dir")
+
+
+def test_yaml_subset_shapes() -> None:
+    assert yaml_subset.loads("a:\n  - x\n  - k: v\n    j: w\nb: {c: [1, 'two']}\n") == {
+        "a": ["x", {"k": "v", "j": "w"}],
+        "b": {"c": ["1", "two"]},
+    }
+    assert yaml_subset.loads("a:\n- x\n- y\nb: ~\n") == {"a": ["x", "y"], "b": None}
+    assert yaml_subset.loads('a: "\\u00e9\\x41"\nb: |-\n  k\n\n  l\n') == {"a": "éA", "b": "k\n\nl"}
+    for bad in ["a: &x 1", "a: *x", "a: !tag v", "a: 1\n  b: 2", "a: 'open"]:
+        with pytest.raises(yaml_subset.YamlError):
+            yaml_subset.loads(bad)
