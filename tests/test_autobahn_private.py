@@ -15,7 +15,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -32,6 +32,7 @@ from execserver.transports.autobahn_private import (
     ClockTimers,
     close_frame_problems,
     fast_frame_problems,
+    send_path_problems,
     state_problems,
     timer_problems,
 )
@@ -47,9 +48,15 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
 
 
 def test_the_installed_autobahn_has_every_shape_relied_on() -> None:
-    problems = (close_frame_problems(), timer_problems(), fast_frame_problems(), state_problems())
-    assert problems == ([], [], [], [])
-    assert attrs.astuple(CORNERS) == (True, True, True, True)
+    problems = (
+        close_frame_problems(),
+        timer_problems(),
+        fast_frame_problems(),
+        state_problems(),
+        send_path_problems(),
+    )
+    assert problems == ([], [], [], [], [])
+    assert attrs.astuple(CORNERS) == (True, True, True, True, True)
 
 
 def _broken(base: type, **attrs: Any) -> type:
@@ -85,6 +92,13 @@ def test_each_check_notices_a_changed_shape() -> None:
     assert fast_frame_problems(renamed) == ["_cancelAutoPingTimeoutCall(self)"]
     assert state_problems(_broken(WebSocketProtocol, _connectionMade=made)) == [
         "_connectionMade setting failedByMe and data"
+    ]
+
+    def send_frame(self: Any, opcode: int, payload: bytes = b"") -> None:
+        self.transport.write(payload)
+
+    assert send_path_problems(_broken(WebSocketProtocol, sendFrame=send_frame)) == [
+        "sendFrame writing through sendData"
     ]
 
 
@@ -207,8 +221,30 @@ def test_a_broken_shape_at_import_warns_and_takes_the_public_path() -> None:
     )
     assert done.returncode == 0, done.stderr
     corners, warnings = json.loads(done.stdout)
-    assert corners == [False, True, False, True]
+    assert corners == [False, True, False, True, True]
     assert len(warnings) == 2
     assert "sendCloseFrame(self, code, reasonUtf8, isReply)" in warnings[0]
     assert "using the public path instead" in warnings[0]
     assert "_cancelAutoPingTimeoutCall(self)" in warnings[1]
+
+
+def test_without_the_send_path_messages_go_whole_to_twisteds_buffer(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CORNERS, "send_path", False)
+    proto, transport = open_raw(make_factory(clock))
+    producer: Any = transport.producer
+    assert producer is cast(Any, proto._flow)  # no Outbox in front of the backpressure
+    assert proto.connection is not None
+    session: Any = proto.connection.session
+    producer.pauseProducing()  # TCP's buffer above the mark: the session pauses
+    assert session.paused
+    payload = b"x" * (2 * 1024 * 1024)
+    proto.write_message_parts((b'{"id":1,"result":"', payload, b'"}'))
+    proto.sendPong(b"late")
+    proto.write_message(b'{"id":2,"result":{}}')
+    frames = server_frames(transport.value())
+    assert [opcode for opcode, _ in frames] == [1, 10, 1]
+    assert frames[0][1] == b'{"id":1,"result":"' + payload + b'"}'
+    producer.resumeProducing()
+    assert not session.paused

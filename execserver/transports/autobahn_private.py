@@ -27,6 +27,13 @@ used (after one warning) when the check fails:
   replies and close codes. Fallback: Autobahn's parser for every frame.
   The same check covers skipping the adapter's ``dataReceived`` (a debug
   line formatted on every read) for ``_dataReceived``.
+- **Autobahn's own frames behind a queued message.** Autobahn writes its
+  frames (pong, close, ping) through ``sendFrame`` → ``sendData``; while a
+  large message is still being fed to the socket by the connection's
+  ``Outbox`` (``writebuffer.py``), ``ExecServerProtocol.sendData`` queues
+  them behind it, or they would land inside its payload. Fallback: no
+  ``Outbox`` (every message goes to Twisted's buffer whole, costing a copy
+  of a large message in memory), so nothing can overtake anything.
 - **Parser state read elsewhere.** ``failedByMe`` (Autobahn keeps parsing
   after it failed a connection, to read the close reply, and still delivers
   the offending message: :func:`failed_by_me`) and the unparsed input
@@ -149,6 +156,22 @@ def state_problems(cls: type = WebSocketProtocol) -> list[str]:
     )
 
 
+def send_path_problems(cls: type = WebSocketProtocol) -> list[str]:
+    """What is missing for queueing Autobahn's own frames behind a large message."""
+    return _missing(
+        [
+            (
+                _params(getattr(cls, "sendData", None)) == ["self", "data", "sync", "chopsize"],
+                "sendData(self, data, sync, chopsize)",
+            ),
+            (
+                "sendData" in _names(getattr(cls, "sendFrame", None)),
+                "sendFrame writing through sendData",
+            ),
+        ]
+    )
+
+
 @attrs.define
 class Corners:
     """Which private corners are usable (decided once, at import)."""
@@ -157,6 +180,7 @@ class Corners:
     exact_timers: bool
     fast_frames: bool
     parser_state: bool
+    send_path: bool
 
 
 def _check() -> Corners:
@@ -165,6 +189,7 @@ def _check() -> Corners:
         "_batched_timer": timer_problems(),
         "the frame parser's state": fast_frame_problems(),
         "failedByMe and data": state_problems(),
+        "sendData": send_path_problems(),
     }
     for corner, problems in found.items():
         if problems:
@@ -179,6 +204,7 @@ def _check() -> Corners:
         exact_timers=not found["_batched_timer"],
         fast_frames=not found["the frame parser's state"],
         parser_state=not found["failedByMe and data"],
+        send_path=not found["sendData"],
     )
 
 

@@ -185,9 +185,14 @@ class ExecServerProtocol(WebSocketServerProtocol):
         # The session pauses its children's output pipes while this
         # connection's unsent output is above the high-water mark...
         self._flow = RequestBackpressure(conn.session, self._transport, self.release_held)
-        # Large messages are fed to the socket as it drains (see Outbox).
-        self._outbox = Outbox(self._transport, self._transport, self._flow)
-        self._transport.registerProducer(self._outbox, True)
+        if autobahn_private.CORNERS.send_path:
+            # Large messages are fed to the socket as it drains (see Outbox).
+            self._outbox = Outbox(self._transport, self._transport, self._flow)
+            self._transport.registerProducer(self._outbox, True)
+        else:
+            # Autobahn's frames could not wait behind a queued message:
+            # every message goes to Twisted's buffer whole.
+            self._transport.registerProducer(self._flow, True)
         # ...and requests stop being read while far more than that is unsent
         # (responses such as process/read can be large: a client that sends
         # requests without reading replies must not grow server memory).
@@ -392,7 +397,8 @@ class ExecServerProtocol(WebSocketServerProtocol):
     def sendData(self, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
         # Autobahn writes its own frames (pong, close) straight to the
         # transport: while a large message is still queued, they wait behind
-        # it so they cannot land inside its payload.
+        # it so they cannot land inside its payload (autobahn_private checks
+        # that Autobahn still writes them through here; else no Outbox).
         outbox = self._outbox
         if outbox is not None and outbox.busy:
             outbox.write(data)
