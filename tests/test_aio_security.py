@@ -10,8 +10,9 @@ import pytest_twisted
 pytest.importorskip("OpenSSL", reason="wss:// needs twisted[tls] (pyOpenSSL)")
 
 from execserver import aio
-from tests.aio_harness import in_asyncio
-from tests.test_security import NEAR_MISS, TOKEN, token_file
+from tests.aio_harness import in_asyncio, on_reactor
+from tests.cutting_proxy import CuttingProxy
+from tests.test_security import NEAR_MISS, OTHER, TOKEN, token_file, wait_stderr
 from tests.test_tls import Pki, pki, start_wss
 from tests.ws_harness import WsServerProcess
 
@@ -89,4 +90,30 @@ async def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
     try:
         await in_asyncio(scenario)
     finally:
+        assert await server.stop() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_withdrawn_token_ends_the_session_at_the_next_resume(tmp_path: Path) -> None:
+    path = token_file(tmp_path, TOKEN)
+    server = await WsServerProcess.start("--auth-token-file", str(path), "--verbose")
+    proxy = await CuttingProxy(server.host_port).start()
+
+    async def scenario() -> None:
+        async with aio.connect(proxy.url, token=TOKEN, session_ttl_ms=30_000) as client:
+            proc = await client.start(["sleep", "30"])
+            path.write_text(OTHER + "\n")
+            await on_reactor(server._signal, "HUP")
+            await on_reactor(wait_stderr, server, b"SIGHUP: 1 token(s) loaded")
+            await on_reactor(proxy.cut)
+            assert await proc.wait(timeout=20) is None
+            assert isinstance(proc.lost_reason, aio.SessionLost)
+            # Given up at the refusal, not taken for a server that is gone.
+            assert proc.lost_reason.cause.startswith("authentication refused (HTTP 401")
+            assert client.resumes == 0 and client.lost is proc.lost_reason
+
+    try:
+        await in_asyncio(scenario)
+    finally:
+        await proxy.stop()
         assert await server.stop() == 0

@@ -24,7 +24,8 @@ server) and survives a dropped connection exactly as the Twisted client's
 4. it gives up -- every handle and every waiting call fails with
    :class:`~execserver.clientcore.errors.SessionLost` naming the cause --
    when the server answers that the session is unknown, when connections are
-   refused for 2 s, or after the session's TTL.
+   refused for 2 s, when the upgrade is refused (401/403: the token was
+   withdrawn), or after the session's TTL.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from execserver.aio.process import DEFAULT_BACKLOG_BYTES, Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore.calls import repeatable
 from execserver.clientcore.errors import (
+    AuthRefused,
     ConnectFailed,
     ConnectionClosed,
     ExecServerError,
@@ -331,10 +333,15 @@ class Client:
                     self._give_up(exc.message)
                     return
                 cause = exc.message  # "already attached": the server has not noticed yet
+            except AuthRefused as exc:
+                # The session belongs to the identity that created it: a
+                # token refused now will not be accepted on a retry either.
+                self._give_up(exc.reason)
+                return
             except ExecServerError as exc:
                 cause = str(exc.reason) if isinstance(exc, ConnectFailed) else str(exc)
                 now = loop.time()
-                if "refused" in cause:
+                if "connection refused" in cause:
                     refused_since = now if refused_since is None else refused_since
                     if now - refused_since >= REFUSED_GIVE_UP_SECONDS:
                         self._give_up(f"the server is gone ({cause})")
