@@ -21,6 +21,7 @@ import pytest_twisted
 import execserver
 from execserver import capability_discovery as cd
 from execserver import yaml_subset
+from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
 from tests.harness import ServerProcess
 
@@ -286,6 +287,17 @@ async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
         # A native absolute path is accepted, as everywhere on this server.
         result = await server.call("capabilities/discoverV2", {"cwd": "/", "sandbox": None})
         assert result == {"plugins": [], "skills": [], "warnings": []}
+
+
+def test_a_missing_codex_home_is_an_internal_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(RpcError) as caught:
+        cd.discover({"CODEX_HOME": str(missing)})
+    assert (caught.value.code, caught.value.message) == (
+        -32603,
+        f'failed to find Codex home: CODEX_HOME points to "{missing}", '
+        "but that path does not exist",
+    )
 
 
 @pytest_twisted.ensureDeferred
