@@ -6,6 +6,8 @@ import os
 import time
 from typing import Final
 
+from execserver.containment import read_proc
+
 
 def kill_group(pid: int, sig: int) -> bool:
     """Send ``sig`` to the process group led by ``pid``; False if it is gone."""
@@ -36,19 +38,11 @@ def _live_groups() -> frozenset[int] | None:
         entries = os.listdir("/proc")
     except OSError:
         return None
-    live = set()
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # Fields after the command: state, ppid, pgrp, ...
-        if len(fields) > 2 and fields[0] not in (b"Z", b"X"):
-            live.add(int(fields[2]))
-    groups = frozenset(live)
+    groups = frozenset(
+        info.pgrp
+        for entry in entries
+        if entry.isdigit() and (info := read_proc(int(entry))) is not None and not info.zombie
+    )
     _group_scan = (now, groups)
     return groups
 
@@ -88,12 +82,8 @@ def wait_until_leader(pid: int, timeout: float) -> bool:
     """
     deadline = time.monotonic() + timeout
     while not leads_own_group(pid):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        if state in (b"Z", b"X") or time.monotonic() > deadline:
+        info = read_proc(pid)
+        if info is None or info.zombie or time.monotonic() > deadline:
             return False
         time.sleep(0.0002)
     return True
