@@ -53,8 +53,9 @@ class Target:
     resume: bool = False
     session_ttl_ms: int | None = None
     #: The per-call bound of the asyncio (``request_timeout``) and blocking
-    #: (``call_timeout``) clients; the Twisted client has none of its own.
-    call_timeout: float = DEFAULT_TIMEOUT
+    #: (``call_timeout``) clients (the blocking client's default); the
+    #: Twisted client has none of its own.
+    call_timeout: float = 60.0
 
 
 @attrs.frozen
