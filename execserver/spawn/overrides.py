@@ -52,6 +52,7 @@ from twisted.internet import process as _twisted_process
 from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 
 from execserver.containment import Containment, ContainmentError, ProcessTree
+from execserver.private_names import parameters
 from execserver.spawn.lookup import SpawnError, cwd_error, exec_error
 from execserver.spawn.reading import (
     PIPE_CAPACITY,
@@ -64,19 +65,12 @@ from execserver.spawn.reading import (
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
 
 
-def _parameters(func: object) -> list[str] | None:
-    try:
-        return list(inspect.signature(func).parameters)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
 def check_private_hooks(module: Any = _twisted_process) -> str | None:
     """None if every private hook we override exists as relied on, else what is wrong."""
     problems = []
     base = getattr(module, "_BaseProcess", None)
     expect_hook = ["self", "path", "uid", "gid", "executable", "args", "environment", "kwargs"]
-    if _parameters(getattr(base, "_trySpawnInsteadOfFork", None)) != expect_hook:
+    if parameters(getattr(base, "_trySpawnInsteadOfFork", None)) != expect_hook:
         problems.append("_BaseProcess._trySpawnInsteadOfFork(path, uid, gid, ...) is gone")
     fork = getattr(base, "_fork", None)
     try:
@@ -87,12 +81,12 @@ def check_private_hooks(module: Any = _twisted_process) -> str | None:
         problems.append("_BaseProcess._fork no longer calls _trySpawnInsteadOfFork")
     process = getattr(module, "Process", None)
     pty = getattr(module, "PTYProcess", None)
-    if _parameters(getattr(process, "_setupChild", None)) != ["self", "fdmap"]:
+    if parameters(getattr(process, "_setupChild", None)) != ["self", "fdmap"]:
         problems.append("Process._fork's keyword is no longer fdmap")
-    if _parameters(getattr(pty, "_setupChild", None)) != ["self", "masterfd", "slavefd"]:
+    if parameters(getattr(pty, "_setupChild", None)) != ["self", "masterfd", "slavefd"]:
         problems.append("PTYProcess._fork's keywords are no longer masterfd, slavefd")
     expect_actions = ["fdState", "childToParentFD", "doClose", "doDup2"]
-    if _parameters(getattr(module, "_getFileActions", None)) != expect_actions:
+    if parameters(getattr(module, "_getFileActions", None)) != expect_actions:
         problems.append("_getFileActions(fdState, childToParentFD, doClose, doDup2) is gone")
     if getattr(process, "processReaderFactory", None) is not getattr(module, "ProcessReader", 0):
         problems.append("Process.processReaderFactory is not ProcessReader")

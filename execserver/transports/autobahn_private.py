@@ -48,7 +48,6 @@ that the check notices and that the fallback serves a real connection.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -58,6 +57,8 @@ from autobahn.websocket.protocol import WebSocketProtocol
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from execserver.private_names import parameters
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -65,13 +66,6 @@ log = Logger()
 
 #: Offset of the public fallback's private-use close codes (RFC 6455 7.4.2).
 FALLBACK_CODE_OFFSET: Final = 3000
-
-
-def _params(func: object) -> list[str] | None:
-    try:
-        return list(inspect.signature(func).parameters)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
 
 
 def _names(func: object) -> frozenset[str]:
@@ -88,7 +82,7 @@ def close_frame_problems(cls: type = WebSocketProtocol) -> list[str]:
     return _missing(
         [
             (
-                _params(getattr(cls, "sendCloseFrame", None))
+                parameters(getattr(cls, "sendCloseFrame", None))
                 == ["self", "code", "reasonUtf8", "isReply"],
                 "sendCloseFrame(self, code, reasonUtf8, isReply)",
             ),
@@ -129,9 +123,9 @@ def fast_frame_problems(cls: type = WebSocketProtocol) -> list[str]:
                 {"state", "STATE_OPEN", "consumeData"} <= receiver,
                 "_dataReceived(data) feeding consumeData",
             ),
-            (_params(getattr(cls, "_dataReceived", None)) == ["self", "data"], "_dataReceived"),
+            (parameters(getattr(cls, "_dataReceived", None)) == ["self", "data"], "_dataReceived"),
             (
-                _params(getattr(cls, "_cancelAutoPingTimeoutCall", None)) == ["self"],
+                parameters(getattr(cls, "_cancelAutoPingTimeoutCall", None)) == ["self"],
                 "_cancelAutoPingTimeoutCall(self)",
             ),
             (
@@ -161,7 +155,7 @@ def send_path_problems(cls: type = WebSocketProtocol) -> list[str]:
     return _missing(
         [
             (
-                _params(getattr(cls, "sendData", None)) == ["self", "data", "sync", "chopsize"],
+                parameters(getattr(cls, "sendData", None)) == ["self", "data", "sync", "chopsize"],
                 "sendData(self, data, sync, chopsize)",
             ),
             (
