@@ -20,9 +20,9 @@ connection (see :mod:`execserver.aio.client`). Events and errors are the
 classes of :mod:`execserver.clientcore`, the ones the Twisted client uses.
 """
 
-from execserver.aio.channels import default_server_command
-from execserver.aio.client import DEFAULT_PATH, Client, RunResult, connect
+from execserver.aio.client import Client, RunResult, connect
 from execserver.aio.process import OutputStream, Process
+from execserver.clientcore.defaults import DEFAULT_PATH, default_server_command
 from execserver.clientcore.errors import (
     AuthRefused,
     ConnectFailed,

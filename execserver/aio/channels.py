@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import ssl
-import sys
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import InvalidStatus
 
 from execserver.aio.rpc import AsyncRpc
+from execserver.clientcore.defaults import default_server_command
 from execserver.clientcore.errors import (
     AuthRefused,
     ConnectFailed,
@@ -45,11 +45,6 @@ STDERR_TAIL_BYTES = 8192
 UNIX_SCHEME = "unix://"
 _PIPE_BYTES = 1024 * 1024
 log = logging.getLogger("execserver.aio")
-
-
-def default_server_command() -> list[str]:
-    """The server :func:`spawn_stdio` launches: this interpreter, ``-m execserver``."""
-    return [sys.executable, "-m", "execserver"]
 
 
 # --- a local server over stdio ------------------------------------------------------

@@ -53,6 +53,7 @@ from execserver.aio.channels import (
 from execserver.aio.process import DEFAULT_BACKLOG_BYTES, Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore.calls import repeatable
+from execserver.clientcore.defaults import DEFAULT_PATH
 from execserver.clientcore.errors import (
     AuthRefused,
     ConnectFailed,
@@ -84,8 +85,6 @@ from execserver.clientcore.types import (
 T = TypeVar("T")
 log = logging.getLogger("execserver.aio")
 
-#: ``env`` sent by ``start`` when none is given (as the Twisted client).
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: The session lifetime asked for over WebSocket with ``resume=True``.
 DEFAULT_SESSION_TTL_MS = 60_000
 #: After a drop, how long refused connections are retried before the session

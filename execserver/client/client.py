@@ -57,6 +57,7 @@ from execserver.client.types import (
     OutputEvent,
     OutputParams,
 )
+from execserver.clientcore import defaults
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -66,8 +67,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 log = Logger()
 
-#: ``env`` sent by ``start_process`` when none is given.
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: ``env`` sent by ``start_process`` when none is given (shared by every client).
+DEFAULT_PATH = defaults.DEFAULT_PATH
+
 #: How long a handle stays routable after ``process/exited`` when the server
 #: never sends ``process/closed`` (a baseline server).
 EXITED_LINGER_SECONDS = 30.0

@@ -36,6 +36,7 @@ from execserver.client.channels.process import ServerProcessProtocol, spawn_serv
 from execserver.client.channels.websocket import UNIX_SCHEME, ChannelFactory, WebSocketChannel
 from execserver.client.errors import ConnectFailed, ConnectionClosed, ConnectTimeout, SpawnFailed
 from execserver.client.rpc import RpcClient
+from execserver.clientcore import defaults
 from execserver.tls import ClientTls, TlsConfigError
 
 log = Logger()
@@ -77,8 +78,8 @@ async def wait_at_most(d: Deferred[Any], seconds: float, clock: IReactorTime) ->
 # --- a local server over stdio ------------------------------------------------------
 
 
-def default_server_command() -> list[str]:
-    return [sys.executable, "-m", "execserver"]
+#: The server ``spawn_local`` launches (shared by every client).
+default_server_command = defaults.default_server_command
 
 
 # Starts the server as the leader of a new session: a Ctrl-C at the terminal

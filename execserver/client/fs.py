@@ -3,7 +3,8 @@
 :func:`upload` and :func:`download` move a file of any size as a sequence
 of ranged ``fs/writeFile`` / ``fs/readFile`` calls (8 MiB each by default),
 so neither side ever holds more than one range; :class:`FileTransfers`
-offers them as client methods.
+offers them as client methods. The wire shapes are
+:mod:`execserver.clientcore.transfer`, shared with the asyncio client.
 
 The ``fs`` subcommands of ``exec-server-client`` are
 :mod:`execserver.client.cli.fs`.
@@ -12,54 +13,40 @@ The ``fs`` subcommands of ``exec-server-client`` are
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import BinaryIO
 
-import msgspec
 from twisted.internet.defer import Deferred
 
 from execserver import protocol as p
 from execserver.client.api import ClientApi
-from execserver.client.errors import RangesNotSupported
+from execserver.clientcore.errors import RangesNotSupported
+from execserver.clientcore.transfer import (
+    RANGE_CAPABILITIES,
+    TRANSFER_CHUNK_BYTES,
+    Progress,
+    RangedRead,
+    RangedReadResult,
+    RangedWrite,
+    require_ranges,
+)
 
-#: Bytes per ranged call of :func:`upload` and :func:`download`.
-TRANSFER_CHUNK_BYTES = 8 * 1024 * 1024
-
-#: ``progress(done, total)``: bytes moved so far, and the file's size when known.
-Progress = Callable[[int, "int | None"], None]
-
-
-class _RangedRead(msgspec.Struct, rename="camel"):
-    path: str
-    offset: int
-    length: int
-
-
-class _RangedReadResult(msgspec.Struct, rename="camel"):
-    data_base64: bytes
-    size: int
-
-
-class _RangedWrite(msgspec.Struct, rename="camel", omit_defaults=True):
-    path: str
-    data_base64: bytes
-    offset: int | None = None
-    truncate: bool | None = None
-
-
-#: What a server lists in ``capabilities`` when it takes ranged fs calls.
-RANGE_CAPABILITIES = ("fs/readFile:range", "fs/writeFile:range")
+__all__ = [
+    "RANGE_CAPABILITIES",
+    "TRANSFER_CHUNK_BYTES",
+    "FileTransfers",
+    "Progress",
+    "RangesNotSupported",
+    "download",
+    "upload",
+]
 
 
 def _require_ranges(client: ClientApi, capability: str) -> None:
     # A client that knows the server's capabilities checks them: a baseline
     # server would ignore `offset` and replace the whole file with each range.
     known = getattr(client, "capabilities", None)
-    if isinstance(known, list) and capability not in known:
-        raise RangesNotSupported(
-            f"the server does not support ranged fs calls ({capability} not in its "
-            "capabilities); use fs_read_file/fs_write_file"
-        )
+    if isinstance(known, list):
+        require_ranges(known, capability)
 
 
 def _open_local(
@@ -88,7 +75,7 @@ async def download(
     _require_ranges(client, RANGE_CAPABILITIES[0])
     offset = 0
     got = await client._call(
-        p.FS_READ_FILE, _RangedRead(path, offset, chunk_bytes), _RangedReadResult
+        p.FS_READ_FILE, RangedRead(path, offset, chunk_bytes), RangedReadResult
     )
     # Opened once the first range has arrived: a missing or unreadable
     # remote file leaves the local file as it was.
@@ -102,8 +89,8 @@ async def download(
                 progress(offset, got.size)
             if len(data) < chunk_bytes or offset >= got.size:
                 return offset
-            params = _RangedRead(path, offset, chunk_bytes)
-            got = await client._call(p.FS_READ_FILE, params, _RangedReadResult)
+            params = RangedRead(path, offset, chunk_bytes)
+            got = await client._call(p.FS_READ_FILE, params, RangedReadResult)
     finally:
         if owned:
             out.close()
@@ -141,7 +128,7 @@ async def upload(
         _require_ranges(client, RANGE_CAPABILITIES[1])
         offset = 0
         while data:
-            params = _RangedWrite(path, data, offset, truncate=True if offset == 0 else None)
+            params = RangedWrite(path, data, offset, truncate=True if offset == 0 else None)
             await client._call(p.FS_WRITE_FILE, params, p.Empty)
             offset += len(data)
             if progress is not None:
