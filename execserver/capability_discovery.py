@@ -409,7 +409,7 @@ def _walk(root: str, warnings: list[str]) -> list[str]:
             try:
                 if entry.is_dir():
                     real = os.path.realpath(entry.path)
-                    if depth + 1 >= MAX_SCAN_DEPTH or real in seen:
+                    if depth + 1 > MAX_SCAN_DEPTH or real in seen:
                         continue
                     if directories == MAX_DIRECTORIES_PER_ROOT:
                         truncated = True
@@ -473,9 +473,10 @@ def _plugin_files(found: _Root, manifest: CapabilityTextFile) -> DiscoveredPlugi
         return None
     mcp = declarations.get("mcpServers")
     apps = declarations.get("apps")
-    if mcp is not None and not isinstance(mcp, (str, dict)):
-        return None
-    if apps is not None and not isinstance(apps, str):
+    name = declarations.get("name")
+    if (apps is not None and not isinstance(apps, str)) or (
+        name is not None and not isinstance(name, str)
+    ):
         return None
     mcp_config: CapabilityTextFile | None = None
     if isinstance(mcp, dict):
@@ -619,31 +620,46 @@ def _text_field(table: Mapping[str, Any], key: str) -> str | None:
     raise SkillParseError(f"invalid type for `{key}`")
 
 
+def _fields(frontmatter: str) -> tuple[str | None, str | None, str | None]:
+    """``name``, ``description``, ``metadata.short-description`` as typed fields.
+
+    Raises YamlError for text that is not YAML or fields of the wrong type
+    (both are the reference's deserialisation errors).
+    """
+    table = yaml_subset.loads(frontmatter)
+    if not isinstance(table, dict):
+        raise yaml_subset.YamlError("expected a mapping")
+    metadata = table.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise yaml_subset.YamlError("invalid type for `metadata`")
+    try:
+        return (
+            _text_field(table, "name"),
+            _text_field(table, "description"),
+            _text_field(metadata, "short-description"),
+        )
+    except SkillParseError as exc:
+        raise yaml_subset.YamlError(str(exc)) from None
+
+
 def parse_skill(contents: str, directory_name: str) -> tuple[str, str, str | None]:
     """``(name, description, short description)`` of a ``SKILL.md``, as the reference validates."""
     frontmatter = _frontmatter(contents)
     if frontmatter is None:
         raise SkillParseError("missing YAML frontmatter delimited by ---")
     try:
-        table = yaml_subset.loads(frontmatter)
+        raw_name, raw_description, raw_short = _fields(frontmatter)
     except yaml_subset.YamlError as original:
         repaired = _repair(frontmatter)
         if repaired is None:
             raise SkillParseError(f"invalid YAML: {original}") from None
         try:
-            table = yaml_subset.loads(repaired)
+            raw_name, raw_description, raw_short = _fields(repaired)
         except yaml_subset.YamlError:
             raise SkillParseError(f"invalid YAML: {original}") from None
-    if not isinstance(table, dict):
-        raise SkillParseError("invalid YAML: expected a mapping")
-    metadata = table.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise SkillParseError("invalid type for `metadata`")
-    name = _one_line(_text_field(table, "name") or "")
-    if not name:
-        name = _one_line(directory_name) or "skill"
-    description = _one_line(_text_field(table, "description") or "")
-    short = _one_line(_text_field(metadata, "short-description") or "") or None
+    name = _one_line(raw_name or "") or _one_line(directory_name) or "skill"
+    description = _one_line(raw_description or "")
+    short = _one_line(raw_short or "") or None
     if len(name) > MAX_NAME_LEN:
         raise SkillParseError(f"invalid name: exceeds maximum length of {MAX_NAME_LEN} characters")
     if not description:
@@ -794,10 +810,12 @@ def _load(location: Location) -> _Discovery:
     interface = manifest.get("interface")
     display = interface.get("displayName") if isinstance(interface, dict) else None
     name = manifest.get("name")
+    if not isinstance(display, str) or not display.strip():
+        display = name if isinstance(name, str) and name.strip() else None
     files = found.plugin_files
     plugin = ExecutorPlugin(
         id=location.plugin.id,
-        display_name=display if isinstance(display, str) and display.strip() else str(name or ""),
+        display_name=display or os.path.basename(location.root),
         remote_plugin_id=location.plugin.remote_plugin_id,
         version=location.plugin.version,
         root=path_to_uri(location.root),

@@ -251,6 +251,13 @@ class _Block:
             self.pos += 1
 
     def document(self) -> Any:
+        # A document end marker ends the text (the rest must be blank).
+        for index, line in enumerate(self.lines):
+            if line.rstrip() == "...":
+                if any(_strip_comment(rest).strip() for rest in self.lines[index + 1 :]):
+                    raise YamlError("several documents are not supported")
+                del self.lines[index:]
+                break
         self._skip_blank()
         if self.pos < len(self.lines) and self.lines[self.pos].startswith(("%", "---", "...")):
             raise YamlError("directives and document markers are not supported")

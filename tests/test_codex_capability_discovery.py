@@ -9,6 +9,7 @@ front-matter parser is also tested directly. docs/protocol.md,
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 import msgspec
 import pytest
 import pytest_twisted
+from hypothesis import given
+from hypothesis import strategies as st
 
 import execserver
 from execserver import capability_discovery as cd
@@ -366,3 +369,32 @@ def test_yaml_subset_shapes() -> None:
     for bad in ["a: &x 1", "a: *x", "a: !tag v", "a: 1\n  b: 2", "a: 'open"]:
         with pytest.raises(yaml_subset.YamlError):
             yaml_subset.loads(bad)
+
+
+_keys = st.text("abcdefghijklmnopqrstuvwxyz_-0123456789", min_size=1, max_size=8).filter(
+    lambda key: not key.startswith("-")
+)
+_texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=30)
+
+
+@given(st.dictionaries(_keys, _texts | st.dictionaries(_keys, _texts, max_size=3), max_size=5))
+def test_yaml_subset_reads_quoted_documents(document: dict[str, Any]) -> None:
+    # JSON strings are YAML double-quoted scalars: any text survives.
+    lines = []
+    for key, value in document.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k}: {json.dumps(v, ensure_ascii=False)}" for k, v in value.items()]
+        else:
+            lines.append(f"{key}: {json.dumps(value, ensure_ascii=False)}")
+    expected = {k: (v or None) if isinstance(v, dict) else v for k, v in document.items()}
+    assert yaml_subset.loads("\n".join(lines)) == (expected or None)
+
+
+_line = st.text("abcdefghij XYZ:#'\"-{}[],&*!|>%@`", min_size=1, max_size=20).map(str.strip)
+
+
+@given(st.lists(_line.filter(bool), min_size=1, max_size=5))
+def test_yaml_subset_block_literals(lines: list[str]) -> None:
+    text = "k: |-\n" + "".join(f"  {line}\n" for line in lines) + "after: x\n"
+    assert yaml_subset.loads(text) == {"k": "\n".join(lines), "after": "x"}
