@@ -54,6 +54,8 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from execserver.waiters import cancel_call
+
 log = Logger()
 
 Mode = Literal["auto", "cgroup", "subreaper", "none"]
@@ -569,8 +571,7 @@ class Containment:
         """Kill every remaining descendant, reap them, remove the cgroups."""
         if self.mode == "none":
             return succeed(None)
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
+        cancel_call(self._timer)
         self._timer = None
         for tree in list(self._trees):
             tree.kill()

@@ -41,7 +41,7 @@ from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.registry import ANONYMOUS, ResumableSession, SessionRegistry
 from execserver.replies import Charged, Releasable
-from execserver.waiters import Latch, Waiters
+from execserver.waiters import Latch, Waiters, cancel_call
 from execserver.writebuffer import discard_unsent, unsent_bytes, write_buffer_of
 
 log = Logger()
@@ -419,8 +419,7 @@ class Connection:
         self._check_sent()
 
     def _release_charges(self) -> None:
-        if self._sent_poll is not None and self._sent_poll.active():
-            self._sent_poll.cancel()
+        cancel_call(self._sent_poll)
         self._sent_poll = None
         while self._charges:
             self._charges.popleft()[1].release()

@@ -34,7 +34,7 @@ from execserver.exits import exit_status, signal_name
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
 from execserver.spawn import ChildTransport, TerminalTransport, group_alive, kill_group
-from execserver.waiters import Latch, Waiters
+from execserver.waiters import Latch, Waiters, cancel_call
 from execserver.writebuffer import unsent_bytes
 
 if TYPE_CHECKING:
@@ -138,8 +138,7 @@ class ProcessGroup:
             callback()
 
     def release(self) -> None:
-        if self._sweep is not None and self._sweep.active():
-            self._sweep.cancel()
+        cancel_call(self._sweep)
         self._sweep = None
 
 
@@ -395,9 +394,8 @@ class ManagedProcess(ProcessProtocol):
         self.terminate(self._timeout_grace)
 
     def _cancel_timeouts(self) -> None:
-        for timer in (self._wall_timer, self._idle_timer):
-            if timer is not None and timer.active():
-                timer.cancel()
+        cancel_call(self._wall_timer)
+        cancel_call(self._idle_timer)
         self._wall_timer = None
         self._idle_timer = None
 
@@ -483,9 +481,8 @@ class ManagedProcess(ProcessProtocol):
         self._group_delay = min(self._group_delay * 2, 0.5)
 
     def _kill_now(self) -> None:
-        for timer in (self._kill_timer, self._group_timer):
-            if timer is not None and timer.active():
-                timer.cancel()
+        cancel_call(self._kill_timer)
+        cancel_call(self._group_timer)
         self._kill_timer = None
         self._group_timer = None
         if self.pid is None or self._tree is None:
@@ -518,9 +515,7 @@ class ManagedProcess(ProcessProtocol):
         self.transport.loseConnection()
 
     def _cancel_force_close(self) -> None:
-        timer = self._force_close_timer
-        if timer is not None and timer.active():
-            timer.cancel()
+        cancel_call(self._force_close_timer)
         self._force_close_timer = None
 
     def _finish(self) -> None:

@@ -28,6 +28,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from execserver.errors import RpcError
+from execserver.waiters import cancel_call
 
 log = Logger()
 
@@ -136,9 +137,7 @@ class SessionRegistry:
         )
 
     def _cancel_expiry(self, session_id: str) -> None:
-        timer = self._expiry.pop(session_id, None)
-        if timer is not None and timer.active():
-            timer.cancel()
+        cancel_call(self._expiry.pop(session_id, None))
 
     def _expire(self, session: ResumableSession) -> None:
         self._expiry.pop(session.session_id, None)

@@ -36,6 +36,7 @@ from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
+from execserver.waiters import cancel_call
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Stats
@@ -597,9 +598,7 @@ class Session:
         # oldest are released early.
         excess = len(self._expiry) - self.config.max_processes
         for process_id in list(self._expiry)[: max(0, excess)]:
-            timer = self._expiry.pop(process_id)
-            if timer.active():
-                timer.cancel()
+            cancel_call(self._expiry.pop(process_id))
             self.processes.pop(process_id, None)
 
     # --- flow control (IPushProducer) -------------------------------------------
@@ -686,8 +685,7 @@ class Session:
             if not proc.finished:
                 waits.append(proc.when_finished())
         for timer in self._expiry.values():
-            if timer.active():
-                timer.cancel()
+            cancel_call(timer)
         self._expiry.clear()
         if not waits:
             return succeed(None)

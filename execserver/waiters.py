@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Generic, TypeVar
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall
 
 T = TypeVar("T")
 
@@ -53,6 +54,12 @@ class Waiters(Generic[T]):
         for d in pending:
             if not d.called:
                 d.errback(error)
+
+
+def cancel_call(call: IDelayedCall | None) -> None:
+    """Cancel a timer that may be absent, already fired or already cancelled."""
+    if call is not None and call.active():
+        call.cancel()
 
 
 class Latch(Generic[T]):

@@ -10,6 +10,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from execserver.fs.paths import BUSY_KIND, closed_error, invalid
 from execserver.replies import Charged
+from execserver.waiters import cancel_call
 
 # --- reply budget ---------------------------------------------------------------
 
@@ -135,8 +136,7 @@ class ReplyBudget:
 
     @staticmethod
     def _stop_timer(wait: _BudgetWait) -> None:
-        if wait.timer is not None and wait.timer.active():
-            wait.timer.cancel()
+        cancel_call(wait.timer)
         wait.timer = None
 
     def _cancel(self, wait: _BudgetWait) -> None:

@@ -16,6 +16,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.python.failure import Failure
 
 from execserver.fs.paths import BUSY_KIND, closed_error, invalid
+from execserver.waiters import cancel_call
 
 #: Threads doing blocking file I/O (per server).
 FS_THREADS: Final = 4
@@ -233,8 +234,7 @@ class PoolRunner:
 
     @staticmethod
     def _stop_timer(job: _Job) -> None:
-        if job.timer is not None and job.timer.active():
-            job.timer.cancel()
+        cancel_call(job.timer)
         job.timer = None
 
     def _unqueue(self, job: _Job) -> bool:
