@@ -54,6 +54,7 @@ from execserver.client.errors import (
     SessionLost,
 )
 from execserver.client.process import RemoteProcess
+from execserver.clientcore.calls import repeatable
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -153,8 +154,9 @@ class _FollowsSession(ClientApi):
     Shared by :class:`ReconnectingClient` and :class:`ResumingClient`, which
     differ only in how the next connection comes (:meth:`_next_client`).
     A call in flight when the connection drops is sent again on the resumed
-    session when repeating it is harmless (:func:`_repeatable`), and fails
-    with :class:`OutcomeUnknown` otherwise; a session that could not be
+    session when repeating it is harmless
+    (:func:`execserver.clientcore.calls.repeatable`, shared with the asyncio
+    client), and fails with :class:`OutcomeUnknown` otherwise; a session that could not be
     resumed fails it with :class:`SessionLost`.
     """
 
@@ -189,7 +191,7 @@ class _FollowsSession(ClientApi):
                 except ConnectionClosed as exc:
                     if not client.resumable or self._stopped:
                         raise
-                    if not _repeatable(method, params):
+                    if not repeatable(method, params):
                         raise OutcomeUnknown(method, exc.reason) from None
                     # Safe to send again once the session is resumed.
                     session = client.session_id
@@ -417,25 +419,6 @@ class ReconnectingClient(_FollowsSession):
 
     def _next_client(self) -> Deferred[ExecServerClient]:
         return self.when_connected()
-
-
-#: Methods whose repetition changes nothing (process/write only with a writeId).
-_REPEATABLE = frozenset(
-    {
-        p.PROCESS_READ,
-        p.PROCESS_WAIT,
-        p.PROCESS_LIST,
-        p.FS_READ_FILE,
-        p.FS_GET_METADATA,
-        p.FS_READ_DIRECTORY,
-    }
-)
-
-
-def _repeatable(method: str, params: object) -> bool:
-    if method == p.PROCESS_WRITE:
-        return isinstance(params, p.WriteParams) and params.write_id is not None
-    return method in _REPEATABLE
 
 
 #: After a drop, how long refused connections (nothing listening: the server
