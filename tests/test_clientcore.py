@@ -394,3 +394,49 @@ def test_decoded_chunks_of_a_read_reach_the_handle_as_bytes() -> None:
     handle.begin_catch_up()
     assert handle.catch_up(msgspec.json.decode(raw, type=p.ReadResponse))
     assert handle.delivered == [("out", 1, b"\x00\xff")]
+
+
+# --- the asyncio client's bounded output stream -----------------------------------------------
+
+
+@given(
+    st.lists(st.one_of(st.integers(1, 3000), st.just(0)), max_size=60),
+    st.integers(1, 8000),
+)
+def test_aio_output_stream_is_bounded_ordered_and_reports_where_to_read_from(
+    steps: list[int], limit: int
+) -> None:
+    """Pushes (a size) and pulls (0) in any order: the buffer never exceeds
+    ``limit`` (but for a single larger chunk), events come out in order, and
+    after a lag the delivered events end exactly at ``OutputLagged.after_seq``."""
+    from execserver.aio.process import OutputStream
+    from execserver.clientcore.errors import OutputLagged
+
+    async def scenario() -> None:
+        stream = OutputStream("p", limit, lambda _: None)
+        seq = 0
+        delivered: list[int] = []
+        lagged: OutputLagged | None = None
+        for size in [*steps, *([0] * len(steps))]:
+            if size:
+                seq += 1
+                stream.push(OutputEvent("p", "stdout", b"x" * size, seq))
+                # Over the limit only with a single chunk larger than it.
+                assert stream.buffered_bytes <= limit or len(stream._queue) == 1
+            elif lagged is None:
+                if stream.buffered_bytes == 0 and stream._error is None:
+                    continue
+                try:
+                    event = await anext(stream)
+                except OutputLagged as exc:
+                    lagged = exc
+                else:
+                    assert event.seq is not None
+                    delivered.append(event.seq)
+        assert delivered == list(range(1, len(delivered) + 1)), "in order, none skipped"
+        if lagged is not None:
+            assert lagged.after_seq == (delivered[-1] if delivered else None)
+        else:
+            assert len(delivered) == seq
+
+    asyncio.run(scenario())
