@@ -696,3 +696,15 @@ def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
         assert rest == b"b\n"
         assert list(first) == []  # the same stream, at its end
         assert proc.wait(DEFAULT_TIMEOUT) == 0
+
+
+def test_sync_long_polls_are_bounded_by_their_own_wait_not_the_call_timeout() -> None:
+    from execserver import sync
+    from tests.client_adapters import stdio_command
+
+    with sync.connect(server_command=stdio_command(), env=server_env(), call_timeout=1.0) as c:
+        proc = c.start(["sh", "-c", "sleep 2; echo late"])
+        read = c.read(proc.process_id, after_seq=0, wait_ms=8000)
+        assert b"".join(chunk.chunk for chunk in read.chunks) == b"late\n"
+        waited = c.wait(proc.process_id, timeout_ms=8000)
+        assert (waited.exited, waited.exit_code) == (True, 0)

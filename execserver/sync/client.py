@@ -8,14 +8,14 @@ are the asyncio client's. Every blocking call has a bound:
 - protocol calls (fs, signal, list, ...) wait at most ``call_timeout``
   seconds (60 by default), then the request is cancelled and
   :class:`TimeoutError` raised;
-- ``connect`` waits at most ``connect_timeout`` plus ``call_timeout``
-  (the handshake) seconds;
+- ``connect`` waits at most ``2 * connect_timeout`` + 1 seconds (the
+  connection, then the handshake);
 - ``run``, ``Process.wait``, ``Process.output`` and ``upload``/``download``
   wait as long as the caller's ``timeout`` says (None: until the process
   ends, the transfer completes or the connection is lost).
 
-A KeyboardInterrupt while a call blocks cancels its coroutine (a cancelled
-``run`` terminates its process) before it propagates. Any number of threads
+A KeyboardInterrupt while a call blocks cancels its coroutine before it
+propagates (an interrupted ``run``'s process is terminated and has ended). Any number of threads
 may use one client (and its process handles) at once.
 """
 
@@ -76,11 +76,14 @@ class Client:
 
     # --- running coroutines ------------------------------------------------------------
 
-    def _call(self, factory: Callable[[], Awaitable[T]], what: str) -> Call[T]:
-        """A started :class:`Call` of ``factory()`` on the loop."""
+    def _check_usable(self) -> None:
         check_not_loop_thread()
         if self._closed:
             raise ConnectionClosed("the client was closed")
+
+    def _call(self, factory: Callable[[], Awaitable[T]], what: str) -> Call[T]:
+        """A started :class:`Call` of ``factory()`` on the loop."""
+        self._check_usable()
         call = Call(self._loop, factory, what)
         call.start()
         return call
@@ -122,6 +125,11 @@ class Client:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def pending_request_count(self) -> int:
+        """Requests sent and not yet answered (on the current connection)."""
+        return self._aio.pending_request_count
 
     # --- processes -----------------------------------------------------------------------
 
@@ -223,8 +231,13 @@ class Client:
         max_bytes: int | None = None,
         wait_ms: int | None = None,
     ) -> p.ReadResponse:
-        return self._rpc(
-            "process/read", lambda: self._aio.read(process_id, after_seq, max_bytes, wait_ms)
+        """``process/read``; bounded by ``wait_ms`` plus ``call_timeout``."""
+        params = p.ReadParams(process_id, after_seq, max_bytes, wait_ms)
+        bound = self._long_poll_bound(wait_ms or 0)
+        return self._blocking(
+            lambda: self._aio.call(p.PROCESS_READ, params, p.ReadResponse, timeout=bound),
+            bound,
+            "process/read",
         )
 
     def write(self, process_id: str, data: bytes) -> p.WriteResponse:
@@ -245,11 +258,21 @@ class Client:
         return self._rpc("process/resize", lambda: self._aio.resize(process_id, rows, cols))
 
     def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
-        """``process/wait``; bounded by ``timeout_ms`` plus ``call_timeout``."""
-        bound = self.call_timeout
-        if bound is not None:
-            bound = None if timeout_ms is None else bound + timeout_ms / 1000
-        return self._blocking(lambda: self._aio.wait(process_id, timeout_ms), bound, "process/wait")
+        """``process/wait``; bounded by ``timeout_ms`` plus ``call_timeout``
+        (without ``timeout_ms``: until the process exits)."""
+        params = p.WaitParams(process_id, timeout_ms)
+        bound = self._long_poll_bound(timeout_ms)
+        return self._blocking(
+            lambda: self._aio.call(p.PROCESS_WAIT, params, p.WaitResponse, timeout=bound),
+            bound,
+            "process/wait",
+        )
+
+    def _long_poll_bound(self, server_ms: int | None) -> float | None:
+        """A request the server holds up to ``server_ms`` (None: indefinitely)."""
+        if self.call_timeout is None or server_ms is None:
+            return None
+        return self.call_timeout + server_ms / 1000
 
     def list_processes(self) -> p.ListResponse:
         return self._rpc("process/list", self._aio.list_processes)
@@ -316,17 +339,14 @@ class Client:
         progress: Progress | None,
         timeout: float | None,
     ) -> int:
-        check_not_loop_thread()
-        if self._closed:
-            raise ConnectionClosed("the client was closed")
         method = self._aio.upload if direction == "upload" else self._aio.download
 
         async def transfer() -> int:
-            done = await method(
-                path, local_file, progress=call.progress if progress is not None else None
-            )
-            return int(done) if done is not None else 0
+            on_range = call.progress if progress is not None else None
+            return await method(path, local_file, progress=on_range)
 
+        self._check_usable()
+        # Made before it starts: the coroutine refers to it.
         call: Call[int] = Call(self._loop, transfer, f"{direction} {path}")
         call.start()
         return call.wait(timeout, progress)
