@@ -267,7 +267,11 @@ class WebSocketChannel:
             reason = "closed by the client"
             raise
         except Exception as exc:
+            # A bug of ours, not the peer's: nothing more is read, so the
+            # connection must not stay open either.
             reason = f"{type(exc).__name__}: {exc}"
+            log.exception("%s: reading the WebSocket failed", self.url)
+            self.abort()
         finally:
             self.rpc.connection_lost(reason)
 
