@@ -667,60 +667,93 @@ def parse_skill(contents: str, directory_name: str) -> tuple[str, str, str | Non
     return name, description, short
 
 
-def _boolean(value: Any) -> bool | None:
-    if value in ("true", "True", "TRUE"):
-        return True
-    if value in ("false", "False", "FALSE"):
-        return False
-    return None
+#: ``policy.products`` values (lower case or all upper case in the file).
+PRODUCTS: Final = ("codex", "chatgpt", "atlas")
+_TOOL_FIELDS: Final = ("type", "value", "description", "transport", "command", "url")
 
 
-def _string(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
+class _InvalidMetadata(ValueError):
+    """``agents/openai.yaml`` does not have the reference's shape: both parts are null."""
+
+
+def _optional_text(table: Mapping[str, Any], key: str) -> str | None:
+    value = table.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise _InvalidMetadata(key)
+
+
+def _dependencies(raw: Any) -> SkillDependencies | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _InvalidMetadata("dependencies")
+    entries = raw.get("tools")
+    if entries is None:
+        return None
+    if not isinstance(entries, list):
+        raise _InvalidMetadata("tools")
+    tools = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise _InvalidMetadata("tool")
+        kind, value, description, transport, command, url = (
+            _optional_text(entry, key) for key in _TOOL_FIELDS
+        )
+        if kind is not None and value is not None:
+            # The OAuth callback port is not read from the file (always null).
+            tools.append(
+                SkillToolDependency(kind, value, description, transport, command, url, None)
+            )
+    return SkillDependencies(tools) if tools else None
+
+
+def _policy(raw: Any) -> SkillPolicy | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _InvalidMetadata("policy")
+    allow = raw.get("allow_implicit_invocation")
+    allowed: bool | None = None
+    if allow is not None:
+        # YAML 1.2 booleans, unquoted.
+        if isinstance(allow, yaml_subset.Quoted) or allow not in yaml_subset.BOOLEANS:
+            raise _InvalidMetadata("allow_implicit_invocation")
+        allowed = yaml_subset.BOOLEANS[allow]
+    products = raw.get("products")
+    if products is None:
+        products = []
+    if not isinstance(products, list):
+        raise _InvalidMetadata("products")
+    names = []
+    for product in products:
+        if not isinstance(product, str) or (
+            product not in PRODUCTS and product.lower() not in PRODUCTS
+        ):
+            raise _InvalidMetadata("products")
+        if product != product.lower() and product != product.upper():
+            raise _InvalidMetadata("products")
+        names.append(product.lower())
+    return SkillPolicy(allowed, names)
 
 
 def skill_extras(text: str | None) -> tuple[SkillDependencies | None, SkillPolicy | None]:
-    """``dependencies`` and ``policy`` from a skill's ``agents/openai.yaml``."""
+    """``dependencies`` and ``policy`` from a skill's ``agents/openai.yaml``.
+
+    A file that does not read, or whose parts have the wrong shape, gives
+    ``null`` for both, without a warning (as the reference).
+    """
     if text is None:
         return None, None
     try:
         table = yaml_subset.loads(text)
-    except yaml_subset.YamlError:
+        if table is None:
+            return None, None
+        if not isinstance(table, dict) or not isinstance(table.get("interface", {}), dict | None):
+            raise _InvalidMetadata("interface")
+        return _dependencies(table.get("dependencies")), _policy(table.get("policy"))
+    except (yaml_subset.YamlError, _InvalidMetadata):
         return None, None
-    if not isinstance(table, dict):
-        return None, None
-    dependencies = None
-    raw = table.get("dependencies")
-    if isinstance(raw, dict) and isinstance(raw.get("tools"), list):
-        tools = []
-        for tool in raw["tools"]:
-            if not isinstance(tool, dict):
-                continue
-            kind, value = _string(tool.get("type")), _string(tool.get("value"))
-            if kind is None or value is None:
-                continue
-            port = _string(tool.get("oauth_callback_port"))
-            tools.append(
-                SkillToolDependency(
-                    kind,
-                    value,
-                    _string(tool.get("description")),
-                    _string(tool.get("transport")),
-                    _string(tool.get("command")),
-                    _string(tool.get("url")),
-                    int(port) if port is not None and port.isdigit() else None,
-                )
-            )
-        dependencies = SkillDependencies(tools)
-    policy = None
-    raw = table.get("policy")
-    if isinstance(raw, dict):
-        products = raw.get("products")
-        policy = SkillPolicy(
-            _boolean(raw.get("allow_implicit_invocation")),
-            [p for p in products if isinstance(p, str)] if isinstance(products, list) else [],
-        )
-    return dependencies, policy
 
 
 # --- assembling the answer ----------------------------------------------------------

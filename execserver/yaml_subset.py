@@ -47,8 +47,26 @@ _ESCAPES: Final = {
 _HEX_ESCAPES: Final = {"x": 2, "u": 4, "U": 8}
 
 
+#: Unquoted scalars that are booleans (YAML 1.2 core schema), for callers
+#: that want one.
+BOOLEANS: Final = {
+    "true": True,
+    "True": True,
+    "TRUE": True,
+    "false": False,
+    "False": False,
+    "FALSE": False,
+}
+
+
 class YamlError(ValueError):
     """The text is not YAML this module accepts."""
+
+
+class Quoted(str):
+    """A quoted scalar's text: always a string, never a boolean or null."""
+
+    __slots__ = ()
 
 
 def _indent(line: str) -> int:
@@ -122,11 +140,11 @@ def _fold_lines(lines: list[str]) -> str:
     return out + "\n" * blanks
 
 
-def _quoted(text: str) -> str:
+def _quoted(text: str) -> Quoted:
     """The value of a complete quoted scalar (``'…'`` or ``"…"``, maybe multi-line)."""
     quote, body = text[0], text[1:-1]
     if quote == "'":
-        return _fold_lines(body.split("\n")).replace("''", "'")
+        return Quoted(_fold_lines(body.split("\n")).replace("''", "'"))
     out: list[str] = []
     lines = body.split("\n")
     folded = _fold_lines(lines) if len(lines) > 1 else body
@@ -151,7 +169,7 @@ def _quoted(text: str) -> str:
             index += 2
         else:
             raise YamlError("invalid escape in double-quoted scalar")
-    return "".join(out)
+    return Quoted("".join(out))
 
 
 def _plain(text: str) -> str | None:

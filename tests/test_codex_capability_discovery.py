@@ -398,3 +398,59 @@ _line = st.text("abcdefghij XYZ:#'\"-{}[],&*!|>%@`", min_size=1, max_size=20).ma
 def test_yaml_subset_block_literals(lines: list[str]) -> None:
     text = "k: |-\n" + "".join(f"  {line}\n" for line in lines) + "after: x\n"
     assert yaml_subset.loads(text) == {"k": "\n".join(lines), "after": "x"}
+
+
+_FULL_TOOL = (
+    "dependencies:\n  tools:\n    - type: mcp\n      value: gh\n      description: d\n"
+    "      transport: streamable_http\n      command: cmd\n      url: https://x\n"
+    "      oauth_callback_port: 8080\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "dependencies", "policy"),
+    [
+        # What the reference answered for each agents/openai.yaml.
+        (
+            _FULL_TOOL
+            + "policy:\n  allow_implicit_invocation: true\n  products: [codex, CHATGPT]\n",
+            {"tools": [["mcp", "gh", "d", "streamable_http", "cmd", "https://x", None]]},
+            (True, ["codex", "chatgpt"]),
+        ),
+        (
+            "dependencies:\n  tools:\n    - value: gh\n"
+            "    - type: 5\n      value: 6\n      url: 7\n",
+            {"tools": [["5", "6", None, None, None, "7", None]]},
+            None,
+        ),
+        ("dependencies:\n  tools: []\npolicy: {}\n", None, (None, [])),
+        ("policy:\n  allow_implicit_invocation: False\n", None, (False, [])),
+        ("policy:\n  products: [ATLAS]\n", None, (None, ["atlas"])),
+        ("interface:\n  display_name: X\n", None, None),
+        # Any part of the wrong shape: both are null.
+        ("policy:\n  allow_implicit_invocation: yes\n", None, None),
+        ("policy:\n  allow_implicit_invocation: 'true'\n", None, None),
+        ("policy:\n  products: [Codex]\n", None, None),
+        ("policy:\n  products: [codex, unknown]\n", None, None),
+        ("dependencies:\n  tools:\n    - x\n", None, None),
+        ("dependencies:\n  tools: x\npolicy:\n  products: []\n", None, None),
+        ("dependencies:\n  tools:\n    - type: mcp\n      value: [a]\n", None, None),
+        ("interface: 5\npolicy:\n  products: [codex]\n", None, None),
+        ("- a\n", None, None),
+        ("dependencies: [\n", None, None),
+    ],
+)
+def test_skill_dependencies_and_policy(text: str, dependencies: Any, policy: Any) -> None:
+    found_dependencies, found_policy = cd.skill_extras(text)
+    if dependencies is None:
+        assert found_dependencies is None
+    else:
+        assert found_dependencies is not None
+        assert [list(msgspec.structs.astuple(t)) for t in found_dependencies.tools] == (
+            dependencies["tools"]
+        )
+    if policy is None:
+        assert found_policy is None
+    else:
+        assert found_policy is not None
+        assert (found_policy.allow_implicit_invocation, found_policy.products) == policy
