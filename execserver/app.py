@@ -22,7 +22,8 @@ from execserver import capability_discovery, environment, environment_config, ha
 from execserver import fs as filesystem
 from execserver import protocol as p
 from execserver.config import ServerConfig
-from execserver.dispatcher import Connection, Dispatcher
+from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
+from execserver.errors import RpcError
 from execserver.fs import watch
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
@@ -33,6 +34,25 @@ from execserver.spawn import Spawner
 ENVIRONMENT_INFO = "environment/info"
 FS_WATCH_MISSING = "fs/watchMissing"
 FS_MISSING_CHANGED = "fs/missingChanged"
+
+#: The current dialect's code for an fs path that does not exist.
+FS_NOT_FOUND = -32004
+
+
+def _announces_current(method: str) -> bool:
+    # Only the current dialect sends paths as file:// URIs (fs/*, a cwd).
+    return method.startswith("fs/") or method == p.PROCESS_START
+
+
+def _current_error(error: RpcError) -> RpcError:
+    data = error.data
+    if isinstance(data, dict) and data.get("kind") == "notFound" and "errno" in data:
+        # The current release reports a missing fs path as -32004 (same text).
+        return RpcError(FS_NOT_FOUND, error.message, data)
+    return error
+
+
+CURRENT_DIALECT = CurrentDialect(_announces_current, _current_error)
 
 #: The process-control extensions (docs/process-control.md), listed in
 #: ``initialize``'s capabilities.
@@ -64,7 +84,7 @@ def build_dispatcher(
             retained_total=lambda: retained_output_bytes(dispatcher),
         )
 
-    dispatcher = Dispatcher(config, clock, new_session)
+    dispatcher = Dispatcher(config, clock, new_session, dialect=CURRENT_DIALECT)
     dispatcher.add_route(p.INITIALIZE, p.InitializeParams, handshake.initialize, family=None)
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
     dispatcher.add_route(

@@ -51,8 +51,6 @@ LARGE_RESULT_BYTES = 64 * 1024
 
 #: The current dialect answers unknown methods with JSON-RPC's "method not found".
 METHOD_NOT_FOUND = -32601
-#: The current dialect's code for an fs path that does not exist.
-FS_NOT_FOUND = -32004
 #: A JSON string value that is a file:// URI (re scans the raw params in place).
 _URI_VALUE = re.compile(rb'"file://')
 
@@ -96,6 +94,30 @@ class _GoneOutbound:
 _GONE = _GoneOutbound()
 
 Handler = Callable[["Connection", Any], Any]
+
+
+def _never(method: str) -> bool:
+    return False
+
+
+def _unchanged(error: RpcError) -> RpcError:
+    return error
+
+
+@attrs.frozen
+class CurrentDialect:
+    """How the reference's current dialect differs, as the composition root says.
+
+    A connection speaks it once its ``initialize`` carries ``resumeSessionId``,
+    or once a request of a method ``announced_by`` accepts carries a
+    ``file://`` URI (docs/protocol.md, "Dialects"); from then on its unknown
+    methods get ``-32601`` and its errors go through ``error``.
+    """
+
+    announced_by: Callable[[str], bool] = _never
+    error: Callable[[RpcError], RpcError] = _unchanged
+
+
 #: Builds the session of a new connection (the composition root's).
 SessionFactory = Callable[["Connection"], ResumableSession]
 Part = TypeVar("Part")
@@ -142,10 +164,12 @@ class Dispatcher:
         clock: IReactorTime,
         session_factory: SessionFactory,
         capabilities: tuple[str, ...] = (),
+        dialect: CurrentDialect = CurrentDialect(),
     ) -> None:
         self.config = config
         self.clock = clock
         self.session_factory = session_factory
+        self.dialect = dialect
         #: Listed in ``initialize``'s result; routes add theirs.
         self.capabilities = list(capabilities)
         self.stats = Stats()
@@ -311,7 +335,7 @@ class Connection:
         if (
             not self.current
             and req.params is not None
-            and (req.method.startswith("fs/") or req.method == p.PROCESS_START)
+            and self.dispatcher.dialect.announced_by(req.method)
             and _URI_VALUE.search(req.params) is not None
         ):
             # Only the current dialect sends paths as URIs: from now on this
@@ -481,14 +505,8 @@ class Connection:
             self.outbound.write_message(data)
 
     def _send_error(self, request_id: p.RequestId | None, error: RpcError) -> None:
-        if (
-            self.current
-            and isinstance(error.data, dict)
-            and error.data.get("kind") == "notFound"
-            and "errno" in error.data
-        ):
-            # The current release reports a missing fs path as -32004 (same text).
-            error = RpcError(FS_NOT_FOUND, error.message, error.data)
+        if self.current:
+            error = self.dispatcher.dialect.error(error)
         self.send(p.ErrorResponse(request_id, error.to_wire()))
 
     # --- lifecycle --------------------------------------------------------------
