@@ -283,7 +283,7 @@ class Connection:
 
     # --- incoming ---------------------------------------------------------------
 
-    def message_received(self, data: bytes | bytearray | str) -> None:
+    def message_received(self, data: bytes | bytearray | memoryview | str) -> None:
         """Handle one complete message (one line, one frame)."""
         if not self._open:
             return

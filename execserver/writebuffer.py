@@ -11,6 +11,9 @@ writes them:
   bound of ``process/write``, and when a connection stops reading requests;
 - the high-water mark itself (``bufferSize``, 64 KiB by default, less than
   one output notification);
+- the flag that makes Twisted resume a streaming producer once its buffer
+  is empty (``producerPaused``), set by an :class:`Outbox` to hand Twisted
+  one piece at a time;
 - dropping what a closed descriptor still holds;
 - ``StandardIO``'s writer (``_writer``), which holds its buffer.
 
@@ -44,7 +47,8 @@ class _NotAReactor:
 
 def check_fields(cls: Any = FileDescriptor) -> str | None:
     """None if ``cls`` keeps its write buffer in the fields read here, else what changed."""
-    missing = [name for name in ("dataBuffer", "offset", "bufferSize") if not hasattr(cls, name)]
+    names = ("dataBuffer", "offset", "bufferSize", "producerPaused", "streamingProducer")
+    missing = [name for name in names if not hasattr(cls, name)]
     try:
         probe = cls.__new__(cls)
         # Any reactor but the global one, which must not be installed by an import.
@@ -121,9 +125,17 @@ def discard_unsent(writer: Any) -> None:
 #: pieces reach Twisted's buffer a few at a time instead of all at once.
 LARGE_MESSAGE_BYTES: Final = 1024 * 1024
 
-#: Longest piece handed to Twisted in one write; a longer (or non-bytes)
-#: piece is copied out a slice of this size at a time.
+#: Longest piece handed to Twisted in one write; a longer one is copied out
+#: a slice of this size at a time.
 WRITE_SLICE_BYTES: Final = 4 * 1024 * 1024
+
+#: A piece that is not ``bytes`` (the rest of one the pipe took part of) is
+#: copied out this much at a time: the copy exists beside the whole text.
+VIEW_SLICE_BYTES: Final = 256 * 1024
+
+#: Consecutive pieces up to this size are joined into one write (the
+#: envelope around a result, a frame header).
+SMALL_PIECE_BYTES: Final = 64 * 1024
 
 _outboxes: weakref.WeakKeyDictionary[Any, Outbox] = weakref.WeakKeyDictionary()
 
@@ -149,6 +161,16 @@ class Outbox:
     resumes it (the buffer has drained), so Twisted holds at most about the
     high-water mark plus one slice. Only once the queue is empty is ``inner``
     resumed; every pause reaches ``inner`` at once.
+
+    While pieces are queued, each write is followed by a pause that Twisted
+    ends once its buffer is empty (its ``producerPaused`` flag, which
+    ``doWrite`` checks on draining), so each piece reaches Twisted alone.
+    Twisted joins what it holds into one buffer before sending
+    (``doWrite``): a lone ``bytes`` is taken as is, two pieces would be
+    copied into a third. (Lowering its high-water mark instead would also
+    shrink its socket reads: ``bufferSize`` is their size too.) Through TLS
+    the writer is not a ``FileDescriptor`` and pieces go on until Twisted
+    pauses this producer above the high-water mark.
 
     While anything is queued, every later message (small ones too) is queued
     behind it, so no message's bytes ever land inside another's. The queued
@@ -198,24 +220,53 @@ class Outbox:
 
     def _pump(self) -> None:
         queue = self._queue
-        limit = self._slice
         while queue and not self._paused:
-            piece = queue[0]
-            if type(piece) is bytes and len(piece) <= limit:
-                queue.popleft()
-                data = piece
-            else:
-                view = memoryview(piece).cast("B")
-                data = bytes(view[:limit])
-                if len(view) > limit:
-                    queue[0] = view[limit:]
-                else:
-                    queue.popleft()
+            data = self._next_write()
             self.held -= len(data)
             # May pause this producer at once (Twisted's buffer is full).
             self._transport.write(data)
+            if queue and not self._paused:
+                self._wait_for_drain()
         if not queue:
             self._fire_drained()
+
+    def _next_write(self) -> bytes:
+        """Take the next write off the queue: one piece, or small ones joined."""
+        queue = self._queue
+        piece = queue[0]
+        size = memoryview(piece).nbytes
+        if size <= SMALL_PIECE_BYTES and len(queue) > 1:
+            small: list[Buffer] = []
+            total = 0
+            while queue and total + memoryview(queue[0]).nbytes <= SMALL_PIECE_BYTES:
+                part = queue.popleft()
+                small.append(part)
+                total += memoryview(part).nbytes
+            return b"".join(small)
+        if type(piece) is bytes and size <= self._slice:
+            queue.popleft()
+            return piece
+        view = memoryview(piece).cast("B")
+        limit = self._slice if type(piece) is bytes else min(self._slice, VIEW_SLICE_BYTES)
+        data = bytes(view[:limit])
+        if len(view) > limit:
+            queue[0] = view[limit:]
+        else:
+            queue.popleft()
+        return data
+
+    def _wait_for_drain(self) -> None:
+        """Pause until Twisted's buffer is empty, if Twisted will say so."""
+        writer = self._writer
+        if (
+            getattr(writer, "producer", None) is self
+            and getattr(writer, "streamingProducer", False)
+            and hasattr(writer, "producerPaused")
+            and unsent_bytes(writer) > self.held
+        ):
+            # What Twisted's write does above its high-water mark.
+            writer.producerPaused = True
+            self.pauseProducing()
 
     def discard(self) -> None:
         """Drop what is queued: the connection is gone."""

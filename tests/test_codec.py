@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import mmap
 from typing import Any
 
 import msgspec
@@ -90,6 +91,48 @@ def test_one_byte_at_a_time_equals_all_at_once(case: tuple[bytes, list[int]]) ->
     one_by_one = [m for i in range(len(stream)) for m in bytewise.feed(stream[i : i + 1])]
     one_by_one += bytewise.finish()
     assert one_by_one == all_at_once
+
+
+@given(streams_and_cuts(), st.integers(min_value=0, max_value=20))
+@example((b"y" * 16 + b"\r\n{}\n", [3, 17]), 2)  # CR of a long line arriving before its LF
+@example((b" " * 10 + b"\n\t\r\n" + b"x" * 9 + b"\n", [1, 12, 15]), 0)  # long blank lines
+def test_long_lines_in_a_mapping_yield_the_same_messages(
+    case: tuple[bytes, list[int]], long_after: int
+) -> None:
+    stream, cuts = case
+    framer = LineFramer(16, long_line_bytes=long_after)
+    out = feed_in_pieces(framer, stream, cuts)
+    assert out == model_lines(stream, 16)
+    assert framer.buffered_bytes == 0
+    for line in out:
+        if isinstance(line, memoryview):
+            # Only a line gathered across reads past the threshold is mapped.
+            assert isinstance(line.obj, mmap.mmap)
+            assert len(line) > long_after - 1
+
+
+def test_a_long_line_across_reads_is_handed_over_from_a_mapping() -> None:
+    framer = LineFramer(64 * 1024 * 1024, long_line_bytes=256 * 1024)
+    body = bytes(range(256)).replace(b"\n", b"") * 40_000  # ~10 MiB: grows past 4 MiB
+    read = 64 * 1024
+    out: list[codec.Line | Oversized] = []
+    stream = body + b"\r\n{}\n"
+    for start in range(0, len(stream), read):
+        out += framer.feed(stream[start : start + read])
+    assert len(out) == 2
+    line = out[0]
+    assert isinstance(line, memoryview) and isinstance(line.obj, mmap.mmap)
+    assert line == body
+    assert out[1] == b"{}"
+
+
+def test_a_mapped_buffer_grows_past_its_first_mapping() -> None:
+    buffer = codec.MappedBuffer()
+    chunk = bytes(range(256)) * 4096  # 1 MiB
+    for _ in range(9):
+        buffer.append(chunk)
+    assert buffer.size == 9 * len(chunk)
+    assert buffer.take() == chunk * 9
 
 
 @given(st.lists(st.binary(min_size=1, max_size=200), max_size=30))

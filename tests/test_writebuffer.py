@@ -104,6 +104,78 @@ async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_p
             await stopped
 
 
+class Collector(Protocol):
+    def connectionMade(self) -> None:
+        self.received = bytearray()
+        self.factory.reader.callback(self)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+        if len(self.received) >= self.factory.expected and not self.factory.done.called:
+            self.factory.done.callback(None)
+
+
+@implementer(IPushProducer)
+class Inner:
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_outbox_hands_twisted_one_piece_at_a_time_and_twisted_sends_it_uncopied() -> None:
+    """Twisted joins what it holds before sending: two pieces would be copied into a third.
+
+    Pieces smaller than the high-water mark, so that only the Outbox's own
+    pause (not Twisted's high-water mark) keeps a second one out.
+    """
+    pieces = [bytes([65 + i]) * (768 * 1024) for i in range(6)]
+    message = [b'{"id":1,"result":"', *pieces, b'"}\n']
+    server_factory: Any = Factory.forProtocol(Sender)
+    server_factory.sender = Deferred()
+    client_factory: Any = ClientFactory.forProtocol(Collector)
+    client_factory.reader = Deferred()
+    client_factory.done = Deferred()
+    client_factory.expected = sum(len(part) for part in message)
+    port: Any = reactor.listenTCP(0, server_factory, interface="127.0.0.1")
+    connector = reactor.connectTCP("127.0.0.1", port.getHost().port, client_factory)
+    try:
+        sender: Protocol = await server_factory.sender.addTimeout(TIMEOUT, reactor)
+        collector: Any = await client_factory.reader.addTimeout(TIMEOUT, reactor)
+        transport: Any = sender.transport
+        writebuffer.set_high_water(transport, 2 * 1024 * 1024)
+        outbox = writebuffer.Outbox(transport, transport, Inner())
+        transport.registerProducer(outbox, True)
+        sent_from: list[bytes] = []
+        real_write_some = transport.writeSomeData
+
+        def write_some(data: Any) -> Any:
+            if type(data) is bytes:  # a new buffer (a slice of one is a memoryview)
+                sent_from.append(data)
+            return real_write_some(data)
+
+        transport.writeSomeData = write_some
+        outbox.write_parts(message)
+        await client_factory.done.addTimeout(TIMEOUT, reactor)
+        await outbox.when_drained().addTimeout(TIMEOUT, reactor)
+        assert bytes(collector.received) == b"".join(message)
+        large = [data for data in sent_from if len(data) > writebuffer.SMALL_PIECE_BYTES]
+        assert large, "no large buffer sent"
+        copies = [len(data) for data in large if not any(data is piece for piece in pieces)]
+        assert not copies, f"Twisted sent from copies of {copies} bytes, not the pieces"
+        transport.unregisterProducer()
+    finally:
+        connector.disconnect()
+        stopped = port.stopListening()
+        if stopped is not None:
+            await stopped
+
+
 # --- the stdin bound of process/write, against a real child that never reads -------
 
 STDIN_LIMIT = 16 * 1024 * 1024  # docs/protocol.md: "more than 16 MiB already waiting"

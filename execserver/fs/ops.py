@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import secrets
 import stat
@@ -124,10 +125,10 @@ def _open_regular_for_reading(path: str, extra: int = 0) -> tuple[int, os.stat_r
 def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
     """``fs/readFile``: the result rendered as pieces, the file read a slice at a time.
 
-    Each slice of the file is read into one reused buffer and base64-encoded
-    into its own piece, so the reply's text exists once and the file's bytes
-    never exist whole. A file read whole must stay within ``limit``; a
-    range's bytes must (the file may be larger).
+    Each slice of the file is read into one reused buffer and its base64
+    appended to the result's pieces (:func:`_read_encoded`). A file read
+    whole must stay within ``limit``; a range's bytes must (the file may be
+    larger).
     """
     fd, st = _open_regular_for_reading(resolve_path(path))
     try:
@@ -148,11 +149,83 @@ def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
     return RenderedParts((_READ_PREFIX, *pieces, tail))
 
 
-def _read_encoded(fd: int, want: int) -> tuple[list[bytes], int]:
-    """Read up to ``want`` bytes from ``fd``: their base64, one piece per slice."""
-    buffer = bytearray(min(want, b64.B64_SLICE) if want < b64.B64_SLICE else b64.B64_SLICE)
+#: Bytes of the file read (and base64-encoded) per system call: the raw
+#: slice and its text are all a read holds besides the result's text.
+READ_SLICE_BYTES: Final = 3 * 64 * 1024
+
+#: Base64 text per piece of a large result. Each piece is an anonymous
+#: mapping filled a slice at a time: its pages are resident only once
+#: written, and it is unmapped once sent, so memory goes back to the system
+#: as the reply leaves (heap pieces would stay resident after being freed).
+PIECE_TEXT_BYTES: Final = 4 * 1024 * 1024
+
+#: A result with no more text than this stays one ``bytes`` piece.
+SMALL_TEXT_BYTES: Final = 256 * 1024
+
+
+class _Pieces:
+    """Base64 text appended slice by slice, gathered into mapped pieces."""
+
+    __slots__ = ("_current", "_filled", "_small", "pieces")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes | mmap.mmap] = []
+        self._small: list[bytes] = []  # text until it outgrows SMALL_TEXT_BYTES
+        self._current: mmap.mmap | None = None
+        self._filled = 0
+
+    def add(self, text: bytes) -> None:
+        if self._current is None and not self.pieces:
+            self._small.append(text)
+            if sum(len(t) for t in self._small) <= SMALL_TEXT_BYTES:
+                return
+            small, self._small = self._small, []
+            for t in small:
+                self._copy(t)
+            return
+        self._copy(text)
+
+    def _copy(self, text: bytes) -> None:
+        view = memoryview(text)
+        while view:
+            if self._current is None:
+                self._current = mmap.mmap(-1, PIECE_TEXT_BYTES, flags=mmap.MAP_PRIVATE)
+                self._filled = 0
+            room = PIECE_TEXT_BYTES - self._filled
+            take = view[:room]
+            self._current[self._filled : self._filled + len(take)] = take
+            self._filled += len(take)
+            view = view[len(take) :]
+            if self._filled == PIECE_TEXT_BYTES:
+                self.pieces.append(self._current)
+                self._current = None
+
+    def finish(self) -> list[bytes | mmap.mmap]:
+        if self._small:
+            self.pieces.append(b"".join(self._small))
+            self._small = []
+        current = self._current
+        if current is not None:
+            self._current = None
+            if self._filled:
+                current.resize(self._filled)
+                self.pieces.append(current)
+            else:
+                current.close()
+        return self.pieces
+
+
+def _read_encoded(fd: int, want: int) -> tuple[list[bytes | mmap.mmap], int]:
+    """Read up to ``want`` bytes from ``fd``: their base64, as pieces.
+
+    The file is read a small slice at a time into one reused buffer, and
+    each slice's text is appended to the current piece (see
+    :data:`PIECE_TEXT_BYTES`), so the reply's text exists once and the
+    file's bytes never exist whole.
+    """
+    buffer = bytearray(min(want, READ_SLICE_BYTES))
     view = memoryview(buffer)
-    pieces: list[bytes] = []
+    text = _Pieces()
     total = 0
     filled = 0  # bytes in the buffer not yet encoded
     while total < want:
@@ -163,12 +236,12 @@ def _read_encoded(fd: int, want: int) -> tuple[list[bytes], int]:
         filled += count
         usable = filled - filled % 3
         if filled == len(view) or (usable and total >= want):
-            pieces.append(pybase64.b64encode(view[:usable]))
+            text.add(pybase64.b64encode(view[:usable]))
             view[: filled - usable] = view[usable:filled]
             filled -= usable
     if filled:
-        pieces.append(pybase64.b64encode(view[:filled]))
-    return pieces, total
+        text.add(pybase64.b64encode(view[:filled]))
+    return text.finish(), total
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None = None) -> int:
@@ -190,6 +263,7 @@ def _write_pieces(fd: int, raw: msgspec.Raw, slow: bytes | None, offset: int | N
     total = 0
     for piece in (slow,) if slow is not None else b64.decoded_pieces(raw):
         total += _write_all(fd, piece, None if offset is None else offset + total)
+        del piece  # not held while the next one is decoded
     return total
 
 

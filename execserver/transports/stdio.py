@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from execserver.codec import OVERSIZED, Line, LineFramer, Oversized
+from execserver.codec import LONG_MESSAGE_BYTES, OVERSIZED, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.waiters import Latch
 from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
@@ -49,7 +49,7 @@ class LineProtocol(Protocol):
     def __init__(self, dispatcher: Dispatcher, label: str = "stdio") -> None:
         self._dispatcher = dispatcher
         self._label = label
-        self._framer = LineFramer(dispatcher.config.max_message_bytes)
+        self._framer = LineFramer(dispatcher.config.max_message_bytes, LONG_MESSAGE_BYTES)
         self.connection: Connection | None = None
         self._finishing = False
         self._write_lost = False
@@ -105,7 +105,7 @@ class LineProtocol(Protocol):
             if item is OVERSIZED:
                 conn.oversized_message()
             else:
-                assert isinstance(item, bytes | bytearray)
+                assert isinstance(item, bytes | bytearray | memoryview)
                 conn.message_received(item)
 
     # --- Outbound -----------------------------------------------------------------

@@ -57,6 +57,7 @@ from twisted.python.failure import Failure
 
 from execserver import __version__, tls
 from execserver.auth import TokenStore
+from execserver.codec import LONG_MESSAGE_BYTES, MappedBuffer
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.registry import ANONYMOUS
 from execserver.transports import autobahn_private, http
@@ -146,13 +147,15 @@ class ExecServerProtocol(WebSocketServerProtocol):
         super().__init__()
         self.connection: Connection | None = None
         self._parts: list[bytes] = []
-        #: Bytes in ``_parts`` (counted in the server-wide partial total).
+        #: A large message being received (instead of ``_parts``).
+        self._long: MappedBuffer | None = None
+        #: Bytes in ``_parts`` or ``_long`` (counted in the server-wide partial total).
         self._parts_bytes = 0
         self._size = 0
         self._oversized = False
         self._lost: Latch[None] = Latch()
         self._flow: RequestBackpressure | None = None
-        self._held: deque[bytes | None] = deque()
+        self._held: deque[bytes | memoryview | None] = deque()
         self._read_pause_bytes = 0
         self._outbox: Outbox | None = None
         #: Counted in the server's open sockets (``--max-connections``).
@@ -304,13 +307,24 @@ class ExecServerProtocol(WebSocketServerProtocol):
             )
             autobahn_private.send_close(self, CLOSE_TRY_AGAIN_LATER, partial_limit_reason(limit))
             return
-        self._parts.append(payload)
+        if self._long is None and self._parts_bytes + size > LONG_MESSAGE_BYTES:
+            # Gathered in one mapping, announced size up front: joining the
+            # frame data at the end would hold the message twice.
+            self._long = MappedBuffer(self._size)
+            for part in self._parts:
+                self._long.append(part)
+            self._parts = []
+        if self._long is not None:
+            self._long.append(payload)
+        else:
+            self._parts.append(payload)
         self._parts_bytes += size
         stats.partial_message_bytes += size
 
     def _release_parts(self) -> None:
         """Forget the message being received, and its share of the server-wide total."""
         self._parts = []
+        self._long = None
         if self._parts_bytes:
             self.factory.dispatcher.stats.partial_message_bytes -= self._parts_bytes
             self._parts_bytes = 0
@@ -320,6 +334,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
 
     def onMessageEnd(self) -> None:
         parts = self._parts
+        long = self._long
         self._release_parts()
         # failedByMe: Autobahn keeps parsing after failing a connection (to
         # read the close reply) and still delivers the offending message.
@@ -329,9 +344,12 @@ class ExecServerProtocol(WebSocketServerProtocol):
             or self.state != WebSocketProtocol.STATE_OPEN
         ):
             return
-        self._deliver(parts[0] if len(parts) == 1 else b"".join(parts))
+        if long is not None:
+            self._deliver(long.take())
+        else:
+            self._deliver(parts[0] if len(parts) == 1 else b"".join(parts))
 
-    def _deliver(self, message: bytes | None) -> None:
+    def _deliver(self, message: bytes | memoryview | None) -> None:
         """Hand one message (None: an oversized one) to the dispatcher, in order.
 
         While requests are paused, messages already read (at most one TCP
@@ -342,7 +360,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
             return
         self._dispatch(message)
 
-    def _dispatch(self, message: bytes | None) -> None:
+    def _dispatch(self, message: bytes | memoryview | None) -> None:
         conn = self.connection
         if conn is None:
             return
