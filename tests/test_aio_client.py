@@ -318,9 +318,11 @@ async def test_run_timeout_and_cancellation_terminate_the_process(
             running = asyncio.ensure_future(
                 client.run(["sleep", "30"], cwd=CWD, process_id="cancelled")
             )
-            while client.process("cancelled") is None:
+            # Cancelled once the server has started it (polled, bounded by the scenario).
+            while "cancelled" not in [
+                x.process_id for x in (await client.list_processes()).processes
+            ]:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)
             running.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await running

@@ -256,8 +256,8 @@ async def test_a_server_that_is_gone_fails_the_session_after_two_seconds_of_refu
             proc = await client.start(["sleep", "30"], cwd=CWD)
             # The server shuts down (its sessions' processes terminated):
             # every later connection is refused.
-            await on_reactor(server.stop)
             started = asyncio.get_running_loop().time()
+            await on_reactor(server.stop)
             await until(lambda: client.lost is not None, 20.0, "the client to give up")
             waited = asyncio.get_running_loop().time() - started
             assert "the server is gone (connection refused" in str(client.lost)
