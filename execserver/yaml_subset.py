@@ -448,4 +448,9 @@ def _fold_block(body: list[str]) -> str:
 
 def loads(text: str) -> Any:
     """The value of a YAML document of the supported subset (``YamlError`` otherwise)."""
-    return _Block(text.replace("\r\n", "\n")).document()
+    try:
+        return _Block(text.replace("\r\n", "\n")).document()
+    except RecursionError:
+        # A skill file is up to 1 MiB: nesting deep enough to exhaust the
+        # stack is malformed, not fatal.
+        raise YamlError("nesting too deep") from None

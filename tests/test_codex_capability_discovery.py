@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -454,3 +454,25 @@ def test_skill_dependencies_and_policy(text: str, dependencies: Any, policy: Any
     else:
         assert found_policy is not None
         assert (found_policy.allow_implicit_invocation, found_policy.products) == policy
+
+
+_pieces = st.sampled_from(
+    [*"ab :-#'\"|>[]{},\n\t&*!?%@`~.\\xu0+", "---", "...", "  - ", ": ", "\n  ", "\n    "]
+)
+
+
+@given(st.lists(_pieces, max_size=40).map("".join))
+def test_any_text_is_read_or_refused(text: str) -> None:
+    # Skill files are the user's: whatever they hold is an answer or a
+    # warning, never an error of the server.
+    with suppress(yaml_subset.YamlError):
+        yaml_subset.loads(text)
+    with suppress(cd.SkillParseError):
+        cd.parse_skill(f"---\n{text}\n---\n", "dir")
+    cd.skill_extras(text)
+
+
+def test_deep_nesting_is_refused() -> None:
+    for text in ["a: " + "[" * 100_000, "".join(" " * i + "k:\n" for i in range(3000))]:
+        with pytest.raises(yaml_subset.YamlError):
+            yaml_subset.loads(text)
