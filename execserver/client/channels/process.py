@@ -29,6 +29,7 @@ from zope.interface import implementer
 
 from execserver.client.channels.ndjson import DEFAULT_MAX_MESSAGE_BYTES, LineInput
 from execserver.client.rpc import RpcClient
+from execserver.exits import exit_status
 from execserver.spawn.reading import read_into
 from execserver.waiters import Latch
 
@@ -87,8 +88,9 @@ class ServerProcessProtocol(ProcessProtocol):
             # stdout is closed too, so no output is cut off.
             self._exit = reason
             return
-        self.exit_code = getattr(reason.value, "exitCode", None)
-        self.exit_signal = getattr(reason.value, "signal", None)
+        status = exit_status(reason)
+        self.exit_code = status.code
+        self.exit_signal = status.signal
         self.ended = True
         self.rpc.connection_lost(f"exec-server exited ({self.describe_exit()})")
         self._ended.fire(None)
