@@ -133,6 +133,37 @@ async def test_connect_start_output_exit(kind: str, transport: str, socket_dir: 
         assert client.pending_request_count == 0
 
 
+@pytest.mark.parametrize(
+    ("kind", "transport"),
+    [
+        *[(kind, "stdio") for kind in KINDS],
+        # The Twisted ReconnectingClient's stop() leaves a resumable
+        # session's processes to the server's TTL (docs/client.md).
+        ("aio", "ws-resumable"),
+        ("sync", "ws-resumable"),
+    ],
+)
+@pytest_twisted.ensureDeferred
+async def test_close_ends_every_process_of_the_client(
+    kind: str, transport: str, tmp_path: Path
+) -> None:
+    # A resumable session outlives its connection (30 s here): only the
+    # client's close, not the disconnect, can end its processes at once.
+    async with served("stdio" if transport == "stdio" else "ws") as served_target:
+        target = (
+            served_target
+            if transport == "stdio"
+            else Target(served_target.url, resume=True, session_ttl_ms=30_000)
+        )
+        client = await connect(kind, target)
+        try:
+            await client.start(pid_writer(tmp_path / "pid"), **start_kwargs())
+            pid = await pid_from(tmp_path / "pid")
+        finally:
+            await client.close()
+        await wait_gone(pid, "the process after close")
+
+
 #: A child writing SIZE pseudo-random bytes in uneven writes, and a line on stderr.
 SIZE = 6 * 1024 * 1024 + 12345
 SEED = 1414
