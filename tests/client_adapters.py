@@ -12,8 +12,10 @@ harnesses and the connection-cutting proxy do; each adapter offers the same
   pool thread (``deferToThread``), so the reactor keeps serving the proxy
   and the servers meanwhile.
 
-Every wait is bounded (``with_timeout``); the adapters add no behaviour of
-their own beyond gluing a Twisted handle's push events into one list.
+Every wait is bounded (``with_timeout``). The adapters add no behaviour of
+their own: output is read through each client's own pull interface
+(``subscribe()``, ``output()``, the blocking iterator), ``run`` exists only
+where the client has it.
 """
 
 from __future__ import annotations
