@@ -4,12 +4,13 @@ The reference reads a ``SKILL.md`` front matter and a skill's
 ``agents/openai.yaml`` with a full YAML parser. Those files are small
 hand-written documents: block mappings and sequences, plain, quoted and
 block (``|``, ``>``) scalars, comments, and the occasional flow collection
-(``[a, b]``, ``{k: v}``). This module parses exactly that subset into
+(``[a, b]``, ``{k: v}``), rarely an anchor (``&name``) and its aliases
+(``*name``). This module parses exactly that subset into
 ``dict``/``list``/``str``/``None`` (scalars stay strings: the caller wants
 text, as the reference's ``String`` fields accept any scalar). Anything
-outside it (anchors, aliases, tags, directives, multi-document streams,
-complex keys) is a :class:`YamlError`, as malformed YAML is; the caller
-reports such a file as invalid metadata. docs/protocol.md,
+outside it (tags, directives, multi-document streams, complex keys,
+anchors and aliases inside flow collections) is a :class:`YamlError`, as
+malformed YAML is; the caller reports such a file as invalid metadata. docs/protocol.md,
 "capabilities/discoverV2", lists the subset.
 """
 
@@ -263,6 +264,8 @@ class _Block:
             raise YamlError("tabs are not allowed for indentation")
         self.lines = text.split("\n")
         self.pos = 0
+        #: Values of ``&name`` anchors, for ``*name`` aliases (block context).
+        self.anchors: dict[str, Any] = {}
 
     def _skip_blank(self) -> None:
         while self.pos < len(self.lines) and not _strip_comment(self.lines[self.pos]).strip():
@@ -314,6 +317,8 @@ class _Block:
             if not rest.strip():
                 self.pos += 1
                 items.append(self._child(indent))
+            elif rest.lstrip(" ")[:1] in ("&", "*"):
+                items.append(self._value_after_key(indent, rest))
             else:
                 # "- key: v" starts a mapping indented at the text after "- ".
                 self.lines[self.pos] = " " * inner + rest.lstrip(" ")
@@ -342,14 +347,30 @@ class _Block:
 
     def _value_after_key(self, indent: int, rest: str) -> Any:
         text = rest.strip(" \t")
+        anchor = None
+        if text.startswith("&"):
+            anchor, _, text = text[1:].partition(" ")
+            text = text.strip(" \t")
+            if not anchor:
+                raise YamlError("an anchor needs a name")
+        if text.startswith("*"):
+            if text[1:] not in self.anchors or anchor is not None:
+                raise YamlError(f"unknown alias {text!r}")
+            self.pos += 1
+            # The same object, not a copy: aliases of aliases cannot blow up
+            # (readers only look at a few paths; nothing walks the whole tree).
+            return self.anchors[text[1:]]
         if not text:
             self.pos += 1
-            return self._child(indent, sequence_may_align=True)
-        header = _BLOCK_HEADER.match(text)
-        if header is not None:
+            value = self._child(indent, sequence_may_align=True)
+        elif (header := _BLOCK_HEADER.match(text)) is not None:
             self.pos += 1
-            return self._block_scalar(indent, header)
-        return self._scalar_lines(indent, text, after_key=True)
+            value = self._block_scalar(indent, header)
+        else:
+            value = self._scalar_lines(indent, text, after_key=True)
+        if anchor is not None:
+            self.anchors[anchor] = value
+        return value
 
     def _child(self, indent: int, sequence_may_align: bool = False) -> Any:
         """The nested node after ``key:`` / ``-`` alone on a line; None if there is none."""

@@ -334,6 +334,7 @@ async def test_handshake_first(tmp_path: Path) -> None:
         ("description: d # comment\nmetadata:\n  short-description: s\n", ("dir", "d", "s")),
         ("description: [flow, list\n", ("dir", "[flow, list", None)),
         ("name: ''\ndescription: d\n", ("dir", "d", None)),
+        ("name: &n anc\ndescription: *n\n", ("anc", "anc", None)),
     ],
 )
 def test_skill_front_matter(front: str, expected: tuple[str, str, str | None]) -> None:
@@ -366,7 +367,12 @@ def test_yaml_subset_shapes() -> None:
     }
     assert yaml_subset.loads("a:\n- x\n- y\nb: ~\n") == {"a": ["x", "y"], "b": None}
     assert yaml_subset.loads('a: "\\u00e9\\x41"\nb: |-\n  k\n\n  l\n') == {"a": "éA", "b": "k\n\nl"}
-    for bad in ["a: &x 1", "a: *x", "a: !tag v", "a: 1\n  b: 2", "a: 'open"]:
+    assert yaml_subset.loads("a: &m\n  k: v\nb: *m\nc:\n  - &s x\n  - *s\n") == {
+        "a": {"k": "v"},
+        "b": {"k": "v"},
+        "c": ["x", "x"],
+    }
+    for bad in ["a: *x", "a: & 1", "a: [&x 1]", "a: !tag v", "a: 1\n  b: 2", "a: 'open"]:
         with pytest.raises(yaml_subset.YamlError):
             yaml_subset.loads(bad)
 
@@ -476,3 +482,10 @@ def test_deep_nesting_is_refused() -> None:
     for text in ["a: " + "[" * 100_000, "".join(" " * i + "k:\n" for i in range(3000))]:
         with pytest.raises(yaml_subset.YamlError):
             yaml_subset.loads(text)
+
+
+def test_aliases_of_aliases_stay_small() -> None:
+    # 2**60 leaves if aliases were copied; they are the same objects.
+    levels = "".join(f"a{i}: &a{i}\n  - *a{i - 1}\n  - *a{i - 1}\n" for i in range(1, 60))
+    document = yaml_subset.loads("a0: &a0\n  - x\n  - x\n" + levels)
+    assert document["a59"][0] is document["a58"]
