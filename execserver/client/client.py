@@ -540,8 +540,12 @@ class ExecServerClient(ClientApi, FileTransfers):
         handle.end_catch_up()
         if handle.is_closed:
             self._forget(handle.process_id, handle)
+        else:
+            # The live events held back meanwhile were delivered outside
+            # _output, unacknowledged: a "pause" server may wait for them.
+            self._acknowledge(handle, 0, now=True)
 
-    def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
+    def _acknowledge(self, handle: RemoteProcess, size: int, now: bool = False) -> None:
         """With "pause", tell the server (a read's afterSeq) what has arrived.
 
         The server drops only acknowledged output and stops reading a child
@@ -553,7 +557,7 @@ class ExecServerClient(ClientApi, FileTransfers):
             return
         cap = result.retained_output_bytes or 0
         handle.unacked_bytes += size + 96
-        if handle.unacked_bytes * 4 < cap or self._rpc.is_closed:
+        if (handle.unacked_bytes * 4 < cap and not now) or self._rpc.is_closed:
             return
         handle.unacked_bytes = 0
         d = self.read(handle.process_id, after_seq=handle.last_seq, max_bytes=1, wait_ms=0)
