@@ -10,6 +10,7 @@ front-matter parser is also tested directly. docs/protocol.md,
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -23,10 +24,12 @@ from hypothesis import strategies as st
 
 import execserver
 from execserver import capability_discovery as cd
-from execserver import yaml_subset
+from execserver import environment, yaml_subset
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
-from tests.harness import ServerProcess
+from tests.codex import fetch_codex
+from tests.codex.fetch_codex import FetchError, fetch
+from tests.harness import REPO_ROOT, ServerProcess, reactor
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"
@@ -489,3 +492,99 @@ def test_aliases_of_aliases_stay_small() -> None:
     levels = "".join(f"a{i}: &a{i}\n  - *a{i - 1}\n  - *a{i - 1}\n" for i in range(1, 60))
     document = yaml_subset.loads("a0: &a0\n  - x\n  - x\n" + levels)
     assert document["a59"][0] is document["a58"]
+
+
+# --- against the reference ----------------------------------------------------------------------
+
+_SKILLS = {
+    "alpha": "---\nname: alpha\ndescription: Alpha\nmetadata:\n  short-description: A\n---\n",
+    "prose": "---\ndescription: Build for AWS: ECS # c\nargument-hint: <d: 7d>\n---\n",
+    "flowmap": "---\ndescription: {a: b}\n---\n",
+    "folded": "---\ndescription: >-\n  a\n  b\n\n  c\nname: f\n---\n",
+    "anchor": "---\nname: &n anc\ndescription: *n\n---\n",
+    "crlf": "---\r\nname: crlf\r\ndescription: d\r\n---\r\n",
+    "number": "---\nname: 123\ndescription: true\n---\n",
+    "meta-null": "---\ndescription: d\nmetadata:\n---\n",
+    "doc-end": "---\ndescription: d\n...\n---\n",
+    "nodesc": "---\nname: nodesc\n---\n",
+    "nofront": "no front matter\n",
+    "toolong": "---\ndescription: d\nname: " + "n" * 65 + "\n---\n",
+    "a/b/c/d/e/f": "---\ndescription: sixth level\n---\n",
+    "a/b/c/d/e/f/g": "---\ndescription: seventh level\n---\n",
+    "tools/skills/x": "---\ndescription: namespaced\n---\n",
+    "deps": "---\ndescription: deps\n---\n",
+}
+_OPENAI_YAML = (
+    "dependencies:\n  tools:\n    - type: mcp\n      value: gh\n      url: https://x\n"
+    "    - value: no-type\npolicy:\n  allow_implicit_invocation: False\n  products: [CODEX]\n"
+)
+_PLUGINS = {
+    "mk/p/1.0.0/.codex-plugin/plugin.json": '{"name":"old"}',
+    "mk/p/10.0.0/.codex-plugin/plugin.json": (
+        '{"name":"p","interface":{"displayName":"P"},"mcpServers":{"b":1,"a":2}}'
+    ),
+    "mk/p/10.0.0/skills/s/SKILL.md": "---\ndescription: plugin skill\n---\n",
+    "mk/p/.codex-remote-plugin-install.json": '{"schema_version":1,"remote_plugin_id":" r "}',
+    "mk/q/local/.claude-plugin/plugin.json": '{"apps":"./apps.json","mcpServers":"./m.json"}',
+    "mk/q/local/apps.json": "{}",
+    "mk/q/local/m.json": "{}",
+    "mk/q/2.0.0/.codex-plugin/plugin.json": "{}",
+    "mk/inline-apps/1.0.0/.codex-plugin/plugin.json": '{"apps":{"a":1}}',
+    "mk/no-manifest/1.0.0/README": "",
+    "mk/bad name/1.0.0/.codex-plugin/plugin.json": "{}",
+}
+
+
+def _reference_tree(base: Path) -> None:
+    skills = base / "codex-home" / "skills"
+    for directory, text in _SKILLS.items():
+        _write(skills / directory / "SKILL.md", text)
+    _write(skills / "deps" / "agents" / "openai.yaml", _OPENAI_YAML)
+    _write(skills / "tools" / ".codex-plugin" / "plugin.json", '{"name":"tools"}')
+    (skills / "a" / "loop").symlink_to("..")
+    _skill(base / "home" / ".agents" / "skills" / "user", "description: user skill\n")
+    for relative, text in _PLUGINS.items():
+        _write(base / "codex-home" / "plugins" / "cache" / relative, text)
+
+
+class _ReferenceServer(ServerProcess):
+    @classmethod
+    def start_reference(cls, codex: Path, env: dict[str, str]) -> ServerProcess:
+        proto = cls()
+        argv = [str(codex), "exec-server", "--listen", "stdio"]
+        transport = reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
+        proto.pid = transport.pid
+        proto._init_checks(f"codex exec-server (stdio, pid {proto.pid})")
+        proto.allow_stderr(".")  # its own warnings (PATH aliases under /tmp)
+        return proto
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
+    try:
+        codex = fetch()
+    except FetchError as exc:
+        pytest.skip(f"THE REAL CODEX CLI IS NOT AVAILABLE, the comparison did not run: {exc}")
+    _reference_tree(tmp_path)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path / "home"),
+        "CODEX_HOME": str(tmp_path / "codex-home"),
+    }
+    params = {"cwd": path_to_uri(str(tmp_path)), "sandbox": None}
+    reference = _ReferenceServer.start_reference(codex, env)
+    try:
+        await reference.call("initialize", CODEX_INIT)
+        reference.notify("initialized", {})
+        expected = await reference.call("capabilities/discoverV2", params)
+    finally:
+        await reference.stop()
+    async with serving(tmp_path) as server:
+        assert await server.call("capabilities/discoverV2", params) == expected
+    # The tree exercises what it is meant to.
+    assert len(expected["plugins"]) == 2 and len(expected["skills"]) == 13
+    assert len(expected["warnings"]) == 3
+
+
+def test_the_reported_executor_version_is_the_tested_codex_release() -> None:
+    assert environment.EXECUTOR_VERSION == fetch_codex.VERSION
