@@ -316,6 +316,12 @@ async def test_handshake_first(tmp_path: Path) -> None:
             "code": -32600,
             "message": "client must call initialize before using capability discovery methods",
         }
+        await server.call("initialize", CODEX_INIT)
+        reply = await server.request("capabilities/discoverV2", {"cwd": "file:///"})
+        # The reference's texts (codex exec-server 0.171.0).
+        assert reply["error"]["message"] == (
+            "client must send initialized before using capability discovery methods"
+        )
     finally:
         await server.stop()
 
