@@ -594,3 +594,13 @@ async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
 
 def test_the_reported_executor_version_is_the_tested_codex_release() -> None:
     assert environment.EXECUTOR_VERSION == fetch_codex.VERSION
+
+
+@pytest_twisted.ensureDeferred
+async def test_each_answer_reads_the_files_afresh(tmp_path: Path) -> None:
+    params = {"cwd": path_to_uri(str(tmp_path))}
+    async with serving(tmp_path) as server:
+        assert (await server.call("capabilities/discoverV2", params))["skills"] == []
+        _skill(tmp_path / "codex-home" / "skills" / "new", "description: added\n")
+        [skill] = (await server.call("capabilities/discoverV2", params))["skills"]
+        assert skill["name"] == "new"
