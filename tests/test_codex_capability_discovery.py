@@ -604,3 +604,19 @@ async def test_each_answer_reads_the_files_afresh(tmp_path: Path) -> None:
         _skill(tmp_path / "codex-home" / "skills" / "new", "description: added\n")
         [skill] = (await server.call("capabilities/discoverV2", params))["skills"]
         assert skill["name"] == "new"
+
+
+@pytest_twisted.ensureDeferred
+async def test_plugins_come_first_and_count_with_their_skills(tmp_path: Path) -> None:
+    # As the reference answered: the plugin (1 + 20 skills) is admitted
+    # first, the standalone skills fill the rest of the 2048.
+    _many_skills(tmp_path / "codex-home" / "skills", "s", 1990)
+    _many_skills(tmp_path / "home" / ".agents" / "skills", "u", 60)
+    root = tmp_path / "codex-home" / "plugins" / "cache" / "mk" / "p" / "1.0.0"
+    _write(root / ".codex-plugin" / "plugin.json", '{"name":"p"}')
+    _many_skills(root / "skills", "k", 20)
+    result = await discover(tmp_path)
+    [plugin] = result["plugins"]
+    assert len(plugin["skills"]) == 20 and plugin["skills"][0]["name"] == "p:k0000"
+    assert len(result["skills"]) == 2027 == cd.MAX_CAPABILITIES - 21
+    assert result["warnings"] == ["capability discovery size limit reached"]
