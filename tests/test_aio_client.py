@@ -460,3 +460,16 @@ async def test_connect_timeout_when_the_upgrade_never_comes() -> None:
             await silent.wait_closed()
 
     await in_asyncio(scenario)
+
+
+@pytest_twisted.ensureDeferred
+async def test_run_with_input_in_a_pty(connect: Callable[..., Any]) -> None:
+    async def scenario() -> None:
+        async with connect() as client:
+            result = await client.run(
+                ["sh", "-c", "read line; echo got $line"], input=b"typed\n", tty=True, cwd=CWD
+            )
+            assert result.exit_code == 0 and b"got typed" in result.stdout
+            assert result.stderr == b""
+
+    await in_asyncio(scenario)

@@ -732,8 +732,8 @@ class Client:
         is terminated and ``TimeoutError`` / ``CancelledError`` is raised.
         PTY output (``tty=True``) is in ``stdout``.
         """
-        if input is not None:
-            start_kwargs["pipe_stdin"] = True
+        if input is not None and not start_kwargs.get("tty"):
+            start_kwargs["pipe_stdin"] = True  # a PTY's stdin is the terminal
         stdout: list[bytes] = []
         stderr: list[bytes] = []
         handle: Process | None = None
