@@ -10,11 +10,13 @@ Prints figures and ratios to baselines measured in the same run, never asserts:
   ``cat FILE | base64 -w0 >/dev/null`` and ``base64 -d <TEXT | cat >FILE``;
 - the server's peak RSS above idle as a multiple of the file (target at most
   1.5x), and for the same file moved in 8 MiB ranges (target at most 64 MiB);
+  whole-file transfers over WebSocket too (``websockets``' blocking client);
 - with ``--library-gib N``: an N GiB download and upload through the client
   library (``ExecServerClient.download``/``upload``, 8 MiB ranges): MB/s,
   the client's and the server's peak RSS. Not part of the test suite.
 
-Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1]``
+Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1] [--ws]``
+(``--rss-only``: the peak RSS figures alone.)
 (``--size-mib N --repeat R --seconds S``: one size, R rounds, short runs.)
 """
 
@@ -35,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._client import Ratio, Series, StdioClient, print_header
+from bench._client import Ratio, Series, StdioClient, print_header, server_env, server_root
 from bench.bench_rtt import echo_rate, server_rate
 
 MiB = 1024 * 1024
@@ -199,6 +201,63 @@ def peak_over_idle(work: Path, size: int, ranged: bool) -> dict[str, float]:
     return figures
 
 
+def peak_over_idle_ws(work: Path, size: int) -> dict[str, float]:
+    """The same as :func:`peak_over_idle` (whole file) over a WebSocket."""
+    import socket
+
+    from websockets.sync.client import connect
+
+    source = work / f"source-{size}.bin"
+    figures: dict[str, float] = {}
+    for method in ("fs/readFile", "fs/writeFile"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        url = f"ws://127.0.0.1:{port}"
+        limit = str(1024 * MiB)
+        server = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "execserver", "--listen", url),
+                *("--max-message-bytes", limit, "--max-partial-message-bytes", limit),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=server_env(),
+            cwd=server_root(),
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    ws = connect(url, max_size=None)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            with ws:
+                ws.send(b'{"id":0,"method":"initialize","params":{"clientName":"bench"}}')
+                ws.recv()
+                ws.send(b'{"method":"initialized"}')
+                ws.send(read_request(1, source, offset=0, length=1000).rstrip(b"\n"))
+                ws.recv()  # the pool, the code paths
+                idle = rss_kib(server.pid)
+                if method == "fs/readFile":
+                    ws.send(read_request(2, source).rstrip(b"\n"))
+                else:
+                    text = base64.b64encode(source.read_bytes())
+                    ws.send(write_request(2, work / "rss-written.bin", text).rstrip(b"\n"))
+                    del text
+                reply = ws.recv(decode=False)
+                check_ok(reply)
+                del reply
+                figures[method] = (rss_kib(server.pid, "VmHWM") - idle) / 1024
+        finally:
+            server.terminate()
+            server.wait(30)
+    return figures
+
+
 # --- the client library, N GiB -------------------------------------------------------------
 
 
@@ -272,6 +331,12 @@ def main() -> None:
         "--seconds", type=float, help="instead of --count: about this long per getMetadata run"
     )
     parser.add_argument("--library-gib", type=int, default=0)
+    parser.add_argument(
+        "--ws", action="store_true", help="peak RSS of whole-file transfers over WebSocket too"
+    )
+    parser.add_argument(
+        "--rss-only", action="store_true", help="only the peak RSS figures (no rates)"
+    )
     parser.add_argument("--library-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.library_child:
@@ -282,27 +347,39 @@ def main() -> None:
     if args.seconds is not None:
         args.count = max(1000, int(args.seconds * 100_000))
     print_header("filesystem")
-    for ratio in metadata_ratios(args.rounds, args.count):
-        print(ratio.value.describe())
-        print(ratio.baseline.describe())
-        print(ratio.describe(), flush=True)
+    if not args.rss_only:
+        for ratio in metadata_ratios(args.rounds, args.count):
+            print(ratio.value.describe())
+            print(ratio.baseline.describe())
+            print(ratio.describe(), flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
     try:
         for size in (int(s) * MiB for s in args.sizes_mib.split(",")):
-            for ratio in transfer_rates(work, size, args.rounds):
-                print(ratio.value.describe())
-                print(ratio.baseline.describe())
-                print(ratio.describe(), flush=True)
+            if args.rss_only:
+                with open(work / f"source-{size}.bin", "wb") as f:
+                    f.write(os.urandom(size))
+            else:
+                for ratio in transfer_rates(work, size, args.rounds):
+                    print(ratio.value.describe())
+                    print(ratio.baseline.describe())
+                    print(ratio.describe(), flush=True)
             whole = peak_over_idle(work, size, ranged=False)
             ranged = peak_over_idle(work, size, ranged=True)
+            ws = peak_over_idle_ws(work, size) if args.ws else {}
             for method in whole:
                 print(
                     f"{method} {size / MiB:.0f} MiB: server peak RSS above idle "
-                    f"{whole[method]:.0f} MiB = {whole[method] * MiB / size:.2f}x the file "
+                    f"{whole[method]:.1f} MiB = {whole[method] * MiB / size:.2f}x the file "
                     f"(target <= 1.5x); in 8 MiB ranges {ranged[method]:.0f} MiB "
                     f"(target <= 64 MiB)",
                     flush=True,
                 )
+                if method in ws:
+                    print(
+                        f"{method} {size / MiB:.0f} MiB over WebSocket: server peak RSS above "
+                        f"idle {ws[method]:.1f} MiB = {ws[method] * MiB / size:.2f}x the file",
+                        flush=True,
+                    )
         if args.library_gib:
             library_transfers(work, args.library_gib)
     finally:

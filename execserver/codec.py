@@ -378,11 +378,9 @@ class RenderedParts:
 
     The dispatcher sends them around the response envelope without joining
     them (``fs/readFile`` results: the base64 text exists once, in pieces).
-    A large result's pieces are anonymous mappings (``mmap``), unmapped as
-    soon as the transport has sent them and dropped them.
     """
 
-    parts: tuple[bytes | mmap.mmap, ...]
+    parts: tuple[bytes, ...]
 
     def __len__(self) -> int:
         return sum(len(part) for part in self.parts)
