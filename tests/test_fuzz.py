@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from twisted.internet.task import Clock
 
+from execserver.app import build_dispatcher
 from tests import fuzz_target
-from tests.fuzz_target import CUT
+from tests.fakes import FakeSpawner
+from tests.fuzz_target import CUT, FUZZ_CONFIG
 
 EXAMPLES = int(os.environ.get("EXEC_SERVER_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
@@ -30,22 +33,11 @@ FUZZ = settings(
     derandomize=False,
 )
 
+#: Every route the application serves (so a new method is fuzzed the day it
+#: lands), plus initialized, an unknown name and an empty one.
 METHODS = [
-    "initialize",
+    *sorted(build_dispatcher(FUZZ_CONFIG, Clock(), FakeSpawner()).routes),
     "initialized",
-    "process/start",
-    "process/read",
-    "process/write",
-    "process/signal",
-    "process/terminate",
-    "process/resize",
-    "process/list",
-    "fs/readFile",
-    "fs/getMetadata",
-    "fs/readDirectory",
-    "fs/writeFile",
-    "fs/remove",
-    "environment/info",
     "nope",
     "",
 ]
