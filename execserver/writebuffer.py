@@ -156,15 +156,14 @@ class Outbox:
     ``FileDescriptor.doWrite`` joins everything queued into one buffer before
     sending it. An Outbox is the streaming producer registered on the
     transport, in front of the real one (``inner``: the session, or a
-    WebSocket's backpressure): it writes queued pieces until Twisted pauses
-    it (its buffer above the high-water mark), and writes more when Twisted
-    resumes it (the buffer has drained), so Twisted holds at most about the
-    high-water mark plus one slice. Only once the queue is empty is ``inner``
+    WebSocket's backpressure): it writes a queued piece, pauses, and writes
+    the next when Twisted resumes it (its buffer has drained), so Twisted
+    holds one piece at a time. Only once the queue is empty is ``inner``
     resumed; every pause reaches ``inner`` at once.
 
-    While pieces are queued, each write is followed by a pause that Twisted
-    ends once its buffer is empty (its ``producerPaused`` flag, which
-    ``doWrite`` checks on draining), so each piece reaches Twisted alone.
+    The pause after each write is one that Twisted ends once its buffer is
+    empty (its ``producerPaused`` flag, which ``doWrite`` checks on
+    draining; Twisted sets it itself above its high-water mark).
     Twisted joins what it holds into one buffer before sending
     (``doWrite``): a lone ``bytes`` is taken as is, two pieces would be
     copied into a third. (Lowering its high-water mark instead would also

@@ -41,3 +41,9 @@ FS_READ_PAUSE_FRACTION = 0.4
 #: the base64 text (4/3 of the file) exists once, and the transport holds
 #: about its high-water mark plus one slice of it (docs/filesystem.md).
 FS_READ_FILE_RSS_FACTOR = 1.5
+
+#: Growth of the server's peak RSS over idle while it answers a whole-file
+#: fs/readFile or fs/writeFile of 16 MiB, as a multiple of the file (stdio
+#: both; WebSocket fs/readFile): the text (1.33x) exists about once, and
+#: the rest (read buffer, copies, memory the allocator keeps) is small.
+FS_TRANSFER_RSS_FACTOR = 1.5
