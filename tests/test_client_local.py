@@ -149,7 +149,8 @@ async def test_closing_in_process_client_terminates_processes_and_fails_calls() 
     assert pid is not None and not pid_alive(pid)
     with pytest.raises(ConnectionClosed):
         await pending
-    assert process.has_exited and process.exit_code is None
+    # close() terminated it and waited for its exit before disconnecting.
+    assert process.has_exited and process.signal == "SIGTERM"
     assert not dispatcher.connections
 
 

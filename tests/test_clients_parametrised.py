@@ -137,10 +137,7 @@ async def test_connect_start_output_exit(kind: str, transport: str, socket_dir: 
     ("kind", "transport"),
     [
         *[(kind, "stdio") for kind in KINDS],
-        # The Twisted ReconnectingClient's stop() leaves a resumable
-        # session's processes to the server's TTL (docs/client.md).
-        ("aio", "ws-resumable"),
-        ("sync", "ws-resumable"),
+        *[(kind, "ws-resumable") for kind in KINDS],
     ],
 )
 @pytest_twisted.ensureDeferred

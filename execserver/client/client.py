@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import attrs
 import msgspec
 from pybase64 import b64decode
+from twisted.internet import defer
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -73,6 +74,9 @@ DEFAULT_PATH = defaults.DEFAULT_PATH
 #: How long a handle stays routable after ``process/exited`` when the server
 #: never sends ``process/closed`` (a baseline server).
 EXITED_LINGER_SECONDS = 30.0
+#: How long ``close()`` waits for the processes it terminated to exit (as the
+#: asyncio client's ``CLOSE_WAIT_SECONDS``).
+CLOSE_WAIT_SECONDS = 10.0
 
 
 @attrs.frozen
@@ -340,12 +344,14 @@ class ExecServerClient(ClientApi, FileTransfers):
         size: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        detach: bool = False,
     ) -> Deferred[RemoteProcess]:
         """``process/start`` and a :class:`RemoteProcess` handle following it.
 
         ``argv`` is a command vector or complete ``ExecParams``. Defaults:
         a generated ``process_id``, this process's working directory,
         ``env={"PATH": DEFAULT_PATH}``. ``size`` is ``(rows, cols)``.
+        ``detach=True``: :meth:`close` leaves the process running.
         """
         if isinstance(argv, p.ExecParams):
             params = argv
@@ -362,7 +368,7 @@ class ExecServerClient(ClientApi, FileTransfers):
                 timeout_ms=timeout_ms,
                 idle_timeout_ms=idle_timeout_ms,
             )
-        return Deferred.fromCoroutine(self._start(params))
+        return Deferred.fromCoroutine(self._start(params, detach))
 
     def _new_process_id(self) -> str:
         while True:
@@ -371,13 +377,14 @@ class ExecServerClient(ClientApi, FileTransfers):
             if candidate not in self._processes:
                 return candidate
 
-    async def _start(self, params: p.ExecParams) -> RemoteProcess:
+    async def _start(self, params: p.ExecParams, detach: bool = False) -> RemoteProcess:
         requested = params.process_id
         existing = self._processes.get(requested)
         if existing is not None and not existing.is_closed:
             raise ExecServerError(f"process id {requested} is already in use by this client")
         # Registered before the request: output may race the response.
         handle = RemoteProcess(self, requested, self._backlog_bytes)
+        handle.detach = detach
         self._processes[requested] = handle
         try:
             response = await self._call(p.PROCESS_START, params, p.ExecResponse)
@@ -573,23 +580,54 @@ class ExecServerClient(ClientApi, FileTransfers):
     # --- closing --------------------------------------------------------------------
 
     def close(self) -> Deferred[None]:
-        """Close the connection and release the server (idempotent).
+        """Terminate every process this client started (except ``detach=True``
+        ones) and wait up to 10 s for them to exit, then close the connection
+        and release the server (idempotent).
 
-        Pending calls fail with :class:`ConnectionClosed`; process handles are
+        Pending calls fail with :class:`ConnectionClosed`; the handles of
+        processes still running then (detached, or not ended in time) are
         marked exited without an exit code.
         """
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
         if self._closing is None:
-            if self._closer is not None:
-                self._closing = self._closer()
-            else:
-                self._rpc.close()
-                self._closing = self._rpc.when_closed().addCallback(lambda _: None)
+            self._closing = Deferred.fromCoroutine(self._close())
             self._closing.addErrback(self._close_failed)
             self._closing.addBoth(self._close_done)
         return self._close_latch.wait()
+
+    async def _close(self) -> None:
+        # A resumable session would keep them running until its TTL: the
+        # processes end with the client, as with the asyncio client.
+        await self._end_processes()
+        if self._closer is not None:
+            await self._closer()
+        else:
+            self._rpc.close()
+            await self._rpc.when_closed()
+
+    async def _end_processes(self) -> None:
+        running = [h for h in self._processes.values() if not h.detach and not h.has_exited]
+        if not running or self._rpc.is_closed:
+            return
+        ending = DeferredList(
+            [Deferred.fromCoroutine(self._end(h)) for h in running], consumeErrors=True
+        )
+        ending.addTimeout(CLOSE_WAIT_SECONDS, self._clock)
+        try:
+            await ending
+        except defer.TimeoutError:
+            log.warn(
+                "closing: processes still running after {seconds} s", seconds=CLOSE_WAIT_SECONDS
+            )
+
+    async def _end(self, handle: RemoteProcess) -> None:
+        try:
+            await self.terminate(handle.process_id)
+        except ExecServerError:
+            return  # gone already, or the connection is: nothing to wait for
+        await handle.exited()
 
     def _close_done(self, outcome: object) -> object:
         self._close_latch.fire(None)

@@ -153,6 +153,8 @@ class RemoteProcess(SeqOrdering):
     ) -> None:
         self.process_id = process_id
         self._api = api
+        #: Left running by ``close()`` (``start_process(detach=True)``).
+        self.detach = False
         self.exit_code: int | None = None
         self.signal: str | None = None
         self.timed_out: str | None = None
