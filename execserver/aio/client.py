@@ -240,6 +240,9 @@ class Client:
         self._waiters: list[asyncio.Future[AsyncRpc]] = []
         self._resume_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Terminations of cancelled or timed-out starts and runs: awaited
+        #: (not cancelled) by close(), so no process outlives the client.
+        self._terminations: set[asyncio.Task[None]] = set()
         self._rpc = rpc
         self._channel = channel
         self._install(rpc)
@@ -284,6 +287,12 @@ class Client:
     @property
     def tracked_process_count(self) -> int:
         return len(self._processes)
+
+    @property
+    def terminating_count(self) -> int:
+        """Processes of cancelled or timed-out starts and runs being terminated
+        (see :meth:`settle`)."""
+        return len(self._terminations)
 
     # --- connection and resume ----------------------------------------------------
 
@@ -483,7 +492,8 @@ class Client:
     ) -> p.ReadResponse:
         """``process/read``: retained output after ``after_seq``, waiting up to ``wait_ms``."""
         params = p.ReadParams(process_id, after_seq, max_bytes, wait_ms)
-        return await self.call(p.PROCESS_READ, params, p.ReadResponse)
+        bound = self._long_poll_bound(wait_ms or 0)
+        return await self.call(p.PROCESS_READ, params, p.ReadResponse, timeout=bound)
 
     async def write(self, process_id: str, data: bytes) -> p.WriteResponse:
         """``process/write``: raw bytes to stdin. On a resumable session it
@@ -511,9 +521,20 @@ class Client:
         return await self.call(p.PROCESS_RESIZE, params, p.Empty)
 
     async def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
-        """``process/wait``: until exit, or ``timeout_ms`` (then ``exited: false``)."""
+        """``process/wait``: until exit, or ``timeout_ms`` (then ``exited: false``).
+
+        Bounded by ``timeout_ms`` plus ``request_timeout`` (without
+        ``timeout_ms``: until the process exits)."""
         params = p.WaitParams(process_id, timeout_ms)
-        return await self.call(p.PROCESS_WAIT, params, p.WaitResponse)
+        bound = self._long_poll_bound(timeout_ms)
+        return await self.call(p.PROCESS_WAIT, params, p.WaitResponse, timeout=bound)
+
+    def _long_poll_bound(self, server_ms: int | None) -> float | None:
+        """The bound of a request the server holds up to ``server_ms`` (None:
+        until an event): that wait plus ``request_timeout``."""
+        if self._request_timeout is None or server_ms is None:
+            return None
+        return self._request_timeout + server_ms / 1000
 
     async def list_processes(self) -> p.ListResponse:
         return await self.call(p.PROCESS_LIST, p.ListParams(), p.ListResponse)
@@ -687,9 +708,11 @@ class Client:
         except BaseException as exc:
             if self._processes.get(requested) is handle:
                 del self._processes[requested]
+            # Untracked, it would never close: a close() waiting for it is released.
+            handle.connection_lost()
             if isinstance(exc, asyncio.CancelledError | TimeoutError) and not detach:
                 # The request may have been carried out: do not leave an orphan.
-                self._spawn(self._terminate_quietly(requested))
+                self._terminate_later(requested, None)
             raise
         if response.process_id != requested:
             # The server's id is the one its notifications will carry.
@@ -710,12 +733,37 @@ class Client:
             if candidate not in self._processes:
                 return candidate
 
-    async def _terminate_quietly(self, process_id: str) -> None:
+    def _terminate_later(self, process_id: str, handle: Process | None) -> None:
+        """Terminate ``process_id`` in a task of its own (the caller is being
+        cancelled), tracked until the process has ended: see :meth:`settle`."""
+        task = asyncio.get_running_loop().create_task(self._terminate_quietly(process_id, handle))
+        self._terminations.add(task)
+        task.add_done_callback(self._terminations.discard)
+
+    async def _terminate_quietly(self, process_id: str, handle: Process | None) -> None:
         with contextlib.suppress(ExecServerError, TimeoutError):
             async with asyncio.timeout(CLOSE_WAIT_SECONDS):
                 await self._call(
                     p.PROCESS_TERMINATE, p.TerminateParams(process_id), p.TerminateResponse
                 )
+                if handle is not None:
+                    await handle.closed()
+                else:
+                    # No handle (a start cancelled before its answer): the
+                    # server says when the process has exited.
+                    wait_ms = int(CLOSE_WAIT_SECONDS * 1000)
+                    await self._call(
+                        p.PROCESS_WAIT, p.WaitParams(process_id, wait_ms), p.WaitResponse
+                    )
+
+    async def settle(self, timeout: float | None = CLOSE_WAIT_SECONDS) -> None:
+        """Until the processes of cancelled or timed-out :meth:`start` and
+        :meth:`run` calls have been terminated and have ended (each such
+        termination is bounded by 10 s; a process the server cannot reach
+        is given up). :meth:`close` does this first."""
+        pending = set(self._terminations)
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     async def run(
         self,
@@ -752,8 +800,9 @@ class Client:
                 await handle.closed()
         except BaseException:
             if handle is not None and not handle.is_closed:
-                # Not shielded from nothing: the terminate runs in its own task.
-                self._spawn(self._terminate_quietly(handle.process_id))
+                # The terminate runs in its own task (this one is being
+                # cancelled), tracked so that close() waits for it.
+                self._terminate_later(handle.process_id, handle)
             raise
         if handle.lost_reason is not None:
             raise handle.lost_reason
@@ -828,8 +877,10 @@ class Client:
 
     async def close(self) -> None:
         """Terminate every process this client started (except ``detach=True``
-        ones) and wait up to 10 s for them to end, then close the connection
-        (a local server is asked to exit, and killed after its grace). Idempotent."""
+        ones) and wait up to 10 s for them to end -- those of cancelled or
+        timed-out starts and runs included (:meth:`settle`) -- then close the
+        connection (a local server is asked to exit, and killed after its
+        grace). Idempotent."""
         if self._closing:
             await self._closed.wait()
             return
@@ -839,13 +890,17 @@ class Client:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(CLOSE_WAIT_SECONDS):
                         await asyncio.gather(
-                            *(self._end(h) for h in running), return_exceptions=True
+                            *(self._end(h) for h in running),
+                            # A cancelled start's process has no handle: its
+                            # own termination (already bounded) ends it.
+                            *(asyncio.shield(t) for t in list(self._terminations)),
+                            return_exceptions=True,
                         )
         finally:
             self._closing = True
             self._cancel_lingers()
             self._fail_waiters(ConnectionClosed("the client was closed"))
-            for task in list(self._tasks):
+            for task in [*self._tasks, *self._terminations]:
                 task.cancel()
             await self._channel.aclose()
             self._rpc.connection_lost("closed by the client")

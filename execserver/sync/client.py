@@ -35,7 +35,7 @@ from typing import Any, BinaryIO, TypeVar
 from execserver import aio
 from execserver import protocol as p
 from execserver.aio import RunResult
-from execserver.clientcore.errors import ConnectionClosed, ExecServerError
+from execserver.clientcore.errors import ConnectionClosed
 from execserver.clientcore.types import OutputEvent
 from execserver.sync._loop import CANCEL_GRACE, LOOP, Call, check_not_loop_thread
 
@@ -148,24 +148,34 @@ class Client:
         idle_timeout_ms: int | None = None,
         detach: bool = False,
     ) -> Process:
-        """``process/start``; the handle follows the process (see :class:`Process`)."""
-        handle = self._rpc(
-            "process/start",
-            lambda: self._aio.start(
-                argv,
-                process_id=process_id,
-                cwd=cwd,
-                env=dict(env) if env is not None else None,
-                tty=tty,
-                arg0=arg0,
-                pipe_stdin=pipe_stdin,
-                size=size,
-                timeout_ms=timeout_ms,
-                idle_timeout_ms=idle_timeout_ms,
-                detach=detach,
-            ),
-        )
-        return Process(self, handle)
+        """``process/start``; the handle follows the process (see :class:`Process`).
+
+        Timed out or interrupted (KeyboardInterrupt), a process the server
+        started anyway is terminated, and has ended, before the exception
+        propagates (unless ``detach``), as with :meth:`run`.
+        """
+
+        async def start_reaped() -> aio.Process:
+            try:
+                return await self._aio.start(
+                    argv,
+                    process_id=process_id,
+                    cwd=cwd,
+                    env=dict(env) if env is not None else None,
+                    tty=tty,
+                    arg0=arg0,
+                    pipe_stdin=pipe_stdin,
+                    size=size,
+                    timeout_ms=timeout_ms,
+                    idle_timeout_ms=idle_timeout_ms,
+                    detach=detach,
+                )
+            except BaseException:
+                # The asyncio client terminates it in a task of its own.
+                await asyncio.shield(self._aio.settle(CANCEL_GRACE))
+                raise
+
+        return Process(self, self._rpc("process/start", start_reaped))
 
     def run(
         self,
@@ -209,20 +219,11 @@ class Client:
                 # The asyncio client terminates the process of a cancelled or
                 # timed-out run in a task of its own; a script that goes on
                 # (or exits) right after the exception must find it ended.
-                await asyncio.shield(self._reap(process_id))
+                await asyncio.shield(self._aio.settle(CANCEL_GRACE))
                 raise
 
         bound = None if timeout is None else timeout + (self.call_timeout or CLOSE_TIMEOUT)
         return self._blocking(run_reaped, bound, f"run {list(argv)[:1]}")
-
-    async def _reap(self, process_id: str) -> None:
-        handle = self._aio.process(process_id)
-        if handle is None or handle.is_closed:
-            return
-        with contextlib.suppress(ExecServerError, TimeoutError):
-            async with asyncio.timeout(CANCEL_GRACE):
-                await self._aio.terminate(process_id)
-                await handle.closed()
 
     def read(
         self,
