@@ -201,14 +201,18 @@ def peak_over_idle(work: Path, size: int, ranged: bool) -> dict[str, float]:
     return figures
 
 
-def peak_over_idle_ws(work: Path, size: int) -> dict[str, float]:
-    """The same as :func:`peak_over_idle` (whole file) over a WebSocket."""
+def peak_over_idle_ws(work: Path, size: int) -> dict[str, tuple[float, float]]:
+    """The same as :func:`peak_over_idle` (whole file) over a WebSocket, with its MB/s.
+
+    The rate is the file's size over the time from the request's first byte
+    sent to the answer received (one transfer, ``websockets``' client).
+    """
     import socket
 
     from websockets.sync.client import connect
 
     source = work / f"source-{size}.bin"
-    figures: dict[str, float] = {}
+    figures: dict[str, tuple[float, float]] = {}
     for method in ("fs/readFile", "fs/writeFile"):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -243,15 +247,20 @@ def peak_over_idle_ws(work: Path, size: int) -> dict[str, float]:
                 ws.recv()  # the pool, the code paths
                 idle = rss_kib(server.pid)
                 if method == "fs/readFile":
-                    ws.send(read_request(2, source).rstrip(b"\n"))
+                    request = read_request(2, source)
                 else:
                     text = base64.b64encode(source.read_bytes())
-                    ws.send(write_request(2, work / "rss-written.bin", text).rstrip(b"\n"))
+                    request = write_request(2, work / "rss-written.bin", text)
                     del text
+                started = time.perf_counter()
+                ws.send(request.rstrip(b"\n"))
+                del request
                 reply = ws.recv(decode=False)
+                seconds = time.perf_counter() - started
                 check_ok(reply)
                 del reply
-                figures[method] = (rss_kib(server.pid, "VmHWM") - idle) / 1024
+                peak = (rss_kib(server.pid, "VmHWM") - idle) / 1024
+                figures[method] = (peak, size / MiB / seconds)
         finally:
             server.terminate()
             server.wait(30)
@@ -375,9 +384,11 @@ def main() -> None:
                     flush=True,
                 )
                 if method in ws:
+                    peak, rate = ws[method]
                     print(
                         f"{method} {size / MiB:.0f} MiB over WebSocket: server peak RSS above "
-                        f"idle {ws[method]:.1f} MiB = {ws[method] * MiB / size:.2f}x the file",
+                        f"idle {peak:.1f} MiB = {peak * MiB / size:.2f}x the file; "
+                        f"{rate:.0f} MiB/s",
                         flush=True,
                     )
         if args.library_gib:

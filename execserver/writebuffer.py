@@ -9,8 +9,14 @@ writes them:
 - the bytes a ``FileDescriptor`` holds unsent (``dataBuffer``, ``offset``,
   ``_tempDataLen``): the fs reply budget (when a reply has left), the stdin
   bound of ``process/write``, and when a connection stops reading requests;
-- the high-water mark itself (``bufferSize``, 64 KiB by default, less than
-  one output notification);
+- the high-water mark itself: Twisted pauses a streaming producer when
+  ``_isSendBufferFull()`` says so, which compares the buffer with
+  ``bufferSize`` (64 KiB by default, less than one output notification).
+  ``bufferSize`` is also the size of every socket read, and a 2 MiB read
+  costs a 2 MiB string plus Autobahn's copies of it, so the mark is set by
+  giving the descriptor its own ``_isSendBufferFull`` (checked below,
+  :data:`HIGH_WATER_PROBLEM`), leaving reads at Twisted's size. Fallback:
+  ``bufferSize`` itself (reads grow to the mark);
 - the flag that makes Twisted resume a streaming producer once its buffer
   is empty (``producerPaused``), set by an :class:`Outbox` to hand Twisted
   one piece at a time;
@@ -28,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from twisted.internet.abstract import FileDescriptor
@@ -36,6 +42,8 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.stdio import StandardIO
 from zope.interface import implementer
+
+from execserver.private_names import parameters
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -88,15 +96,45 @@ def write_buffer_of(transport: Any) -> Any:
     return getattr(transport, "_writer", None) or transport
 
 
-def set_high_water(transport: Any, limit: int) -> None:
+def check_high_water(cls: Any = FileDescriptor) -> str | None:
+    """None if ``cls`` decides when to pause its producer in ``_isSendBufferFull()``."""
+    if parameters(getattr(cls, "_isSendBufferFull", None)) != ["self"]:
+        return "FileDescriptor has no _isSendBufferFull(self)"
+    pause = getattr(getattr(cls, "_maybePauseProducer", None), "__code__", None)
+    if pause is None or "_isSendBufferFull" not in pause.co_names:
+        return "FileDescriptor._maybePauseProducer does not ask _isSendBufferFull"
+    return None
+
+
+#: Why the high-water mark cannot be set apart from the read size, or None.
+HIGH_WATER_PROBLEM: Final = check_high_water()
+
+
+def _buffer_full_above(writer: Any, limit: int) -> Callable[[], bool]:
+    # Weakly: the descriptor holds this function, which must not keep it alive.
+    ref = weakref.ref(writer)
+
+    def full() -> bool:
+        fd = ref()
+        return fd is not None and len(fd.dataBuffer) + fd._tempDataLen > limit
+
+    return full
+
+
+def set_high_water(transport: Any, limit: int, separate: bool | None = None) -> None:
     """Make the transport pause its producer once ``limit`` bytes are unsent.
 
-    Twisted's FileDescriptor pauses a streaming producer above ``bufferSize``
-    and resumes it once its buffer is empty. For StandardIO the buffer is
-    its writer's.
+    Twisted's FileDescriptor pauses a streaming producer above its mark and
+    resumes it once its buffer is empty. For StandardIO the buffer is its
+    writer's. The read size stays Twisted's (see the module docstring);
+    ``separate=False`` (or :data:`HIGH_WATER_PROBLEM`) uses the fallback.
     """
     target = write_buffer_of(transport)
-    if hasattr(target, "bufferSize"):
+    if separate is None:
+        separate = HIGH_WATER_PROBLEM is None
+    if separate and isinstance(target, FileDescriptor):
+        target._isSendBufferFull = _buffer_full_above(target, limit)  # type: ignore[method-assign]
+    elif hasattr(target, "bufferSize"):
         target.bufferSize = limit
 
 
@@ -166,8 +204,7 @@ class Outbox:
     draining; Twisted sets it itself above its high-water mark).
     Twisted joins what it holds into one buffer before sending
     (``doWrite``): a lone ``bytes`` is taken as is, two pieces would be
-    copied into a third. (Lowering its high-water mark instead would also
-    shrink its socket reads: ``bufferSize`` is their size too.) Through TLS
+    copied into a third. Through TLS
     the writer is not a ``FileDescriptor`` and pieces go on until Twisted
     pauses this producer above the high-water mark.
 

@@ -44,6 +44,6 @@ FS_READ_FILE_RSS_FACTOR = 1.5
 
 #: Growth of the server's peak RSS over idle while it answers a whole-file
 #: fs/readFile or fs/writeFile of 16 MiB, as a multiple of the file (stdio
-#: both; WebSocket fs/readFile): the text (1.33x) exists about once, and
+#: and WebSocket, both methods): the text (1.33x) exists about once, and
 #: the rest (read buffer, copies, memory the allocator keeps) is small.
 FS_TRANSFER_RSS_FACTOR = 1.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
@@ -35,6 +36,26 @@ def test_a_changed_buffer_layout_is_named() -> None:
     problem = writebuffer.check_fields(Renamed)
     assert problem is not None
     assert "offset" in problem and "_tempDataLen" in problem
+
+
+def test_this_twisted_lets_the_high_water_mark_differ_from_the_read_size() -> None:
+    assert writebuffer.HIGH_WATER_PROBLEM is None
+
+
+def test_a_changed_pause_decision_is_named() -> None:
+    class Renamed:
+        def _isSendBufferFull(self, limit: int) -> bool:
+            return False
+
+    class Inlined:
+        def _isSendBufferFull(self) -> bool:
+            return False
+
+        def _maybePauseProducer(self) -> None:
+            pass
+
+    assert "_isSendBufferFull(self)" in (writebuffer.check_high_water(Renamed) or "")
+    assert "does not ask" in (writebuffer.check_high_water(Inlined) or "")
 
 
 @implementer(IPushProducer)
@@ -69,8 +90,11 @@ class Reader(Protocol):
         self.factory.reader.callback(self)
 
 
+@pytest.mark.parametrize("separate", [True, False], ids=["own-mark", "fallback-buffer-size"])
 @pytest_twisted.ensureDeferred
-async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_pauses() -> None:
+async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_pauses(
+    separate: bool,
+) -> None:
     server_factory: Any = Factory.forProtocol(Sender)
     server_factory.sender = Deferred()
     client_factory: Any = ClientFactory.forProtocol(Reader)
@@ -81,7 +105,10 @@ async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_p
         sender: Protocol = await server_factory.sender.addTimeout(TIMEOUT, reactor)
         reader: Protocol = await client_factory.reader.addTimeout(TIMEOUT, reactor)
         transport: Any = sender.transport
-        writebuffer.set_high_water(transport, HIGH_WATER)
+        read_size = transport.bufferSize
+        writebuffer.set_high_water(transport, HIGH_WATER, separate=separate)
+        # Socket reads keep Twisted's size (the fallback makes them the mark).
+        assert transport.bufferSize == (read_size if separate else HIGH_WATER)
         producer = Producer(transport)
         transport.registerProducer(producer, True)
         assert writebuffer.unsent_bytes(transport) == 0
