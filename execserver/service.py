@@ -512,6 +512,12 @@ class ExecServerService(MultiService):
                 "read as 0, so the stdin bound and the fs reply budget do not hold",
                 problem=writebuffer.PROBLEM,
             )
+        if writebuffer.HIGH_WATER_PROBLEM is not None:
+            log.warn(
+                "flow control: Twisted's producer pause changed ({problem}); the high-water "
+                "mark is set as bufferSize, which socket reads then grow to",
+                problem=writebuffer.HIGH_WATER_PROBLEM,
+            )
         if self.spawner is not None:
             # A child that would not lead its own group could not be
             # terminated with its tree: fall back, or refuse to start.
