@@ -733,12 +733,13 @@ class Client:
             if candidate not in self._processes:
                 return candidate
 
-    def _terminate_later(self, process_id: str, handle: Process | None) -> None:
+    def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
         """Terminate ``process_id`` in a task of its own (the caller is being
         cancelled), tracked until the process has ended: see :meth:`settle`."""
         task = asyncio.get_running_loop().create_task(self._terminate_quietly(process_id, handle))
         self._terminations.add(task)
         task.add_done_callback(self._terminations.discard)
+        return task
 
     async def _terminate_quietly(self, process_id: str, handle: Process | None) -> None:
         with contextlib.suppress(ExecServerError, TimeoutError):
@@ -776,8 +777,10 @@ class Client:
         """Start ``argv``, feed it ``input`` (then close its stdin), collect all
         output until it exits and its output is closed.
 
-        On ``timeout`` (seconds, client side) or cancellation the process tree
-        is terminated and ``TimeoutError`` / ``CancelledError`` is raised.
+        On ``timeout`` (seconds, client side) the process tree is terminated
+        and ``TimeoutError`` is raised once it has ended (at most 10 s
+        later); on cancellation ``CancelledError`` is raised at once and the
+        termination goes on in the background (:meth:`settle`, :meth:`close`).
         PTY output (``tty=True``) is in ``stdout``.
         """
         if input is not None and not start_kwargs.get("tty"):
@@ -798,6 +801,15 @@ class Client:
                         await handle.write(input)
                     await handle.close_stdin()
                 await handle.closed()
+        except TimeoutError:
+            # Our own deadline, not a cancellation: the caller gets the
+            # TimeoutError once the process has ended (bounded by the
+            # termination's own 10 s), with no request of it left pending.
+            if handle is not None and not handle.is_closed:
+                await asyncio.wait({self._terminate_later(handle.process_id, handle)})
+            else:
+                await self.settle()  # a start that timed out terminates its own
+            raise
         except BaseException:
             if handle is not None and not handle.is_closed:
                 # The terminate runs in its own task (this one is being
