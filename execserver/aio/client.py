@@ -50,7 +50,7 @@ from execserver.aio.channels import (
     open_websocket,
     spawn_stdio,
 )
-from execserver.aio.process import DEFAULT_BACKLOG_BYTES, Process
+from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore.calls import repeatable
 from execserver.clientcore.defaults import DEFAULT_PATH
@@ -65,6 +65,7 @@ from execserver.clientcore.errors import (
     SessionLost,
     SpawnFailed,
 )
+from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.transfer import (
     RANGE_CAPABILITIES,
     TRANSFER_CHUNK_BYTES,

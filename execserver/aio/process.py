@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from execserver import protocol as p
 from execserver.clientcore.errors import OutputLagged
-from execserver.clientcore.ordering import SeqOrdering
+from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, ProcessCore
 from execserver.clientcore.types import OutputEvent
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("execserver.aio")
 
-DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
 DEFAULT_OUTPUT_LIMIT = 64 * 1024 * 1024
 
 
@@ -124,8 +123,13 @@ class OutputStream:
                 self._waiter = None
 
 
-class Process(SeqOrdering):
-    """A process started by :class:`~execserver.aio.Client`, followed through its notifications."""
+class Process(ProcessCore[OutputStream]):
+    """A process started by :class:`~execserver.aio.Client`, followed through its notifications.
+
+    Output fan-out, the backlog and the exit/close state are
+    :class:`~execserver.clientcore.process.ProcessCore`, shared with the
+    Twisted client's handle.
+    """
 
     def __init__(
         self,
@@ -135,133 +139,47 @@ class Process(SeqOrdering):
         detach: bool = False,
         backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
     ) -> None:
-        self.process_id = process_id
         self._client = client
-        #: Left running by ``Client.close()`` (and ``async with``).
-        self.detach = detach
-        self.exit_code: int | None = None
-        self.signal: str | None = None
-        self.timed_out: str | None = None
-        self.has_exited = False
-        self.is_closed = False
-        #: Why the handle ended without its exit (None: it did not).
-        self.lost_reason: Exception | None = None
         self._exited = asyncio.Event()
         self._closed = asyncio.Event()
-        self._listeners: list[Callable[[OutputEvent], None]] = []
-        self._streams: list[OutputStream] = []
-        self._backlog: list[OutputEvent] | None = []
-        self._backlog_bytes = 0
-        self._backlog_limit = backlog_bytes
-        self._backlog_overflow_seq: int | None = None
-        self._backlog_overflowed = False
-        #: Output bytes (with per-chunk overhead) not yet acknowledged ("pause").
-        self.unacked_bytes = 0
-        self._init_ordering()
+        self._init_process(process_id, backlog_bytes)
+        self.detach = detach
 
     def __repr__(self) -> str:
         state = f"exited {self.exit_code}" if self.has_exited else "running"
         return f"<aio.Process {self.process_id!r} {state}>"
 
+    # --- hooks of ProcessCore -------------------------------------------------------
+
+    def _fire_exited(self, exit_code: int | None) -> None:
+        self._exited.set()
+
+    def _fire_closed(self) -> None:
+        self._closed.set()
+
+    def _backlog_overflow(self) -> None:
+        log.warning(
+            "output of %s exceeds the %d-byte backlog with no reader",
+            self.process_id,
+            self._backlog_limit,
+        )
+
+    def _listener_failed(self) -> None:
+        log.exception("output listener of %s failed", self.process_id)
+
     # --- output -------------------------------------------------------------------
 
     def output(self, limit: int = DEFAULT_OUTPUT_LIMIT) -> OutputStream:
         """A new stream of output events (the backlog first); ``async for`` it."""
-        stream = OutputStream(self.process_id, limit, self._forget_stream)
-        overflowed = self._backlog_overflowed
-        for event in self._take_backlog():
-            stream.push(event)
-        if overflowed:
-            stream.fail(
-                OutputLagged(self.process_id, self._backlog_overflow_seq, self._backlog_limit)
-            )
-        if self.lost_reason is not None:
-            stream.fail(self.lost_reason)
-        elif self.is_closed:
-            stream.end()
-        else:
-            self._streams.append(stream)
-        return stream
-
-    def add_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
-        """Call ``listener`` with every output event (the backlog first)."""
-        self._listeners.append(listener)
-        for event in self._take_backlog():
-            listener(event)
-
-    def remove_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-
-    def _forget_stream(self, stream: OutputStream) -> None:
-        if stream in self._streams:
-            self._streams.remove(stream)
-
-    def _take_backlog(self) -> list[OutputEvent]:
-        backlog, self._backlog = self._backlog, None
-        self._backlog_bytes = 0
-        self._backlog_overflowed = False
-        return backlog or []
-
-    def deliver_output(self, event: OutputEvent) -> None:
-        if self._backlog is not None:
-            if self._backlog_overflowed:
-                return
-            if self._backlog_bytes + len(event.chunk) > self._backlog_limit:
-                self._backlog_overflowed = True
-                self._backlog_overflow_seq = self._backlog[-1].seq if self._backlog else None
-                log.warning(
-                    "output of %s exceeds the %d-byte backlog with no reader",
-                    self.process_id,
-                    self._backlog_limit,
-                )
-                return
-            self._backlog.append(event)
-            self._backlog_bytes += len(event.chunk)
-            return
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:
-                log.exception("output listener of %s failed", self.process_id)
-        for stream in list(self._streams):
-            stream.push(event)
+        stream = OutputStream(self.process_id, limit, self._forget_queue)
+        return self._add_queue(stream, fail_if_lost=True)
 
     # --- lifecycle ------------------------------------------------------------------
-
-    def mark_exited(
-        self, exit_code: int | None, signal: str | None = None, timed_out: str | None = None
-    ) -> None:
-        if self.has_exited:
-            return
-        self.has_exited = True
-        self.exit_code = exit_code
-        self.signal = signal
-        self.timed_out = timed_out
-        self._exited.set()
-
-    def mark_closed(self) -> None:
-        if self.is_closed:
-            return
-        self.is_closed = True
-        streams, self._streams = self._streams, []
-        for stream in streams:
-            stream.end()
-        self._closed.set()
 
     def connection_lost(self) -> None:
         """The connection is gone for good: exited without an exit code, and closed."""
         self.abandon_catch_up()
-        self.mark_exited(None)
-        self.mark_closed()
-
-    def fail(self, error: Exception) -> None:
-        """The process is out of reach (its session is lost): end the handle with ``error``."""
-        self.abandon_catch_up()
-        self.lost_reason = error
-        for stream in list(self._streams):
-            stream.fail(error)
-        self.connection_lost()
+        super().connection_lost()
 
     async def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once ``process/exited`` arrived (128+N: died of signal N,

@@ -45,7 +45,7 @@ from execserver.client.errors import (
     ServerError,
 )
 from execserver.client.fs import FileTransfers
-from execserver.client.process import DEFAULT_BACKLOG_BYTES, RemoteProcess
+from execserver.client.process import RemoteProcess
 from execserver.client.rpc import RpcClient
 from execserver.client.types import (
     ClientEvent,
@@ -59,6 +59,7 @@ from execserver.client.types import (
     OutputParams,
 )
 from execserver.clientcore import defaults
+from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from twisted.logger import Logger
 from execserver import protocol as p
 from execserver.client.errors import OutputLagged
 from execserver.client.types import OutputEvent
-from execserver.clientcore.ordering import SeqOrdering
+from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, ProcessCore
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 log = Logger()
 
-DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
 DEFAULT_SUBSCRIPTION_BYTES = 64 * 1024 * 1024
 
 
@@ -139,117 +138,53 @@ class OutputSubscription:
         return event
 
 
-class RemoteProcess(SeqOrdering):
+class RemoteProcess(ProcessCore[OutputSubscription]):
     """A process started by a client, followed through its notifications.
 
     Seq-ordered, at-most-once delivery across a resumed session
     (``accept_*``, ``begin_catch_up``/``catch_up``/``end_catch_up``) is
-    :class:`~execserver.clientcore.ordering.SeqOrdering`, shared with the
-    asyncio client's handle.
+    :class:`~execserver.clientcore.ordering.SeqOrdering`; output fan-out,
+    the backlog and the exit/close state are
+    :class:`~execserver.clientcore.process.ProcessCore`; both are shared
+    with the asyncio client's handle.
     """
 
     def __init__(
         self, api: ClientApi, process_id: str, backlog_bytes: int = DEFAULT_BACKLOG_BYTES
     ) -> None:
-        self.process_id = process_id
         self._api = api
-        #: Left running by ``close()`` (``start_process(detach=True)``).
-        self.detach = False
-        self.exit_code: int | None = None
-        self.signal: str | None = None
-        self.timed_out: str | None = None
-        self.has_exited = False
-        self.is_closed = False
         self._exited: Latch[int | None] = Latch()
         self._closed: Latch[None] = Latch()
-        self._listeners: list[Callable[[OutputEvent], None]] = []
-        self._subscriptions: list[OutputSubscription] = []
-        self._backlog: list[OutputEvent] | None = []
-        self._backlog_bytes = 0
-        self._backlog_limit = backlog_bytes
-        self._backlog_overflow_seq: int | None = None
-        self._backlog_overflowed = False
-        # last_seq and the events held back while catching up (the mixin).
-        self._init_ordering()
-        #: Why the handle ended without its exit (None: it did not).
-        self.lost_reason: Exception | None = None
-        #: Output bytes (with per-chunk overhead) not yet acknowledged ("pause").
-        self.unacked_bytes = 0
+        self._init_process(process_id, backlog_bytes)
 
     def __repr__(self) -> str:
         state = f"exited {self.exit_code}" if self.has_exited else "running"
         return f"<RemoteProcess {self.process_id!r} {state}>"
 
+    # --- hooks of ProcessCore ---------------------------------------------------
+
+    def _fire_exited(self, exit_code: int | None) -> None:
+        self._exited.fire(exit_code)
+
+    def _fire_closed(self) -> None:
+        self._closed.fire(None)
+
+    def _backlog_overflow(self) -> None:
+        log.warn(
+            "output of {pid} exceeds the {limit}-byte backlog with no subscriber",
+            pid=self.process_id,
+            limit=self._backlog_limit,
+        )
+
+    def _listener_failed(self) -> None:
+        log.failure("output listener of {pid} failed", pid=self.process_id)
+
     # --- output -----------------------------------------------------------------
-
-    def add_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
-        """Call ``listener`` with every output event (the backlog first)."""
-        self._listeners.append(listener)
-        for event in self._take_backlog():
-            listener(event)
-
-    def remove_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
 
     def subscribe(self, limit: int = DEFAULT_SUBSCRIPTION_BYTES) -> OutputSubscription:
         """A new pull queue of output events (the backlog first)."""
-        sub = OutputSubscription(self.process_id, limit, self._forget_subscription)
-        overflowed = self._backlog_overflowed
-        for event in self._take_backlog():
-            sub.push(event)
-        if overflowed:
-            sub.fail(OutputLagged(self.process_id, self._backlog_overflow_seq, self._backlog_limit))
-        if self.is_closed:
-            sub.end()
-        else:
-            self._subscriptions.append(sub)
-        return sub
-
-    def _forget_subscription(self, sub: OutputSubscription) -> None:
-        if sub in self._subscriptions:
-            self._subscriptions.remove(sub)
-
-    def _take_backlog(self) -> list[OutputEvent]:
-        backlog, self._backlog = self._backlog, None
-        self._backlog_bytes = 0
-        self._backlog_overflowed = False
-        return backlog or []
-
-    def deliver_output(self, event: OutputEvent) -> None:
-        """Called by the client for each ``process/output`` of this process."""
-        if self._backlog is not None:
-            if self._backlog_overflowed:
-                return
-            if self._backlog_bytes + len(event.chunk) > self._backlog_limit:
-                # Reported to the first subscriber, who can read() from here.
-                self._backlog_overflowed = True
-                self._backlog_overflow_seq = self._backlog[-1].seq if self._backlog else None
-                log.warn(
-                    "output of {pid} exceeds the {limit}-byte backlog with no subscriber",
-                    pid=self.process_id,
-                    limit=self._backlog_limit,
-                )
-                return
-            self._backlog.append(event)
-            self._backlog_bytes += len(event.chunk)
-            return
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:
-                log.failure("output listener of {pid} failed", pid=self.process_id)
-        for sub in list(self._subscriptions):
-            sub.push(event)
-
-    def fail(self, error: Exception) -> None:
-        """The process is out of reach (its session is lost): end the handle with ``error``."""
-        self.abandon_catch_up()
-        self.lost_reason = error
-        subs = list(self._subscriptions)
-        for sub in subs:
-            sub.fail(error)
-        self.connection_lost()
+        sub = OutputSubscription(self.process_id, limit, self._forget_queue)
+        return self._add_queue(sub, fail_if_lost=False)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -260,31 +195,6 @@ class RemoteProcess(SeqOrdering):
     def closed(self) -> Deferred[None]:
         """Fires when no more output will arrive (``process/closed`` or connection loss)."""
         return self._closed.wait()
-
-    def mark_exited(
-        self, exit_code: int | None, signal: str | None = None, timed_out: str | None = None
-    ) -> None:
-        if self.has_exited:
-            return
-        self.has_exited = True
-        self.exit_code = exit_code
-        self.signal = signal
-        self.timed_out = timed_out
-        self._exited.fire(exit_code)
-
-    def mark_closed(self) -> None:
-        if self.is_closed:
-            return
-        self.is_closed = True
-        subs, self._subscriptions = self._subscriptions, []
-        for sub in subs:
-            sub.end()
-        self._closed.fire(None)
-
-    def connection_lost(self) -> None:
-        """The transport is gone: exited without an exit code, and closed."""
-        self.mark_exited(None)
-        self.mark_closed()
 
     # --- requests -----------------------------------------------------------------
 

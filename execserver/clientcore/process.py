@@ -1,0 +1,183 @@
+"""The sans-IO half of a process handle: output fan-out, backlog, exit and close state.
+
+:class:`ProcessCore` is what the Twisted ``RemoteProcess`` and the asyncio
+``Process`` share beyond seq ordering
+(:class:`~execserver.clientcore.ordering.SeqOrdering`): the handle's state
+(exit code, signal, timeout, closed, lost), output listeners, the pull
+queues (a Twisted ``OutputSubscription``, an asyncio ``OutputStream``: all
+they need here is ``push``/``end``/``fail``), the backlog kept until the
+first reader (bounded, its overflow reported to that reader as
+:class:`~execserver.clientcore.errors.OutputLagged`), and marking the handle
+exited and closed exactly once. How a waiter is woken (a ``Latch``, an
+``asyncio.Event``) and how the handle logs are hooks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+from execserver.clientcore.errors import OutputLagged
+from execserver.clientcore.ordering import SeqOrdering
+from execserver.clientcore.types import OutputEvent
+
+DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
+
+
+class EventQueue(Protocol):
+    """A reader's pull queue of output events."""
+
+    def push(self, event: OutputEvent) -> None: ...
+
+    def end(self) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+
+Q = TypeVar("Q", bound=EventQueue)
+
+
+class ProcessCore(SeqOrdering, ABC, Generic[Q]):
+    """One process's output and lifecycle bookkeeping; ``Q`` is the pull queue type."""
+
+    def _init_process(self, process_id: str, backlog_bytes: int) -> None:
+        self.process_id = process_id
+        #: Left running by the client's close (``detach=True``).
+        self.detach = False
+        self.exit_code: int | None = None
+        self.signal: str | None = None
+        self.timed_out: str | None = None
+        self.has_exited = False
+        self.is_closed = False
+        #: Why the handle ended without its exit (None: it did not).
+        self.lost_reason: Exception | None = None
+        #: Output bytes (with per-chunk overhead) not yet acknowledged ("pause").
+        self.unacked_bytes = 0
+        self._listeners: list[Callable[[OutputEvent], None]] = []
+        self._queues: list[Q] = []
+        self._backlog: list[OutputEvent] | None = []
+        self._backlog_bytes = 0
+        self._backlog_limit = backlog_bytes
+        self._backlog_overflow_seq: int | None = None
+        self._backlog_overflowed = False
+        # last_seq and the events held back while catching up.
+        self._init_ordering()
+
+    # --- hooks ------------------------------------------------------------------------
+
+    @abstractmethod
+    def _fire_exited(self, exit_code: int | None) -> None:
+        """Wake whoever waits for the exit."""
+
+    @abstractmethod
+    def _fire_closed(self) -> None:
+        """Wake whoever waits for the end of the output."""
+
+    @abstractmethod
+    def _backlog_overflow(self) -> None:
+        """Log that output with no reader went past the backlog limit."""
+
+    @abstractmethod
+    def _listener_failed(self) -> None:
+        """Called inside ``except``: an output listener raised; log it with its traceback."""
+
+    # --- output -----------------------------------------------------------------------
+
+    def add_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
+        """Call ``listener`` with every output event (the backlog first)."""
+        self._listeners.append(listener)
+        for event in self._take_backlog():
+            listener(event)
+
+    def remove_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _add_queue(self, queue: Q, *, fail_if_lost: bool) -> Q:
+        """Give ``queue`` the backlog (and its overflow), then every later event.
+
+        ``fail_if_lost``: a handle that already ended without its exit fails
+        the new queue with why, rather than just ending it.
+        """
+        overflowed = self._backlog_overflowed
+        for event in self._take_backlog():
+            queue.push(event)
+        if overflowed:
+            queue.fail(
+                OutputLagged(self.process_id, self._backlog_overflow_seq, self._backlog_limit)
+            )
+        if fail_if_lost and self.lost_reason is not None:
+            queue.fail(self.lost_reason)
+        elif self.is_closed:
+            queue.end()
+        else:
+            self._queues.append(queue)
+        return queue
+
+    def _forget_queue(self, queue: Q) -> None:
+        if queue in self._queues:
+            self._queues.remove(queue)
+
+    def _take_backlog(self) -> list[OutputEvent]:
+        backlog, self._backlog = self._backlog, None
+        self._backlog_bytes = 0
+        self._backlog_overflowed = False
+        return backlog or []
+
+    def deliver_output(self, event: OutputEvent) -> None:
+        """Called by the client for each ``process/output`` of this process."""
+        if self._backlog is not None:
+            if self._backlog_overflowed:
+                return
+            if self._backlog_bytes + len(event.chunk) > self._backlog_limit:
+                # Reported to the first reader, who can read() from here.
+                self._backlog_overflowed = True
+                self._backlog_overflow_seq = self._backlog[-1].seq if self._backlog else None
+                self._backlog_overflow()
+                return
+            self._backlog.append(event)
+            self._backlog_bytes += len(event.chunk)
+            return
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                self._listener_failed()
+        for queue in list(self._queues):
+            queue.push(event)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def mark_exited(
+        self, exit_code: int | None, signal: str | None = None, timed_out: str | None = None
+    ) -> None:
+        if self.has_exited:
+            return
+        self.has_exited = True
+        self.exit_code = exit_code
+        self.signal = signal
+        self.timed_out = timed_out
+        self._fire_exited(exit_code)
+
+    def mark_closed(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        queues, self._queues = self._queues, []
+        for queue in queues:
+            queue.end()
+        self._fire_closed()
+
+    def connection_lost(self) -> None:
+        """The connection is gone for good: exited without an exit code, and closed."""
+        self.mark_exited(None)
+        self.mark_closed()
+
+    def fail(self, error: Exception) -> None:
+        """The process is out of reach (its session is lost): end the handle with ``error``."""
+        self.abandon_catch_up()
+        self.lost_reason = error
+        for queue in list(self._queues):
+            queue.fail(error)
+        self.connection_lost()
