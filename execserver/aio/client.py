@@ -52,6 +52,7 @@ from execserver.aio.channels import (
 )
 from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
+from execserver.clientcore import transfer
 from execserver.clientcore.calls import repeatable
 from execserver.clientcore.defaults import DEFAULT_PATH
 from execserver.clientcore.errors import (
@@ -66,15 +67,7 @@ from execserver.clientcore.errors import (
     SpawnFailed,
 )
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
-from execserver.clientcore.transfer import (
-    RANGE_CAPABILITIES,
-    TRANSFER_CHUNK_BYTES,
-    Progress,
-    RangedRead,
-    RangedReadResult,
-    RangedWrite,
-    require_ranges,
-)
+from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
     ClosedParams,
     ExitedParams,
@@ -590,26 +583,14 @@ class Client:
         missing remote file leaves it as it was. ``RangesNotSupported``
         before anything is sent if the server lacks ``fs/readFile:range``.
         """
-        require_ranges(self.capabilities, RANGE_CAPABILITIES[0])
-        offset = 0
-        got = await self.call(
-            p.FS_READ_FILE, RangedRead(path, offset, chunk_bytes), RangedReadResult
+        return await transfer.download(
+            self.call,
+            self.capabilities,
+            path,
+            local_file,
+            chunk_bytes=chunk_bytes,
+            progress=progress,
         )
-        out, owned = _open_local(local_file, write=True)
-        try:
-            while True:
-                data = got.data_base64
-                out.write(data)
-                offset += len(data)
-                if progress is not None:
-                    progress(offset, got.size)
-                if len(data) < chunk_bytes or offset >= got.size:
-                    return offset
-                params = RangedRead(path, offset, chunk_bytes)
-                got = await self.call(p.FS_READ_FILE, params, RangedReadResult)
-        finally:
-            if owned:
-                out.close()
 
     async def upload(
         self,
@@ -629,32 +610,14 @@ class Client:
         arrives). ``RangesNotSupported`` before anything is sent if more than
         one range is needed and the server lacks ``fs/writeFile:range``.
         """
-        source, owned = _open_local(local_file, write=False)
-        try:
-            try:
-                total: int | None = os.fstat(source.fileno()).st_size
-            except (OSError, ValueError, AttributeError):
-                total = None
-            data = source.read(chunk_bytes)
-            following = source.read(chunk_bytes) if len(data) == chunk_bytes else b""
-            if not following:
-                await self.call(p.FS_WRITE_FILE, p.FsWriteFileParams(path, data), p.Empty)
-                if progress is not None:
-                    progress(len(data), len(data))
-                return len(data)
-            require_ranges(self.capabilities, RANGE_CAPABILITIES[1])
-            offset = 0
-            while data:
-                params = RangedWrite(path, data, offset, truncate=True if offset == 0 else None)
-                await self.call(p.FS_WRITE_FILE, params, p.Empty)
-                offset += len(data)
-                if progress is not None:
-                    progress(offset, total)
-                data, following = following, source.read(chunk_bytes) if following else b""
-            return offset
-        finally:
-            if owned:
-                source.close()
+        return await transfer.upload(
+            self.call,
+            self.capabilities,
+            path,
+            local_file,
+            chunk_bytes=chunk_bytes,
+            progress=progress,
+        )
 
     # --- process handles --------------------------------------------------------------
 
@@ -932,15 +895,6 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _open_local(
-    local_file: str | os.PathLike[str] | BinaryIO, write: bool
-) -> tuple[BinaryIO, bool]:
-    """The file to use, and whether it was opened here (and so is closed here)."""
-    if isinstance(local_file, str | os.PathLike):
-        return (open(local_file, "wb") if write else open(local_file, "rb")), True
-    return local_file, False
 
 
 class _Connecting:
