@@ -14,8 +14,10 @@ Every benchmark runs the server from this working tree
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
+import json
 import os
 import statistics
 import subprocess
@@ -354,3 +356,75 @@ def raw_pipe_rate(total_bytes: int, one_core: bool = False, tries: int = 3) -> f
 def print_header(title: str) -> None:
     load = os.getloadavg()
     print(f"== {title}  (load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})", flush=True)
+
+
+# --- the client benchmarks (bench_client.py, bench_aio_client.py) ---------------------
+
+#: A Twisted client run in its own interpreter: ``head -c TOTAL /dev/zero``,
+#: output counted in a listener until ``process/closed``; prints payload MB/s.
+#: ``argv``: TOTAL [URL] (no URL: ``spawn_local`` over stdio; a URL:
+#: ``connect_websocket``).
+TWISTED_END_TO_END = """
+import sys, time
+from twisted.internet import defer, task
+from execserver.client import ExecServerClient
+
+async def main(reactor):
+    total = int(sys.argv[1])
+    if len(sys.argv) > 2:
+        client = await ExecServerClient.connect_websocket(reactor, sys.argv[2])
+    else:
+        client = await ExecServerClient.spawn_local(reactor)
+    received = 0
+    def count(event):
+        nonlocal received
+        received += len(event.chunk)
+    start = time.perf_counter()
+    proc = await client.start_process(["head", "-c", str(total), "/dev/zero"])
+    proc.add_output_listener(count)
+    await proc.closed()
+    seconds = time.perf_counter() - start
+    await client.close()
+    assert received == total, (received, total)
+    print(total / seconds / 1e6)
+
+task.react(lambda r: defer.Deferred.fromCoroutine(main(r)))
+"""
+
+
+def child_rate(script: str, total_bytes: int, url: str | None = None) -> float:
+    """Run ``script`` (``python -c``) with TOTAL [URL]; the rate its last line prints."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(total_bytes), *([url] if url else [])],
+        env=server_env(),
+        cwd=str(REPO_ROOT),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def twisted_end_to_end_rate(total_bytes: int, url: str | None = None) -> float:
+    """Payload MB/s through the Twisted client (``spawn_local``, or ``url``) in its own
+    interpreter."""
+    return child_rate(TWISTED_END_TO_END, total_bytes, url)
+
+
+def client_bench_main(
+    doc: str | None, title: str, run: Callable[[int, int], Sequence[Ratio | Series]]
+) -> None:
+    """``--rounds``, ``--mib``, ``--json``; prints a header, then each figure of ``run``."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mib", type=int, default=128)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = parser.parse_args()
+    print_header(f"{title} ({os.cpu_count()} CPUs)")
+    results = run(args.rounds, args.mib)
+    for result in results:
+        print(result.describe(), flush=True)
+    if args.json:
+        print(
+            json.dumps({r.name: (r.ratio if isinstance(r, Ratio) else r.median) for r in results})
+        )

@@ -25,10 +25,6 @@ Rates are payload MB/s (10**6 bytes of child output per second); medians of
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +32,14 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._client import MiB, Ratio, Series, print_header, server_env
+from bench._client import (
+    MiB,
+    Ratio,
+    Series,
+    child_rate,
+    client_bench_main,
+    twisted_end_to_end_rate,
+)
 from bench.bench_client import library_decode_rate
 from bench.bench_throughput import capture_stream, client_decode_rate, server_run
 from bench.bench_websocket import Server
@@ -139,51 +142,9 @@ asyncio.run(main())
 """
 
 
-_E2E_TWISTED_WS = """
-import sys, time
-from twisted.internet import defer, task
-from execserver.client import ExecServerClient
-
-async def main(reactor):
-    total = int(sys.argv[1])
-    client = await ExecServerClient.connect_websocket(reactor, sys.argv[2])
-    received = 0
-    def count(event):
-        nonlocal received
-        received += len(event.chunk)
-    start = time.perf_counter()
-    proc = await client.start_process(["head", "-c", str(total), "/dev/zero"])
-    proc.add_output_listener(count)
-    await proc.closed()
-    seconds = time.perf_counter() - start
-    await client.close()
-    assert received == total, (received, total)
-    print(total / seconds / 1e6)
-
-task.react(lambda r: defer.Deferred.fromCoroutine(main(r)))
-"""
-
-
 def aio_end_to_end_rate(total_bytes: int, url: str | None = None) -> float:
     """Payload MB/s through aio.connect() over stdio or ``url`` (own interpreter)."""
-    return _child_rate(_E2E, total_bytes, url)
-
-
-def twisted_websocket_rate(total_bytes: int, url: str) -> float:
-    """Payload MB/s through the Twisted client's connect_websocket (own interpreter)."""
-    return _child_rate(_E2E_TWISTED_WS, total_bytes, url)
-
-
-def _child_rate(script: str, total_bytes: int, url: str | None) -> float:
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(total_bytes), *([url] if url else [])],
-        env=server_env(),
-        cwd=str(Path(__file__).resolve().parent.parent),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+    return child_rate(_E2E, total_bytes, url)
 
 
 def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
@@ -214,7 +175,7 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
             e2e.append(aio_end_to_end_rate(total))
             e2e_lean.append(server_run(total, tty=False)[0])
             ws_aio.append(aio_end_to_end_rate(total, url))
-            ws_twisted.append(twisted_websocket_rate(total, url))
+            ws_twisted.append(twisted_end_to_end_rate(total, url))
     finally:
         ws.stop()
     aio_series = Series("aio client decode", "MB/s", tuple(aio_rates))
@@ -248,19 +209,7 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--mib", type=int, default=128)
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
-    args = parser.parse_args()
-    print_header(f"aio client ({os.cpu_count()} CPUs)")
-    results = run(args.rounds, args.mib)
-    for result in results:
-        print(result.describe(), flush=True)
-    if args.json:
-        print(
-            json.dumps({r.name: (r.ratio if isinstance(r, Ratio) else r.median) for r in results})
-        )
+    client_bench_main(__doc__, "aio client", run)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,6 @@ Rates are payload MB/s (10**6 bytes of child output per second); medians of
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._client import MiB, Ratio, Series, print_header, server_env
+from bench._client import MiB, Ratio, Series, client_bench_main, twisted_end_to_end_rate
 from bench.bench_throughput import capture_stream, client_decode_rate, server_run
 
 
@@ -67,44 +63,6 @@ def library_decode_rate(reads: list[bytes]) -> float:
     return received / seconds / 1e6
 
 
-_E2E = """
-import sys, time
-from twisted.internet import defer, task
-from execserver.client import ExecServerClient
-
-async def main(reactor):
-    total = int(sys.argv[1])
-    client = await ExecServerClient.spawn_local(reactor)
-    received = 0
-    def count(event):
-        nonlocal received
-        received += len(event.chunk)
-    start = time.perf_counter()
-    proc = await client.start_process(["head", "-c", str(total), "/dev/zero"])
-    proc.add_output_listener(count)
-    await proc.closed()
-    seconds = time.perf_counter() - start
-    await client.close()
-    assert received == total, (received, total)
-    print(total / seconds / 1e6)
-
-task.react(lambda r: defer.Deferred.fromCoroutine(main(r)))
-"""
-
-
-def library_end_to_end_rate(total_bytes: int) -> float:
-    """Payload MB/s through spawn_local on the Twisted reactor (own interpreter)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _E2E, str(total_bytes)],
-        env=server_env(),
-        cwd=str(Path(__file__).resolve().parent.parent),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
     total = mib * MiB
     library: list[float] = []
@@ -118,7 +76,7 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
         lean.append(client_decode_rate(reads))
         del reads
         server.append(server_run(total, tty=False)[0])
-        e2e.append(library_end_to_end_rate(total))
+        e2e.append(twisted_end_to_end_rate(total))
         e2e_lean.append(server_run(total, tty=False)[0])
     library_series = Series("client library decode", "MB/s", tuple(library))
     return [
@@ -141,19 +99,7 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--mib", type=int, default=128)
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
-    args = parser.parse_args()
-    print_header(f"client ({os.cpu_count()} CPUs)")
-    results = run(args.rounds, args.mib)
-    for result in results:
-        print(result.describe(), flush=True)
-    if args.json:
-        print(
-            json.dumps({r.name: (r.ratio if isinstance(r, Ratio) else r.median) for r in results})
-        )
+    client_bench_main(__doc__, "client", run)
 
 
 if __name__ == "__main__":
