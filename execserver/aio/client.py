@@ -54,7 +54,6 @@ from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore import transfer
 from execserver.clientcore.calls import repeatable
-from execserver.clientcore.defaults import DEFAULT_PATH
 from execserver.clientcore.errors import (
     AuthRefused,
     ConnectFailed,
@@ -67,6 +66,7 @@ from execserver.clientcore.errors import (
     SpawnFailed,
 )
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
+from execserver.clientcore.start import exec_params, next_process_id
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
     ClosedParams,
@@ -645,21 +645,19 @@ class Client:
         A start cancelled (or failed) before the answer leaves no handle; if
         the server started the process anyway it is terminated.
         """
-        if isinstance(argv, p.ExecParams):
-            params = argv
-        else:
-            params = p.ExecParams(
-                process_id=process_id or self._new_process_id(),
-                argv=list(argv),
-                cwd=cwd if cwd is not None else os.getcwd(),
-                env=dict(env) if env is not None else {"PATH": DEFAULT_PATH},
-                tty=tty,
-                arg0=arg0,
-                pipe_stdin=pipe_stdin,
-                size=p.TerminalSize(*size) if size is not None else None,
-                timeout_ms=timeout_ms,
-                idle_timeout_ms=idle_timeout_ms,
-            )
+        params = exec_params(
+            argv,
+            self._new_process_id,
+            process_id=process_id,
+            cwd=cwd,
+            env=env,
+            tty=tty,
+            arg0=arg0,
+            pipe_stdin=pipe_stdin,
+            size=size,
+            timeout_ms=timeout_ms,
+            idle_timeout_ms=idle_timeout_ms,
+        )
         requested = params.process_id
         existing = self._processes.get(requested)
         if existing is not None and not existing.is_closed:
@@ -691,11 +689,8 @@ class Client:
         return handle
 
     def _new_process_id(self) -> str:
-        while True:
-            candidate = f"proc-{self._next_process}"
-            self._next_process += 1
-            if candidate not in self._processes:
-                return candidate
+        process_id, self._next_process = next_process_id(self._next_process, self._processes)
+        return process_id
 
     def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
         """Terminate ``process_id`` in a task of its own (the caller is being

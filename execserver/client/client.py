@@ -21,7 +21,6 @@ reference to a client does the same from a ``weakref.finalize`` hook.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -60,6 +59,7 @@ from execserver.client.types import (
 )
 from execserver.clientcore import defaults
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
+from execserver.clientcore.start import exec_params, next_process_id
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -354,29 +354,24 @@ class ExecServerClient(ClientApi, FileTransfers):
         ``env={"PATH": DEFAULT_PATH}``. ``size`` is ``(rows, cols)``.
         ``detach=True``: :meth:`close` leaves the process running.
         """
-        if isinstance(argv, p.ExecParams):
-            params = argv
-        else:
-            params = p.ExecParams(
-                process_id=process_id or self._new_process_id(),
-                argv=list(argv),
-                cwd=cwd if cwd is not None else os.getcwd(),
-                env=dict(env) if env is not None else {"PATH": DEFAULT_PATH},
-                tty=tty,
-                arg0=arg0,
-                pipe_stdin=pipe_stdin,
-                size=p.TerminalSize(*size) if size is not None else None,
-                timeout_ms=timeout_ms,
-                idle_timeout_ms=idle_timeout_ms,
-            )
+        params = exec_params(
+            argv,
+            self._new_process_id,
+            process_id=process_id,
+            cwd=cwd,
+            env=env,
+            tty=tty,
+            arg0=arg0,
+            pipe_stdin=pipe_stdin,
+            size=size,
+            timeout_ms=timeout_ms,
+            idle_timeout_ms=idle_timeout_ms,
+        )
         return Deferred.fromCoroutine(self._start(params, detach))
 
     def _new_process_id(self) -> str:
-        while True:
-            candidate = f"proc-{self._next_process}"
-            self._next_process += 1
-            if candidate not in self._processes:
-                return candidate
+        process_id, self._next_process = next_process_id(self._next_process, self._processes)
+        return process_id
 
     async def _start(self, params: p.ExecParams, detach: bool = False) -> RemoteProcess:
         requested = params.process_id

@@ -1,0 +1,51 @@
+"""``process/start`` params as every client builds them from keyword arguments."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Container, Mapping, Sequence
+
+from execserver import protocol as p
+from execserver.clientcore.defaults import DEFAULT_PATH
+
+
+def next_process_id(counter: int, in_use: Container[str]) -> tuple[str, int]:
+    """The first ``proc-N`` from ``counter`` on not in ``in_use``, and the next counter."""
+    while True:
+        candidate = f"proc-{counter}"
+        counter += 1
+        if candidate not in in_use:
+            return candidate, counter
+
+
+def exec_params(
+    argv: Sequence[str] | p.ExecParams,
+    new_process_id: Callable[[], str],
+    *,
+    process_id: str | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    tty: bool = False,
+    arg0: str | None = None,
+    pipe_stdin: bool = False,
+    size: tuple[int, int] | None = None,
+    timeout_ms: int | None = None,
+    idle_timeout_ms: int | None = None,
+) -> p.ExecParams:
+    """``argv`` as given when it is complete ``ExecParams``; otherwise the defaults:
+    a generated ``process_id`` (``new_process_id()``), this process's working
+    directory, ``env={"PATH": DEFAULT_PATH}``; ``size`` is ``(rows, cols)``."""
+    if isinstance(argv, p.ExecParams):
+        return argv
+    return p.ExecParams(
+        process_id=process_id or new_process_id(),
+        argv=list(argv),
+        cwd=cwd if cwd is not None else os.getcwd(),
+        env=dict(env) if env is not None else {"PATH": DEFAULT_PATH},
+        tty=tty,
+        arg0=arg0,
+        pipe_stdin=pipe_stdin,
+        size=p.TerminalSize(*size) if size is not None else None,
+        timeout_ms=timeout_ms,
+        idle_timeout_ms=idle_timeout_ms,
+    )
