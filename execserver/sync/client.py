@@ -155,9 +155,9 @@ class Client:
         propagates (unless ``detach``), as with :meth:`run`.
         """
 
-        async def start_reaped() -> aio.Process:
-            try:
-                return await self._aio.start(
+        def start_reaped() -> Awaitable[aio.Process]:
+            return self._reaped(
+                lambda: self._aio.start(
                     argv,
                     process_id=process_id,
                     cwd=cwd,
@@ -170,12 +170,20 @@ class Client:
                     idle_timeout_ms=idle_timeout_ms,
                     detach=detach,
                 )
-            except BaseException:
-                # The asyncio client terminates it in a task of its own.
-                await asyncio.shield(self._aio.settle(CANCEL_GRACE))
-                raise
+            )
 
         return Process(self, self._rpc("process/start", start_reaped))
+
+    async def _reaped(self, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()``; if it fails or is cancelled, first wait for the processes the
+        asyncio client terminates in tasks of their own (a started process, a
+        timed-out run), so a script that goes on or exits right after the
+        exception finds them ended."""
+        try:
+            return await work()
+        except BaseException:
+            await asyncio.shield(self._aio.settle(CANCEL_GRACE))
+            raise
 
     def run(
         self,
@@ -200,9 +208,9 @@ class Client:
         """
         process_id = f"run-{next(self._run_ids)}"
 
-        async def run_reaped() -> RunResult:
-            try:
-                return await self._aio.run(
+        def run_reaped() -> Awaitable[RunResult]:
+            return self._reaped(
+                lambda: self._aio.run(
                     argv,
                     input=input,
                     timeout=timeout,
@@ -215,12 +223,7 @@ class Client:
                     timeout_ms=timeout_ms,
                     idle_timeout_ms=idle_timeout_ms,
                 )
-            except BaseException:
-                # The asyncio client terminates the process of a cancelled or
-                # timed-out run in a task of its own; a script that goes on
-                # (or exits) right after the exception must find it ended.
-                await asyncio.shield(self._aio.settle(CANCEL_GRACE))
-                raise
+            )
 
         bound = None if timeout is None else timeout + (self.call_timeout or CLOSE_TIMEOUT)
         return self._blocking(run_reaped, bound, f"run {list(argv)[:1]}")
