@@ -26,6 +26,7 @@ fs pool, since it may block.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import re
@@ -69,6 +70,9 @@ PROJECT_DENYLIST: Final = (
     "experimental_realtime_ws_base_url",
     "otel",
 )
+
+#: Bytes a configuration file may hold (larger ones are an error, unread).
+MAX_CONFIG_BYTES: Final = 4 * 1024 * 1024
 
 NO_SELECTORS: Final = "at least one config or requirements path is required"
 EMPTY_SELECTOR: Final = "TOML paths must contain at least one key segment"
@@ -214,12 +218,34 @@ def _parse_error(path: str, exc: tomllib.TOMLDecodeError) -> str:
     return f"{path}:{found['line']}:{found['col']}: {found['msg']}"
 
 
+def read_regular(path: str, limit: int) -> bytes | None:
+    """A regular file's bytes, at most ``limit``; None if it does not exist.
+
+    Opened ``O_NONBLOCK`` and checked with ``fstat`` before reading (as
+    ``fs/readFile`` does), so a FIFO or device never blocks a pool thread.
+    Raises OSError (``EISDIR`` for a directory, as reading one would) or
+    ValueError (not a regular file; more than ``limit`` bytes).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        return None
+    with open(fd, "rb") as stream:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not stat.S_ISREG(mode):
+            raise ValueError("not a regular file")
+        raw = stream.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"file exceeds the {limit}-byte limit")
+    return raw
+
+
 def _read_text(path: str) -> str | None:
     """The file's text; None if it does not exist. Other failures raise OSError/ValueError."""
-    try:
-        with open(path, "rb") as stream:
-            raw = stream.read()
-    except FileNotFoundError:
+    raw = read_regular(path, MAX_CONFIG_BYTES)
+    if raw is None:
         return None
     try:
         return raw.decode("utf-8")
@@ -330,19 +356,17 @@ def find_repo_root(cwd: str) -> str | None:
         if not os.path.isfile(dot_git):
             continue
         try:
-            with open(dot_git, encoding="utf-8") as stream:
-                line = stream.readline().strip()
+            line = (_read_text(dot_git) or "").split("\n", 1)[0].strip()
         except (OSError, ValueError):
             return None
         if not line.startswith("gitdir:"):
             return None
         git_dir = os.path.join(ancestor, line[len("gitdir:") :].strip())
-        common = git_dir
         try:
-            with open(os.path.join(git_dir, "commondir"), encoding="utf-8") as stream:
-                common = os.path.join(git_dir, stream.read().strip())
+            relative = _read_text(os.path.join(git_dir, "commondir"))
         except (OSError, ValueError):
-            pass
+            relative = None
+        common = git_dir if relative is None else os.path.join(git_dir, relative.strip())
         return os.path.dirname(os.path.realpath(common))
     return None
 

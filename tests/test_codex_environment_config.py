@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -445,3 +446,48 @@ def test_undecodable_or_malformed_user_config(tmp_path: Path) -> None:
         with pytest.raises(ec.ConfigLoadError) as caught:
             ec.load_layers(str(tmp_path), str(home), etc)
         assert str(caught.value) == message
+
+
+def _load_in_thread(cwd: str, home: Path, etc: str) -> BaseException | None:
+    """``load_layers``' error; fails (instead of hanging the test) if it blocks."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            ec.load_layers(cwd, str(home), etc)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        # Release the blocked open(2) so the thread ends with the test.
+        for fifo in home.glob("*.toml"):
+            if fifo.is_fifo():
+                os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("reading the config blocked")
+    return outcome[0]
+
+
+def test_a_fifo_or_an_oversized_config_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    etc = str(tmp_path / "etc")
+    os.mkfifo(home / "config.toml")
+    caught = _load_in_thread(str(tmp_path), home, etc)
+    assert isinstance(caught, ec.ConfigLoadError)
+    assert str(caught) == f"Failed to read config file {home}/config.toml: not a regular file"
+    (home / "config.toml").unlink()
+    # Bounded: at the limit it is read, one byte over it is refused unread.
+    padding = "#" * (ec.MAX_CONFIG_BYTES - len('model = "x"\n') - 1) + "\n"
+    (home / "config.toml").write_text('model = "x"\n' + padding)
+    assert _load_in_thread(str(tmp_path), home, etc) is None
+    (home / "config.toml").write_text('model = "x"\n' + padding + "\n")
+    caught = _load_in_thread(str(tmp_path), home, etc)
+    assert str(caught) == (
+        f"Failed to read config file {home}/config.toml: "
+        f"file exceeds the {ec.MAX_CONFIG_BYTES}-byte limit"
+    )
