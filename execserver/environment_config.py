@@ -257,27 +257,12 @@ def _read_error(exc: OSError | ValueError) -> str:
     return _os_text(exc) if isinstance(exc, OSError) else str(exc)
 
 
-def read_config_file(path: str) -> dict[str, Any] | None:
-    """A config.toml's table; None if missing (``Failed to read config file ...``)."""
+def read_toml(path: str, what: str) -> dict[str, Any] | None:
+    """A TOML file's table; None if missing (``Failed to read WHAT file PATH: ...``)."""
     try:
         text = _read_text(path)
     except (OSError, ValueError) as exc:
-        raise ConfigLoadError(f"Failed to read config file {path}: {_read_error(exc)}") from None
-    if text is None:
-        return None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigLoadError(_parse_error(path, exc)) from None
-
-
-def read_requirements_file(path: str) -> dict[str, Any] | None:
-    try:
-        text = _read_text(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigLoadError(
-            f"Failed to read requirements file {path}: {_read_error(exc)}"
-        ) from None
+        raise ConfigLoadError(f"Failed to read {what} file {path}: {_read_error(exc)}") from None
     if text is None:
         return None
     try:
@@ -479,11 +464,11 @@ def legacy_requirements(managed: Mapping[str, Any]) -> dict[str, Any]:
 def load_layers(cwd: str, codex_home: str, system_dir: str = SYSTEM_DIR) -> tuple[Stack, Stack]:
     """The executor-local config and requirements layers (blocking: file reads)."""
     managed_file = os.path.join(system_dir, MANAGED_CONFIG_TOML)
-    managed = read_config_file(managed_file)
+    managed = read_toml(managed_file, "config")
     system_file = os.path.join(system_dir, CONFIG_TOML)
-    system = read_config_file(system_file) or {}
+    system = read_toml(system_file, "config") or {}
     user_file = os.path.join(codex_home, CONFIG_TOML)
-    user = read_config_file(user_file) or {}
+    user = read_toml(user_file, "config") or {}
 
     # The project's boundary and trust come from the executor's own
     # system, user and managed config, never from the project itself.
@@ -495,7 +480,7 @@ def load_layers(cwd: str, codex_home: str, system_dir: str = SYSTEM_DIR) -> tupl
     markers = _markers(discovery)
 
     requirements_file = os.path.join(system_dir, REQUIREMENTS_TOML)
-    system_requirements = read_requirements_file(requirements_file)
+    system_requirements = read_toml(requirements_file, "requirements")
     requirement_layers = []
     if system_requirements is not None:
         requirement_layers.append(Layer(requirements_file, system_dir, system_requirements))
