@@ -34,7 +34,12 @@ import attrs
 import msgspec
 
 from execserver import yaml_subset
-from execserver.environment_config import ConfigLoadError, find_codex_home, user_home
+from execserver.environment_config import (
+    ConfigLoadError,
+    find_codex_home,
+    read_regular,
+    user_home,
+)
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
@@ -249,17 +254,11 @@ def active_plugin_version(package: str) -> str | None:
 def _read_remote_plugin_id(path: str) -> str | None:
     """The remote identity a remote install recorded; None without one. Raises ValueError."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
+        raw = read_regular(path, MAX_REMOTE_METADATA_BYTES)
     except OSError as exc:
-        raise ValueError(os.strerror(exc.errno or 0)) from None
-    with os.fdopen(fd, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
-            raise ValueError("not a regular file")
-        raw = stream.read(MAX_REMOTE_METADATA_BYTES + 1)
-    if len(raw) > MAX_REMOTE_METADATA_BYTES:
-        raise ValueError("remote installation metadata exceeds its byte limit")
+        raise ValueError(exc.strerror) from None
+    if raw is None:
+        return None
     try:
         metadata = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -364,12 +363,14 @@ class _Root:
             )
             return None
         try:
-            with open(path, "rb") as stream:
-                raw = stream.read(MAX_FILE_BYTES + 1)
-        except OSError as exc:
-            self.warnings.append(f"failed to read capability file {path}: {exc.strerror}")
+            raw = read_regular(path, MAX_FILE_BYTES)
+        except (OSError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else exc
+            self.warnings.append(f"failed to read capability file {path}: {reason}")
             return None
-        if len(raw) > MAX_FILE_BYTES or self.budget + len(raw) > MAX_BUNDLE_BYTES_PER_ROOT:
+        if raw is None:
+            return None
+        if self.budget + len(raw) > MAX_BUNDLE_BYTES_PER_ROOT:
             self.warnings.append(f"capability file {path} exceeded its read limit")
             return None
         try:

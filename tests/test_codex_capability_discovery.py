@@ -620,3 +620,35 @@ async def test_plugins_come_first_and_count_with_their_skills(tmp_path: Path) ->
     assert len(plugin["skills"]) == 20 and plugin["skills"][0]["name"] == "p:k0000"
     assert len(result["skills"]) == 2027 == cd.MAX_CAPABILITIES - 21
     assert result["warnings"] == ["capability discovery size limit reached"]
+
+
+def test_files_are_bounded_and_never_block(tmp_path: Path) -> None:
+    # A SKILL.md at the 1 MiB limit is read, one byte over it is a warning
+    # (unread); a FIFO SKILL.md is skipped; a FIFO or oversized remote-install
+    # file is a location warning, never a hung read.
+    env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
+    skills = tmp_path / "codex-home" / "skills"
+    front = "---\nname: big\ndescription: d\n---\n"
+    _write(skills / "big" / "SKILL.md", front + "x" * (cd.MAX_FILE_BYTES - len(front)))
+    (skills / "fifo").mkdir()
+    os.mkfifo(skills / "fifo" / "SKILL.md")
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    assert ([s.name for s in result.skills], result.warnings) == (["big"], [])
+    _write(skills / "big" / "SKILL.md", front + "x" * (cd.MAX_FILE_BYTES - len(front) + 1))
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    assert (result.skills, result.warnings) == ([], [METADATA_WARNING])
+    package = tmp_path / "codex-home" / "plugins" / "cache" / "mk" / "p"
+    _write(package / "1.0.0" / ".codex-plugin" / "plugin.json", '{"name":"p"}')
+    os.mkfifo(package / cd.REMOTE_INSTALL_METADATA)
+    [plugin] = cd.discover(env, str(tmp_path / "no-system")).plugins
+    assert plugin.remote_plugin_id is None
+    with pytest.raises(ValueError, match=r"^not a regular file$"):
+        cd._read_remote_plugin_id(str(package / cd.REMOTE_INSTALL_METADATA))
+    (package / cd.REMOTE_INSTALL_METADATA).unlink()
+    body = '{"schema_version":1,"remote_plugin_id":"r"}'
+    _write(package / cd.REMOTE_INSTALL_METADATA, body.ljust(cd.MAX_REMOTE_METADATA_BYTES))
+    assert cd._read_remote_plugin_id(str(package / cd.REMOTE_INSTALL_METADATA)) == "r"
+    _write(package / cd.REMOTE_INSTALL_METADATA, body.ljust(cd.MAX_REMOTE_METADATA_BYTES + 1))
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    assert result.plugins[0].remote_plugin_id is None
+    assert result.warnings[0] == cd.LOCATIONS_WARNING
