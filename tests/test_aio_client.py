@@ -473,3 +473,54 @@ async def test_run_with_input_in_a_pty(connect: Callable[..., Any]) -> None:
             assert result.stderr == b""
 
     await in_asyncio(scenario)
+
+
+#: A stdio "server" whose process exits as soon as its input arrives: it
+#: reports the exit, then answers the input's request (the write, or the
+#: closeStdin) with the error the real server gives once the process has
+#: exited. This is the order a quick process races the real server into.
+EXITS_ON_INPUT_SERVER = r"""
+import json, sys
+fail_on = sys.argv[1]
+def send(message):
+    print(json.dumps(message), flush=True)
+for line in sys.stdin:
+    message = json.loads(line)
+    method, params = message.get("method"), message.get("params") or {}
+    if method == "initialize":
+        send({"id": message["id"], "result": {"protocolVersion": "exec-server.v0"}})
+    elif method == "process/start":
+        send({"id": message["id"], "result": {"processId": params["processId"]}})
+    elif method == fail_on:
+        pid = params["processId"]
+        output = {"processId": pid, "stream": "pty", "chunk": "Z290IGl0DQo="}  # got it
+        send({"method": "process/output", "params": output})
+        send({"method": "process/exited", "params": {"processId": pid, "exitCode": 0}})
+        send({"method": "process/closed", "params": {"processId": pid}})
+        text = f"process {pid} has exited"
+        if method == "process/write":
+            error = {"code": -32603, "message": "failed to write to process stdin: " + text}
+        else:
+            error = {"code": -32600, "message": text}
+        send({"id": message["id"], "error": error})
+    elif method == "process/write":
+        send({"id": message["id"], "result": {"accepted": True}})
+    elif "id" in message:
+        send({"id": message["id"], "error": {"code": -32601, "message": "not here"}})
+"""
+
+
+@pytest.mark.parametrize("fail_on", ["process/write", "process/closeStdin"])
+@pytest_twisted.ensureDeferred
+async def test_run_tolerates_input_refused_because_the_process_exited(fail_on: str) -> None:
+    # Regression: run(input=..., tty=True) of a process that exits right
+    # after reading its line failed ~1 in 3 with "process/closeStdin: ...
+    # process proc-1 has exited" (the EOF arrived after the exit).
+    async def scenario() -> None:
+        command = [sys.executable, "-c", EXITS_ON_INPUT_SERVER, fail_on]
+        async with await aio.connect(server_command=command) as client:
+            result = await client.run(["sh"], input=b"it\n", tty=True, timeout=30)
+            assert (result.exit_code, result.stdout) == (0, b"got it\r\n")
+            assert client.pending_request_count == 0
+
+    await in_asyncio(scenario)

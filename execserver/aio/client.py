@@ -113,6 +113,23 @@ class RunResult:
     timed_out: str | None = None
 
 
+async def _feed(handle: Process, data: bytes) -> None:
+    """Write ``data`` to a run's process, then close its stdin (a PTY: EOF).
+
+    A process may exit before it has read all of it or before the close
+    arrives (a quick one does, racing the requests): as a pipe's reader
+    that went away, that is no failure of the run. The server reports the
+    exit before it answers the refused request, so the handle knows by then.
+    """
+    try:
+        if data:
+            await handle.write(data)
+        await handle.close_stdin()
+    except ServerError:
+        if not handle.has_exited:
+            raise
+
+
 @attrs.frozen
 class _Dialer:
     """How to open (and re-open) this client's connection."""
@@ -734,7 +751,8 @@ class Client:
         **start_kwargs: Any,
     ) -> RunResult:
         """Start ``argv``, feed it ``input`` (then close its stdin), collect all
-        output until it exits and its output is closed.
+        output until it exits and its output is closed. A process that exits
+        before it took all its input (or its EOF) is no failure, as with a pipe.
 
         On ``timeout`` (seconds, client side) the process tree is terminated
         and ``TimeoutError`` is raised once it has ended (at most 10 s
@@ -756,9 +774,7 @@ class Client:
                 handle = await self.start(argv, **start_kwargs)
                 handle.add_output_listener(collect)
                 if input is not None:
-                    if input:
-                        await handle.write(input)
-                    await handle.close_stdin()
+                    await _feed(handle, input)
                 await handle.closed()
         except TimeoutError:
             # Our own deadline, not a cancellation: the caller gets the
