@@ -78,14 +78,19 @@ PROBLEM: Final = check_fields()
 def unsent_bytes(writer: Any) -> int:
     """Bytes a Twisted FileDescriptor has accepted but not yet written.
 
-    Includes what its :class:`Outbox` still queues for it.
+    Includes what its :class:`Outbox` still queues for it (a transport that
+    holds its Outbox asks :meth:`Outbox.unsent` instead of looking it up).
     """
     outbox = outbox_of(writer)
-    held = outbox.held if outbox is not None else 0
+    return _buffered(writer) + (outbox.held if outbox is not None else 0)
+
+
+def _buffered(writer: Any) -> int:
+    """What Twisted's own buffer of ``writer`` holds unsent."""
     try:
-        return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen) + held
+        return int(len(writer.dataBuffer) - writer.offset + writer._tempDataLen)
     except AttributeError:
-        return held
+        return 0
 
 
 def write_buffer_of(transport: Any) -> Any:
@@ -245,13 +250,19 @@ class Outbox:
         else:
             self._transport.write(data)
 
-    def write_parts(self, parts: Sequence[Buffer]) -> None:
-        """Queue one message's pieces and write what the transport takes now."""
-        for part in parts:
-            size = memoryview(part).nbytes
-            if size:
-                self._queue.append(part)
-                self.held += size
+    def unsent(self) -> int:
+        """:func:`unsent_bytes` of the writer, without looking this Outbox up."""
+        return _buffered(self._writer) + self.held
+
+    def write_parts(self, parts: Sequence[Buffer], size: int | None = None) -> None:
+        """Queue one message's pieces and write what the transport takes now.
+
+        ``size``: their total, if the caller has counted it already.
+        """
+        if size is None:
+            size = sum(memoryview(part).nbytes for part in parts)
+        self._queue.extend(parts)
+        self.held += size
         self._pump()
 
     def _pump(self) -> None:
@@ -298,7 +309,7 @@ class Outbox:
             getattr(writer, "producer", None) is self
             and getattr(writer, "streamingProducer", False)
             and hasattr(writer, "producerPaused")
-            and unsent_bytes(writer) > self.held
+            and _buffered(writer) > 0
         ):
             # What Twisted's write does above its high-water mark.
             writer.producerPaused = True

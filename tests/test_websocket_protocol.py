@@ -356,11 +356,13 @@ def test_session_is_paused_and_resumed_by_the_tcp_transport(clock: Clock) -> Non
 def test_requests_stop_being_read_while_replies_pile_up(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from execserver.transports import backpressure, websocket
+    from execserver.transports import backpressure
+    from execserver.writebuffer import Outbox
 
     proto, transport = open_raw(make_factory(clock))
     unsent = 0
-    monkeypatch.setattr(websocket, "unsent_bytes", lambda _t: unsent)
+    # (The connection asks its Outbox, which counts Twisted's buffer and its own queue.)
+    monkeypatch.setattr(Outbox, "unsent", lambda _self: unsent)
     request = client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
     proto.dataReceived(request)
     assert transport.producerState == "producing"

@@ -379,37 +379,36 @@ class ExecServerProtocol(WebSocketServerProtocol):
     # --- Outbound ------------------------------------------------------------------
 
     def write_message(self, data: bytes) -> None:
-        self.write_message_parts((data,))
+        self._write_frame((data,), len(data))
 
     def write_message_parts(self, parts: Sequence[Buffer]) -> None:
         """Send one message given as consecutive pieces, without joining them."""
-        if self.state == WebSocketProtocol.STATE_OPEN:
-            # One unfragmented, unmasked text frame, written as header +
-            # payload without copying the payload. Equivalent to
-            # sendMessage() here (no compression is ever negotiated, and
-            # the streaming send API is never used) at a fraction of its
-            # per-message cost.
-            size = sum(memoryview(part).nbytes for part in parts)
-            outbox = self._outbox
-            if outbox is not None and (outbox.busy or size >= LARGE_MESSAGE_BYTES):
-                # Header (with the total length) first, then the pieces as
-                # the socket drains; later frames wait behind them.
-                outbox.write_parts((_text_frame_header(size), *parts))
-            else:
-                # (Twisted's queue takes bytes only; a non-bytes piece is
-                # copied here.)
-                self._transport.writeSequence(
-                    [
-                        _text_frame_header(size),
-                        *(part if type(part) is bytes else bytes(part) for part in parts),
-                    ]
-                )
-            flow = self._flow
-            if (
-                flow is not None
-                and not flow.reads_paused
-                and unsent_bytes(self._transport) > self._read_pause_bytes
-            ):
+        self._write_frame(parts, sum(memoryview(part).nbytes for part in parts))
+
+    def _write_frame(self, parts: Sequence[Buffer], size: int) -> None:
+        """One message of ``size`` bytes as one unfragmented, unmasked text frame.
+
+        Written as header + payload without copying the payload: equivalent
+        to sendMessage() here (no compression is ever negotiated, and the
+        streaming send API is never used) at a fraction of its per-message cost.
+        """
+        if self.state != WebSocketProtocol.STATE_OPEN:
+            return
+        header = _text_frame_header(size)
+        outbox = self._outbox
+        if outbox is not None and (outbox.busy or size >= LARGE_MESSAGE_BYTES):
+            # Header (with the total length) first, then the pieces as the
+            # socket drains; later frames wait behind them.
+            outbox.write_parts((header, *parts), len(header) + size)
+        else:
+            # (Twisted's queue takes bytes only; a non-bytes piece is copied here.)
+            self._transport.writeSequence(
+                [header, *(part if type(part) is bytes else bytes(part) for part in parts)]
+            )
+        flow = self._flow
+        if flow is not None and not flow.reads_paused:
+            unsent = outbox.unsent() if outbox is not None else unsent_bytes(self._transport)
+            if unsent > self._read_pause_bytes:
                 flow.pause_reads()
 
     def sendData(self, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
