@@ -43,6 +43,12 @@ FS_READ_DIRECTORY = "fs/readDirectory"
 FS_REMOVE = "fs/remove"
 FS_COPY = "fs/copy"
 
+#: Listed in ``initialize``'s ``capabilities`` by a server whose fs/readFile
+#: and fs/writeFile take ranges (a client must not send ranged writes to a
+#: server without them: it would ignore ``offset`` and replace the whole
+#: file each time).
+RANGE_CAPABILITIES = (f"{FS_READ_FILE}:range", f"{FS_WRITE_FILE}:range")
+
 # JSON-RPC error codes used by the reference.
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600

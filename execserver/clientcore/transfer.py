@@ -33,7 +33,7 @@ TRANSFER_CHUNK_BYTES = 8 * 1024 * 1024
 Progress = Callable[[int, "int | None"], None]
 
 #: What a server lists in ``capabilities`` when it takes ranged fs calls.
-RANGE_CAPABILITIES = ("fs/readFile:range", "fs/writeFile:range")
+RANGE_CAPABILITIES = p.RANGE_CAPABILITIES
 
 
 class RangedRead(msgspec.Struct, rename="camel"):
