@@ -81,7 +81,9 @@ def test_each_check_notices_a_changed_shape() -> None:
     def made(self: Any) -> None:
         self.timer = self.factory.timers.schedule()
 
-    assert timer_problems(WebSocketServerFactory, _broken(WebSocketProtocol, _connectionMade=made))
+    assert timer_problems(
+        WebSocketServerFactory, _broken(WebSocketProtocol, _sendAutoPing=made)
+    ) == ["_sendAutoPing scheduling through factory._batched_timer.call_later"]
 
     def process(self: Any) -> bool:
         return bool(self.buffer)

@@ -12,8 +12,8 @@ used (after one warning) when the check fails:
   "going away" (server shutdown). ``sendCloseFrame`` sends any code.
   Fallback: ``sendClose`` with the private-use code ``4000 + (code - 1000)``
   (4013, 4008, 4001) and the same reason.
-- **Exact timers.** Autobahn schedules its pings and handshake timeouts
-  through ``factory._batched_timer``, which txaio batches into buckets of
+- **Exact timers.** Autobahn schedules its pings, ping timeouts and
+  closing-handshake timeouts through ``factory._batched_timer``, which txaio batches into buckets of
   whole seconds: a 300 ms ping timeout fires at once or a second late.
   :class:`ClockTimers` puts them on the injected clock, exactly. Fallback:
   Autobahn's own batched timers (timeouts up to a second off).
@@ -101,9 +101,10 @@ def timer_problems(
         [
             ("_batched_timer" in init_names, "the factory's _batched_timer"),
             (
+                # (The ping timeout: the timer whose precision matters.)
                 {"_batched_timer", "call_later"}
-                <= _names(getattr(protocol_cls, "_connectionMade", None)),
-                "_connectionMade scheduling through factory._batched_timer.call_later",
+                <= _names(getattr(protocol_cls, "_sendAutoPing", None)),
+                "_sendAutoPing scheduling through factory._batched_timer.call_later",
             ),
         ]
     )

@@ -507,7 +507,10 @@ class ExecServerFactory(WebSocketServerFactory):
             maxMessagePayloadSize=0,
             # Protocol errors get a close frame with a code and reason.
             failByDrop=False,
-            openHandshakeTimeout=settings.open_handshake_timeout,
+            # EdgeChannel's timer bounds the request until the upgrade, and
+            # Autobahn answers the replayed request within WebSocketResource's
+            # render (101 or an error and a drop): its own timer would never fire.
+            openHandshakeTimeout=0,
             closeHandshakeTimeout=settings.close_handshake_timeout,
             autoPingInterval=settings.ping_interval,
             autoPingTimeout=settings.ping_timeout if settings.ping_interval else 0,
