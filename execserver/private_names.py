@@ -19,3 +19,9 @@ def parameters(func: object) -> list[str] | None:
         return list(inspect.signature(func).parameters)
     except (TypeError, ValueError):
         return None
+
+
+def code_names(func: object) -> frozenset[str]:
+    """The global and attribute names ``func``'s own code uses (empty if it has no code)."""
+    code = getattr(func, "__code__", None)
+    return frozenset(code.co_names) if code is not None else frozenset()

@@ -43,27 +43,19 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.internet.stdio import StandardIO
 from zope.interface import implementer
 
-from execserver.private_names import parameters
+from execserver.private_names import code_names, parameters
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
-
-
-class _NotAReactor:
-    """Stands in for a reactor while a FileDescriptor is built only to be inspected."""
 
 
 def check_fields(cls: Any = FileDescriptor) -> str | None:
     """None if ``cls`` keeps its write buffer in the fields read here, else what changed."""
     names = ("dataBuffer", "offset", "bufferSize", "producerPaused", "streamingProducer")
     missing = [name for name in names if not hasattr(cls, name)]
-    try:
-        probe = cls.__new__(cls)
-        # Any reactor but the global one, which must not be installed by an import.
-        cls.__init__(probe, reactor=_NotAReactor())
-    except Exception as exc:
-        return f"FileDescriptor() failed: {exc}"
-    missing += [name for name in ("_tempDataBuffer", "_tempDataLen") if not hasattr(probe, name)]
+    # (Set per instance, by the constructor.)
+    made = code_names(getattr(cls, "__init__", None))
+    missing += [name for name in ("_tempDataBuffer", "_tempDataLen") if name not in made]
     if missing:
         return f"FileDescriptor has no {', '.join(missing)}"
     if not hasattr(StandardIO, "_writer"):
@@ -105,8 +97,7 @@ def check_high_water(cls: Any = FileDescriptor) -> str | None:
     """None if ``cls`` decides when to pause its producer in ``_isSendBufferFull()``."""
     if parameters(getattr(cls, "_isSendBufferFull", None)) != ["self"]:
         return "FileDescriptor has no _isSendBufferFull(self)"
-    pause = getattr(getattr(cls, "_maybePauseProducer", None), "__code__", None)
-    if pause is None or "_isSendBufferFull" not in pause.co_names:
+    if "_isSendBufferFull" not in code_names(getattr(cls, "_maybePauseProducer", None)):
         return "FileDescriptor._maybePauseProducer does not ask _isSendBufferFull"
     return None
 

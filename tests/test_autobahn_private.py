@@ -92,6 +92,10 @@ def test_each_check_notices_a_changed_shape() -> None:
     assert problems == ["processData reading data, current_frame, inside_message"]
     renamed = _broken(WebSocketProtocol, _cancelAutoPingTimeoutCall=None)
     assert fast_frame_problems(renamed) == ["_cancelAutoPingTimeoutCall(self)"]
+    optionless = _broken(WebSocketProtocol, CONFIG_ATTRS_COMMON=["utf8validateIncoming"])
+    assert fast_frame_problems(optionless) == [
+        "utf8validateIncoming and autoPingRestartOnAnyTraffic protocol options"
+    ]
     assert state_problems(_broken(WebSocketProtocol, _connectionMade=made)) == [
         "_connectionMade setting failedByMe and data"
     ]

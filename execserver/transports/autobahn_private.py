@@ -57,7 +57,7 @@ from autobahn.websocket.protocol import WebSocketProtocol
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from execserver.private_names import parameters
+from execserver.private_names import code_names, parameters
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -66,11 +66,6 @@ log = Logger()
 
 #: Offset of the public fallback's private-use close codes (RFC 6455 7.4.2).
 FALLBACK_CODE_OFFSET: Final = 3000
-
-
-def _names(func: object) -> frozenset[str]:
-    code = getattr(func, "__code__", None)
-    return frozenset(code.co_names) if code is not None else frozenset()
 
 
 def _missing(checks: Iterable[tuple[bool, str]]) -> list[str]:
@@ -96,14 +91,14 @@ def timer_problems(
     """What is missing for :func:`install_exact_timers`."""
     init_names: set[str] = set()
     for klass in factory_cls.__mro__:
-        init_names |= _names(klass.__dict__.get("__init__"))
+        init_names |= code_names(klass.__dict__.get("__init__"))
     return _missing(
         [
             ("_batched_timer" in init_names, "the factory's _batched_timer"),
             (
                 # (The ping timeout: the timer whose precision matters.)
                 {"_batched_timer", "call_later"}
-                <= _names(getattr(protocol_cls, "_sendAutoPing", None)),
+                <= code_names(getattr(protocol_cls, "_sendAutoPing", None)),
                 "_sendAutoPing scheduling through factory._batched_timer.call_later",
             ),
         ]
@@ -112,8 +107,8 @@ def timer_problems(
 
 def fast_frame_problems(cls: type = WebSocketProtocol) -> list[str]:
     """What is missing for :func:`fast_frames` and :func:`receive`."""
-    parser = _names(getattr(cls, "processData", None))
-    receiver = _names(getattr(cls, "_dataReceived", None))
+    parser = code_names(getattr(cls, "processData", None))
+    receiver = code_names(getattr(cls, "_dataReceived", None))
     return _missing(
         [
             (
@@ -130,9 +125,14 @@ def fast_frame_problems(cls: type = WebSocketProtocol) -> list[str]:
                 "_cancelAutoPingTimeoutCall(self)",
             ),
             (
-                {"autoPingTimeoutCall", "utf8validator"}
-                <= _names(getattr(cls, "_connectionMade", None)),
+                "autoPingTimeoutCall" in code_names(getattr(cls, "_connectionMade", None)),
                 "_connectionMade setting autoPingTimeoutCall",
+            ),
+            (
+                # Protocol options copied onto each protocol.
+                {"utf8validateIncoming", "autoPingRestartOnAnyTraffic"}
+                <= set(getattr(cls, "CONFIG_ATTRS_COMMON", ())),
+                "utf8validateIncoming and autoPingRestartOnAnyTraffic protocol options",
             ),
             (hasattr(cls, "STATE_OPEN"), "STATE_OPEN"),
         ]
@@ -144,7 +144,7 @@ def state_problems(cls: type = WebSocketProtocol) -> list[str]:
     return _missing(
         [
             (
-                {"failedByMe", "data"} <= _names(getattr(cls, "_connectionMade", None)),
+                {"failedByMe", "data"} <= code_names(getattr(cls, "_connectionMade", None)),
                 "_connectionMade setting failedByMe and data",
             ),
         ]
@@ -160,7 +160,7 @@ def send_path_problems(cls: type = WebSocketProtocol) -> list[str]:
                 "sendData(self, data, sync, chopsize)",
             ),
             (
-                "sendData" in _names(getattr(cls, "sendFrame", None)),
+                "sendData" in code_names(getattr(cls, "sendFrame", None)),
                 "sendFrame writing through sendData",
             ),
         ]
