@@ -46,7 +46,10 @@ from execserver.fs.paths import (
 #: budget for this size is reserved up front, and the file read at once.
 SMALL_READ_BYTES: Final = 64 * 1024
 
+#: What surrounds the base64 text of an ``fs/readFile`` result (a ranged
+#: read's suffix also carries ``"size"``).
 _READ_PREFIX: Final = b'{"dataBase64":"'
+_READ_SUFFIX: Final = b'"}'
 
 
 @attrs.frozen
@@ -76,7 +79,7 @@ def encoded_result_size(size: int, file_size: int | None = None) -> int:
     With ``file_size`` (a ranged read), ``,"size":N`` is counted too.
     """
     extra = 0 if file_size is None else len(b',"size":') + len(str(file_size))
-    return len(b'{"dataBase64":""}') + 4 * ((size + 2) // 3) + extra
+    return len(_READ_PREFIX) + 4 * ((size + 2) // 3) + len(_READ_SUFFIX) + extra
 
 
 @oserrors
@@ -142,7 +145,7 @@ def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
         if total > limit:
             raise too_large(limit)
         # A range reports the file's size (as it is after the read).
-        tail = b'","size":%d}' % os.fstat(fd).st_size if span.ranged else b'"}'
+        tail = b'","size":%d}' % os.fstat(fd).st_size if span.ranged else _READ_SUFFIX
     finally:
         os.close(fd)
     return RenderedParts((_READ_PREFIX, *pieces, tail))
