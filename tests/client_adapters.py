@@ -134,6 +134,7 @@ class ProcAdapter:
     """A process handle of any client."""
 
     process_id: str
+    handle: Any
 
     async def next_event(self, timeout: float = DEFAULT_TIMEOUT) -> OutputEvent | None:
         raise NotImplementedError
@@ -158,28 +159,36 @@ class ProcAdapter:
     async def wait(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
         raise NotImplementedError
 
-    async def write(self, data: bytes) -> None:
+    def _on(self, call: Callable[[], Any], timeout: float, what: str) -> Deferred[Any]:
+        """``call()`` (a method of ``handle``) where its client runs, bounded."""
         raise NotImplementedError
+
+    # The three clients' handles share these names and arguments.
+
+    async def write(self, data: bytes) -> None:
+        await self._on(lambda: self.handle.write(data), DEFAULT_TIMEOUT, "write")
 
     async def close_stdin(self) -> None:
-        raise NotImplementedError
+        await self._on(self.handle.close_stdin, DEFAULT_TIMEOUT, "closeStdin")
 
     async def signal(self, sig: str) -> None:
-        raise NotImplementedError
+        await self._on(lambda: self.handle.send_signal(sig), DEFAULT_TIMEOUT, "signal")
 
     async def resize(self, rows: int, cols: int) -> None:
-        raise NotImplementedError
+        await self._on(lambda: self.handle.resize(rows, cols), DEFAULT_TIMEOUT, "resize")
 
     async def terminate(self) -> None:
-        raise NotImplementedError
+        await self._on(self.handle.terminate, DEFAULT_TIMEOUT, "terminate")
 
     @property
     def exit_signal(self) -> str | None:
-        raise NotImplementedError
+        signal: str | None = self.handle.signal
+        return signal
 
     @property
     def timed_out(self) -> str | None:
-        raise NotImplementedError
+        timed_out: str | None = self.handle.timed_out
+        return timed_out
 
 
 class ClientAdapter:
@@ -248,28 +257,8 @@ class TwistedProc(ProcAdapter):
         code: int | None = await with_timeout(self.handle.exited(), timeout, "exit")
         return code
 
-    async def write(self, data: bytes) -> None:
-        await with_timeout(self.handle.write(data), DEFAULT_TIMEOUT, "write")
-
-    async def close_stdin(self) -> None:
-        await with_timeout(self.handle.close_stdin(), DEFAULT_TIMEOUT, "closeStdin")
-
-    async def signal(self, sig: str) -> None:
-        await with_timeout(self.handle.send_signal(sig), DEFAULT_TIMEOUT, "signal")
-
-    async def resize(self, rows: int, cols: int) -> None:
-        await with_timeout(self.handle.resize(rows, cols), DEFAULT_TIMEOUT, "resize")
-
-    async def terminate(self) -> None:
-        await with_timeout(self.handle.terminate(), DEFAULT_TIMEOUT, "terminate")
-
-    @property
-    def exit_signal(self) -> str | None:
-        return self.handle.signal
-
-    @property
-    def timed_out(self) -> str | None:
-        return self.handle.timed_out
+    def _on(self, call: Callable[[], Any], timeout: float, what: str) -> Deferred[Any]:
+        return with_timeout(call(), timeout, what)
 
 
 class TwistedClient(ClientAdapter):
@@ -373,8 +362,8 @@ class AioProc(ProcAdapter):
         self._loop = loop
         self._iter: Any = None
 
-    def _on(self, factory: Callable[[], Awaitable[T]], timeout: float, what: str) -> Deferred[T]:
-        return with_timeout(self._loop.run(factory), timeout, what)
+    def _on(self, call: Callable[[], Any], timeout: float, what: str) -> Deferred[Any]:
+        return with_timeout(self._loop.run(call), timeout, what)
 
     async def next_event(self, timeout: float = DEFAULT_TIMEOUT) -> OutputEvent | None:
         async def step() -> OutputEvent | None:
@@ -386,33 +375,12 @@ class AioProc(ProcAdapter):
                 return None
             return event
 
-        return await self._on(step, timeout, "output")
+        event: OutputEvent | None = await self._on(step, timeout, "output")
+        return event
 
     async def wait(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
-        return await self._on(self.handle.wait, timeout, "exit")
-
-    async def write(self, data: bytes) -> None:
-        await self._on(lambda: self.handle.write(data), DEFAULT_TIMEOUT, "write")
-
-    async def close_stdin(self) -> None:
-        await self._on(self.handle.close_stdin, DEFAULT_TIMEOUT, "closeStdin")
-
-    async def signal(self, sig: str) -> None:
-        await self._on(lambda: self.handle.send_signal(sig), DEFAULT_TIMEOUT, "signal")
-
-    async def resize(self, rows: int, cols: int) -> None:
-        await self._on(lambda: self.handle.resize(rows, cols), DEFAULT_TIMEOUT, "resize")
-
-    async def terminate(self) -> None:
-        await self._on(self.handle.terminate, DEFAULT_TIMEOUT, "terminate")
-
-    @property
-    def exit_signal(self) -> str | None:
-        return self.handle.signal
-
-    @property
-    def timed_out(self) -> str | None:
-        return self.handle.timed_out
+        code: int | None = await self._on(self.handle.wait, timeout, "exit")
+        return code
 
 
 class AioClient(ClientAdapter):
@@ -527,28 +495,8 @@ class SyncProc(ProcAdapter):
     async def wait(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
         return await in_thread(lambda: self.handle.wait(timeout), timeout + 1, "exit")
 
-    async def write(self, data: bytes) -> None:
-        await in_thread(lambda: self.handle.write(data), DEFAULT_TIMEOUT, "write")
-
-    async def close_stdin(self) -> None:
-        await in_thread(self.handle.close_stdin, DEFAULT_TIMEOUT, "closeStdin")
-
-    async def signal(self, sig: str) -> None:
-        await in_thread(lambda: self.handle.send_signal(sig), DEFAULT_TIMEOUT, "signal")
-
-    async def resize(self, rows: int, cols: int) -> None:
-        await in_thread(lambda: self.handle.resize(rows, cols), DEFAULT_TIMEOUT, "resize")
-
-    async def terminate(self) -> None:
-        await in_thread(self.handle.terminate, DEFAULT_TIMEOUT, "terminate")
-
-    @property
-    def exit_signal(self) -> str | None:
-        return self.handle.signal
-
-    @property
-    def timed_out(self) -> str | None:
-        return self.handle.timed_out
+    def _on(self, call: Callable[[], Any], timeout: float, what: str) -> Deferred[Any]:
+        return in_thread(call, timeout, what)
 
 
 class SyncClient(ClientAdapter):
