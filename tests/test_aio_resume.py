@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
 
 from execserver import aio
@@ -67,49 +68,56 @@ async def started(*server_args: str) -> tuple[WsServerProcess, CuttingProxy]:
     return server, proxy
 
 
+async def in_asyncio_then_stop(
+    scenario: Callable[[], Awaitable[None]], *ends: CuttingProxy | WsServerProcess
+) -> None:
+    """Run ``scenario`` in the asyncio loop, then stop ``ends`` (in order) whatever happened."""
+    try:
+        await in_asyncio(scenario)
+    finally:
+        for end in ends:
+            await end.stop()
+
+
 def connect(proxy: CuttingProxy, **kwargs: Any) -> Any:
     return aio.connect(proxy.url, session_ttl_ms=30_000, connect_timeout=5.0, **kwargs)
 
 
 async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any) -> None:
     server, proxy = await started(*server_args)
-    try:
 
-        async def scenario() -> None:
-            async with connect(proxy, **kwargs) as client:
-                # The child waits for a line on stdin: the first cut is armed
-                # before any of its output is on the way.
-                proc = await client.start(
-                    [sys.executable, "-c", "import sys; sys.stdin.readline()\n" + STREAM_SCRIPT],
-                    cwd=CWD,
-                    env=child_env(),
-                    pipe_stdin=True,
+    async def scenario() -> None:
+        async with connect(proxy, **kwargs) as client:
+            # The child waits for a line on stdin: the first cut is armed
+            # before any of its output is on the way.
+            proc = await client.start(
+                [sys.executable, "-c", "import sys; sys.stdin.readline()\n" + STREAM_SCRIPT],
+                cwd=CWD,
+                env=child_env(),
+                pipe_stdin=True,
+            )
+            recorder = Recorder()
+            proc.add_output_listener(recorder.output)
+            for index, offset in enumerate(cuts):
+                before = proxy.cuts
+                await on_reactor(proxy.cut_after, offset)
+                if index == 0:
+                    await proc.write(b"go\n")
+                await until(
+                    lambda before=before: proxy.cuts > before or proc.is_closed,  # type: ignore[misc]
+                    30.0,
+                    "the cut or the end",
                 )
-                recorder = Recorder()
-                proc.add_output_listener(recorder.output)
-                for index, offset in enumerate(cuts):
-                    before = proxy.cuts
-                    await on_reactor(proxy.cut_after, offset)
-                    if index == 0:
-                        await proc.write(b"go\n")
-                    await until(
-                        lambda before=before: proxy.cuts > before or proc.is_closed,  # type: ignore[misc]
-                        30.0,
-                        "the cut or the end",
-                    )
-                assert await proc.wait(timeout=30) == EXIT_CODE
-                await proc.closed(timeout=30)
-                assert proxy.cuts >= 1
-                assert 1 <= client.resumes <= proxy.cuts
-                assert recorder.gaps == []
-                assert bytes(recorder.data) == expected_stream(), f"cuts={cuts}"
-                assert recorder.seqs == sorted(set(recorder.seqs)), "in order, never twice"
-                assert client.lost is None
+            assert await proc.wait(timeout=30) == EXIT_CODE
+            await proc.closed(timeout=30)
+            assert proxy.cuts >= 1
+            assert 1 <= client.resumes <= proxy.cuts
+            assert recorder.gaps == []
+            assert bytes(recorder.data) == expected_stream(), f"cuts={cuts}"
+            assert recorder.seqs == sorted(set(recorder.seqs)), "in order, never twice"
+            assert client.lost is None
 
-        await in_asyncio(scenario)
-    finally:
-        await proxy.stop()
-        await server.stop()
+    await in_asyncio_then_stop(scenario, proxy, server)
 
 
 @pytest_twisted.ensureDeferred
@@ -158,11 +166,7 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
             assert seqs[0] == 1 and seqs[1] == gap.to_seq + 1
             assert seqs[1:] == list(range(gap.to_seq + 1, gap.to_seq + len(seqs)))
 
-    try:
-        await in_asyncio(scenario)
-    finally:
-        await proxy.stop()
-        await server.stop()
+    await in_asyncio_then_stop(scenario, proxy, server)
 
 
 @pytest_twisted.ensureDeferred
@@ -183,24 +187,14 @@ async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> N
             assert await proc.wait(timeout=20) is None
             assert isinstance(proc.lost_reason, aio.SessionLost)
             assert "unknown session id" in str(proc.lost_reason)
-            try:
+            with pytest.raises(aio.SessionLost) as info:
                 await anext(stream)
-            except aio.SessionLost as exc:
-                assert exc is proc.lost_reason
-            else:
-                raise AssertionError("the output stream must fail with SessionLost")
-            try:
+            assert info.value is proc.lost_reason
+            with pytest.raises(aio.SessionLost) as info:
                 await client.list_processes()
-            except aio.SessionLost as exc:
-                assert exc is client.lost
-            else:
-                raise AssertionError("calls after the loss must fail with SessionLost")
+            assert info.value is client.lost
 
-    try:
-        await in_asyncio(scenario)
-    finally:
-        await proxy.stop()
-        await server.stop()
+    await in_asyncio_then_stop(scenario, proxy, server)
 
 
 @pytest_twisted.ensureDeferred
@@ -227,12 +221,9 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
             # Safe to repeat: answered on the resumed session (the write once).
             assert (await write).accepted
             assert [x.process_id for x in (await listed).processes] == [cat.process_id]
-            try:
+            with pytest.raises(aio.OutcomeUnknown) as info:
                 await signalled
-            except aio.OutcomeUnknown as exc:
-                assert exc.method == "process/signal"
-            else:
-                raise AssertionError("process/signal in flight at the drop must fail")
+            assert info.value.method == "process/signal"
             await cat.close_stdin()
             assert (await waited).exited
             await cat.closed(timeout=20)
@@ -240,11 +231,7 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
             assert bytes(recorder.data) == b"once\n"
             assert client.resumes == 1 and client.pending_request_count == 0
 
-    try:
-        await in_asyncio(scenario)
-    finally:
-        await proxy.stop()
-        await server.stop()
+    await in_asyncio_then_stop(scenario, proxy, server)
 
 
 @pytest_twisted.ensureDeferred
@@ -264,14 +251,8 @@ async def test_a_server_that_is_gone_fails_the_session_after_two_seconds_of_refu
             # Refusals are retried for 2 s (REFUSED_GIVE_UP_SECONDS), not the TTL.
             assert 2.0 <= waited < 20
             assert proc.signal == "SIGTERM"  # its exit arrived before the drop
-            try:
+            with pytest.raises(aio.SessionLost) as info:
                 await client.fs_get_metadata("/")
-            except aio.SessionLost as exc:
-                assert exc is client.lost
-            else:
-                raise AssertionError("calls after the loss must fail with SessionLost")
+            assert info.value is client.lost
 
-    try:
-        await in_asyncio(scenario)
-    finally:
-        await server.stop()
+    await in_asyncio_then_stop(scenario, server)
