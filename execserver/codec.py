@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mmap
 import re
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 import msgspec
@@ -223,21 +223,23 @@ class LineFramer:
 # --- incoming messages --------------------------------------------------------
 
 
-@attrs.frozen
-class IncomingRequest:
+# Built once per incoming message: msgspec structs, about five times cheaper
+# to build than frozen attrs classes (whose __init__ goes through
+# object.__setattr__ for every field).
+
+
+class IncomingRequest(msgspec.Struct, frozen=True, gc=False):
     id: protocol.RequestId
     method: str
     params: msgspec.Raw | None
 
 
-@attrs.frozen
-class IncomingNotification:
+class IncomingNotification(msgspec.Struct, frozen=True, gc=False):
     method: str
     params: msgspec.Raw | None
 
 
-@attrs.frozen
-class IncomingResponse:
+class IncomingResponse(msgspec.Struct, frozen=True, gc=False):
     """A response or error sent by the client: always a protocol violation here."""
 
     id: protocol.RequestId | None
@@ -330,10 +332,18 @@ def decode_message(data: bytes | bytearray | memoryview | str) -> Incoming:
     )
 
 
+#: One typed decoder per params type: ``msgspec.json.decode(type=...)`` looks
+#: the type's decoding plan up again on every call.
+_params_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
 def decode_params(raw: msgspec.Raw | None, params_type: type[T]) -> T:
     """Decode request params; a mismatch is ``-32602`` naming the field."""
+    decoder = _params_decoders.get(params_type)
+    if decoder is None:
+        decoder = _params_decoders[params_type] = msgspec.json.Decoder(params_type)
     try:
-        return msgspec.json.decode(raw if raw is not None else b"null", type=params_type)
+        return decoder.decode(raw if raw is not None else b"null")  # type: ignore[no-any-return]
     except msgspec.DecodeError as exc:
         raise RpcError.invalid_params(str(exc)) from None
     except (UnicodeDecodeError, RecursionError) as exc:
