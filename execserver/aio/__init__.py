@@ -22,23 +22,9 @@ classes of :mod:`execserver.clientcore`, the ones the Twisted client uses.
 
 from execserver.aio.client import Client, RunResult, connect
 from execserver.aio.process import OutputStream, Process
+from execserver.clientcore import errors as _errors
 from execserver.clientcore.defaults import DEFAULT_PATH, default_server_command
-from execserver.clientcore.errors import (
-    AuthRefused,
-    ConnectFailed,
-    ConnectionClosed,
-    ConnectTimeout,
-    ExecServerError,
-    InitializeTimeout,
-    NotConnected,
-    OutcomeUnknown,
-    OutputLagged,
-    ProtocolViolation,
-    RangesNotSupported,
-    ServerError,
-    SessionLost,
-    SpawnFailed,
-)
+from execserver.clientcore.errors import *  # noqa: F403  (the errors' own __all__)
 from execserver.clientcore.types import (
     ClosedEvent,
     ExitedEvent,
@@ -49,29 +35,16 @@ from execserver.clientcore.types import (
 
 __all__ = [
     "DEFAULT_PATH",
-    "AuthRefused",
     "Client",
     "ClosedEvent",
-    "ConnectFailed",
-    "ConnectTimeout",
-    "ConnectionClosed",
-    "ExecServerError",
     "ExitedEvent",
     "GapEvent",
     "InitializeResult",
-    "InitializeTimeout",
-    "NotConnected",
-    "OutcomeUnknown",
     "OutputEvent",
-    "OutputLagged",
     "OutputStream",
     "Process",
-    "ProtocolViolation",
-    "RangesNotSupported",
     "RunResult",
-    "ServerError",
-    "SessionLost",
-    "SpawnFailed",
     "connect",
     "default_server_command",
 ]
+__all__ += _errors.__all__

@@ -11,6 +11,24 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Every client package exports these (``from ... import *`` takes exactly them).
+__all__ = [
+    "AuthRefused",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "ConnectionClosed",
+    "ExecServerError",
+    "InitializeTimeout",
+    "NotConnected",
+    "OutcomeUnknown",
+    "OutputLagged",
+    "ProtocolViolation",
+    "RangesNotSupported",
+    "ServerError",
+    "SessionLost",
+    "SpawnFailed",
+]
+
 
 class ExecServerError(Exception):
     """Base class of every client error."""
