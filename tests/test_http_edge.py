@@ -100,3 +100,30 @@ def test_an_absolute_form_target_names_the_same_path(clock: Clock) -> None:
     assert response.endswith(
         b"no resource at /else; plain HTTP is served at /readyz and /metrics only\n"
     )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"Content-Length: 64\r\n\r\n" + b"x" * 64, b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"],
+    ids=["content-length", "chunked"],
+)
+def test_an_upgrade_request_with_a_body_is_refused(clock: Clock, body: bytes) -> None:
+    # twisted.web reads a body as the request's and keeps the bytes behind
+    # it: upgraded, the client's first frames were silently lost (and the
+    # client waited for their replies forever).
+    frames = client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    response, transport = http(make_factory(clock), UPGRADE + body + frames)
+    assert response.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert response.endswith(
+        b"a WebSocket upgrade request has no body (no Transfer-Encoding, "
+        b"no Content-Length above 0)\n"
+    )
+    assert transport.disconnecting
+
+
+def test_an_upgrade_request_with_content_length_0_is_upgraded(clock: Clock) -> None:
+    request = client_frame(1, b'{"id":1,"method":"initialize","params":{"clientName":"t"}}')
+    response, _ = http(make_factory(clock), UPGRADE + b"Content-Length: 0\r\n\r\n" + request)
+    head, _, frames = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    assert [json.loads(p)["id"] for _, p in server_frames(frames)] == [1]

@@ -110,6 +110,14 @@ def host_refused(host: str) -> HttpReply:
     )
 
 
+def body_refused() -> HttpReply:
+    return HttpReply(
+        400,
+        "a WebSocket upgrade request has no body (no Transfer-Encoding, no Content-Length "
+        "above 0)\n",
+    )
+
+
 def host_is_loopback(host: str) -> bool:
     """Whether a ``Host`` header names this machine's loopback (``localhost``, 127/8, ::1)."""
     host = host.strip().lower()
@@ -183,6 +191,14 @@ def peer_text(address: IAddress) -> str:
 def _header(request: Request, name: bytes) -> str | None:
     value = request.getHeader(name)
     return None if value is None else value.decode("latin-1")
+
+
+def _has_body(request: Request) -> bool:
+    if request.getHeader(b"transfer-encoding") is not None:
+        return True
+    length = request.getHeader(b"content-length")
+    # (twisted.web has already refused a Content-Length that is not a number.)
+    return length is not None and int(length) > 0
 
 
 def _only_get(request: Request, path: str) -> bytes | None:
@@ -286,6 +302,10 @@ class EdgeResource(Resource):
                     f"no resource at {path}; plain HTTP is served at /readyz and /metrics only\n",
                 ),
             )
+        if _has_body(request):
+            # twisted.web has read the body as the request's and keeps what
+            # came right behind it (the client's first frames) to itself.
+            return _send(request, body_refused())
         origin = _header(request, b"origin")
         if origin is not None and normalize_origin(origin) not in policy.allowed_origins:
             return _send(request, origin_refused(origin))
