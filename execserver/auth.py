@@ -101,7 +101,6 @@ class TokenStore:
         self.path = path
 
     def _set(self, tokens: tuple[bytes, ...]) -> None:
-        self._tokens = tokens
         # Digests are compared, not the tokens: equal lengths, so not even
         # a token's length shows in the comparison time.
         self._digests = tuple((hashlib.sha256(t).digest(), t) for t in tokens)
@@ -120,7 +119,7 @@ class TokenStore:
 
     @property
     def count(self) -> int:
-        return len(self._tokens)
+        return len(self._digests)
 
     def reload(self) -> None:
         """Re-read the file; on error keep the old tokens and raise :class:`AuthConfigError`."""
