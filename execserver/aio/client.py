@@ -36,7 +36,7 @@ import enum
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 import attrs
@@ -644,7 +644,7 @@ class Client:
         *,
         process_id: str | None = None,
         cwd: str | None = None,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         tty: bool = False,
         arg0: str | None = None,
         pipe_stdin: bool = False,
