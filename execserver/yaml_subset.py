@@ -266,9 +266,19 @@ class _Block:
         self.pos = 0
         #: Values of ``&name`` anchors, for ``*name`` aliases (block context).
         self.anchors: dict[str, Any] = {}
+        #: Each line without its comment, scanned once: nested nodes on one
+        #: line ("- - - x") look at it again at every level.
+        self._content: dict[int, str] = {}
+
+    def _line(self) -> str:
+        """The current line without its comment."""
+        content = self._content.get(self.pos)
+        if content is None:
+            content = self._content[self.pos] = _strip_comment(self.lines[self.pos])
+        return content
 
     def _skip_blank(self) -> None:
-        while self.pos < len(self.lines) and not _strip_comment(self.lines[self.pos]).strip():
+        while self.pos < len(self.lines) and not self._line().strip():
             self.pos += 1
 
     def document(self) -> Any:
@@ -291,8 +301,7 @@ class _Block:
         return value
 
     def _node(self, indent: int) -> Any:
-        line = _strip_comment(self.lines[self.pos])
-        content = line[indent:]
+        content = self._line()[indent:]
         if content.startswith("- ") or content == "-":
             return self._sequence(indent)
         if _split_key(content) is not None:
@@ -305,7 +314,7 @@ class _Block:
             self._skip_blank()
             if self.pos == len(self.lines):
                 return items
-            line = _strip_comment(self.lines[self.pos])
+            line = self._line()
             if _indent(line) != indent or not (
                 line[indent:].startswith("- ") or line[indent:] == "-"
             ):
@@ -321,7 +330,9 @@ class _Block:
                 items.append(self._value_after_key(indent, rest))
             else:
                 # "- key: v" starts a mapping indented at the text after "- ".
+                # The rest has no comment left, so it is its own content.
                 self.lines[self.pos] = " " * inner + rest.lstrip(" ")
+                self._content[self.pos] = self.lines[self.pos]
                 items.append(self._node(inner))
 
     def _mapping(self, indent: int) -> dict[str, Any]:
@@ -330,7 +341,7 @@ class _Block:
             self._skip_blank()
             if self.pos == len(self.lines):
                 return mapping
-            line = _strip_comment(self.lines[self.pos])
+            line = self._line()
             if _indent(line) < indent:
                 return mapping
             if _indent(line) > indent:
@@ -377,7 +388,7 @@ class _Block:
         self._skip_blank()
         if self.pos == len(self.lines):
             return None
-        line = _strip_comment(self.lines[self.pos])
+        line = self._line()
         child = _indent(line)
         if child > indent:
             return self._node(child)
@@ -391,7 +402,7 @@ class _Block:
         self.pos += 1
         while self.pos < len(self.lines):
             raw = self.lines[self.pos]
-            stripped = _strip_comment(raw)
+            stripped = self._line()
             if stripped.strip() and _indent(stripped) <= indent:
                 break
             if not stripped.strip() and raw.strip() != "":

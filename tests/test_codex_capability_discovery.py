@@ -493,6 +493,26 @@ def test_deep_nesting_is_refused() -> None:
             yaml_subset.loads(text)
 
 
+def test_a_long_nested_line_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "- - - ... x" nests a sequence per "- " on one line: each level used to
+    # scan the whole line for a comment again (a 1 MiB line 400 levels deep
+    # held a pool thread for about a minute). Every line is scanned once.
+    scans: list[int] = []
+    strip = yaml_subset._strip_comment
+
+    def counting(text: str) -> str:
+        scans.append(len(text))
+        return strip(text)
+
+    monkeypatch.setattr(yaml_subset, "_strip_comment", counting)
+    line = "- " * 200 + "x" * 1000
+    expected: Any = "x" * 1000
+    for _ in range(200):
+        expected = [expected]
+    assert yaml_subset.loads(f"a: 1\nb:\n{line}\n") == {"a": "1", "b": expected}
+    assert sum(scans) <= 2 * len(line)
+
+
 def test_aliases_of_aliases_stay_small() -> None:
     # 2**60 leaves if aliases were copied; they are the same objects.
     levels = "".join(f"a{i}: &a{i}\n  - *a{i - 1}\n  - *a{i - 1}\n" for i in range(1, 60))
