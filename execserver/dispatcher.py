@@ -96,6 +96,10 @@ _GONE = _GoneOutbound()
 Handler = Callable[["Connection", Any], Any]
 
 
+def _log_send_failure(failure: Failure) -> None:
+    log.failure("sending a response failed", failure)
+
+
 def _never(method: str) -> bool:
     return False
 
@@ -130,6 +134,9 @@ class Route:
     #: Handshake family named in "client must ... before using X methods";
     #: None for methods usable before the handshake completes.
     family: str | None
+    #: A file:// URI in this method's params announces the current dialect
+    #: (``CurrentDialect.announced_by``, asked once, when the route is added).
+    announces: bool = False
 
 
 @attrs.define
@@ -188,7 +195,8 @@ class Dispatcher:
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"
     ) -> None:
-        self.routes[method] = Route(params_type, handler, family)
+        announces = self.dialect.announced_by(method)
+        self.routes[method] = Route(params_type, handler, family, announces)
 
     def provide(self, part: object) -> None:
         """Keep an application part (found again by its class with :meth:`part`)."""
@@ -335,7 +343,11 @@ class Connection:
         if (
             not self.current
             and req.params is not None
-            and self.dispatcher.dialect.announced_by(req.method)
+            and (
+                route.announces
+                if route is not None
+                else self.dispatcher.dialect.announced_by(req.method)
+            )
             and _URI_VALUE.search(req.params) is not None
         ):
             # Only the current dialect sends paths as URIs: from now on this
@@ -352,7 +364,8 @@ class Connection:
             return
         try:
             params = codec.decode_params(req.params, route.params_type)
-            if route.family is not None:
+            # (initialized implies initialize_requested: one test per request.)
+            if route.family is not None and not self.initialized:
                 self._require_handshake(route.family)
             result = route.handler(self, params)
         except RpcError as exc:
@@ -369,26 +382,25 @@ class Connection:
                 self._deferred_failure,
                 callbackArgs=(req,),
                 errbackArgs=(req,),
-            ).addErrback(lambda f: log.failure("sending a response failed", f))
+            ).addErrback(_log_send_failure)
         else:
             self._respond(req, result)
 
     def _respond(self, req: codec.IncomingRequest, result: object) -> None:
-        charge = None
-        if isinstance(result, Charged):
-            charge = result.charge
-            result = result.result
-        try:
+        if not isinstance(result, Charged):
             self._respond_with(req, result)
+            return
+        charge = result.charge
+        try:
+            self._respond_with(req, result.result)
         finally:
-            if charge is not None:
-                # Held until the transport has sent the reply; at once if it
-                # was not written (closed connection: the reply is dropped).
-                if self._open:
-                    self._charges.append((self._written, charge))
-                    self._check_sent()
-                else:
-                    charge.release()
+            # Held until the transport has sent the reply; at once if it
+            # was not written (closed connection: the reply is dropped).
+            if self._open:
+                self._charges.append((self._written, charge))
+                self._check_sent()
+            else:
+                charge.release()
 
     def _respond_with(self, req: codec.IncomingRequest, result: object) -> None:
         # Encode before counting and writing: a result msgspec cannot encode
