@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from execserver.codec import LONG_MESSAGE_BYTES, OVERSIZED, Line, LineFramer, Oversized
+from execserver.codec import LONG_MESSAGE_BYTES, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.waiters import Latch
 from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
@@ -102,10 +102,9 @@ class LineProtocol(Protocol):
         conn = self.connection
         assert conn is not None
         for item in items:
-            if item is OVERSIZED:
+            if isinstance(item, Oversized):
                 conn.oversized_message()
             else:
-                assert isinstance(item, bytes | bytearray | memoryview)
                 conn.message_received(item)
 
     # --- Outbound -----------------------------------------------------------------
