@@ -51,7 +51,6 @@ _STATUS_TEXT: Final = {
     404: "Not Found",
     405: "Method Not Allowed",
     426: "Upgrade Required",
-    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     503: "Service Unavailable",
 }
@@ -64,19 +63,27 @@ class HttpReply:
     headers: tuple[tuple[str, str], ...] = ()
     content_type: str = "text/plain; charset=utf-8"
 
-    def render(self, head_only: bool = False) -> bytes:
-        payload = self.body.encode() if isinstance(self.body, str) else self.body
-        lines = [
-            f"HTTP/1.1 {self.status} {_STATUS_TEXT[self.status]}",
-            f"Server: exec-server/{__version__}",
-            f"Content-Type: {self.content_type}",
-            f"Content-Length: {len(payload)}",
-            "Cache-Control: no-store",
-            "Connection: close",
+    @property
+    def payload(self) -> bytes:
+        return self.body.encode() if isinstance(self.body, str) else self.body
+
+    def fields(self) -> list[tuple[str, str]]:
+        """Every header field of the reply, in order."""
+        return [
+            ("Server", f"exec-server/{__version__}"),
+            ("Content-Type", self.content_type),
+            # (Also for HEAD, where twisted.web would leave it out: no body.)
+            ("Content-Length", str(len(self.payload))),
+            ("Cache-Control", "no-store"),
+            ("Connection", "close"),
+            *self.headers,
         ]
-        lines += [f"{name}: {value}" for name, value in self.headers]
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        return head if head_only else head + payload
+
+    def render(self) -> bytes:
+        """The whole response, for a connection answered before twisted.web parses it."""
+        lines = [f"HTTP/1.1 {self.status} {_STATUS_TEXT[self.status]}"]
+        lines += [f"{name}: {value}" for name, value in self.fields()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.payload
 
 
 def normalize_origin(origin: str) -> str:
@@ -166,16 +173,10 @@ class EdgePolicy:
 
 def _send(request: Request, reply: HttpReply) -> bytes:
     """Put ``reply`` on a twisted.web request; the body is returned for ``render``."""
-    payload = reply.body.encode() if isinstance(reply.body, str) else reply.body
     request.setResponseCode(reply.status, _STATUS_TEXT[reply.status].encode())
-    request.setHeader(b"Server", f"exec-server/{__version__}".encode())
-    request.setHeader(b"Content-Type", reply.content_type.encode())
-    request.setHeader(b"Cache-Control", b"no-store")
-    for name, value in reply.headers:
+    for name, value in reply.fields():
         request.setHeader(name.encode("latin-1"), value.encode("latin-1"))
-    # twisted.web sets Content-Length from the body, except for HEAD (no body).
-    request.setHeader(b"Content-Length", str(len(payload)).encode())
-    return b"" if request.method == b"HEAD" else payload
+    return b"" if request.method == b"HEAD" else reply.payload
 
 
 def peer_text(address: IAddress) -> str:
