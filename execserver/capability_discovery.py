@@ -34,12 +34,7 @@ import attrs
 import msgspec
 
 from execserver import yaml_subset
-from execserver.environment_config import (
-    ConfigLoadError,
-    find_codex_home,
-    read_regular,
-    user_home,
-)
+from execserver.environment_config import read_regular, request_codex_home, user_home
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
@@ -316,8 +311,8 @@ def plugin_locations(codex_home: str) -> tuple[list[Location], list[str]]:
 def locations(
     environ: Mapping[str, str], system_skills: str = SYSTEM_SKILLS
 ) -> tuple[list[Location], list[str]]:
-    """Every location to scan, plugins first; warnings about resolving them."""
-    codex_home = find_codex_home(environ)
+    """Every location to scan, plugins first; resolving warnings (``-32603`` without a home)."""
+    codex_home = request_codex_home(environ)
     found, warnings = plugin_locations(codex_home)
     found.append(Location(os.path.join(codex_home, "skills"), root_id="codex-home-skills"))
     home = user_home(environ)
@@ -932,10 +927,7 @@ def discover(
 ) -> DiscoverV2Response:
     """Answer one request (blocking; run off the reactor)."""
     env = os.environ if environ is None else environ
-    try:
-        found, location_warnings = locations(env, system_skills)
-    except ConfigLoadError as exc:
-        raise RpcError.internal(f"failed to find Codex home: {exc}") from None
+    found, location_warnings = locations(env, system_skills)
     response = DiscoverV2Response([], [], [LOCATIONS_WARNING] if location_warnings else [])
     budget = _Budget()
     for index, location in enumerate(found):

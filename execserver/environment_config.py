@@ -204,6 +204,14 @@ def find_codex_home(environ: Mapping[str, str]) -> str:
     return os.path.join(home, ".codex")
 
 
+def request_codex_home(environ: Mapping[str, str]) -> str:
+    """:func:`find_codex_home`, or the ``-32603`` both methods answer without one."""
+    try:
+        return find_codex_home(environ)
+    except ConfigLoadError as exc:
+        raise RpcError.internal(f"failed to find Codex home: {exc}") from None
+
+
 # --- reading TOML files -----------------------------------------------------------
 
 _TOML_POSITION: Final = re.compile(r"^(?P<msg>.*) \(at line (?P<line>\d+), column (?P<col>\d+)\)$")
@@ -572,10 +580,7 @@ def read_environment_config(
 ) -> EnvironmentConfigReadResponse:
     """Answer one request (blocking; run off the reactor). Errors are ``-32603``."""
     env = os.environ if environ is None else environ
-    try:
-        codex_home = find_codex_home(env)
-    except ConfigLoadError as exc:
-        raise RpcError.internal(f"failed to find Codex home: {exc}") from None
+    codex_home = request_codex_home(env)
     try:
         config, requirements = load_layers(cwd, codex_home, system_dir)
     except ConfigLoadError as exc:
