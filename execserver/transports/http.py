@@ -359,7 +359,6 @@ class EdgeChannel(HTTPChannel):
         self._timer: IDelayedCall | None = None
         #: The WebSocket protocol this connection was upgraded to.
         self.upgraded: IProtocol | None = None
-        self.lost = False
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -485,7 +484,6 @@ class EdgeChannel(HTTPChannel):
             self._counted = False
             self.site.policy.dispatcher.stats.sockets_open -= 1
         self._head = bytearray()
-        self.lost = True
         super().connectionLost(reason)
 
 
