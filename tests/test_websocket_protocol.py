@@ -27,9 +27,9 @@ from execserver import metrics
 from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.session import session_of
+from execserver.transports.autobahn_private import ClockTimers
 from execserver.transports.http import EdgeChannel
 from execserver.transports.websocket import (
-    ClockTimers,
     ExecServerFactory,
     ExecServerProtocol,
     WebSocketSettings,

@@ -76,10 +76,6 @@ if TYPE_CHECKING:
 
 log = Logger()
 
-#: (Re-exported: tests and callers knew it here.)
-ClockTimers = autobahn_private.ClockTimers
-
-
 #: Close codes sent by the server (RFC 6455 section 7.4.1; 1013 is in the
 #: IANA WebSocket close code registry).
 CLOSE_GOING_AWAY: Final = 1001
