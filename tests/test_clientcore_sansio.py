@@ -18,6 +18,8 @@ from execserver import protocol as p
 from execserver.clientcore import transfer
 from execserver.clientcore.defaults import DEFAULT_PATH
 from execserver.clientcore.errors import (
+    AuthRefused,
+    ConnectFailed,
     ConnectionClosed,
     OutputLagged,
     ProtocolViolation,
@@ -25,6 +27,7 @@ from execserver.clientcore.errors import (
     ServerError,
 )
 from execserver.clientcore.process import ProcessCore
+from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS, ResumeAttempts
 from execserver.clientcore.rpc import RpcCore
 from execserver.clientcore.start import exec_params, next_process_id
 from execserver.clientcore.types import OutputEvent, OutputParams
@@ -329,3 +332,54 @@ def test_exec_params_defaults_and_ids() -> None:
     given = p.ExecParams(process_id="x", argv=["y"], cwd="/", env={}, tty=False)
     assert exec_params(given, lambda: "unused") is given
     assert next_process_id(1, {"proc-1", "proc-2"}) == ("proc-3", 4)
+
+
+# --- ResumeAttempts ---------------------------------------------------------------------
+
+REFUSED = ConnectFailed("ws://h:1", "connection refused (is the server running?)")
+
+
+def test_resume_gives_up_at_once_on_an_unknown_session_or_a_refused_token() -> None:
+    attempts = ResumeAttempts(60.0, 0.0, "dropped")
+    unknown = ServerError(p.INITIALIZE, -32600, "unknown session id s-1")
+    assert attempts.failed(unknown, 0.1) == "unknown session id s-1"
+    refused = AuthRefused("ws://h:1", 401, "HTTP 401: token refused")
+    assert attempts.failed(refused, 0.1) == "HTTP 401: token refused"
+    # "already attached": the server has not noticed the drop yet; go on.
+    attached = ServerError(p.INITIALIZE, -32600, "session s-1 is already attached")
+    assert attempts.failed(attached, 0.1) is None
+    assert attempts.cause == "session s-1 is already attached"
+
+
+def test_resume_retries_refused_connections_for_two_seconds_then_the_server_is_gone() -> None:
+    attempts = ResumeAttempts(60.0, 0.0, "dropped")
+    assert attempts.failed(REFUSED, 1.0) is None
+    assert attempts.failed(REFUSED, 1.0 + REFUSED_GIVE_UP_SECONDS - 0.01) is None
+    gone = attempts.failed(REFUSED, 1.0 + REFUSED_GIVE_UP_SECONDS)
+    assert gone == "the server is gone (connection refused (is the server running?))"
+    # Another failure in between starts the refusals' clock again.
+    attempts = ResumeAttempts(60.0, 0.0, "dropped")
+    assert attempts.failed(REFUSED, 1.0) is None
+    assert attempts.failed(ConnectFailed("ws://h:1", "timed out"), 2.0) is None
+    assert attempts.failed(REFUSED, 3.5) is None
+    assert attempts.failed(REFUSED, 3.5 + REFUSED_GIVE_UP_SECONDS) is not None
+
+
+def test_resume_ends_with_the_ttl_and_backs_off_doubling() -> None:
+    attempts = ResumeAttempts(5.0, 10.0, "dropped")
+    assert attempts.expired(14.9) is None
+    assert attempts.expired(15.0) == "no connection within its 5 s TTL (dropped)"
+    assert [attempts.next_delay() for _ in range(8)] == [
+        0.05,
+        0.1,
+        0.2,
+        0.4,
+        0.8,
+        1.6,
+        2.0,
+        2.0,
+    ]
+    # Dropped again right after a resume: the TTL and the backoff start over.
+    attempts.restart(20.0, "dropped again")
+    assert attempts.expired(24.9) is None and attempts.next_delay() == 0.05
+    assert attempts.expired(25.0) == "no connection within its 5 s TTL (dropped again)"

@@ -55,7 +55,6 @@ from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore import transfer
 from execserver.clientcore.calls import repeatable
 from execserver.clientcore.errors import (
-    AuthRefused,
     ConnectFailed,
     ConnectionClosed,
     ExecServerError,
@@ -66,6 +65,7 @@ from execserver.clientcore.errors import (
     SpawnFailed,
 )
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
+from execserver.clientcore.resume import ResumeAttempts
 from execserver.clientcore.start import exec_params, next_process_id
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
@@ -81,9 +81,6 @@ log = logging.getLogger("execserver.aio")
 
 #: The session lifetime asked for over WebSocket with ``resume=True``.
 DEFAULT_SESSION_TTL_MS = 60_000
-#: After a drop, how long refused connections are retried before the session
-#: counts as lost (nothing listens any more), as ``ResumingClient``.
-REFUSED_GIVE_UP_SECONDS = 2.0
 #: How long ``close()`` waits for the processes it terminated to end.
 CLOSE_WAIT_SECONDS = 10.0
 #: How long a handle stays routable after ``process/exited`` when the server
@@ -340,33 +337,15 @@ class Client:
         session_id = self.session_id
         ttl = self.initialize_result.session_ttl_ms / 1000.0
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        refused_since: float | None = None
-        delay = 0.05
-        cause = reason
+        attempts = ResumeAttempts(ttl, loop.time(), reason)
         while not self._closing:
             try:
                 rpc, channel, result = await self._dialer.open(session_id)
-            except ServerError as exc:
-                if exc.message.startswith("unknown session id"):
-                    self._give_up(exc.message)
-                    return
-                cause = exc.message  # "already attached": the server has not noticed yet
-            except AuthRefused as exc:
-                # The session belongs to the identity that created it: a
-                # token refused now will not be accepted on a retry either.
-                self._give_up(exc.reason)
-                return
             except ExecServerError as exc:
-                cause = str(exc.reason) if isinstance(exc, ConnectFailed) else str(exc)
-                now = loop.time()
-                if "connection refused" in cause:
-                    refused_since = now if refused_since is None else refused_since
-                    if now - refused_since >= REFUSED_GIVE_UP_SECONDS:
-                        self._give_up(f"the server is gone ({cause})")
-                        return
-                else:
-                    refused_since = None
+                gone = attempts.failed(exc, loop.time())
+                if gone is not None:
+                    self._give_up(gone)
+                    return
             else:
                 if self._closing:
                     await channel.aclose()
@@ -383,20 +362,19 @@ class Client:
                 if rpc.is_closed:
                     # Dropped again meanwhile (this task still running, no
                     # other was started): resume again; the handles wait.
-                    started, refused_since, delay = loop.time(), None, 0.05
-                    cause = rpc.closed_reason or cause
+                    attempts.restart(loop.time(), rpc.closed_reason or attempts.cause)
                     continue
                 waiters, self._waiters = self._waiters, []
                 for waiter in waiters:
                     if not waiter.done():
                         waiter.set_result(rpc)
                 return
-            if loop.time() - started >= ttl:
-                self._give_up(f"no connection within its {ttl:g} s TTL ({cause})")
+            expired = attempts.expired(loop.time())
+            if expired is not None:
+                self._give_up(expired)
                 return
-            log.info("resuming session %s failed: %s", session_id, cause)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            log.info("resuming session %s failed: %s", session_id, attempts.cause)
+            await asyncio.sleep(attempts.next_delay())
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
         handles = [h for h in self._processes.values() if h.catching_up]

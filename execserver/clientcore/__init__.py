@@ -8,7 +8,8 @@
   which calls may be repeated after a resume;
 - :mod:`~execserver.clientcore.ordering`: seq-ordered, at-most-once delivery
   of a process's events across a resumed session;
-- :mod:`~execserver.clientcore.transfer`: ranged fs shapes for upload/download.
+- :mod:`~execserver.clientcore.transfer`: ranged fs shapes for upload/download;
+- :mod:`~execserver.clientcore.resume`: when to stop resuming a dropped session.
 
 The wire types themselves are :mod:`execserver.protocol`, shared with the server.
 """
