@@ -34,7 +34,7 @@ import attrs
 import msgspec
 
 from execserver import yaml_subset
-from execserver.environment_config import read_regular, request_codex_home, user_home
+from execserver.environment_config import ancestors, read_regular, request_codex_home, user_home
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
@@ -504,12 +504,10 @@ def discover_root(root: str) -> _Root:
     )
     found.manifest = _first_manifest(found, root)
     inherited = found.manifest
-    ancestor = os.path.dirname(root)
-    while inherited is None and ancestor != root:
-        inherited = _first_manifest(found, ancestor)
-        if ancestor == "/":
+    for ancestor in ancestors(root)[1:]:
+        if inherited is not None:
             break
-        ancestor = os.path.dirname(ancestor)
+        inherited = _first_manifest(found, ancestor)
     seen: set[str] = set()
     if inherited is not None:
         seen.add(os.path.dirname(os.path.dirname(inherited.path)))
@@ -803,22 +801,18 @@ def _load(location: Location) -> _Discovery:
         except SkillParseError:
             warnings.append(f"invalid skill metadata at {path_to_uri(path)}")
             continue
-        ancestor = directory
-        while True:
-            namespace = namespaces.get(ancestor)
-            if namespace is not None:
-                if len(namespace) + 1 + len(name) > MAX_QUALIFIED_NAME_LEN:
-                    warnings.append(
-                        f"invalid skill metadata at {path_to_uri(path)}: qualified name "
-                        f"exceeds {MAX_QUALIFIED_NAME_LEN} characters"
-                    )
-                    name = ""
-                else:
-                    name = f"{namespace}:{name}"
-                break
-            if ancestor == "/":
-                break
-            ancestor = os.path.dirname(ancestor)
+        # The nearest plugin root holding the skill names it.
+        owners = (namespaces.get(ancestor) for ancestor in ancestors(directory))
+        namespace = next((owner for owner in owners if owner is not None), None)
+        if namespace is not None:
+            if len(namespace) + 1 + len(name) > MAX_QUALIFIED_NAME_LEN:
+                warnings.append(
+                    f"invalid skill metadata at {path_to_uri(path)}: qualified name "
+                    f"exceeds {MAX_QUALIFIED_NAME_LEN} characters"
+                )
+                name = ""
+            else:
+                name = f"{namespace}:{name}"
         if not name:
             continue
         dependencies, policy = skill_extras(metadata)

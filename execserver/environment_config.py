@@ -309,7 +309,7 @@ def _markers(config: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(markers)
 
 
-def _ancestors(path: str) -> list[str]:
+def ancestors(path: str) -> list[str]:
     """``path`` and each of its parents, nearest first, ending with ``/``."""
     found = [path]
     while path != "/":
@@ -330,7 +330,7 @@ def find_project_root(cwd: str, markers: tuple[str, ...]) -> str:
     """Nearest ancestor of ``cwd`` holding a marker; ``cwd`` if none (or no markers)."""
     if not markers:
         return cwd
-    for ancestor in _ancestors(cwd):
+    for ancestor in ancestors(cwd):
         if any(_exists(os.path.join(ancestor, marker)) for marker in markers):
             return ancestor
     return cwd
@@ -342,7 +342,7 @@ def find_repo_root(cwd: str) -> str | None:
     Like ``git rev-parse --git-common-dir``'s parent, from the files alone.
     """
     base = cwd if os.path.isdir(cwd) else os.path.dirname(cwd)
-    for ancestor in _ancestors(base):
+    for ancestor in ancestors(base):
         dot_git = os.path.join(ancestor, ".git")
         if os.path.isdir(dot_git):
             return os.path.dirname(os.path.realpath(dot_git))
@@ -411,7 +411,7 @@ class Trust:
 def project_layers(cwd: str, trust: Trust, codex_home: str) -> list[Layer]:
     """Trusted ``.codex/config.toml`` layers from the project root down to ``cwd``."""
     directories = []
-    for ancestor in _ancestors(cwd):
+    for ancestor in ancestors(cwd):
         directories.append(ancestor)
         if ancestor == trust.project_root:
             break
