@@ -148,44 +148,58 @@ class LineFramer:
     def feed(self, data: bytes) -> list[Line | Oversized]:
         out: list[Line | Oversized] = []
         start = 0
-        size = len(data)
-        find = data.find
-        while start < size:
-            nl = find(b"\n", start)
+        if self._discarding or self._partial or self._long is not None:
+            # The first newline ends the line begun in an earlier read.
+            nl = data.find(b"\n")
             if nl < 0:
-                break
+                self._hold(data, out)
+                return out
             if self._discarding:
                 self._discarding = False
             else:
                 line: Line
                 if self._long is not None:
-                    self._append_long(memoryview(data)[start:nl])
+                    self._append_long(memoryview(data)[:nl])
                     line = self._take_long()
-                elif self._partial:
-                    line = self._partial
-                    line += memoryview(data)[start:nl]
-                    self._partial = bytearray()
                 else:
-                    line = data[start:nl]
+                    line = self._partial
+                    line += memoryview(data)[:nl]
+                    self._partial = bytearray()
                 self._emit(line, out)
             start = nl + 1
-        if start < size and not self._discarding:
-            rest = memoryview(data)[start:] if start else data
-            # One byte of slack: a line of exactly the limit may be followed by
-            # the CR of its CRLF, which _emit strips. Without it, whether such a
-            # line is accepted would depend on where the reads happen to split.
-            held = self.buffered_bytes
-            if held + len(rest) > self._max + 1:
-                out.append(OVERSIZED)
-                self._drop_partial()
-                self._discarding = True
-            elif self._long is not None or (
-                self._long_after is not None and held + len(rest) > self._long_after
-            ):
-                self._append_long(rest)
+        # The complete lines that follow are cut in one split (a method call
+        # and a find per line cost more than the rest of their framing); the
+        # last piece is what follows the last newline.
+        lines = (data[start:] if start else data).split(b"\n")
+        rest = lines.pop()
+        limit = self._max
+        for line in lines:
+            if len(line) <= limit and line[:1] not in _BLANK_STARTS and line[-1:] != b"\r":
+                out.append(line)  # what _emit would do, without the call
             else:
-                self._partial += rest
+                self._emit(line, out)
+        if rest:
+            self._hold(rest, out)
         return out
+
+    def _hold(self, rest: bytes, out: list[Line | Oversized]) -> None:
+        """Keep ``rest``, the start of a line whose newline has not arrived."""
+        if self._discarding:
+            return
+        # One byte of slack: a line of exactly the limit may be followed by
+        # the CR of its CRLF, which _emit strips. Without it, whether such a
+        # line is accepted would depend on where the reads happen to split.
+        held = self.buffered_bytes
+        if held + len(rest) > self._max + 1:
+            out.append(OVERSIZED)
+            self._drop_partial()
+            self._discarding = True
+        elif self._long is not None or (
+            self._long_after is not None and held + len(rest) > self._long_after
+        ):
+            self._append_long(rest)
+        else:
+            self._partial += rest
 
     def finish(self) -> list[Line | Oversized]:
         """End of stream: a final line without a newline still counts."""
