@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -90,20 +92,35 @@ class Reader(Protocol):
         self.factory.reader.callback(self)
 
 
-@pytest.mark.parametrize("separate", [True, False], ids=["own-mark", "fallback-buffer-size"])
-@pytest_twisted.ensureDeferred
-async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_pauses(
-    separate: bool,
-) -> None:
+@contextlib.asynccontextmanager
+async def connected(client_factory: Any) -> AsyncIterator[tuple[Protocol, Any]]:
+    """A real loopback TCP connection: the server's :class:`Sender` and the client's protocol.
+
+    The client protocol calls back ``client_factory.reader`` once connected.
+    """
     server_factory: Any = Factory.forProtocol(Sender)
     server_factory.sender = Deferred()
-    client_factory: Any = ClientFactory.forProtocol(Reader)
     client_factory.reader = Deferred()
     port: Any = reactor.listenTCP(0, server_factory, interface="127.0.0.1")
     connector = reactor.connectTCP("127.0.0.1", port.getHost().port, client_factory)
     try:
         sender: Protocol = await server_factory.sender.addTimeout(TIMEOUT, reactor)
-        reader: Protocol = await client_factory.reader.addTimeout(TIMEOUT, reactor)
+        client: Any = await client_factory.reader.addTimeout(TIMEOUT, reactor)
+        yield sender, client
+    finally:
+        connector.disconnect()
+        stopped = port.stopListening()
+        if stopped is not None:
+            await stopped
+
+
+@pytest.mark.parametrize("separate", [True, False], ids=["own-mark", "fallback-buffer-size"])
+@pytest_twisted.ensureDeferred
+async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_pauses(
+    separate: bool,
+) -> None:
+    client_factory: Any = ClientFactory.forProtocol(Reader)
+    async with connected(client_factory) as (sender, reader):
         transport: Any = sender.transport
         read_size = transport.bufferSize
         writebuffer.set_high_water(transport, HIGH_WATER, separate=separate)
@@ -120,15 +137,10 @@ async def test_the_unsent_figure_follows_a_real_socket_and_the_high_water_mark_p
         assert writebuffer.unsent_bytes(transport) == TOTAL
         assert producer.first_pause is not None
         assert HIGH_WATER < producer.first_pause <= HIGH_WATER + len(piece)
-        reader.transport.resumeProducing()  # type: ignore[union-attr]
+        reader.transport.resumeProducing()
         # Twisted resumes the producer once the buffer is empty.
         await producer.drained.addTimeout(TIMEOUT, reactor)
         assert writebuffer.unsent_bytes(transport) == 0
-    finally:
-        connector.disconnect()
-        stopped = port.stopListening()
-        if stopped is not None:
-            await stopped
 
 
 class Collector(Protocol):
@@ -163,17 +175,10 @@ async def test_an_outbox_hands_twisted_one_piece_at_a_time_and_twisted_sends_it_
     """
     pieces = [bytes([65 + i]) * (768 * 1024) for i in range(6)]
     message = [b'{"id":1,"result":"', *pieces, b'"}\n']
-    server_factory: Any = Factory.forProtocol(Sender)
-    server_factory.sender = Deferred()
     client_factory: Any = ClientFactory.forProtocol(Collector)
-    client_factory.reader = Deferred()
     client_factory.done = Deferred()
     client_factory.expected = sum(len(part) for part in message)
-    port: Any = reactor.listenTCP(0, server_factory, interface="127.0.0.1")
-    connector = reactor.connectTCP("127.0.0.1", port.getHost().port, client_factory)
-    try:
-        sender: Protocol = await server_factory.sender.addTimeout(TIMEOUT, reactor)
-        collector: Any = await client_factory.reader.addTimeout(TIMEOUT, reactor)
+    async with connected(client_factory) as (sender, collector):
         transport: Any = sender.transport
         writebuffer.set_high_water(transport, 2 * 1024 * 1024)
         outbox = writebuffer.Outbox(transport, transport, Inner())
@@ -196,11 +201,6 @@ async def test_an_outbox_hands_twisted_one_piece_at_a_time_and_twisted_sends_it_
         copies = [len(data) for data in large if not any(data is piece for piece in pieces)]
         assert not copies, f"Twisted sent from copies of {copies} bytes, not the pieces"
         transport.unregisterProducer()
-    finally:
-        connector.disconnect()
-        stopped = port.stopListening()
-        if stopped is not None:
-            await stopped
 
 
 # --- the stdin bound of process/write, against a real child that never reads -------
