@@ -236,11 +236,9 @@ class Client:
         wait_ms: int | None = None,
     ) -> p.ReadResponse:
         """``process/read``; bounded by ``wait_ms`` plus ``call_timeout``."""
-        params = p.ReadParams(process_id, after_seq, max_bytes, wait_ms)
-        bound = self._long_poll_bound(wait_ms or 0)
         return self._blocking(
-            lambda: self._aio.call(p.PROCESS_READ, params, p.ReadResponse, timeout=bound),
-            bound,
+            lambda: self._aio.read(process_id, after_seq, max_bytes, wait_ms),
+            self._long_poll_bound(wait_ms or 0),
             "process/read",
         )
 
@@ -264,16 +262,16 @@ class Client:
     def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
         """``process/wait``; bounded by ``timeout_ms`` plus ``call_timeout``
         (without ``timeout_ms``: until the process exits)."""
-        params = p.WaitParams(process_id, timeout_ms)
-        bound = self._long_poll_bound(timeout_ms)
         return self._blocking(
-            lambda: self._aio.call(p.PROCESS_WAIT, params, p.WaitResponse, timeout=bound),
-            bound,
+            lambda: self._aio.wait(process_id, timeout_ms),
+            self._long_poll_bound(timeout_ms),
             "process/wait",
         )
 
     def _long_poll_bound(self, server_ms: int | None) -> float | None:
-        """A request the server holds up to ``server_ms`` (None: indefinitely)."""
+        """A request the server holds up to ``server_ms`` (None: indefinitely);
+        the asyncio client bounds its request the same way with the same
+        ``call_timeout`` (its ``request_timeout``)."""
         if self.call_timeout is None or server_ms is None:
             return None
         return self.call_timeout + server_ms / 1000
