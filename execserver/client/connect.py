@@ -279,7 +279,8 @@ async def open_channel(
         except Exception as exc:
             if state.get("timed_out"):
                 raise ConnectTimeout(url, timeout) from None
-            raise ConnectFailed(url, connect_error_text(exc)) from None
+            # The cause stays: a resume tells a refused connection by it.
+            raise ConnectFailed(url, connect_error_text(exc)) from exc
         state["proto"] = proto
         try:
             await proto.opened

@@ -34,6 +34,7 @@ from typing import Any, NoReturn, TypeVar
 import attrs
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionRefusedError as Refused
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -46,6 +47,7 @@ from execserver.client.channels.websocket import ChannelFactory, WebSocketChanne
 from execserver.client.client import ConnectOptions, ExecServerClient
 from execserver.client.connect import close_channel, connect_error_text, websocket_endpoint
 from execserver.client.errors import (
+    AuthRefused,
     ConnectFailed,
     ConnectionClosed,
     NotConnected,
@@ -435,7 +437,8 @@ class ResumingClient(_FollowsSession):
     ``resumeSessionId``), adopts and catches up the handles as
     :class:`ReconnectingClient` does, and retries in-flight idempotent calls.
     It gives up -- failing every handle with :class:`SessionLost` -- when the
-    server answers that the session is unknown, when connections are refused
+    server answers that the session is unknown or with a new session, when
+    the token is refused (:class:`AuthRefused`), when connections are refused
     for :data:`REFUSED_GIVE_UP_SECONDS` (nothing listens any more), or after
     the session's TTL.
     """
@@ -504,17 +507,23 @@ class ResumingClient(_FollowsSession):
                 if exc.message.startswith("unknown session id"):
                     return self._give_up(old, exc.message)
                 cause = exc.message  # "already attached": the server has not noticed yet
+            except AuthRefused as exc:
+                # The session belongs to the identity that created it: a
+                # token refused now will not be accepted on a retry either.
+                return self._give_up(old, exc.reason)
             except Exception as exc:
                 cause = str(exc)
                 now = self._reactor.seconds()
-                if "refused" in cause:
+                if isinstance(exc.__cause__, Refused):
                     refused_since = now if refused_since is None else refused_since
                     if now - refused_since >= REFUSED_GIVE_UP_SECONDS:
                         return self._give_up(old, f"the server is gone ({cause})")
                 else:
                     refused_since = None
             else:
-                if self._stopped:
+                if self._stopped or new.session_id != session_id:
+                    if not self._stopped:
+                        self._give_up(old, "the server started a new session")
                     await new.close()
                     return None
                 self.client = new

@@ -14,11 +14,8 @@ from typing import Any
 
 from execserver.client.client import ConnectOptions, ExecServerClient
 from execserver.client.errors import (
-    ConnectFailed,
     ExecServerError,
-    InitializeTimeout,
     ServerError,
-    SpawnFailed,
 )
 from execserver.tls import ClientTls
 
@@ -170,17 +167,15 @@ async def connect(
             connect_timeout=args.connect_timeout,
             tls=ClientTls(args.ca_file, args.client_cert, args.client_key),
         )
-    except (ConnectFailed, InitializeTimeout, SpawnFailed) as exc:
-        raise CliError(str(exc), EXIT_CONNECTION) from None
-    except ServerError as exc:
-        if resume_session_id is not None:
-            # ResumingClient tells "unknown session id" (give up) from
-            # "already attached" (retry) by the ServerError itself.
-            raise
-        raise CliError(
-            f"the server refused the handshake: {exc.message}", EXIT_CONNECTION
-        ) from None
     except ExecServerError as exc:
+        if resume_session_id is not None:
+            # ResumingClient decides by the typed error: "unknown session id"
+            # or a refused token gives up, "already attached" is retried, a
+            # refused connection counts toward giving up.
+            raise
+        if isinstance(exc, ServerError):
+            message = f"the server refused the handshake: {exc.message}"
+            raise CliError(message, EXIT_CONNECTION) from None
         raise CliError(str(exc), EXIT_CONNECTION) from None
 
 
