@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,12 @@ from execserver import capability_discovery as cd
 from execserver import environment, yaml_subset
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
+from tests import test_codex_dialect as codex_dialect
 from tests.codex import fetch_codex
 from tests.codex.fetch_codex import FetchError, fetch
 from tests.harness import REPO_ROOT, ServerProcess, reactor
 
-CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
+CODEX_INIT = codex_dialect.CODEX_INIT
 METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"
 
 
@@ -45,17 +45,10 @@ def _skill(directory: Path, front: str) -> Path:
     return _write(directory / "SKILL.md", f"---\n{front}---\nbody\n")
 
 
-@asynccontextmanager
-async def serving(tmp_path: Path, init: Any = CODEX_INIT) -> AsyncIterator[ServerProcess]:
+def serving(tmp_path: Path, init: Any = CODEX_INIT) -> AbstractAsyncContextManager[ServerProcess]:
     (tmp_path / "codex-home").mkdir(exist_ok=True)
     env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
-    server = ServerProcess.start(env=env)
-    try:
-        server.last_init = await server.call("initialize", init)  # type: ignore[attr-defined]
-        server.notify("initialized", {})
-        yield server
-    finally:
-        await server.stop()
+    return codex_dialect.serving(init, env)
 
 
 async def discover(tmp_path: Path) -> Any:

@@ -29,8 +29,11 @@ CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 
 
 @asynccontextmanager
-async def serving(init: dict[str, Any] | None) -> AsyncIterator[ServerProcess]:
-    server = ServerProcess.start()
+async def serving(
+    init: dict[str, Any] | None, env: dict[str, str] | None = None
+) -> AsyncIterator[ServerProcess]:
+    """A server over stdio, past the handshake with ``init`` (none if None)."""
+    server = ServerProcess.start(env=env)
     try:
         if init is not None:
             server.last_init = await server.call("initialize", init)  # type: ignore[attr-defined]

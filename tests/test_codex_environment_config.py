@@ -13,8 +13,7 @@ import os
 import socket
 import threading
 import tomllib
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,10 @@ from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
 from execserver.toml_writer import dumps
+from tests import test_codex_dialect as codex_dialect
 from tests.harness import ServerProcess
 
-CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
+CODEX_INIT = codex_dialect.CODEX_INIT
 
 # --- the TOML writer --------------------------------------------------------------------------
 
@@ -256,20 +256,12 @@ def test_validation_order_and_texts() -> None:
 # --- through the real server ------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def serving(
+def serving(
     tmp_path: Path, init: Any = CODEX_INIT, **env: str
-) -> AsyncIterator[ServerProcess]:
+) -> AbstractAsyncContextManager[ServerProcess]:
     server_env = {"HOME": str(tmp_path / "user"), "CODEX_HOME": str(tmp_path / "codex-home")}
     server_env.update(env)
-    server = ServerProcess.start(env=server_env)
-    try:
-        if init is not None:
-            server.last_init = await server.call("initialize", init)  # type: ignore[attr-defined]
-            server.notify("initialized", {})
-        yield server
-    finally:
-        await server.stop()
+    return codex_dialect.serving(init, server_env)
 
 
 def _read(
