@@ -11,6 +11,7 @@ a function on the reactor (e.g. ``proxy.cut``) and waits for its result.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -53,3 +54,35 @@ class Stderr:
 
     def check(self) -> None:
         assert b"Traceback" not in self.data, self.data.decode(errors="replace")
+
+
+# --- recording channels: a client's RPC layer driven with no server ---------------------
+
+
+class RecordingChannel:
+    """An ``AsyncRpc`` channel that keeps every message sent, decoded."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, data: bytes) -> None:
+        self.sent.append(json.loads(data))
+
+    async def aclose(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class RecordingSink:
+    """The same for the Twisted ``RpcClient`` (``attach``)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send_message(self, data: bytes) -> None:
+        self.sent.append(json.loads(data))
+
+    def close(self) -> None:
+        pass

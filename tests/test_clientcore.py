@@ -31,6 +31,7 @@ from execserver.clientcore.calls import PendingCalls, repeatable
 from execserver.clientcore.errors import ConnectionClosed, ServerError
 from execserver.clientcore.ordering import SeqOrdering
 from execserver.clientcore.types import GapEvent, OutputEvent
+from tests.aio_harness import RecordingChannel, RecordingSink
 
 # --- request ids ------------------------------------------------------------------------------
 
@@ -53,23 +54,9 @@ def error(request_id: int) -> bytes:
     return json.dumps({"id": request_id, "error": {"code": -32600, "message": "no"}}).encode()
 
 
-class _FakeChannel:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    async def send(self, data: bytes) -> None:
-        self.sent.append(json.loads(data))
-
-    async def aclose(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
 async def _aio_ids(ops: list[tuple[str, int]], lose: bool) -> None:
     rpc = AsyncRpc()
-    channel = _FakeChannel()
+    channel = RecordingChannel()
     rpc.channel = channel
     calls: dict[int, asyncio.Future[p.ListResponse]] = {}
     outstanding: list[int] = []
@@ -127,23 +114,12 @@ def test_aio_request_ids_are_unique_and_every_entry_leaves(
     asyncio.run(_aio_ids(ops, lose))
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    def send_message(self, data: bytes) -> None:
-        self.sent.append(json.loads(data))
-
-    def close(self) -> None:
-        pass
-
-
 @given(ops=call_ops, lose=st.booleans())
 def test_twisted_request_ids_are_unique_and_every_entry_leaves(
     ops: list[tuple[str, int]], lose: bool
 ) -> None:
     rpc = RpcClient()
-    sink = _Sink()
+    sink = RecordingSink()
     rpc.attach(sink)
     calls: dict[int, Deferred[p.ListResponse]] = {}
     results: dict[int, object] = {}

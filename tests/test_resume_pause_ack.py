@@ -27,6 +27,7 @@ from execserver.client.client import ExecServerClient
 from execserver.client.process import RemoteProcess
 from execserver.client.rpc import RpcClient
 from execserver.clientcore.types import InitializeResult
+from tests.aio_harness import RecordingChannel, RecordingSink
 
 RESULT = InitializeResult(
     "exec-server.v0",
@@ -63,36 +64,22 @@ def acknowledged(sent: list[dict[str, Any]], after_seq: int) -> bool:
 # --- asyncio ------------------------------------------------------------------------------
 
 
-class _Channel:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    async def send(self, data: bytes) -> None:
-        self.sent.append(json.loads(data))
-
-    async def aclose(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
 @attrs.define
 class _Dialer:
     """Hands out the second connection (already "initialized") on a resume."""
 
     rpc: AsyncRpc
-    channel: _Channel
+    channel: RecordingChannel
     url: str = "ws://127.0.0.1:1"
 
-    async def open(self, resume_session_id: str | None) -> tuple[AsyncRpc, _Channel, Any]:
+    async def open(self, resume_session_id: str | None) -> tuple[AsyncRpc, RecordingChannel, Any]:
         assert resume_session_id == "S"
         return self.rpc, self.channel, RESULT
 
 
 async def _aio_scenario() -> list[dict[str, Any]]:
     first, second = AsyncRpc(), AsyncRpc()
-    first_channel, second_channel = _Channel(), _Channel()
+    first_channel, second_channel = RecordingChannel(), RecordingChannel()
     first.channel, second.channel = first_channel, second_channel
     dialer = _Dialer(second, second_channel)
     client = Client(
@@ -131,21 +118,10 @@ def test_aio_acknowledges_the_events_a_catch_up_held_back() -> None:
 # --- Twisted ------------------------------------------------------------------------------
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    def send_message(self, data: bytes) -> None:
-        self.sent.append(json.loads(data))
-
-    def close(self) -> None:
-        pass
-
-
 def test_twisted_acknowledges_the_events_a_catch_up_held_back() -> None:
     clock = task.Clock()
     first, second = RpcClient(), RpcClient()
-    first_sink, second_sink = _Sink(), _Sink()
+    first_sink, second_sink = RecordingSink(), RecordingSink()
     first.attach(first_sink)
     second.attach(second_sink)
     old = ExecServerClient(first, clock)
