@@ -37,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._client import Ratio, Series, StdioClient, print_header, server_env, server_root
+from bench._client import Ratio, Series, StdioClient, print_header
 from bench.bench_rtt import echo_rate, server_rate
 
 MiB = 1024 * 1024
@@ -207,45 +207,28 @@ def peak_over_idle_ws(work: Path, size: int) -> dict[str, tuple[float, float]]:
     The rate is the file's size over the time from the request's first byte
     sent to the answer received (one transfer, ``websockets``' client).
     """
-    import socket
-
     from websockets.sync.client import connect
+
+    from bench.bench_websocket import Server
 
     source = work / f"source-{size}.bin"
     figures: dict[str, tuple[float, float]] = {}
+    limit = str(1024 * MiB)
     for method in ("fs/readFile", "fs/writeFile"):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        url = f"ws://127.0.0.1:{port}"
-        limit = str(1024 * MiB)
-        server = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "execserver", "--listen", url),
-                *("--max-message-bytes", limit, "--max-partial-message-bytes", limit),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=server_env(),
-            cwd=server_root(),
+        server = Server(
+            *("--listen", "ws://127.0.0.1:0"),
+            *("--max-message-bytes", limit, "--max-partial-message-bytes", limit),
         )
+        pid = server.proc.pid
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    ws = connect(url, max_size=None)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            with ws:
+            host, port = server.ws_address()
+            with connect(f"ws://{host}:{port}", max_size=None) as ws:
                 ws.send(b'{"id":0,"method":"initialize","params":{"clientName":"bench"}}')
                 ws.recv()
                 ws.send(b'{"method":"initialized"}')
                 ws.send(read_request(1, source, offset=0, length=1000).rstrip(b"\n"))
                 ws.recv()  # the pool, the code paths
-                idle = rss_kib(server.pid)
+                idle = rss_kib(pid)
                 if method == "fs/readFile":
                     request = read_request(2, source)
                 else:
@@ -259,11 +242,10 @@ def peak_over_idle_ws(work: Path, size: int) -> dict[str, tuple[float, float]]:
                 seconds = time.perf_counter() - started
                 check_ok(reply)
                 del reply
-                peak = (rss_kib(server.pid, "VmHWM") - idle) / 1024
+                peak = (rss_kib(pid, "VmHWM") - idle) / 1024
                 figures[method] = (peak, size / MiB / seconds)
         finally:
-            server.terminate()
-            server.wait(30)
+            server.stop()
     return figures
 
 
