@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -148,6 +149,54 @@ async def test_cli_put_and_get_in_ranges(tmp_path: Path) -> None:
     cli = await run("fs", "--stdio", "put", str(tmp_path / "nope"), str(remote))
     assert cli.exit_code == 2
     assert b"cannot read" in cli.err and b"No such file or directory" in cli.err
+
+
+#: A server that advertises no ranged fs calls (as a baseline one would not).
+_NO_RANGES_SERVER = """
+import sys
+from execserver import app, service
+built = app.build_dispatcher
+def without_ranges(*args, **kwargs):
+    dispatcher = built(*args, **kwargs)
+    dispatcher.capabilities[:] = [c for c in dispatcher.capabilities if ":range" not in c]
+    return dispatcher
+service.build_dispatcher = without_ranges
+from execserver.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_cli_put_and_get_without_server_ranges_is_a_clear_remote_error(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "no_ranges_server.py"
+    script.write_text(_NO_RANGES_SERVER)
+    server = f"{sys.executable} {script}"
+    local_file = tmp_path / "local.bin"
+    local_file.write_bytes(b"x" * (8 * MiB + 1))  # two ranges
+    remote = tmp_path / "remote.bin"
+    cli = await run("fs", "--stdio", "--server-command", server, "get", str(remote), "-")
+    assert cli.exit_code == 1
+    assert (
+        cli.err
+        == (
+            f"exec-server-client: fs get {remote}: the server does not support ranged reads "
+            "(fs/readFile:range); `fs cat` reads a file in one call\n"
+        ).encode()
+    )
+    cli = await run(
+        "fs", "--stdio", "--server-command", server, "put", str(local_file), str(remote)
+    )
+    assert cli.exit_code == 1
+    assert (
+        cli.err
+        == (
+            f"exec-server-client: fs put {remote}: the server does not support ranged writes "
+            "(fs/writeFile:range), so only a file of at most one 8 MiB range can be put\n"
+        ).encode()
+    )
+    assert not remote.exists()
 
 
 @pytest_twisted.ensureDeferred

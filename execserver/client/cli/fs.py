@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any, BinaryIO, TextIO
 
+from execserver import protocol as p
 from execserver.client.api import ClientApi
 from execserver.client.cli.common import (
     EXIT_CONNECTION,
@@ -25,7 +26,7 @@ from execserver.client.cli.common import (
     connection_options,
     write_all,
 )
-from execserver.client.errors import ExecServerError, ServerError
+from execserver.client.errors import ExecServerError, RangesNotSupported, ServerError
 from execserver.client.fs import download, upload
 
 _REMOTE = "remote path (a relative one is resolved against this directory with --stdio)"
@@ -186,6 +187,19 @@ async def _transfer(client: ClientApi, args: argparse.Namespace) -> None:
             bar.finish()
 
 
+def _no_ranges(args: argparse.Namespace) -> str:
+    """What ``put``/``get`` say to a server without ranged ``fs`` calls (a baseline one)."""
+    if args.fs_command == "get":
+        return (
+            f"{describe(args)}: the server does not support ranged reads "
+            f"({p.FS_READ_FILE}:range); `fs cat` reads a file in one call"
+        )
+    return (
+        f"{describe(args)}: the server does not support ranged writes "
+        f"({p.FS_WRITE_FILE}:range), so only a file of at most one 8 MiB range can be put"
+    )
+
+
 async def run_fs_command(client: ClientApi, args: argparse.Namespace) -> int:
     op = args.fs_command
     if op == "cat":
@@ -232,6 +246,8 @@ async def run_fs(reactor: Any, args: argparse.Namespace) -> int:
         return await run_fs_command(client, args)
     except ServerError as exc:
         raise CliError(f"{describe(args)}: {exc.message}", EXIT_REMOTE_ERROR) from None
+    except RangesNotSupported:
+        raise CliError(_no_ranges(args), EXIT_REMOTE_ERROR) from None
     except ExecServerError as exc:
         raise CliError(f"{describe(args)}: {exc}", EXIT_CONNECTION) from None
     finally:
