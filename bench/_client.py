@@ -411,6 +411,28 @@ def twisted_end_to_end_rate(total_bytes: int, url: str | None = None) -> float:
     return child_rate(TWISTED_END_TO_END, total_bytes, url)
 
 
+def stream_round(
+    total_bytes: int, decoders: Sequence[Callable[[list[bytes]], float]]
+) -> tuple[list[float], float]:
+    """One round of the client benchmarks' stream figures: (each decoder's
+    payload MB/s on one captured server stream, the server's stdout MB/s).
+
+    The stream is ``head -c TOTAL /dev/zero`` in pipe mode, the server's raw
+    stdout reads. The first decoder runs once unmeasured first: whichever
+    decoder runs first pays for growing the heap (glibc raises its mmap
+    threshold after the first large free), which would favour the later ones.
+    The server's stdout rate is what the lean blocking client gets end to end,
+    so one run is the baseline of both the headroom and the end-to-end figures.
+    """
+    from bench.bench_throughput import capture_stream, server_run
+
+    reads = capture_stream(total_bytes)
+    decoders[0](reads)
+    rates = [decode(reads) for decode in decoders]
+    del reads
+    return rates, server_run(total_bytes, tty=False)[0]
+
+
 def client_bench_main(
     doc: str | None, title: str, run: Callable[[int, int], Sequence[Ratio | Series]]
 ) -> None:
