@@ -337,32 +337,33 @@ def test_exec_params_defaults_and_ids() -> None:
 # --- ResumeAttempts ---------------------------------------------------------------------
 
 REFUSED = ConnectFailed("ws://h:1", "connection refused (is the server running?)")
+TIMED_OUT = ConnectFailed("ws://h:1", "timed out")
 
 
 def test_resume_gives_up_at_once_on_an_unknown_session_or_a_refused_token() -> None:
     attempts = ResumeAttempts(60.0, 0.0, "dropped")
     unknown = ServerError(p.INITIALIZE, -32600, "unknown session id s-1")
-    assert attempts.failed(unknown, 0.1) == "unknown session id s-1"
-    refused = AuthRefused("ws://h:1", 401, "HTTP 401: token refused")
-    assert attempts.failed(refused, 0.1) == "HTTP 401: token refused"
+    assert attempts.failed(unknown, 0.1, refused=False) == "unknown session id s-1"
+    withdrawn = AuthRefused("ws://h:1", 401, "HTTP 401: token refused")
+    assert attempts.failed(withdrawn, 0.1, refused=False) == "HTTP 401: token refused"
     # "already attached": the server has not noticed the drop yet; go on.
     attached = ServerError(p.INITIALIZE, -32600, "session s-1 is already attached")
-    assert attempts.failed(attached, 0.1) is None
+    assert attempts.failed(attached, 0.1, refused=False) is None
     assert attempts.cause == "session s-1 is already attached"
 
 
 def test_resume_retries_refused_connections_for_two_seconds_then_the_server_is_gone() -> None:
     attempts = ResumeAttempts(60.0, 0.0, "dropped")
-    assert attempts.failed(REFUSED, 1.0) is None
-    assert attempts.failed(REFUSED, 1.0 + REFUSED_GIVE_UP_SECONDS - 0.01) is None
-    gone = attempts.failed(REFUSED, 1.0 + REFUSED_GIVE_UP_SECONDS)
+    assert attempts.failed(REFUSED, refused=True, now=1.0) is None
+    assert attempts.failed(REFUSED, refused=True, now=1.0 + REFUSED_GIVE_UP_SECONDS - 0.01) is None
+    gone = attempts.failed(REFUSED, refused=True, now=1.0 + REFUSED_GIVE_UP_SECONDS)
     assert gone == "the server is gone (connection refused (is the server running?))"
     # Another failure in between starts the refusals' clock again.
     attempts = ResumeAttempts(60.0, 0.0, "dropped")
-    assert attempts.failed(REFUSED, 1.0) is None
-    assert attempts.failed(ConnectFailed("ws://h:1", "timed out"), 2.0) is None
-    assert attempts.failed(REFUSED, 3.5) is None
-    assert attempts.failed(REFUSED, 3.5 + REFUSED_GIVE_UP_SECONDS) is not None
+    assert attempts.failed(REFUSED, refused=True, now=1.0) is None
+    assert attempts.failed(TIMED_OUT, 2.0, refused=False) is None
+    assert attempts.failed(REFUSED, refused=True, now=3.5) is None
+    assert attempts.failed(REFUSED, refused=True, now=3.5 + REFUSED_GIVE_UP_SECONDS) is not None
 
 
 def test_resume_ends_with_the_ttl_and_backs_off_doubling() -> None:

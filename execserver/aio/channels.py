@@ -396,7 +396,8 @@ async def open_websocket(
             ) from None
         raise ConnectFailed(url, f"WebSocket upgrade failed (HTTP {status} {phrase})") from None
     except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
-        raise ConnectFailed(url, _connect_error_text(exc)) from None
+        # The cause stays: a resume tells a refused connection by it.
+        raise ConnectFailed(url, _connect_error_text(exc)) from exc
     channel = WebSocketChannel(ws, rpc, url)
     rpc.channel = channel
     return channel

@@ -342,7 +342,8 @@ class Client:
             try:
                 rpc, channel, result = await self._dialer.open(session_id)
             except ExecServerError as exc:
-                gone = attempts.failed(exc, loop.time())
+                refused = isinstance(exc.__cause__, ConnectionRefusedError)
+                gone = attempts.failed(exc, loop.time(), refused=refused)
                 if gone is not None:
                     self._give_up(gone)
                     return

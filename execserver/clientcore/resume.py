@@ -17,7 +17,7 @@ gives up with the cause it is handed. It gives up
 
 from __future__ import annotations
 
-from execserver.clientcore.errors import AuthRefused, ConnectFailed, ExecServerError, ServerError
+from execserver.clientcore.errors import AuthRefused, ConnectFailed, ServerError
 
 #: After a drop, how long refused connections are retried before the
 #: session counts as lost.
@@ -50,8 +50,12 @@ class ResumeAttempts:
         self._refused_since: float | None = None
         self._delay = self._initial_delay
 
-    def failed(self, exc: ExecServerError, now: float) -> str | None:
-        """A dial failed with ``exc``; the cause to give up with, or None to go on."""
+    def failed(self, exc: Exception, now: float, *, refused: bool) -> str | None:
+        """A dial failed with ``exc``; the cause to give up with, or None to go on.
+
+        ``refused``: the connection was refused (each client tells it by the
+        typed cause its own network layer raises, not by the text).
+        """
         if isinstance(exc, ServerError):
             if exc.message.startswith("unknown session id"):
                 return exc.message
@@ -60,7 +64,7 @@ class ResumeAttempts:
         if isinstance(exc, AuthRefused):
             return exc.reason
         self.cause = exc.reason if isinstance(exc, ConnectFailed) else str(exc)
-        if "connection refused" in self.cause:
+        if refused:
             if self._refused_since is None:
                 self._refused_since = now
             if now - self._refused_since >= REFUSED_GIVE_UP_SECONDS:
