@@ -5,7 +5,8 @@
   (``_ServerPipes.pipe_data_received`` -> NDJSON framing -> ``AsyncRpc``
   -> ``Client`` -> the process handle's output listener), no server
   running. Baselines in the same round: the server's own stdout rate
-  (headroom: above 1 means the client is not what limits a stream), the
+  (headroom: above 1 means the client is not what limits a stream; the
+  same run is the lean client's end-to-end baseline below), the
   Twisted client library on the same reads, the lean msgspec decoder of
   the benchmarks' blocking client.
 - end to end: ``aio.connect()`` (a spawned local server over stdio) +
@@ -38,10 +39,11 @@ from bench._client import (
     Series,
     child_rate,
     client_bench_main,
+    stream_round,
     twisted_end_to_end_rate,
 )
 from bench.bench_client import library_decode_rate
-from bench.bench_throughput import capture_stream, client_decode_rate, server_run
+from bench.bench_throughput import client_decode_rate
 from bench.bench_websocket import Server
 
 
@@ -161,18 +163,13 @@ def run(rounds: int = 5, mib: int = 128) -> list[Ratio | Series]:
     url = f"ws://{host}:{port}"
     try:
         for _ in range(rounds):
-            reads = capture_stream(total)
-            # Unmeasured warm-up: the first decoder to run pays for growing the
-            # heap (glibc raises its mmap threshold after the first large free),
-            # which would favour whichever decoder runs later.
-            aio_decode_rate(reads)
-            aio_rates.append(aio_decode_rate(reads))
-            twisted_rates.append(library_decode_rate(reads))
-            lean.append(client_decode_rate(reads))
-            del reads
-            # The server's stdout rate is what the lean blocking client gets
-            # end to end: one run is both baselines.
-            server.append(server_run(total, tty=False)[0])
+            (aio_rate, twisted_rate, lean_rate), server_rate = stream_round(
+                total, [aio_decode_rate, library_decode_rate, client_decode_rate]
+            )
+            aio_rates.append(aio_rate)
+            twisted_rates.append(twisted_rate)
+            lean.append(lean_rate)
+            server.append(server_rate)
             e2e.append(aio_end_to_end_rate(total))
             ws_aio.append(aio_end_to_end_rate(total, url))
             ws_twisted.append(twisted_end_to_end_rate(total, url))
