@@ -81,7 +81,8 @@ CWD = str(REPO_ROOT)
 def test_importing_execserver_aio_loads_no_twisted() -> None:
     code = (
         "import sys, execserver.aio, execserver.aio.client, execserver.clientcore.calls, "
-        "execserver.clientcore.ordering, execserver.clientcore.transfer\n"
+        "execserver.clientcore.ordering, execserver.clientcore.transfer, "
+        "execserver.clientcore.resume, execserver.sync\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('twisted', 'autobahn', "
         "'zope', 'txaio'))\n"
         "print(' '.join(bad))\n"
