@@ -665,3 +665,49 @@ def test_files_are_bounded_and_never_block(tmp_path: Path) -> None:
     result = cd.discover(env, str(tmp_path / "no-system"))
     assert result.plugins[0].remote_plugin_id is None
     assert result.warnings[0] == cd.LOCATIONS_WARNING
+
+
+def test_walk_depth_and_entry_limits(tmp_path: Path) -> None:
+    # SKILL.md files up to 6 directory levels below a location are found,
+    # not deeper; a location's walk stops after 20000 entries (every entry
+    # of every directory it lists, breadth first in name order). The
+    # reference (codex exec-server 0.171.0) answered the same for this tree.
+    env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
+    skills = tmp_path / "codex-home" / "skills"
+    deep = skills.joinpath(*(f"d{level}" for level in range(1, cd.MAX_SCAN_DEPTH + 2)))
+    _skill(deep.parent, "name: six\ndescription: d\n")
+    _skill(deep, "name: seven\ndescription: d\n")
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    assert ([s.name for s in result.skills], result.warnings) == (["six"], [])
+    crowded = tmp_path / "home" / ".agents" / "skills"
+    crowded.mkdir(parents=True)
+    # 19998 files, b-last and its SKILL.md: 20000 entries.
+    for index in range(cd.MAX_ENTRIES_PER_ROOT - 2):
+        (crowded / f"a{index:05d}").touch()
+    _skill(crowded / "b-last", "name: last\ndescription: d\n")
+    assert [s.name for s in cd.discover(env, str(tmp_path / "no-system")).skills] == [
+        "six",
+        "last",
+    ]
+    (crowded / "a-one-more").touch()
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    assert ([s.name for s in result.skills], result.warnings) == (["six"], [METADATA_WARNING])
+
+
+def test_at_most_512_plugins_and_64_warnings(tmp_path: Path) -> None:
+    # 513 installed plugins without a manifest: 512 are locations (one
+    # warning each, as a plugin without a manifest), the last a location
+    # warning; the answer keeps 64 warnings (the reference's answer too).
+    env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
+    cache = tmp_path / "codex-home" / "plugins" / "cache" / "mk"
+    for index in range(cd.MAX_LOCATIONS + 1):
+        (cache / f"p{index:03d}" / "local").mkdir(parents=True)
+    found, warnings = cd.plugin_locations(str(tmp_path / "codex-home"))
+    assert len(found) == cd.MAX_LOCATIONS == 512
+    assert found[-1].plugin == cd.InstalledPlugin("p511@mk", "local", None)
+    assert warnings == ["plugin cache reached its 512-location limit"]
+    result = cd.discover(env, str(tmp_path / "no-system"))
+    assert (result.plugins, result.skills) == ([], [])
+    assert len(result.warnings) == cd.MAX_WARNINGS == 64
+    assert result.warnings[0] == cd.LOCATIONS_WARNING
+    assert set(result.warnings[1:]) == {METADATA_WARNING}
