@@ -31,6 +31,7 @@ from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS, ResumeAttempts
 from execserver.clientcore.rpc import RpcCore
 from execserver.clientcore.start import exec_params, next_process_id
 from execserver.clientcore.types import OutputEvent, OutputParams
+from execserver.retained import CHUNK_OVERHEAD_BYTES
 
 # --- RpcCore ------------------------------------------------------------------------------
 
@@ -193,6 +194,17 @@ class _Handle(ProcessCore[_Queue]):
 
 def _event(seq: int, size: int) -> OutputEvent:
     return OutputEvent("p", "stdout", b"x" * size, seq)
+
+
+def test_an_acknowledgement_is_due_at_a_quarter_of_the_retention_counted_as_the_server() -> None:
+    handle = _Handle(1024)
+    retention = 4 * (1000 + CHUNK_OVERHEAD_BYTES)
+    assert not handle.ack_due(500, retention)
+    assert handle.unacked_bytes == 500 + CHUNK_OVERHEAD_BYTES
+    assert handle.ack_due(500, retention)  # 1000 bytes and two chunks' overhead
+    assert handle.unacked_bytes == 0
+    assert not handle.ack_due(10, retention)
+    assert handle.ack_due(0, retention, now=True) and handle.unacked_bytes == 0
 
 
 def test_process_core_backlog_overflow_reaches_the_first_reader() -> None:

@@ -825,15 +825,11 @@ class Client:
         """With "pause", tell the server (a read's afterSeq) what has arrived,
         each time a quarter of its retention did (as the Twisted client)."""
         result = self.initialize_result
-        if result.on_detached_full != "pause" or handle.last_seq == 0:
+        if result.on_detached_full != "pause" or handle.last_seq == 0 or self._rpc.is_closed:
             return
-        cap = result.retained_output_bytes or 0
-        handle.unacked_bytes += size + 96
-        if handle.unacked_bytes * 4 < cap or self._rpc.is_closed:
-            return
-        handle.unacked_bytes = 0
-        params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
-        self._spawn(self._ack(self._rpc, handle, params))
+        if handle.ack_due(size, result.retained_output_bytes or 0):
+            params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
+            self._spawn(self._ack(self._rpc, handle, params))
 
     async def _ack(self, rpc: AsyncRpc, handle: Process, params: p.ReadParams) -> None:
         with contextlib.suppress(ExecServerError):

@@ -21,6 +21,7 @@ from typing import Generic, Protocol, TypeVar
 from execserver.clientcore.errors import OutputLagged
 from execserver.clientcore.ordering import SeqOrdering
 from execserver.clientcore.types import OutputEvent
+from execserver.retained import CHUNK_OVERHEAD_BYTES
 
 DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
 
@@ -146,6 +147,20 @@ class ProcessCore(SeqOrdering, ABC, Generic[Q]):
                 self._listener_failed()
         for queue in list(self._queues):
             queue.push(event)
+
+    # --- acknowledging ("pause") -------------------------------------------------------
+
+    def ack_due(self, size: int, retention: int, *, now: bool = False) -> bool:
+        """Count ``size`` more output bytes delivered unacknowledged, as the
+        server counts them against its ``retention`` (each chunk with its
+        overhead); True, and the count starts again, once an acknowledgement
+        is due: at a quarter of the retention (a "pause" server stops reading
+        a child whose unacknowledged output fills it), or ``now``."""
+        self.unacked_bytes += size + CHUNK_OVERHEAD_BYTES
+        if self.unacked_bytes * 4 < retention and not now:
+            return False
+        self.unacked_bytes = 0
+        return True
 
     # --- lifecycle --------------------------------------------------------------------
 
