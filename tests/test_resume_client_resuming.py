@@ -20,7 +20,8 @@ from twisted.internet.defer import Deferred, fail, succeed
 from execserver.client import AuthRefused, ConnectFailed, ExecServerClient, SessionLost
 from execserver.client.cli import build_parser
 from execserver.client.cli.common import connect
-from execserver.client.reconnect import REFUSED_GIVE_UP_SECONDS, ResumingClient
+from execserver.client.reconnect import ResumingClient
+from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS
 from tests.harness import reactor, refused_port
 from tests.test_client_support import LocalWsServer, ScriptedServer
 

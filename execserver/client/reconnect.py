@@ -47,7 +47,6 @@ from execserver.client.channels.websocket import ChannelFactory, WebSocketChanne
 from execserver.client.client import ConnectOptions, ExecServerClient
 from execserver.client.connect import close_channel, connect_error_text, websocket_endpoint
 from execserver.client.errors import (
-    AuthRefused,
     ConnectFailed,
     ConnectionClosed,
     NotConnected,
@@ -57,6 +56,7 @@ from execserver.client.errors import (
 )
 from execserver.client.process import RemoteProcess
 from execserver.clientcore.calls import repeatable
+from execserver.clientcore.resume import ResumeAttempts
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -423,11 +423,6 @@ class ReconnectingClient(_FollowsSession):
         return self.when_connected()
 
 
-#: After a drop, how long refused connections (nothing listening: the server
-#: is gone, so is the session) are retried before the session counts as lost.
-REFUSED_GIVE_UP_SECONDS = 2.0
-
-
 class ResumingClient(_FollowsSession):
     """Keeps one resumable session across drops, starting from a connected client.
 
@@ -439,8 +434,9 @@ class ResumingClient(_FollowsSession):
     It gives up -- failing every handle with :class:`SessionLost` -- when the
     server answers that the session is unknown or with a new session, when
     the token is refused (:class:`AuthRefused`), when connections are refused
-    for :data:`REFUSED_GIVE_UP_SECONDS` (nothing listens any more), or after
-    the session's TTL.
+    for 2 s (nothing listens any more), or after the session's TTL: the policy
+    of :class:`~execserver.clientcore.resume.ResumeAttempts`, shared with the
+    asyncio client.
     """
 
     def __init__(
@@ -497,29 +493,21 @@ class ResumingClient(_FollowsSession):
     async def _resume(self, old: ExecServerClient, reason: str) -> None:
         session_id = old.session_id or ""
         ttl = (old.initialize_result.session_ttl_ms if old.initialize_result else 0) / 1000.0
-        started = self._reactor.seconds()
-        refused_since: float | None = None
-        delay = self._initial_delay
+        attempts = ResumeAttempts(
+            ttl,
+            self._reactor.seconds(),
+            reason,
+            initial_delay=self._initial_delay,
+            max_delay=self._max_delay,
+        )
         while not self._stopped:
             try:
                 new = await self._dial(session_id)
-            except ServerError as exc:
-                if exc.message.startswith("unknown session id"):
-                    return self._give_up(old, exc.message)
-                cause = exc.message  # "already attached": the server has not noticed yet
-            except AuthRefused as exc:
-                # The session belongs to the identity that created it: a
-                # token refused now will not be accepted on a retry either.
-                return self._give_up(old, exc.reason)
             except Exception as exc:
-                cause = str(exc)
-                now = self._reactor.seconds()
-                if isinstance(exc.__cause__, Refused):
-                    refused_since = now if refused_since is None else refused_since
-                    if now - refused_since >= REFUSED_GIVE_UP_SECONDS:
-                        return self._give_up(old, f"the server is gone ({cause})")
-                else:
-                    refused_since = None
+                refused = isinstance(exc.__cause__, Refused)
+                cause = attempts.failed(exc, self._reactor.seconds(), refused=refused)
+                if cause is not None:
+                    return self._give_up(old, cause)
             else:
                 if self._stopped or new.session_id != session_id:
                     if not self._stopped:
@@ -532,13 +520,13 @@ class ResumingClient(_FollowsSession):
                 await new.adopt(old, self)
                 self._waiters.fire(new)
                 return None
-            if self._reactor.seconds() - started >= ttl:
-                return self._give_up(old, f"no connection within its {ttl:g} s TTL ({cause})")
-            log.info("resuming session {sid} failed: {cause}", sid=session_id, cause=cause)
+            expired = attempts.expired(self._reactor.seconds())
+            if expired is not None:
+                return self._give_up(old, expired)
+            log.info("resuming session {sid} failed: {cause}", sid=session_id, cause=attempts.cause)
             waited: Deferred[None] = Deferred()
-            self._reactor.callLater(delay, waited.callback, None)
+            self._reactor.callLater(attempts.next_delay(), waited.callback, None)
             await waited
-            delay = min(delay * 2, self._max_delay)
         return None
 
     def _give_up(self, old: ExecServerClient, cause: str) -> None:
