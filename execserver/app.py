@@ -28,6 +28,7 @@ from execserver.fs import watch
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
 from execserver.fs.watch import WatchHub
+from execserver.processes import RetainedTally
 from execserver.session import Session, session_of
 from execserver.spawn import Spawner
 
@@ -74,15 +75,10 @@ def build_dispatcher(
     reactor gets the pool and a fake clock runs fs work inline.
     """
 
+    retained = RetainedTally()
+
     def new_session(conn: Connection) -> Session:
-        return Session(
-            config,
-            clock,
-            spawner,
-            conn.send,
-            stats=dispatcher.stats,
-            retained_total=lambda: retained_output_bytes(dispatcher),
-        )
+        return Session(config, clock, spawner, conn.send, stats=dispatcher.stats, retained=retained)
 
     dispatcher = Dispatcher(config, clock, new_session, dialect=CURRENT_DIALECT)
     dispatcher.add_route(p.INITIALIZE, p.InitializeParams, handshake.initialize, family=None)
@@ -139,15 +135,6 @@ def process_sessions(dispatcher: Dispatcher) -> Iterator[Session]:
             yield session
 
 
-def retained_output_bytes(dispatcher: Dispatcher) -> int:
-    """Output retained over all sessions' processes (``--max-total-retained-bytes``)."""
-    return sum(
-        proc.output.retained_bytes
-        for session in process_sessions(dispatcher)
-        for proc in session.processes.values()
-    )
-
-
 def file_system(dispatcher: Dispatcher) -> filesystem.FileSystem:
     """The fs/* handlers' state (pool, reply budget) of ``dispatcher``."""
     return dispatcher.part(filesystem.FileSystem)
@@ -160,5 +147,4 @@ __all__ = [
     "build_dispatcher",
     "file_system",
     "process_sessions",
-    "retained_output_bytes",
 ]

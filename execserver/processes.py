@@ -91,6 +91,21 @@ class ChildProcess(Protocol):
     def resume_reading(self) -> None: ...
 
 
+class RetainedTally:
+    """Output bytes retained by the processes of every session of a server.
+
+    Kept up to date where output is retained and released (each process adds
+    what it retains and takes it back when acknowledged output is dropped or
+    the process is forgotten), so ``--max-total-retained-bytes`` is checked
+    without summing every process of every session on each ``process/start``.
+    """
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
 #: After the SIGKILL, how long a tree may take to disappear before the
 #: process counts as finished anyway (a member stuck in uninterruptible
 #: sleep cannot die sooner; waiting for it would hold shutdown forever).
@@ -155,6 +170,7 @@ class ManagedProcess(ProcessProtocol):
         argv: tuple[str, ...] = (),
         kill: Callable[[int, int], bool] = kill_group,
         is_group_alive: Callable[[int], bool] = group_alive,
+        tally: RetainedTally | None = None,
     ) -> None:
         self.process_id = process_id
         self.tty = tty
@@ -202,6 +218,7 @@ class ManagedProcess(ProcessProtocol):
         self._reading_paused = False
         self._last_output = 0.0
         self._child: ChildTransport | None = None
+        self._tally = tally
 
     # --- ProcessProtocol ------------------------------------------------------
 
@@ -263,6 +280,20 @@ class ManagedProcess(ProcessProtocol):
             self._child.resumeProducing()
             self.set_reading_paused(False)
 
+    def acknowledge(self, seq: int) -> None:
+        """The client has every seq up to ``seq`` (protected output may be dropped)."""
+        output = self.output
+        before = output.retained_bytes
+        output.acknowledge(seq)
+        if self._tally is not None:
+            self._tally.bytes += output.retained_bytes - before
+
+    def leave_tally(self) -> None:
+        """Its session forgot it: its output no longer counts (idempotent)."""
+        if self._tally is not None:
+            self._tally.bytes -= self.output.retained_bytes
+            self._tally = None
+
     @property
     def tree(self) -> ProcessTree:
         assert self._tree is not None, "not started"
@@ -270,7 +301,14 @@ class ManagedProcess(ProcessProtocol):
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         stream: OutputStream = "pty" if self.tty else ("stderr" if childFD == 2 else "stdout")
-        seq = self.output.append(stream, data)
+        output = self.output
+        tally = self._tally
+        if tally is None:
+            seq = output.append(stream, data)
+        else:
+            before = output.retained_bytes
+            seq = output.append(stream, data)
+            tally.bytes += output.retained_bytes - before
         if self._idle_timer is not None:
             # Only note the time: the idle timer re-arms itself when it fires
             # early, so a chatty process costs no timer churn per chunk.

@@ -34,7 +34,7 @@ from execserver.config import ServerConfig
 from execserver.environment import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
-from execserver.processes import ManagedProcess
+from execserver.processes import ManagedProcess, RetainedTally
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.waiters import cancel_call
 
@@ -108,12 +108,12 @@ class Session:
         session_id: str | None = None,
         stats: Stats | None = None,
         process_limit: Callable[[], int] = fdlimit.process_limit,
-        retained_total: Callable[[], int] | None = None,
+        retained: RetainedTally | None = None,
     ) -> None:
         self.config = config
         #: Output retained by every session of the server (for
         #: ``--max-total-retained-bytes``), or None where unbounded.
-        self._retained_total = retained_total
+        self._retained = retained
         self.session_id = session_id or secrets.token_urlsafe(24)
         self._clock = clock
         self._spawner = spawner
@@ -212,8 +212,8 @@ class Session:
                     f"({fdlimit.soft_limit()} descriptors) is {limit}"
                 )
         cap = self.config.max_total_retained_bytes
-        if cap and self._retained_total is not None:
-            retained = self._retained_total()
+        if cap and self._retained is not None:
+            retained = self._retained.bytes
             if retained >= cap:
                 if self.stats is not None:
                     self.stats.refused["retained_output"] += 1
@@ -264,6 +264,7 @@ class Session:
             self,
             self._clock,
             argv=spec.argv,
+            tally=self._retained,
         )
         if self.on_detached_full == "pause":
             proc.output.protect()
@@ -282,6 +283,7 @@ class Session:
             self._release_fds(proc)
             if self.processes.get(process_id) is proc:
                 del self.processes[process_id]
+            proc.leave_tally()
             code = getattr(exc, "errno", None)
             if isinstance(exc, OSError | SpawnError) and code in (errno.EMFILE, errno.ENFILE):
                 raise RpcError.invalid_request(
@@ -339,7 +341,7 @@ class Session:
         proc = self.lookup(params.process_id)
         if proc.output.protected and params.after_seq:
             # afterSeq acknowledges everything up to it ("pause" sessions).
-            proc.output.acknowledge(params.after_seq)
+            proc.acknowledge(params.after_seq)
             self._refill(proc)
         response = self._read_now(proc, params)
         wait_ms = params.wait_ms or 0
@@ -591,6 +593,7 @@ class Session:
         self._expiry.pop(proc.process_id, None)
         if self.processes.get(proc.process_id) is proc:
             del self.processes[proc.process_id]
+            proc.leave_tally()
 
     def _evict_retired_beyond_limit(self) -> None:
         # Closed processes waiting out their retention are capped at
@@ -599,7 +602,9 @@ class Session:
         excess = len(self._expiry) - self.config.max_processes
         for process_id in list(self._expiry)[: max(0, excess)]:
             cancel_call(self._expiry.pop(process_id))
-            self.processes.pop(process_id, None)
+            proc = self.processes.pop(process_id, None)
+            if proc is not None:
+                proc.leave_tally()
 
     # --- flow control (IPushProducer) -------------------------------------------
 
@@ -688,9 +693,16 @@ class Session:
             cancel_call(timer)
         self._expiry.clear()
         if not waits:
+            self._leave_tally()
             return succeed(None)
-        done: Deferred[None] = DeferredList(waits).addCallback(lambda _: None)
+        done: Deferred[None] = DeferredList(waits).addCallback(lambda _: self._leave_tally())
         return done
+
+    def _leave_tally(self) -> None:
+        # An ended session's output no longer counts against the server's
+        # cap, even where its connection keeps it until release().
+        for proc in self.processes.values():
+            proc.leave_tally()
 
     def release(self) -> None:
         """After shutdown: drop the processes and the sender.
@@ -699,6 +711,7 @@ class Session:
         connection; without this the whole session (retained output
         included) would wait for a full garbage collection.
         """
+        self._leave_tally()
         self.processes.clear()
         self._held.clear()
         self._escalating.clear()

@@ -352,6 +352,24 @@ def test_exited_ids_stay_reserved_for_exit_retention_then_become_free() -> None:
     assert h.result("process/start", exec_params("proc-1")) == {"processId": "proc-1"}
 
 
+def test_total_retained_output_counts_until_the_output_is_released() -> None:
+    # Retained bytes count against --max-total-retained-bytes from the output
+    # that arrives until the process is forgotten (the count is kept as output
+    # comes and goes, not summed per start).
+    h = ready(ServerConfig(exit_retention_ms=500, max_total_retained_bytes=2 * (1000 + 96)))
+    h.start("a")
+    h.process("a").output(b"x" * 1000)
+    h.start("b")
+    h.process("b").output(b"y" * 1000)
+    refused = h.error("process/start", exec_params("c"))["message"]
+    assert refused.startswith("the server retains 2192 bytes of output, the limit set by ")
+    h.process("a").exit(0)
+    h.clock.advance(0.5)
+    assert h.result("process/start", exec_params("c")) == {"processId": "c"}
+    h.process("c").output(b"z" * 1000)
+    assert h.error("process/start", exec_params("d"))["message"] == refused
+
+
 def test_terminate_keeps_process_ids_reserved_until_retention_expires() -> None:
     h = ready(ServerConfig(exit_retention_ms=100))
     h.start("proc-1")
