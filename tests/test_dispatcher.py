@@ -146,6 +146,23 @@ def test_unknown_methods_are_invalid_requests(handshake: bool) -> None:
     assert not h.outbound.closed
 
 
+@pytest.mark.parametrize(
+    ("method", "announces"),
+    [("fs/noSuchMethod", True), ("process/start", True), ("process/read", False)],
+)
+def test_a_file_uri_announces_the_current_dialect_only_for_the_methods_that_take_paths(
+    method: str, announces: bool
+) -> None:
+    # Routed or not: the route table records what the dialect says once,
+    # an unknown method asks the dialect itself.
+    h = Harness()
+    h.handshake()
+    h.call(method, {"processId": "p", "path": "file:///tmp"})
+    assert h.conn.current is announces
+    unknown = h.error("no/suchMethod", {})
+    assert unknown["code"] == (-32601 if announces else -32600)
+
+
 def test_malformed_params_are_invalid_params_before_any_handshake_check() -> None:
     h = Harness()
     error = h.error("process/start", {"processId": "proc-1"})
