@@ -556,15 +556,16 @@ class ExecServerClient(ClientApi, FileTransfers):
         quarter of it keeps the child running.
         """
         result = self.initialize_result
-        if result is None or result.on_detached_full != "pause" or handle.last_seq == 0:
+        if (
+            result is None
+            or result.on_detached_full != "pause"
+            or handle.last_seq == 0
+            or self._rpc.is_closed
+        ):
             return
-        cap = result.retained_output_bytes or 0
-        handle.unacked_bytes += size + 96
-        if (handle.unacked_bytes * 4 < cap and not now) or self._rpc.is_closed:
-            return
-        handle.unacked_bytes = 0
-        d = self.read(handle.process_id, after_seq=handle.last_seq, max_bytes=1, wait_ms=0)
-        d.addCallbacks(handle.catch_up, lambda f: None)
+        if handle.ack_due(size, result.retained_output_bytes or 0, now=now):
+            d = self.read(handle.process_id, after_seq=handle.last_seq, max_bytes=1, wait_ms=0)
+            d.addCallbacks(handle.catch_up, lambda f: None)
 
     def _emit(self, event: ClientEvent) -> None:
         for listener in list(self._listeners):
