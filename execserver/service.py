@@ -506,6 +506,16 @@ class ExecServerService(MultiService):
             # A ContainmentError (--process-containment cgroup on a host
             # without a writable cgroup v2) stops the start.
             self.containment.start()
+        try:
+            self._start_rest()
+        except BaseException:
+            # A spawn path or listener that fails must not leave the cgroups
+            # behind (stopService is never called for a failed start).
+            if self.containment is not None:
+                self.containment.stop()
+            raise
+
+    def _start_rest(self) -> None:
         if writebuffer.PROBLEM is not None:
             log.warn(
                 "flow control: Twisted's write buffer changed ({problem}); unsent bytes "

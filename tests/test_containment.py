@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import shlex
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +27,14 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.containment import find_cgroup2_mount, own_cgroup
-from tests.harness import DEFAULT_TIMEOUT, ServerProcess, child_env, console_script, reactor
+from tests.harness import (
+    DEFAULT_TIMEOUT,
+    ServerProcess,
+    child_env,
+    console_script,
+    reactor,
+    run_script,
+)
 from tests.raw_server import RawServer
 from tests.ws_harness import WsServerProcess, connect
 
@@ -362,6 +371,28 @@ async def test_a_restarted_server_kills_what_a_crashed_one_left_in_its_cgroups()
             assert not os.path.exists(os.path.join(own_cgroup_dir(), name))
     finally:
         await server.stop()
+
+
+@needs_cgroup
+def test_a_server_that_cannot_listen_removes_its_cgroup() -> None:
+    # Containment starts before the listeners: a listener that fails must not
+    # leave the server's cgroup behind (until some later server cleans up).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_script(
+            "exec-server",
+            *server_args("cgroup"),
+            "--listen",
+            f"ws://127.0.0.1:{port}",
+            text=True,
+        )
+    assert done.returncode == 1, done.stderr
+    assert "exec-server: cannot start:" in done.stderr
+    parent = re.search(r"process containment: cgroup \((/[^)]+)\)", done.stderr)
+    assert parent is not None, done.stderr
+    assert not os.path.exists(parent.group(1))
 
 
 def own_cgroup_dir() -> str:
