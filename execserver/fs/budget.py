@@ -102,22 +102,31 @@ class ReplyBudget:
         return wait.deferred
 
     def _serve(self) -> None:
+        # One pass, keeping what still waits in a new queue: removing each
+        # granted wait from the middle of the deque made a long queue quadratic.
         granted: list[tuple[_BudgetWait, Charge]] = []
         held: set[int] = set()
-        for wait in list(self._waits):
+        waits = self._waits
+        kept: deque[_BudgetWait] = deque()
+        while waits:
+            wait = waits.popleft()
             if id(wait.owner) in held:
+                kept.append(wait)
                 continue
             owned = self.owned(wait.owner) + wait.size
             if owned > self.connection_limit:
                 held.add(id(wait.owner))
+                kept.append(wait)
                 continue
             if self.used + wait.size > self.limit:
+                kept.append(wait)
+                kept.extend(waits)
                 break
-            self._waits.remove(wait)
             self._stop_timer(wait)
             self.used += wait.size
             self._owned[wait.owner] = owned
             granted.append((wait, Charge(self, wait.owner, wait.size)))
+        self._waits = kept
         # Fired after the scan: callbacks may release or reserve again.
         for wait, charge in granted:
             wait.deferred.callback(charge)
