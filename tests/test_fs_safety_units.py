@@ -230,6 +230,21 @@ def test_budget_waits_time_out_and_are_cancelled_with_their_connection() -> None
     assert budget.used == 0
 
 
+def test_a_closed_connection_gets_none_of_its_waits_granted() -> None:
+    # Dropping the first wait of a closed connection must not let its next
+    # one fit in the room that made and be granted before it is dropped too.
+    budget = _budget(Clock())
+    held = _granted(budget.reserve("a", 40))
+    large = budget.reserve("a", 30)  # 70 > 60 for connection a: waits
+    small = budget.reserve("a", 10)  # behind it: waits
+    budget.cancel_owner("a")
+    assert _error_of(large).data == {"kind": "cancelled"}
+    assert _error_of(small).data == {"kind": "cancelled"}
+    assert (budget.used, budget.owned("a"), budget.waiting) == (40, 40, 0)
+    held.release()
+    assert budget.used == 0
+
+
 # --- the dispatcher's accounting ---------------------------------------------------------
 
 

@@ -175,8 +175,15 @@ class ReplyBudget:
 
     def cancel_owner(self, owner: object) -> None:
         """Drop the waiting reservations of ``owner`` (its connection closed)."""
-        for wait in [wait for wait in self._waits if wait.owner is owner]:
-            wait.deferred.cancel()
+        dropped = [wait for wait in self._waits if wait.owner is owner]
+        if not dropped:
+            return
+        # Taken off the queue together, then served once (not once per wait).
+        self._waits = deque(wait for wait in self._waits if wait.owner is not owner)
+        for wait in dropped:
+            self._stop_timer(wait)
+            wait.deferred.errback(closed_error())
+        self._serve()
 
 
 __all__ = ["Charge", "Charged", "ReplyBudget"]
