@@ -27,6 +27,7 @@ from execserver.client import (
     InitializeTimeout,
     NotConnected,
 )
+from execserver.client.channels.websocket import READ_BYTES, ChannelFactory, WebSocketChannel
 from execserver.client.reconnect import ReconnectingClient
 from execserver.session import session_of
 from tests.harness import REPO_ROOT, reactor, refused_port
@@ -370,5 +371,30 @@ async def test_dropping_a_websocket_client_ends_its_session() -> None:
         gc.collect()
         await wait(managed.when_closed(), "the dropped client's process to be terminated")
         await eventually(lambda: not server.protocols, "the server to see the disconnect")
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_client_reads_its_socket_up_to_one_mib_per_wakeup() -> None:
+    """Twisted's 64 KiB reads cut each output notification into five-plus
+    wakeups; the client's one connection reads up to READ_BYTES at once."""
+    server = LocalWsServer().start()
+    try:
+        channel_of: list[WebSocketChannel] = []
+        real = ChannelFactory.buildProtocol
+
+        def keep(self: ChannelFactory, addr: Any) -> WebSocketChannel:
+            channel = real(self, addr)
+            channel_of.append(channel)
+            return channel
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ChannelFactory, "buildProtocol", keep)
+            client = await _connect(server.url)
+        (channel,) = channel_of
+        transport: Any = channel.transport
+        assert transport.bufferSize == READ_BYTES == 1024 * 1024
+        await wait(client.close(), "close")
     finally:
         await server.stop()
