@@ -30,6 +30,7 @@ from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.fs.b64 import B64_SLICE
+from execserver.fs.ops import read_file
 from tests.fakes import Harness
 from tests.harness import with_timeout
 
@@ -189,11 +190,12 @@ def test_write_then_read(tmp: Path) -> None:
     assert h.result("fs/readFile", {"path": str(target)}) == {"dataBase64": b64(b"hello")}
 
 
-def test_read_response_is_what_msgspec_would_render() -> None:
+def test_read_response_is_what_msgspec_would_render(tmp: Path) -> None:
     for size in (0, 1, 2, 3, 4, B64_SLICE - 1, B64_SLICE + 1):
         data = os.urandom(size)
         expected = msgspec.json.encode(p.FsReadFileResponse(data))
-        assert bytes(fs.encode_read_response(data)) == expected
+        (tmp / "f").write_bytes(data)
+        assert b"".join(read_file(str(tmp / "f"), size).parts) == expected
 
 
 def test_read_limit_and_non_regular_files(tmp: Path) -> None:

@@ -18,7 +18,6 @@ what it needs of one), so the dispatcher imports it without a cycle.
 from execserver.fs.b64 import (
     B64_SLICE,
     decode_base64_field,
-    encode_read_response,
     rust_base64_error,
 )
 from execserver.fs.budget import Charge, Charged, ReplyBudget
@@ -70,7 +69,6 @@ __all__ = [
     "create_directory",
     "created_at_ms",
     "decode_base64_field",
-    "encode_read_response",
     "encoded_result_size",
     "get_metadata",
     "inline_runner",

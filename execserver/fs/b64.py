@@ -29,31 +29,6 @@ B64_SLICE: Final = 3 * 256 * 1024
 # --- base64 -------------------------------------------------------------------
 
 
-_slice_encoder: Final = msgspec.json.Encoder()
-
-
-def encode_read_response(data: bytes) -> msgspec.Raw:
-    """``{"dataBase64": "..."}`` rendered in slices, ready to embed in a response.
-
-    Produces exactly what ``msgspec.json.encode(FsReadFileResponse(data))``
-    would (msgspec's base64 is about twice as fast as binascii's), without
-    holding the GIL for the whole payload.
-    """
-    prefix = b'{"dataBase64":"'
-    suffix = b'"}'
-    size = len(data)
-    out = bytearray(len(prefix) + 4 * ((size + 2) // 3) + len(suffix))
-    out[: len(prefix)] = prefix
-    pos = len(prefix)
-    view = memoryview(data)
-    for start in range(0, size, B64_SLICE):
-        piece = memoryview(_slice_encoder.encode(view[start : start + B64_SLICE]))[1:-1]
-        out[pos : pos + len(piece)] = piece
-        pos += len(piece)
-    out[pos:] = suffix
-    return msgspec.Raw(out)
-
-
 _ALPHABET: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
 _PAD: Final = ord("=")
 
