@@ -87,11 +87,13 @@ def build_dispatcher(
         ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
     )
     watches = WatchHub(clock)
-    dispatcher.provide(watches)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
         dispatcher.add_route(
-            FS_WATCH_MISSING, p.FsWatchMissingParams, _watch_missing, family="filesystem"
+            FS_WATCH_MISSING,
+            p.FsWatchMissingParams,
+            lambda c, a: _watch_missing(watches, c, a),
+            family="filesystem",
         )
     _add_process_routes(dispatcher)
     fs = filesystem.register(dispatcher, fs_runner)
@@ -119,11 +121,12 @@ def _add_process_routes(dispatcher: Dispatcher) -> None:
     )
 
 
-def _watch_missing(conn: Connection, params: p.FsWatchMissingParams) -> p.FsWatchMissingResponse:
+def _watch_missing(
+    watches: WatchHub, conn: Connection, params: p.FsWatchMissingParams
+) -> p.FsWatchMissingResponse:
     missing = [absolute_path(path, "missing") for path in params.missing]
     present = [absolute_path(path, "present") for path in params.present or ()]
     note = p.Notification(FS_MISSING_CHANGED, p.FsMissingChangedNotification(params.watch_id))
-    watches = conn.dispatcher.part(WatchHub)
     watches.add(conn, params.watch_id, missing, present, lambda: conn.send(note))
     return p.FsWatchMissingResponse(watching=True)
 
