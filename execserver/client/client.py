@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import attrs
 import msgspec
 from pybase64 import b64decode
-from twisted.internet import defer
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -611,10 +610,7 @@ class ExecServerClient(ClientApi, FileTransfers):
         ending = DeferredList(
             [Deferred.fromCoroutine(self._end(h)) for h in running], consumeErrors=True
         )
-        ending.addTimeout(CLOSE_WAIT_SECONDS, self._clock)
-        try:
-            await ending
-        except defer.TimeoutError:
+        if not await connect.wait_at_most(ending, CLOSE_WAIT_SECONDS, self._clock):
             log.warn(
                 "closing: processes still running after {seconds} s", seconds=CLOSE_WAIT_SECONDS
             )
