@@ -26,7 +26,9 @@ class Waiters(Generic[T]):
     __slots__ = ("_pending",)
 
     def __init__(self) -> None:
-        self._pending: list[Deferred[T]] = []
+        # A dict (in order of waiting) so a forgotten waiter leaves in O(1):
+        # a process's silent long polls time out, each forgetting its own.
+        self._pending: dict[Deferred[T], None] = {}
 
     @property
     def waiting(self) -> int:
@@ -35,22 +37,21 @@ class Waiters(Generic[T]):
 
     def wait(self) -> Deferred[T]:
         d: Deferred[T] = Deferred(self.forget)
-        self._pending.append(d)
+        self._pending[d] = None
         return d
 
     def forget(self, d: Deferred[T]) -> None:
-        if d in self._pending:
-            self._pending.remove(d)
+        self._pending.pop(d, None)
 
     def fire(self, result: T) -> None:
         if self._pending:
-            pending, self._pending = self._pending, []
+            pending, self._pending = self._pending, {}
             for d in pending:
                 if not d.called:
                     d.callback(result)
 
     def fail(self, error: BaseException) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, {}
         for d in pending:
             if not d.called:
                 d.errback(error)
