@@ -7,6 +7,7 @@ events in the real order; signals go to a recording fake (tests/fakes.py).
 from __future__ import annotations
 
 import base64
+import json
 import signal
 from typing import Any
 
@@ -19,6 +20,7 @@ from execserver.spawn import ProcessSpec, SpawnError
 from tests.fakes import (
     FAKE_PID_BASE,
     FakeKill,
+    FakeOutbound,
     FakeProcessTransport,
     FakeSpawner,
     Harness,
@@ -368,6 +370,26 @@ def test_total_retained_output_counts_until_the_output_is_released() -> None:
     assert h.result("process/start", exec_params("c")) == {"processId": "c"}
     h.process("c").output(b"z" * 1000)
     assert h.error("process/start", exec_params("d"))["message"] == refused
+
+
+def test_output_of_an_ended_session_no_longer_counts_against_the_server() -> None:
+    h = ready(ServerConfig(max_total_retained_bytes=1000 + 96))
+    other = h.dispatcher.connect(FakeOutbound(), "other")
+    for message in (
+        {"id": 1, "method": "initialize", "params": {"clientName": "other"}},
+        {"method": "initialized", "params": {}},
+        {"id": 2, "method": "process/start", "params": exec_params("theirs")},
+    ):
+        other.message_received(json.dumps(message).encode())
+    h.spawner.by_id("theirs").output(b"x" * 1000)
+    assert h.error("process/start", exec_params("mine"))["message"].startswith(
+        "the server retains 1096 bytes of output"
+    )
+    other.transport_closed()
+    done = other.shutdown()
+    h.spawner.by_id("theirs").exit(signal=signal.SIGTERM)
+    assert done.called
+    assert h.result("process/start", exec_params("mine")) == {"processId": "mine"}
 
 
 def test_terminate_keeps_process_ids_reserved_until_retention_expires() -> None:
