@@ -256,7 +256,6 @@ def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
         if runs_threads(clock):
             pool = thread_pool_runner(
                 clock,
-                clock=dispatcher.clock,
                 wait_timeout=config.fs_wait_timeout_ms / 1000.0,
                 stall_after=config.fs_stall_ms / 1000.0,
                 per_owner=config.max_fs_ops_per_session,
