@@ -29,8 +29,13 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from twisted.internet import task
 from twisted.internet.defer import Deferred
+from twisted.internet.stdio import StandardIO
 
+from execserver.app import build_dispatcher
+from execserver.config import ServerConfig
+from execserver.transports.stdio import LineProtocol
 from tests.bounds import STALL_RSS_GROWTH
+from tests.fakes import FakeSpawner
 from tests.harness import (
     REPO_ROOT,
     ServerProcess,
@@ -558,3 +563,38 @@ def test_sigterm_with_a_stalled_client_still_exits_and_kills_everything() -> Non
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# --- the write path ---------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_answers_to_one_read_reach_an_idle_pipe_before_the_reactor_turns() -> None:
+    # A LineProtocol on real pipes, driven by hand: the answers gathered while
+    # one read is handled are written as that read ends, not on a later
+    # writable event (the reactor does not run between feeding and reading).
+    dispatcher = build_dispatcher(ServerConfig(), task.Clock(), FakeSpawner())
+    proto = LineProtocol(dispatcher)
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    os.set_blocking(stdout_r, False)
+    StandardIO(proto, stdin=stdin_r, stdout=stdout_w, reactor=reactor)  # type: ignore[call-arg]
+    try:
+        proto.dataReceived(
+            b'{"id":1,"method":"initialize","params":{"clientName":"t"}}\n'
+            b'{"id":2,"method":"no/such"}\n'
+        )
+        try:
+            written = os.read(stdout_r, 65536)
+        except BlockingIOError:
+            written = b""
+        answers = [json.loads(line) for line in written.splitlines()]
+        assert [answer["id"] for answer in answers] == [1, 2]
+        assert answers[1]["error"] == {"code": -32600, "message": "unknown method: no/such"}
+    finally:
+        # End of input: the connection closes as the server's stdio does.
+        os.close(stdin_w)
+        await with_timeout(proto.when_closed(), 10, "the line protocol to close")
+        for fd in (stdin_r, stdout_r, stdout_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -31,7 +31,8 @@ log = Logger()
 FLUSH_SLACK_SECONDS: Final = 2.0
 
 #: Messages at least this large are written straight to an idle pipe (see
-#: ``LineProtocol.write_message``); smaller ones always go through the queue.
+#: ``LineProtocol.write_message``); smaller ones are gathered per read (and
+#: the gathering written straight to an idle pipe too) or go through the queue.
 DIRECT_WRITE_BYTES: Final = 16 * 1024
 
 
@@ -78,7 +79,7 @@ class LineProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         # Small messages sent while this read is handled (typically the
         # answers to the requests in it) are gathered and written at once:
-        # one transport write instead of one per message.
+        # one write instead of one per message.
         self._batch = []
         try:
             self._deliver(self._framer.feed(data))
@@ -90,7 +91,20 @@ class LineProtocol(Protocol):
         batch = self._batch
         if batch:
             self._batch = []
-            self._write(b"".join(batch))
+            data = b"".join(batch)
+            if self._pipe_idle():
+                # Straight to the pipe, as large messages go: through the
+                # transport it would wait for the reactor's next turn (a
+                # writable event, and the pipe registered and unregistered
+                # for it). Only what the pipe does not take is queued.
+                try:
+                    written = os.write(self._pipe_writer.fileno(), data)
+                except OSError:
+                    written = 0  # BlockingIOError, or an error the transport reports
+                if written == len(data):
+                    return
+                data = data[written:]
+            self._write(data)
 
     def _write(self, data: bytes) -> None:
         if self._outbox is not None:
@@ -148,11 +162,13 @@ class LineProtocol(Protocol):
             )
 
     def _pipe_idle(self) -> bool:
+        """Nothing is queued for the pipe (here or in Twisted): a write now keeps order."""
         writer = self._pipe_writer
         return bool(
             writer is not None
             and writer.connected
             and not writer.disconnecting
+            and not (self._outbox is not None and self._outbox.busy)
             and unsent_bytes(writer) == 0
         )
 
