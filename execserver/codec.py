@@ -346,18 +346,27 @@ def decode_message(data: bytes | bytearray | memoryview | str) -> Incoming:
     )
 
 
-#: One typed decoder per params type: ``msgspec.json.decode(type=...)`` looks
-#: the type's decoding plan up again on every call.
-_params_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+#: One typed decoder per type: ``msgspec.json.decode(type=...)`` looks the
+#: type's decoding plan up again on every call.
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def decode_as(raw: msgspec.Raw | bytes | None, value_type: type[T]) -> T:
+    """Decode ``raw`` (``null`` if None) into ``value_type`` with its cached decoder.
+
+    msgspec's errors propagate unchanged.
+    """
+    decoder = _decoders.get(value_type)
+    if decoder is None:
+        decoder = _decoders[value_type] = msgspec.json.Decoder(value_type)
+    value: T = decoder.decode(raw if raw is not None else b"null")
+    return value
 
 
 def decode_params(raw: msgspec.Raw | None, params_type: type[T]) -> T:
     """Decode request params; a mismatch is ``-32602`` naming the field."""
-    decoder = _params_decoders.get(params_type)
-    if decoder is None:
-        decoder = _params_decoders[params_type] = msgspec.json.Decoder(params_type)
     try:
-        return decoder.decode(raw if raw is not None else b"null")  # type: ignore[no-any-return]
+        return decode_as(raw, params_type)
     except msgspec.DecodeError as exc:
         raise RpcError.invalid_params(str(exc)) from None
     except (UnicodeDecodeError, RecursionError) as exc:
