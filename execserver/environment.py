@@ -94,7 +94,9 @@ def _shell() -> p.ShellInfo:
 
 
 def environment_info() -> p.EnvironmentInfo:
-    home = os.path.expanduser("~")
+    # The home environmentConfig/read reports too: $HOME, else the password
+    # database's (an empty $HOME is not a home).
+    home = environment_config.user_home(os.environ) or "/"
     return p.EnvironmentInfo(
         shell=_shell(),
         executor_version=EXECUTOR_VERSION,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pwd
 import socket
 import threading
 import tomllib
@@ -483,3 +484,18 @@ def test_a_fifo_or_an_oversized_config_is_an_error_not_a_hang(tmp_path: Path) ->
         f"Failed to read config file {home}/config.toml: "
         f"file exceeds the {ec.MAX_CONFIG_BYTES}-byte limit"
     )
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_empty_home_is_the_password_database_home_in_both_answers(
+    tmp_path: Path,
+) -> None:
+    # With HOME set but empty, environment/info reported file:/// while
+    # environmentConfig/read reported the password database's home.
+    (tmp_path / "codex-home").mkdir()
+    async with serving(tmp_path, HOME="") as server:
+        info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
+        result = await server.call("environmentConfig/read", _read(str(tmp_path)))
+    home = path_to_uri(pwd.getpwuid(os.getuid()).pw_dir)
+    assert info["userHomeDir"] == home
+    assert result["userHomeDir"] == home
