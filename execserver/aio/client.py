@@ -52,7 +52,7 @@ from execserver.aio.channels import (
 )
 from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
-from execserver.clientcore import transfer
+from execserver.clientcore import defaults, transfer
 from execserver.clientcore.calls import repeatable
 from execserver.clientcore.errors import (
     ConnectFailed,
@@ -81,11 +81,9 @@ log = logging.getLogger("execserver.aio")
 
 #: The session lifetime asked for over WebSocket with ``resume=True``.
 DEFAULT_SESSION_TTL_MS = 60_000
-#: How long ``close()`` waits for the processes it terminated to end.
-CLOSE_WAIT_SECONDS = 10.0
-#: How long a handle stays routable after ``process/exited`` when the server
-#: sends no ``process/closed`` (a baseline server); then it is closed.
-EXITED_LINGER_SECONDS = 30.0
+#: Shared by every client (see :mod:`execserver.clientcore.defaults`).
+CLOSE_WAIT_SECONDS = defaults.CLOSE_WAIT_SECONDS
+EXITED_LINGER_SECONDS = defaults.EXITED_LINGER_SECONDS
 
 
 class _Default(enum.Enum):

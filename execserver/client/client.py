@@ -71,12 +71,9 @@ log = Logger()
 #: ``env`` sent by ``start_process`` when none is given (shared by every client).
 DEFAULT_PATH = defaults.DEFAULT_PATH
 
-#: How long a handle stays routable after ``process/exited`` when the server
-#: never sends ``process/closed`` (a baseline server).
-EXITED_LINGER_SECONDS = 30.0
-#: How long ``close()`` waits for the processes it terminated to exit (as the
-#: asyncio client's ``CLOSE_WAIT_SECONDS``).
-CLOSE_WAIT_SECONDS = 10.0
+#: Shared by every client (see :mod:`execserver.clientcore.defaults`).
+EXITED_LINGER_SECONDS = defaults.EXITED_LINGER_SECONDS
+CLOSE_WAIT_SECONDS = defaults.CLOSE_WAIT_SECONDS
 
 
 @attrs.frozen
