@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
@@ -243,6 +245,79 @@ def test_a_closed_connection_gets_none_of_its_waits_granted() -> None:
     assert (budget.used, budget.owned("a"), budget.waiting) == (40, 40, 0)
     held.release()
     assert budget.used == 0
+
+
+class _QueueModel:
+    """The reply budget's rule, written as plainly as possible: first come,
+    first served, a wait held back by its connection holding back only that
+    connection's later ones, one held back server-wide holding back all."""
+
+    def __init__(self, limit: int, connection_limit: int) -> None:
+        self.limit, self.connection_limit = limit, connection_limit
+        self.used = 0
+        self.owned: dict[str, int] = {}
+        self.queue: list[tuple[int, str, int]] = []
+
+    def serve(self) -> list[int]:
+        granted, held = [], set()
+        for entry in list(self.queue):
+            ident, owner, size = entry
+            if owner in held:
+                continue
+            if self.owned.get(owner, 0) + size > self.connection_limit:
+                held.add(owner)
+                continue
+            if self.used + size > self.limit:
+                break
+            self.queue.remove(entry)
+            self.used += size
+            self.owned[owner] = self.owned.get(owner, 0) + size
+            granted.append(ident)
+        return granted
+
+
+@settings(max_examples=300)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["reserve", "release", "close"]),
+            st.sampled_from("abc"),
+            st.integers(1, 60),
+        ),
+        max_size=80,
+    )
+)
+def test_the_reply_budget_grants_what_the_plain_rule_grants(
+    ops: list[tuple[str, str, int]],
+) -> None:
+    budget = _budget(Clock())
+    model = _QueueModel(budget.limit, budget.connection_limit)
+    events: list[int] = []
+    charges: list[tuple[int, str, fs.Charge]] = []
+    expected: list[int] = []
+
+    def granted(charge: fs.Charge, ident: int, owner: str) -> None:
+        events.append(ident)
+        charges.append((ident, owner, charge))
+
+    for ident, (op, owner, size) in enumerate(ops):
+        if op == "reserve":
+            d = budget.reserve(owner, size)
+            d.addCallbacks(granted, lambda _: None, callbackArgs=(ident, owner))
+            model.queue.append((ident, owner, size))
+            expected += model.serve()
+        elif op == "release" and charges:
+            _, held_by, charge = charges.pop(size % len(charges))
+            model.used -= charge.size
+            model.owned[held_by] -= charge.size
+            charge.release()
+            expected += model.serve()
+        elif op == "close":
+            budget.cancel_owner(owner)
+            model.queue = [entry for entry in model.queue if entry[1] != owner]
+            expected += model.serve()
+        assert events == expected
+        assert (budget.used, budget.waiting) == (model.used, len(model.queue))
 
 
 # --- the dispatcher's accounting ---------------------------------------------------------
