@@ -63,6 +63,11 @@ class ReplyBudget:
         self.used = 0
         self._owned: dict[object, int] = {}
         self._waits: deque[_BudgetWait] = deque()
+        # What the last serving of the queue found (kept until it is served
+        # again): the owners held back by their connection's limit, and
+        # whether a wait is held back by the server-wide one.
+        self._held: set[int] = set()
+        self._stalled = False
 
     @property
     def waiting(self) -> int:
@@ -95,10 +100,23 @@ class ReplyBudget:
                 "replyTooLarge",
             )
         wait = _BudgetWait(owner, size, Deferred(lambda _: self._cancel(wait)))
+        # The queue was served whenever room was made or a wait left, so
+        # nothing in it can be granted now: only the new wait may be, when no
+        # earlier one waits for server-wide room and none of its connection's
+        # waits (no scan of the whole queue per request).
+        if not self._stalled and id(owner) not in self._held:
+            owned = self.owned(owner) + size
+            if owned > self.connection_limit:
+                self._held.add(id(owner))
+            elif self.used + size > self.limit:
+                self._stalled = True
+            else:
+                self.used += size
+                self._owned[owner] = owned
+                wait.deferred.callback(Charge(self, owner, size))
+                return wait.deferred
         self._waits.append(wait)
-        self._serve()
-        if not wait.deferred.called:
-            wait.timer = self._clock.callLater(self.wait_timeout, self._expire, wait)
+        wait.timer = self._clock.callLater(self.wait_timeout, self._expire, wait)
         return wait.deferred
 
     def _serve(self) -> None:
@@ -106,6 +124,7 @@ class ReplyBudget:
         # granted wait from the middle of the deque made a long queue quadratic.
         granted: list[tuple[_BudgetWait, Charge]] = []
         held: set[int] = set()
+        stalled = False
         waits = self._waits
         kept: deque[_BudgetWait] = deque()
         while waits:
@@ -121,12 +140,15 @@ class ReplyBudget:
             if self.used + wait.size > self.limit:
                 kept.append(wait)
                 kept.extend(waits)
+                stalled = True
                 break
             self._stop_timer(wait)
             self.used += wait.size
             self._owned[wait.owner] = owned
             granted.append((wait, Charge(self, wait.owner, wait.size)))
         self._waits = kept
+        self._held = held
+        self._stalled = stalled
         # Fired after the scan: callbacks may release or reserve again.
         for wait, charge in granted:
             wait.deferred.callback(charge)
