@@ -51,12 +51,11 @@ from execserver.client.errors import (
     ConnectionClosed,
     NotConnected,
     OutcomeUnknown,
-    ServerError,
     SessionLost,
 )
 from execserver.client.process import RemoteProcess
 from execserver.clientcore.calls import repeatable
-from execserver.clientcore.resume import ResumeAttempts
+from execserver.clientcore.resume import ResumeAttempts, is_unknown_session
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -354,11 +353,7 @@ class ReconnectingClient(_FollowsSession):
                 closer=lambda: close_channel(channel, self._reactor),
             )
         except BaseException as exc:
-            if (
-                suspended is not None
-                and isinstance(exc, ServerError)
-                and exc.message.startswith("unknown session id")
-            ):
+            if suspended is not None and is_unknown_session(exc):
                 # Expired, or the server restarted: nothing to resume. The
                 # handles fail now; the next attempt starts a new session.
                 self._session_lost(suspended, exc.message)

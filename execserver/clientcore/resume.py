@@ -17,11 +17,24 @@ gives up with the cause it is handed. It gives up
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from execserver.clientcore.errors import AuthRefused, ConnectFailed, ServerError
 
 #: After a drop, how long refused connections are retried before the
 #: session counts as lost.
 REFUSED_GIVE_UP_SECONDS = 2.0
+
+
+#: How the server words its answer to a resume of a session it does not
+#: have (expired, ended, restarted, or another identity's): the reference's
+#: text, followed by the id.
+UNKNOWN_SESSION_PREFIX = "unknown session id"
+
+
+def is_unknown_session(exc: BaseException) -> TypeGuard[ServerError]:
+    """The server answered that the session is unknown: no resume can succeed."""
+    return isinstance(exc, ServerError) and exc.message.startswith(UNKNOWN_SESSION_PREFIX)
 
 
 class ResumeAttempts:
@@ -57,7 +70,7 @@ class ResumeAttempts:
         typed cause its own network layer raises, not by the text).
         """
         if isinstance(exc, ServerError):
-            if exc.message.startswith("unknown session id"):
+            if is_unknown_session(exc):
                 return exc.message
             self.cause = exc.message  # "already attached": the server has not noticed yet
             return None
