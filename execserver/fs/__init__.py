@@ -17,7 +17,6 @@ what it needs of one), so the dispatcher imports it without a cycle.
 
 from execserver.fs.b64 import (
     B64_SLICE,
-    decode_base64_field,
     rust_base64_error,
 )
 from execserver.fs.budget import Charge, Charged, ReplyBudget
@@ -68,7 +67,6 @@ __all__ = [
     "copy",
     "create_directory",
     "created_at_ms",
-    "decode_base64_field",
     "encoded_result_size",
     "get_metadata",
     "inline_runner",

@@ -169,17 +169,6 @@ def validate(raw: msgspec.Raw) -> bytes | None:
     return None
 
 
-def decode_base64_field(raw: msgspec.Raw) -> bytearray:
-    """Decode the JSON string ``raw`` (quotes included) as strict standard base64."""
-    out = bytearray()
-    try:
-        for piece in decoded_pieces(raw):
-            out += piece
-    except NotFast:
-        return bytearray(decode_slow(raw))
-    return out
-
-
 def encode_pieces(data: bytes | bytearray | memoryview) -> list[bytes]:
     """The base64 text of ``data``, one ``bytes`` piece per slice."""
     view = memoryview(data)
