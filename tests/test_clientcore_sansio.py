@@ -8,6 +8,7 @@ what they decide is checked apart from either client's I/O.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -15,7 +16,7 @@ import msgspec
 import pytest
 
 from execserver import protocol as p
-from execserver.clientcore import transfer
+from execserver.clientcore import errors, transfer
 from execserver.clientcore.defaults import DEFAULT_PATH
 from execserver.clientcore.errors import (
     AuthRefused,
@@ -344,6 +345,16 @@ def test_exec_params_defaults_and_ids() -> None:
     given = p.ExecParams(process_id="x", argv=["y"], cwd="/", env={}, tty=False)
     assert exec_params(given, lambda: "unused") is given
     assert next_process_id(1, {"proc-1", "proc-2"}) == ("proc-3", 4)
+
+
+@pytest.mark.parametrize(
+    "package", ["execserver.client", "execserver.client.errors", "execserver.aio"]
+)
+def test_every_client_package_exports_every_error_class(package: str) -> None:
+    module = importlib.import_module(package)
+    for name in errors.__all__:
+        assert name in module.__all__
+        assert getattr(module, name) is getattr(errors, name)
 
 
 # --- ResumeAttempts ---------------------------------------------------------------------

@@ -7,36 +7,7 @@ their historical import path.
 
 from __future__ import annotations
 
-from execserver.clientcore.errors import (
-    AuthRefused,
-    ConnectFailed,
-    ConnectionClosed,
-    ConnectTimeout,
-    ExecServerError,
-    InitializeTimeout,
-    NotConnected,
-    OutcomeUnknown,
-    OutputLagged,
-    ProtocolViolation,
-    RangesNotSupported,
-    ServerError,
-    SessionLost,
-    SpawnFailed,
-)
+from execserver.clientcore import errors as _errors
+from execserver.clientcore.errors import *  # noqa: F403  (the errors' own __all__)
 
-__all__ = [
-    "AuthRefused",
-    "ConnectFailed",
-    "ConnectTimeout",
-    "ConnectionClosed",
-    "ExecServerError",
-    "InitializeTimeout",
-    "NotConnected",
-    "OutcomeUnknown",
-    "OutputLagged",
-    "ProtocolViolation",
-    "RangesNotSupported",
-    "ServerError",
-    "SessionLost",
-    "SpawnFailed",
-]
+__all__ = list(_errors.__all__)
