@@ -32,10 +32,13 @@ from websockets.exceptions import InvalidStatus
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore.defaults import default_server_command
 from execserver.clientcore.errors import (
+    HOST_NOT_FOUND_REASON,
+    REFUSED_REASON,
     AuthRefused,
     ConnectFailed,
     ConnectTimeout,
     SpawnFailed,
+    error_text,
 )
 from execserver.codec import OVERSIZED, LineFramer
 
@@ -331,9 +334,9 @@ def ssl_context(
 
 def _connect_error_text(exc: BaseException) -> str:
     if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is the server running?)"
+        return REFUSED_REASON
     if isinstance(exc, socket.gaierror):
-        return "host name not found"
+        return HOST_NOT_FOUND_REASON
     if isinstance(exc, ssl.SSLCertVerificationError):
         return (
             f"TLS handshake failed: certificate verify failed ({exc.verify_message}): the server's "
@@ -343,8 +346,7 @@ def _connect_error_text(exc: BaseException) -> str:
         return f"TLS handshake failed: {exc.reason or exc}"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
-    text = str(exc).strip()
-    return text or type(exc).__name__
+    return error_text(exc)
 
 
 async def open_websocket(

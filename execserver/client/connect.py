@@ -37,6 +37,7 @@ from execserver.client.channels.websocket import UNIX_SCHEME, ChannelFactory, We
 from execserver.client.errors import ConnectFailed, ConnectionClosed, ConnectTimeout, SpawnFailed
 from execserver.client.rpc import RpcClient
 from execserver.clientcore import defaults
+from execserver.clientcore.errors import HOST_NOT_FOUND_REASON, REFUSED_REASON, error_text
 from execserver.tls import ClientTls, TlsConfigError
 
 log = Logger()
@@ -296,11 +297,10 @@ async def open_channel(
 
 def connect_error_text(exc: BaseException) -> str:
     if isinstance(exc, error.ConnectionRefusedError):
-        return "connection refused (is the server running?)"
+        return REFUSED_REASON
     if isinstance(exc, error.DNSLookupError):
-        return "host name not found"
-    text = str(exc).strip()
-    return text or type(exc).__name__
+        return HOST_NOT_FOUND_REASON
+    return error_text(exc)
 
 
 def close_channel(proto: WebSocketChannel, clock: IReactorTime) -> Deferred[None]:

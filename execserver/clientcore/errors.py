@@ -76,6 +76,18 @@ class InitializeTimeout(ExecServerError):
         self.timeout = timeout
 
 
+#: ``ConnectFailed.reason`` when nothing listens at the address (each client
+#: tells it by its own network layer's typed error).
+REFUSED_REASON = "connection refused (is the server running?)"
+#: ``ConnectFailed.reason`` when the host name does not resolve.
+HOST_NOT_FOUND_REASON = "host name not found"
+
+
+def error_text(exc: BaseException) -> str:
+    """The text of an error that has no reason of its own: its message, else its class."""
+    return str(exc).strip() or type(exc).__name__
+
+
 class ConnectFailed(ExecServerError):
     """The server could not be reached (refused, unresolvable, TLS, HTTP error)."""
 
