@@ -27,6 +27,7 @@ from execserver.clientcore.errors import (
     RangesNotSupported,
     ServerError,
 )
+from execserver.clientcore.framing import STDERR_TAIL_BYTES, LineInput, keep_stderr_tail
 from execserver.clientcore.process import ProcessCore
 from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS, ResumeAttempts
 from execserver.clientcore.rpc import RpcCore
@@ -154,6 +155,39 @@ def test_rpc_core_an_unmatched_error_is_logged_and_keeps_the_connection() -> Non
         "warn test: server error not matched to a request (id None): -32700 Parse error"
     ]
     assert not rpc.is_closed
+
+
+# --- framing ----------------------------------------------------------------------------
+
+
+def test_line_input_frames_lines_and_an_oversized_one_ends_the_connection() -> None:
+    rpc = _Rpc()
+    lines = LineInput(rpc, max_message_bytes=64)
+    _, waiter = rpc.expect("a", p.Empty)
+    lines.feed(b'{"id":1,"res')
+    assert waiter.outcome == []
+    lines.feed(b'ult":{}}\n' + b"x" * 65)
+    assert waiter.outcome == [p.Empty()] and not rpc.is_closed
+    lines.feed(b"\n" + b'{"id":2,"result":{}}\n')
+    assert rpc.closed_reason == "protocol error: message larger than 64 bytes"
+    lines.finish()  # nothing after the close
+    assert rpc.dropped == 1
+
+
+def test_line_input_delivers_a_last_line_without_its_newline_at_the_end() -> None:
+    rpc = _Rpc()
+    lines = LineInput(rpc)
+    _, waiter = rpc.expect("a", p.Empty)
+    lines.feed(b'{"id":1,"result":{}}')
+    assert waiter.outcome == []
+    lines.finish()
+    assert waiter.outcome == [p.Empty()]
+
+
+def test_the_stderr_tail_keeps_the_last_bytes() -> None:
+    tail = keep_stderr_tail(b"", b"a" * STDERR_TAIL_BYTES)
+    tail = keep_stderr_tail(tail, b"end")
+    assert len(tail) == STDERR_TAIL_BYTES and tail.endswith(b"aend")
 
 
 # --- ProcessCore --------------------------------------------------------------------------

@@ -40,11 +40,8 @@ from execserver.clientcore.errors import (
     SpawnFailed,
     error_text,
 )
-from execserver.codec import OVERSIZED, LineFramer
+from execserver.clientcore.framing import MAX_MESSAGE_BYTES, LineInput, keep_stderr_tail
 
-#: Largest message the client accepts from a server (as the Twisted client).
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-STDERR_TAIL_BYTES = 8192
 UNIX_SCHEME = "unix://"
 _PIPE_BYTES = 1024 * 1024
 log = logging.getLogger("execserver.aio")
@@ -64,7 +61,7 @@ class _ServerPipes(asyncio.SubprocessProtocol):
 
     def __init__(self, rpc: AsyncRpc, stderr: Any) -> None:
         self.rpc = rpc
-        self._framer = LineFramer(MAX_MESSAGE_BYTES)
+        self._input = LineInput(rpc)
         self._stderr = stderr
         self.stderr_tail = b""
         self.transport: asyncio.SubprocessTransport | None = None
@@ -78,30 +75,21 @@ class _ServerPipes(asyncio.SubprocessProtocol):
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         if fd == 1:
-            self._deliver(self._framer.feed(data))
+            self._input.feed(data)
             return
         if fd != 2:
             return
-        self.stderr_tail = (self.stderr_tail + data)[-STDERR_TAIL_BYTES:]
+        self.stderr_tail = keep_stderr_tail(self.stderr_tail, data)
         if self._stderr is not None:
             try:
                 self._stderr(data)
             except Exception:
                 log.exception("exec-server stderr callback failed")
 
-    def _deliver(self, items: list[Any]) -> None:
-        for item in items:
-            if self.rpc.is_closed:
-                return
-            if item is OVERSIZED:
-                self.rpc.protocol_error(f"message larger than {MAX_MESSAGE_BYTES} bytes")
-            else:
-                self.rpc.message_received(item)
-
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
         if fd == 1 and self._stdout_open:
             self._stdout_open = False
-            self._deliver(self._framer.finish())
+            self._input.finish()
             self.rpc.connection_lost("exec-server closed its stdout")
 
     # --- the stdout pipe, read by us -----------------------------------------------------

@@ -9,7 +9,9 @@
 - :mod:`~execserver.clientcore.ordering`: seq-ordered, at-most-once delivery
   of a process's events across a resumed session;
 - :mod:`~execserver.clientcore.transfer`: ranged fs shapes for upload/download;
-- :mod:`~execserver.clientcore.resume`: when to stop resuming a dropped session.
+- :mod:`~execserver.clientcore.resume`: when to stop resuming a dropped session;
+- :mod:`~execserver.clientcore.framing`: NDJSON lines in from a local server's
+  stdout (and the message size limit), the tail of its stderr.
 
 The wire types themselves are :mod:`execserver.protocol`, shared with the server.
 """

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from twisted.internet import error
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 
 from execserver.client.rpc import RpcClient
-from execserver.codec import OVERSIZED, LineFramer
+from execserver.clientcore.framing import MAX_MESSAGE_BYTES, LineInput
 
-#: Largest message the client accepts from a server.
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Largest message the client accepts from a server (shared by every client).
+DEFAULT_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 
 
 def _describe(reason: Failure | None) -> str:
@@ -22,30 +20,6 @@ def _describe(reason: Failure | None) -> str:
     if reason.check(error.ConnectionDone):
         return "connection closed by the server"
     return reason.getErrorMessage()
-
-
-class LineInput:
-    """NDJSON input side shared by the stream and process channels."""
-
-    def __init__(self, rpc: RpcClient, max_message_bytes: int) -> None:
-        self.rpc = rpc
-        self._framer = LineFramer(max_message_bytes)
-        self._max = max_message_bytes
-
-    def feed(self, data: bytes) -> None:
-        self._deliver(self._framer.feed(data))
-
-    def finish(self) -> None:
-        self._deliver(self._framer.finish())
-
-    def _deliver(self, items: list[Any]) -> None:
-        for item in items:
-            if self.rpc.is_closed:
-                return
-            if item is OVERSIZED:
-                self.rpc.protocol_error(f"message larger than {self._max} bytes")
-            else:
-                self.rpc.message_received(item)
 
 
 class NdjsonProtocol(Protocol):

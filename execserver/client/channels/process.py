@@ -27,8 +27,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from execserver.client.channels.ndjson import DEFAULT_MAX_MESSAGE_BYTES, LineInput
+from execserver.client.channels.ndjson import DEFAULT_MAX_MESSAGE_BYTES
 from execserver.client.rpc import RpcClient
+from execserver.clientcore.framing import LineInput, keep_stderr_tail
 from execserver.exits import exit_status
 from execserver.spawn.reading import read_into
 from execserver.waiters import Latch
@@ -38,7 +39,6 @@ log = Logger()
 #: The capacity asked for the server's stdout pipe, and the most read per wakeup.
 STDOUT_PIPE_BYTES: Final = 1024 * 1024
 STDOUT_READ_SIZE: Final = STDOUT_PIPE_BYTES
-_STDERR_TAIL_BYTES = 8192
 
 
 class ServerProcessProtocol(ProcessProtocol):
@@ -71,7 +71,7 @@ class ServerProcessProtocol(ProcessProtocol):
         self._input.feed(data)
 
     def errReceived(self, data: bytes) -> None:
-        self.stderr_tail = (self.stderr_tail + data)[-_STDERR_TAIL_BYTES:]
+        self.stderr_tail = keep_stderr_tail(self.stderr_tail, data)
         if self._stderr is not None:
             try:
                 self._stderr(data)
