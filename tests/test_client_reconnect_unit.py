@@ -24,9 +24,16 @@ from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.test import iosim
 from zope.interface import implementer
 
-from execserver.client import ConnectionClosed, ConnectOptions, ExecServerClient, NotConnected
+from execserver.client import (
+    ConnectionClosed,
+    ConnectOptions,
+    ExecServerClient,
+    NotConnected,
+    RemoteProcess,
+    SessionLost,
+)
 from execserver.client.reconnect import ReconnectingClient
-from tests.test_client_support import LocalWsServer, _ServerProtocol
+from tests.test_client_support import LocalWsServer, _ServerProtocol, eventually
 
 
 @implementer(IStreamClientEndpoint)
@@ -206,3 +213,80 @@ async def test_a_failed_handshake_is_retried_not_used() -> None:
     endpoint.flush()
     await stopping
     await server.dispatcher.shutdown()
+
+
+async def _suspended_handle(
+    endpoint: MemoryEndpoint, clock: task.Clock, **kwargs: Any
+) -> tuple[ReconnectingClient, RemoteProcess]:
+    """A client with a resumable session, one live handle, and the connection dropped."""
+    client = _client(endpoint, clock, session_ttl_ms=60_000, **kwargs)
+    client.start()
+    endpoint.flush()
+    starting = client.start_process(["sleep", "30"])
+
+    def started() -> bool:
+        endpoint.flush()
+        return starting.called
+
+    await eventually(started, "the process to start")
+    proc = await starting
+    endpoint.up = False
+    endpoint.drop_all()
+    assert client.client is None and not proc.exited().called
+    return client, proc
+
+
+async def _stop(client: ReconnectingClient, endpoint: MemoryEndpoint, server: Any) -> None:
+    stopping = client.stop()
+    endpoint.flush()
+    await stopping
+    await server.dispatcher.shutdown()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_suspended_session_is_lost_once_connections_are_refused_for_two_seconds() -> None:
+    clock = task.Clock()
+    server = LocalWsServer()
+    endpoint = MemoryEndpoint(server)
+    client, proc = await _suspended_handle(endpoint, clock)
+    try:
+        clock.advance(2.0)  # the first retry: refused
+        assert not proc.exited().called
+        clock.advance(4.0)  # refused again, 4 s after the first refusal
+        assert proc.exited().called and await proc.exited() is None
+        assert isinstance(proc.lost_reason, SessionLost)
+        assert proc.lost_reason.cause == (
+            "the server is gone (connection refused (is the server running?))"
+        )
+        assert client.lost_sessions == [proc.lost_reason]
+        # The client carries on: the server is back, a new session.
+        endpoint.up = True
+        clock.advance(8.0)
+        endpoint.flush()
+        assert client.client is not None
+        assert client.client.session_id != proc.lost_reason.session_id
+    finally:
+        await _stop(client, endpoint, server)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_suspended_session_is_lost_after_its_ttl_when_no_handshake_succeeds() -> None:
+    clock = task.Clock()
+    server = LocalWsServer()
+    endpoint = MemoryEndpoint(server)
+    client, proc = await _suspended_handle(endpoint, clock)
+    ttl = 60.0  # asked for and granted (the server's cap is higher)
+    try:
+        # Connections succeed, but the server never answers initialize.
+        server.silent = True
+        endpoint.up = True
+        # The first failed attempt after the TTL gives up (attempts are at
+        # most max_delay apart, each ends within initialize_timeout).
+        while not proc.exited().called and clock.seconds() < ttl + 8.0 + 5.0:
+            clock.advance(1.0)
+            endpoint.flush()
+        assert proc.exited().called and clock.seconds() >= ttl
+        assert isinstance(proc.lost_reason, SessionLost)
+        assert proc.lost_reason.cause.startswith("no connection within its 60 s TTL (")
+    finally:
+        await _stop(client, endpoint, server)

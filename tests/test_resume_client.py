@@ -74,9 +74,8 @@ def reconnecting(url: str, **kwargs: Any) -> ReconnectingClient:
         max_delay=0.2,
         factor=1.5,
         jitter=lambda: 0,
-        connect_timeout=5.0,
         call_timeout=20.0,
-        **kwargs,
+        **{"connect_timeout": 5.0, **kwargs},
     )
 
 
@@ -245,7 +244,10 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
 async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> None:
     server = await WsServerProcess.start("--max-session-ttl-ms", "200")
     proxy = await CuttingProxy((server.host_port[0], server.host_port[1])).start()
-    client = reconnecting(proxy.url, session_ttl_ms=30_000)
+    # The resume attempt stalled in the proxy outlives the wait for the
+    # expiry below: the server's answer, not the client's own 0.2 s TTL
+    # (which a failed attempt would find passed), ends the session.
+    client = reconnecting(proxy.url, session_ttl_ms=30_000, connect_timeout=30.0)
     client.start()
     try:
         await with_timeout(client.when_connected(), DEFAULT_TIMEOUT, "connection")

@@ -20,8 +20,10 @@ server had to drop output). Calls in flight at the drop are retried after
 the resume when repeating them is harmless (reads, waits, lists, fs reads,
 writes, which carry a ``writeId``); the others fail with
 :class:`OutcomeUnknown`. A session that cannot be resumed (expired, server
-restarted) fails every handle with :class:`SessionLost`, naming the cause,
-and the client continues with a new session. ``session_ttl_ms=0`` gives the
+restarted, connections refused for 2 s, its TTL passed without a resume:
+:class:`~execserver.clientcore.resume.ResumeAttempts`, as ResumingClient)
+fails every handle with :class:`SessionLost`, naming the cause, and the
+client continues with a new session. ``session_ttl_ms=0`` gives the
 old behaviour: a drop ends the session and its handles.
 """
 
@@ -55,7 +57,7 @@ from execserver.client.errors import (
 )
 from execserver.client.process import RemoteProcess
 from execserver.clientcore.calls import repeatable
-from execserver.clientcore.resume import ResumeAttempts, is_unknown_session
+from execserver.clientcore.resume import ResumeAttempts
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -138,9 +140,9 @@ class _GatedEndpoint:
             return gate.outer
 
         def record(failure: Failure) -> Failure:
-            self._owner.last_error = ConnectFailed(
-                self._owner.url, connect_error_text(failure.value or Exception())
-            )
+            exc = ConnectFailed(self._owner.url, connect_error_text(failure.value or Exception()))
+            self._owner.last_error = exc
+            self._owner._resume_failed(exc, refused=failure.check(Refused) is not None)
             return failure
 
         return d.addCallbacks(connected, record)
@@ -244,6 +246,8 @@ class ReconnectingClient(_FollowsSession):
         self._on_detached_full = on_detached_full
         #: The client of the last connection while its session waits to be resumed.
         self._suspended: ExecServerClient | None = None
+        #: When to stop trying to resume it (from the drop on).
+        self._attempts: ResumeAttempts | None = None
         #: Sessions that could not be resumed, with the cause (newest last).
         self.lost_sessions: list[SessionLost] = []
         self._reactor = reactor
@@ -288,6 +292,7 @@ class ReconnectingClient(_FollowsSession):
         client = self.client
         if self._suspended is not None:
             suspended, self._suspended = self._suspended, None
+            self._attempts = None
             suspended.fail_suspended(ConnectionClosed("the reconnecting client was stopped"))
 
         async def run() -> None:
@@ -353,12 +358,13 @@ class ReconnectingClient(_FollowsSession):
                 closer=lambda: close_channel(channel, self._reactor),
             )
         except BaseException as exc:
-            if suspended is not None and is_unknown_session(exc):
-                # Expired, or the server restarted: nothing to resume. The
-                # handles fail now; the next attempt starts a new session.
-                self._session_lost(suspended, exc.message)
             if isinstance(exc, Exception):
                 self.last_error = exc
+                if suspended is not None and suspended is self._suspended:
+                    # The handles fail once the session cannot come back
+                    # (e.g. unknown session id: expired, or the server
+                    # restarted); the next attempt starts a new session.
+                    self._resume_failed(exc, refused=False)
             log.info("connecting to {url} failed: {exc}", url=self.url, exc=exc)
             transport: Any = channel.transport
             if transport is not None and not channel.rpc.is_closed:
@@ -371,6 +377,7 @@ class ReconnectingClient(_FollowsSession):
         channel.rpc.add_lost_listener(lambda reason: self._lost(client, reason))
         if suspended is not None:
             self._suspended = None
+            self._attempts = None
             if client.session_id == suspended.session_id:
                 client.adopt(suspended, self).addErrback(
                     lambda f: log.failure("catching up after a resume failed", f)
@@ -391,11 +398,24 @@ class ReconnectingClient(_FollowsSession):
                 return error
         return SessionLost(session_id, "the connection was replaced by a new session")
 
+    def _resume_failed(self, exc: Exception, *, refused: bool) -> None:
+        """An attempt to resume the suspended session failed: give up when
+        :class:`ResumeAttempts` (shared with ResumingClient and the asyncio
+        client) says so."""
+        suspended, attempts = self._suspended, self._attempts
+        if suspended is None or attempts is None:
+            return
+        now = self._reactor.seconds()
+        cause = attempts.failed(exc, now, refused=refused) or attempts.expired(now)
+        if cause is not None:
+            self._session_lost(suspended, cause)
+
     def _session_lost(self, suspended: ExecServerClient, cause: str) -> None:
         error = SessionLost(suspended.session_id, cause)
         self.lost_sessions.append(error)
         if self._suspended is suspended:
             self._suspended = None
+            self._attempts = None
         log.warn("{error}", error=error)
         suspended.fail_suspended(error)
 
@@ -404,6 +424,9 @@ class ReconnectingClient(_FollowsSession):
             self.client = None
         if client.resumable and not self._stopped:
             self._suspended = client
+            result = client.initialize_result
+            ttl = (result.session_ttl_ms if result is not None else 0) / 1000.0
+            self._attempts = ResumeAttempts(ttl, self._reactor.seconds(), reason)
         for listener in list(self._on_disconnected):
             try:
                 listener(reason)
