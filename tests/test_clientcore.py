@@ -10,6 +10,8 @@
   delivers exactly the model sequence: what arrived before the drop, a
   GapEvent for what the server dropped, the rest in seq order, never twice,
   then the exit and the close in their places.
+- The bounded output queue of both clients (Twisted ``OutputSubscription``,
+  asyncio ``OutputStream``: one ``clientcore.process.OutputQueue``).
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ import json
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.python.failure import Failure
 
 from execserver import protocol as p
+from execserver.aio.process import OutputStream
 from execserver.aio.rpc import AsyncRpc
+from execserver.client.process import OutputSubscription
 from execserver.client.rpc import RpcClient
 from execserver.clientcore.calls import PendingCalls, repeatable
-from execserver.clientcore.errors import ConnectionClosed, ServerError
+from execserver.clientcore.errors import ConnectionClosed, OutputLagged, ServerError
 from execserver.clientcore.ordering import SeqOrdering
 from execserver.clientcore.types import GapEvent, OutputEvent
 from tests.aio_harness import RecordingChannel, RecordingSink
@@ -385,8 +390,6 @@ def test_aio_output_stream_is_bounded_ordered_and_reports_where_to_read_from(
     """Pushes (a size) and pulls (0) in any order: the buffer never exceeds
     ``limit`` (but for a single larger chunk), events come out in order, and
     after a lag the delivered events end exactly at ``OutputLagged.after_seq``."""
-    from execserver.aio.process import OutputStream
-    from execserver.clientcore.errors import OutputLagged
 
     async def scenario() -> None:
         stream = OutputStream("p", limit, lambda _: None)
@@ -416,3 +419,76 @@ def test_aio_output_stream_is_bounded_ordered_and_reports_where_to_read_from(
             assert len(delivered) == seq
 
     asyncio.run(scenario())
+
+
+# --- the bounded output queue (OutputQueue) of both clients ---------------------------------
+
+
+def _drain(kind: str, queue: Any) -> list[object]:
+    """Every outcome a reader gets: the events' seqs, then None (end) or the error."""
+    got: list[object] = []
+    if kind == "twisted":
+        while True:
+            outcome: list[object] = []
+            reading = queue.next()
+            reading.addErrback(lambda failure: failure.value)
+            reading.addBoth(outcome.append)
+            [item] = outcome
+            got.append(item.seq if isinstance(item, OutputEvent) else item)
+            if not isinstance(item, OutputEvent):
+                return got
+
+    async def read() -> None:
+        try:
+            async for event in queue:
+                got.append(event.seq)
+        except Exception as error:
+            got.append(error)
+        else:
+            got.append(None)
+
+    asyncio.run(read())
+    return got
+
+
+def _queue(kind: str, limit: int) -> Any:
+    if kind == "twisted":
+        return OutputSubscription("p", limit, lambda _: None)
+    return OutputStream("p", limit, lambda _: None)
+
+
+@pytest.mark.parametrize("kind", ["twisted", "aio"])
+def test_one_event_larger_than_the_limit_is_queued_when_nothing_else_is(kind: str) -> None:
+    queue = _queue(kind, limit=10)
+    queue.push(OutputEvent("p", "stdout", b"x" * 25, 1))
+    assert queue.buffered_bytes == 25
+    queue.push(OutputEvent("p", "stdout", b"y", 2))  # now it is a lag
+    queue.push(OutputEvent("p", "stdout", b"z", 3))  # ignored after it
+    *seqs, lagged = _drain(kind, queue)
+    assert seqs == [1]
+    assert isinstance(lagged, OutputLagged) and lagged.after_seq == 1
+
+
+@pytest.mark.parametrize("kind", ["twisted", "aio"])
+def test_the_queue_ends_after_its_events_and_cancelling_ends_a_pending_read(kind: str) -> None:
+    queue = _queue(kind, limit=10)
+    queue.push(OutputEvent("p", "stdout", b"a", 1))
+    queue.end()
+    assert _drain(kind, queue) == [1, None]
+    queue = _queue(kind, limit=10)
+    if kind == "twisted":
+        outcome: list[object] = []
+        queue.next().addBoth(outcome.append)
+        assert outcome == []
+        queue.cancel()
+        assert outcome == [None]
+        return
+
+    async def read_then_close() -> None:
+        reading = asyncio.ensure_future(anext(queue))
+        await asyncio.sleep(0)  # the read is waiting
+        queue.close()
+        with pytest.raises(StopAsyncIteration):
+            await reading
+
+    asyncio.run(read_then_close())

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from execserver import protocol as p
-from execserver.clientcore.errors import OutputLagged
-from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, ProcessCore
+from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, Empty, OutputQueue, ProcessCore
 from execserver.clientcore.types import OutputEvent
 
 if TYPE_CHECKING:
@@ -42,50 +40,21 @@ log = logging.getLogger("execserver.aio")
 DEFAULT_OUTPUT_LIMIT = 64 * 1024 * 1024
 
 
-class OutputStream:
+class OutputStream(OutputQueue):
     """A bounded queue of one process's output events; an async iterator.
 
     Ends (``StopAsyncIteration``) once the process's output is closed and
     the queue drained; raises the handle's error (``OutputLagged``,
-    ``SessionLost``) once the events before it are consumed.
+    ``SessionLost``) once the events before it are consumed. The queue and
+    its limit are :class:`~execserver.clientcore.process.OutputQueue`.
     """
 
     def __init__(
         self, process_id: str, limit: int, on_cancel: Callable[[OutputStream], None]
     ) -> None:
-        self.process_id = process_id
-        self._limit = limit
+        super().__init__(process_id, limit)
         self._on_cancel = on_cancel
-        self._queue: deque[OutputEvent] = deque()
-        self._bytes = 0
         self._waiter: asyncio.Future[None] | None = None
-        self._ended = False
-        self._error: Exception | None = None
-        self._last_seq: int | None = None
-
-    @property
-    def buffered_bytes(self) -> int:
-        return self._bytes
-
-    def push(self, event: OutputEvent) -> None:
-        if self._ended or self._error is not None:
-            return
-        if self._bytes + len(event.chunk) > self._limit and self._queue:
-            last = self._queue[-1].seq if self._queue else self._last_seq
-            self.fail(OutputLagged(self.process_id, last, self._limit))
-            return
-        self._queue.append(event)
-        self._bytes += len(event.chunk)
-        self._wake()
-
-    def end(self) -> None:
-        self._ended = True
-        self._wake()
-
-    def fail(self, error: Exception) -> None:
-        if self._error is None:
-            self._error = error
-            self._wake()
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
@@ -94,26 +63,19 @@ class OutputStream:
 
     def close(self) -> None:
         """Stop receiving events (the buffered ones are dropped)."""
-        self._ended = True
-        self._queue.clear()
-        self._bytes = 0
         self._on_cancel(self)
-        self._wake()
+        self._stop()
 
     def __aiter__(self) -> OutputStream:
         return self
 
     async def __anext__(self) -> OutputEvent:
         while True:
-            if self._queue:
-                event = self._queue.popleft()
-                self._bytes -= len(event.chunk)
-                self._last_seq = event.seq
-                return event
-            if self._error is not None:
-                raise self._error
-            if self._ended:
+            event = self.take()
+            if event is None:
                 raise StopAsyncIteration
+            if not isinstance(event, Empty):
+                return event
             if self._waiter is not None:
                 raise RuntimeError("OutputStream is already being iterated")
             self._waiter = asyncio.get_running_loop().create_future()

@@ -22,17 +22,15 @@ Output received before the first listener or subscription is kept (up to
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 
 from execserver import protocol as p
-from execserver.client.errors import OutputLagged
 from execserver.client.types import OutputEvent
-from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, ProcessCore
+from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, Empty, OutputQueue, ProcessCore
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -43,8 +41,12 @@ log = Logger()
 DEFAULT_SUBSCRIPTION_BYTES = 64 * 1024 * 1024
 
 
-class OutputSubscription:
-    """A pull queue of one process's output events, from subscription on."""
+class OutputSubscription(OutputQueue):
+    """A pull queue of one process's output events, from subscription on.
+
+    The queue and its limit are :class:`~execserver.clientcore.process.OutputQueue`
+    (shared with the asyncio client's ``OutputStream``).
+    """
 
     def __init__(
         self,
@@ -52,66 +54,31 @@ class OutputSubscription:
         limit: int,
         on_cancel: Callable[[OutputSubscription], None],
     ) -> None:
-        self.process_id = process_id
-        self._limit = limit
+        super().__init__(process_id, limit)
         self._on_cancel = on_cancel
-        self._queue: deque[OutputEvent] = deque()
-        self._bytes = 0
         self._waiter: Deferred[OutputEvent | None] | None = None
-        self._ended = False
-        self._error: Exception | None = None
-        self._last_seq: int | None = None
 
-    def push(self, event: OutputEvent) -> None:
-        if self._ended or self._error is not None:
+    def _wake(self) -> None:
+        if self._waiter is None:
             return
-        if self._waiter is not None:
-            waiter, self._waiter = self._waiter, None
-            self._last_seq = event.seq
-            waiter.callback(event)
-            return
-        if self._bytes + len(event.chunk) > self._limit:
-            self.fail(OutputLagged(self.process_id, self._last_seq_queued(), self._limit))
-            return
-        self._queue.append(event)
-        self._bytes += len(event.chunk)
-
-    def _last_seq_queued(self) -> int | None:
-        return self._queue[-1].seq if self._queue else self._last_seq
-
-    def end(self) -> None:
-        """No more output: ``next()`` returns None once the queue is drained."""
-        self._ended = True
-        if self._waiter is not None and not self._queue:
-            waiter, self._waiter = self._waiter, None
-            waiter.callback(None)
-
-    def fail(self, error: Exception) -> None:
-        """Stop taking events; ``next()`` raises ``error`` once the queue is drained."""
-        if self._error is not None:
-            return
-        self._error = error
-        if self._waiter is not None and not self._queue:
+        try:
+            event = self.take()
+        except Exception as error:
             waiter, self._waiter = self._waiter, None
             waiter.errback(error)
-
-    @property
-    def buffered_bytes(self) -> int:
-        return self._bytes
+            return
+        if not isinstance(event, Empty):
+            waiter, self._waiter = self._waiter, None
+            waiter.callback(event)
 
     def next(self) -> Deferred[OutputEvent | None]:
         """The next event, or None at the end of the output."""
-        if self._queue:
-            event = self._queue.popleft()
-            self._bytes -= len(event.chunk)
-            self._last_seq = event.seq
+        try:
+            event = self.take()
+        except Exception as error:
+            return fail(error)
+        if not isinstance(event, Empty):
             return succeed(event)
-        if self._error is not None:
-            d: Deferred[OutputEvent | None] = Deferred()
-            d.errback(self._error)
-            return d
-        if self._ended:
-            return succeed(None)
         if self._waiter is not None:
             raise RuntimeError("OutputSubscription.next() called while a call is pending")
 
@@ -122,11 +89,9 @@ class OutputSubscription:
         return self._waiter
 
     def cancel(self) -> None:
-        """Stop receiving events."""
-        self._ended = True
-        self._queue.clear()
-        self._bytes = 0
+        """Stop receiving events (a pending ``next()`` returns None)."""
         self._on_cancel(self)
+        self._stop()
 
     def __aiter__(self) -> OutputSubscription:
         return self

@@ -4,8 +4,8 @@
 ``Process`` share beyond seq ordering
 (:class:`~execserver.clientcore.ordering.SeqOrdering`): the handle's state
 (exit code, signal, timeout, closed, lost), output listeners, the pull
-queues (a Twisted ``OutputSubscription``, an asyncio ``OutputStream``: all
-they need here is ``push``/``end``/``fail``), the backlog kept until the
+queues (:class:`OutputQueue`: a Twisted ``OutputSubscription``, an asyncio
+``OutputStream``; all they need here is ``push``/``end``/``fail``), the backlog kept until the
 first reader (bounded, its overflow reported to that reader as
 :class:`~execserver.clientcore.errors.OutputLagged`), and marking the handle
 exited and closed exactly once. How a waiter is woken (a ``Latch``, an
@@ -15,8 +15,9 @@ exited and closed exactly once. How a waiter is woken (a ``Latch``, an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 from execserver.clientcore.errors import OutputLagged
 from execserver.clientcore.ordering import SeqOrdering
@@ -34,6 +35,84 @@ class EventQueue(Protocol):
     def end(self) -> None: ...
 
     def fail(self, error: Exception) -> None: ...
+
+
+class Empty:
+    """Nothing queued yet (the reader has to wait)."""
+
+
+#: :meth:`OutputQueue.take` when the reader has to wait.
+EMPTY: Final = Empty()
+
+
+class OutputQueue(ABC):
+    """A reader's bounded queue of one process's output events (an :class:`EventQueue`).
+
+    The Twisted ``OutputSubscription`` and the asyncio ``OutputStream`` are
+    this queue with their own way to wait (:meth:`_wake`). It holds up to
+    ``limit`` bytes of chunks; an event that would take it past the limit
+    fails it with :class:`OutputLagged` (after the events already queued,
+    naming the last of them as the seq to ``read()`` from), unless nothing
+    is queued: then one event larger than the limit is not a lag, it is
+    queued alone.
+    """
+
+    def __init__(self, process_id: str, limit: int) -> None:
+        self.process_id = process_id
+        self._limit = limit
+        self._queue: deque[OutputEvent] = deque()
+        self._bytes = 0
+        self._ended = False
+        self._error: Exception | None = None
+
+    @abstractmethod
+    def _wake(self) -> None:
+        """Something changed (an event, the end, an error): wake a waiting reader."""
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._bytes
+
+    def push(self, event: OutputEvent) -> None:
+        if self._ended or self._error is not None:
+            return
+        if self._queue and self._bytes + len(event.chunk) > self._limit:
+            self.fail(OutputLagged(self.process_id, self._queue[-1].seq, self._limit))
+            return
+        self._queue.append(event)
+        self._bytes += len(event.chunk)
+        self._wake()
+
+    def end(self) -> None:
+        """No more output: the reader gets the end once the queue is drained."""
+        self._ended = True
+        self._wake()
+
+    def fail(self, error: Exception) -> None:
+        """Stop taking events; the reader gets ``error`` once the queue is drained."""
+        if self._error is None:
+            self._error = error
+            self._wake()
+
+    def take(self) -> OutputEvent | Empty | None:
+        """The next event; None at the end; :data:`EMPTY` if the reader has to
+        wait; raises the queue's error once the events before it are taken."""
+        if self._queue:
+            event = self._queue.popleft()
+            self._bytes -= len(event.chunk)
+            return event
+        if self._error is not None:
+            raise self._error
+        if self._ended:
+            return None
+        return EMPTY
+
+    def _stop(self) -> None:
+        """The reader leaves: buffered events dropped, a waiting read ends."""
+        self._ended = True
+        self._queue.clear()
+        self._bytes = 0
+        self._wake()
 
 
 Q = TypeVar("Q", bound=EventQueue)
