@@ -27,7 +27,13 @@ from execserver.clientcore.errors import (
     RangesNotSupported,
     ServerError,
 )
-from execserver.clientcore.framing import STDERR_TAIL_BYTES, LineInput, keep_stderr_tail
+from execserver.clientcore.framing import (
+    STDERR_TAIL_BYTES,
+    LineInput,
+    describe_exit,
+    keep_stderr_tail,
+    server_exited,
+)
 from execserver.clientcore.process import ProcessCore
 from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS, ResumeAttempts
 from execserver.clientcore.rpc import RpcCore
@@ -188,6 +194,12 @@ def test_the_stderr_tail_keeps_the_last_bytes() -> None:
     tail = keep_stderr_tail(b"", b"a" * STDERR_TAIL_BYTES)
     tail = keep_stderr_tail(tail, b"end")
     assert len(tail) == STDERR_TAIL_BYTES and tail.endswith(b"aend")
+
+
+def test_how_a_local_server_ended_is_worded_once() -> None:
+    assert server_exited(3, None) == "exec-server exited (exit code 3)"
+    assert server_exited(None, 9) == "exec-server exited (killed by signal 9)"
+    assert describe_exit(None, None) == "exit code None"  # not known yet
 
 
 # --- ProcessCore --------------------------------------------------------------------------

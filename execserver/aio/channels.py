@@ -40,7 +40,14 @@ from execserver.clientcore.errors import (
     SpawnFailed,
     error_text,
 )
-from execserver.clientcore.framing import MAX_MESSAGE_BYTES, LineInput, keep_stderr_tail
+from execserver.clientcore.framing import (
+    MAX_MESSAGE_BYTES,
+    STDOUT_CLOSED_REASON,
+    LineInput,
+    describe_exit,
+    keep_stderr_tail,
+    server_exited,
+)
 
 UNIX_SCHEME = "unix://"
 _PIPE_BYTES = 1024 * 1024
@@ -90,7 +97,7 @@ class _ServerPipes(asyncio.SubprocessProtocol):
         if fd == 1 and self._stdout_open:
             self._stdout_open = False
             self._input.finish()
-            self.rpc.connection_lost("exec-server closed its stdout")
+            self.rpc.connection_lost(STDOUT_CLOSED_REASON)
 
     # --- the stdout pipe, read by us -----------------------------------------------------
 
@@ -119,14 +126,18 @@ class _ServerPipes(asyncio.SubprocessProtocol):
             os.close(fd)
 
     def process_exited(self) -> None:
-        self.rpc.connection_lost(f"exec-server exited ({self.describe_exit()})")
+        self.rpc.connection_lost(server_exited(*self._exit_status()))
         self.exited.set()
 
-    def describe_exit(self) -> str:
+    def _exit_status(self) -> tuple[int | None, int | None]:
+        """(exit code, signal); asyncio's return code is -N for signal N."""
         code = self.transport.get_returncode() if self.transport is not None else None
         if code is not None and code < 0:
-            return f"killed by signal {-code}"
-        return f"exit code {code}"
+            return None, -code
+        return code, None
+
+    def describe_exit(self) -> str:
+        return describe_exit(*self._exit_status())
 
 
 class StdioChannel:

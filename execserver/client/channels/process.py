@@ -29,7 +29,13 @@ from zope.interface import implementer
 
 from execserver.client.channels.ndjson import DEFAULT_MAX_MESSAGE_BYTES
 from execserver.client.rpc import RpcClient
-from execserver.clientcore.framing import LineInput, keep_stderr_tail
+from execserver.clientcore.framing import (
+    STDOUT_CLOSED_REASON,
+    LineInput,
+    describe_exit,
+    keep_stderr_tail,
+    server_exited,
+)
 from execserver.exits import exit_status
 from execserver.spawn.reading import read_into
 from execserver.waiters import Latch
@@ -80,7 +86,7 @@ class ServerProcessProtocol(ProcessProtocol):
 
     def outConnectionLost(self) -> None:
         self._input.finish()
-        self.rpc.connection_lost("exec-server closed its stdout")
+        self.rpc.connection_lost(STDOUT_CLOSED_REASON)
 
     def processEnded(self, reason: Failure) -> None:
         if self._stdout_open:
@@ -92,13 +98,11 @@ class ServerProcessProtocol(ProcessProtocol):
         self.exit_code = status.code
         self.exit_signal = status.signal
         self.ended = True
-        self.rpc.connection_lost(f"exec-server exited ({self.describe_exit()})")
+        self.rpc.connection_lost(server_exited(self.exit_code, self.exit_signal))
         self._ended.fire(None)
 
     def describe_exit(self) -> str:
-        if self.exit_signal is not None:
-            return f"killed by signal {self.exit_signal}"
-        return f"exit code {self.exit_code}"
+        return describe_exit(self.exit_code, self.exit_signal)
 
     def when_ended(self) -> Deferred[None]:
         return self._ended.wait()
