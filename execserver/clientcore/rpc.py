@@ -23,6 +23,7 @@ import msgspec
 from execserver import protocol as p
 from execserver.clientcore.calls import PendingCalls
 from execserver.clientcore.errors import ConnectionClosed, ProtocolViolation, ServerError
+from execserver.codec import decode_as
 
 T = TypeVar("T")
 W = TypeVar("W")
@@ -39,16 +40,6 @@ class _ServerMessage(msgspec.Struct):
 
 
 _message_decoder: Final = msgspec.json.Decoder(_ServerMessage)
-_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
-
-
-def decode_as(raw: msgspec.Raw | bytes | None, result_type: type[T]) -> T:
-    """Decode a result or params into ``result_type`` (cached decoder per type)."""
-    decoder = _decoders.get(result_type)
-    if decoder is None:
-        decoder = _decoders[result_type] = msgspec.json.Decoder(result_type)
-    result: T = decoder.decode(raw if raw is not None else b"null")
-    return result
 
 
 @attrs.frozen
