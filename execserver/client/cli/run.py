@@ -49,7 +49,7 @@ from execserver.client.types import OutputEvent
 RESUME_TTL_MS = 60_000
 #: After ``process/exited``, how long to wait for ``process/closed`` (the rest
 #: of the output); a baseline server never sends it.
-CLOSE_WAIT_SECONDS = 2.0
+CLOSED_AFTER_EXIT_SECONDS = 2.0
 DEFAULT_SHELL = [
     "/bin/sh",
     "-c",
@@ -388,7 +388,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 f"{_closed_reason(client) or 'connection closed'}",
                 EXIT_CONNECTION,
             )
-        await wait_at_most(proc.closed(), CLOSE_WAIT_SECONDS, reactor)
+        await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, reactor)
         if output.broken:
             return EXIT_BROKEN_PIPE
         if proc.timed_out is not None:
