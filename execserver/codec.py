@@ -55,6 +55,9 @@ _NOT_WHITESPACE: Final = re.compile(rb"[^ \t\r\n]")
 #: An incoming message longer than this (an fs/writeFile) is gathered in a
 #: :class:`MappedBuffer`, not on the heap.
 LONG_MESSAGE_BYTES: Final = 256 * 1024
+#: Up to this many bytes after the first newline a read's lines are cut with
+#: one ``split``; past it with a find per line (no copy of the remainder).
+_SPLIT_MAX_BYTES: Final = 64 * 1024
 
 
 class MappedBuffer:
@@ -111,12 +114,21 @@ class LineFramer:
 
     With ``long_line_bytes``, a line that grows past it moves to a
     :class:`MappedBuffer` and is handed over as a ``memoryview`` of it.
+
+    The lines of a read of up to ``split_max_bytes`` are cut with one
+    ``split`` (many small requests); a larger read with a find per line.
     """
 
-    __slots__ = ("_discarding", "_long", "_long_after", "_max", "_partial")
+    __slots__ = ("_discarding", "_long", "_long_after", "_max", "_partial", "_split_max")
 
-    def __init__(self, max_line_bytes: int, long_line_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        max_line_bytes: int,
+        long_line_bytes: int | None = None,
+        split_max_bytes: int = _SPLIT_MAX_BYTES,
+    ) -> None:
         self._max = max_line_bytes
+        self._split_max = split_max_bytes
         self._partial = bytearray()
         self._discarding = False
         self._long_after = long_line_bytes
@@ -167,9 +179,21 @@ class LineFramer:
                     self._partial = bytearray()
                 self._emit(line, out)
             start = nl + 1
-        # The complete lines that follow are cut in one split (a method call
-        # and a find per line cost more than the rest of their framing); the
-        # last piece is what follows the last newline.
+        size = len(data)
+        if size - start > self._split_max:
+            # Big reads carry big lines (output chunks, file data): cut each
+            # line once and hold the tail as a view, so no byte is copied
+            # twice (a split would copy the remainder, then each line).
+            find = data.find
+            while (nl := find(b"\n", start)) >= 0:
+                self._emit(data[start:nl], out)
+                start = nl + 1
+            if start < size:
+                self._hold(memoryview(data)[start:] if start else data, out)
+            return out
+        # The complete lines of a small read (requests) are cut in one split:
+        # a method call and a find per line cost more than the rest of their
+        # framing. The last piece is what follows the last newline.
         lines = (data[start:] if start else data).split(b"\n")
         rest = lines.pop()
         limit = self._max
@@ -182,7 +206,7 @@ class LineFramer:
             self._hold(rest, out)
         return out
 
-    def _hold(self, rest: bytes, out: list[Line | Oversized]) -> None:
+    def _hold(self, rest: bytes | memoryview, out: list[Line | Oversized]) -> None:
         """Keep ``rest``, the start of a line whose newline has not arrived."""
         if self._discarding:
             return

@@ -82,6 +82,17 @@ def test_any_chunking_yields_the_messages_of_the_whole_stream(
     assert framer.buffered_bytes == 0
 
 
+@given(streams_and_cuts(), st.integers(min_value=0, max_value=40))
+def test_reads_past_the_split_size_yield_the_same_messages(
+    case: tuple[bytes, list[int]], split_max: int
+) -> None:
+    # Big reads (output chunks, file data) take the find-per-line path.
+    stream, cuts = case
+    framer = LineFramer(16, split_max_bytes=split_max)
+    assert feed_in_pieces(framer, stream, cuts) == model_lines(stream, 16)
+    assert framer.buffered_bytes == 0
+
+
 @given(streams_and_cuts())
 def test_one_byte_at_a_time_equals_all_at_once(case: tuple[bytes, list[int]]) -> None:
     stream, _ = case
@@ -100,10 +111,11 @@ def test_long_lines_in_a_mapping_yield_the_same_messages(
     case: tuple[bytes, list[int]], long_after: int
 ) -> None:
     stream, cuts = case
-    framer = LineFramer(16, long_line_bytes=long_after)
-    out = feed_in_pieces(framer, stream, cuts)
-    assert out == model_lines(stream, 16)
-    assert framer.buffered_bytes == 0
+    for split_max in (0, 64 * 1024):  # both ways of cutting a read
+        framer = LineFramer(16, long_line_bytes=long_after, split_max_bytes=split_max)
+        out = feed_in_pieces(framer, stream, cuts)
+        assert out == model_lines(stream, 16)
+        assert framer.buffered_bytes == 0
     for line in out:
         if isinstance(line, memoryview):
             # Only a line gathered across reads past the threshold is mapped.
