@@ -182,7 +182,13 @@ class Client:
         try:
             return await work()
         except BaseException:
-            await asyncio.shield(self._aio.settle(CANCEL_GRACE))
+            # The caller's own bound often expires with the work's (both are
+            # call_timeout): its cancellation must not cut this wait short,
+            # or the exception would reach the script before the process ended.
+            settling = asyncio.ensure_future(self._aio.settle(CANCEL_GRACE))
+            while not settling.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(settling)
             raise
 
     def run(
