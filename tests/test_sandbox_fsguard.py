@@ -22,6 +22,7 @@ from execserver.errors import RpcError
 from execserver.fs import ops
 from execserver.sandbox import fsguard
 from execserver.sandbox.fsguard import Guard, Mechanism
+from execserver.sandbox.policy import SandboxPolicy, resolve
 
 MECHANISMS: tuple[Mechanism, ...] = ("mount-namespace", "landlock")
 
@@ -154,3 +155,83 @@ def test_a_racing_symlink_swap_never_lets_a_byte_out(
     assert not thread.is_alive()
     assert os.listdir(outside) == []
     assert len(os.listdir(inside)) == landed
+
+
+def _floor(root: Path) -> SandboxPolicy:
+    return resolve(_workspace_write(root), cwd="/", env={})
+
+
+def test_a_floor_confines_calls_that_ask_for_nothing(tmp_path: Path) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    guard = Guard(floor=_floor(work))
+    for sandbox in (None, msgspec.convert({"mode": "none"}, p.SandboxConfig)):
+        assert guard.applies(sandbox)
+        target = str(outside / "f")
+        with pytest.raises(RpcError) as info:
+            guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+        assert info.value.message == "Read-only file system (os error 30)"
+        inside = str(work / "f")
+        guard.run(sandbox, (), ((inside, True),), ops.write_file, inside, _raw(b"x"))
+    assert os.listdir(outside) == []
+
+
+def test_a_floor_narrows_a_wider_request(tmp_path: Path) -> None:
+    work, other = tmp_path / "work", tmp_path / "other"
+    work.mkdir()
+    other.mkdir()
+    guard = Guard(floor=_floor(work))
+    wider = msgspec.convert(
+        {"mode": "workspaceWrite", "writableRoots": [str(work), str(other)]}, p.SandboxConfig
+    )
+    target = str(other / "f")
+    with pytest.raises(RpcError) as info:
+        guard.run(wider, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert info.value.message == "Read-only file system (os error 30)"
+    assert guard.policy(wider).writable_roots() == (str(work),)
+
+
+def test_full_access_under_a_floor_is_refused(tmp_path: Path) -> None:
+    guard = Guard(floor=_floor(tmp_path))
+    for wire in (
+        {"permissions": {"type": "disabled"}},
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {"type": "unrestricted"},
+                "network": "enabled",
+            }
+        },
+    ):
+        sandbox = msgspec.convert(wire, p.SandboxConfig)
+        with pytest.raises(RpcError) as info:
+            guard.run(sandbox, (), (), os.getcwd)
+        assert info.value.code == -32602
+        assert info.value.message.startswith(
+            "sandbox: full access (`danger-full-access`) is refused: this server confines every"
+        )
+        assert info.value.data == {"kind": "sandboxFloor", "floor": guard.floor.describe()}  # type: ignore[union-attr]
+
+
+def test_confinement_failure_is_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(policy: SandboxPolicy) -> None:
+        raise fsguard.ConfinementFailed(
+            "unshare(CLONE_NEWNS): Operation not permitted (os error 1)"
+        )
+
+    monkeypatch.setattr(fsguard, "_confine_mounts", broken)
+    target = str(tmp_path / "f")
+    with pytest.raises(RpcError) as info:
+        Guard(how="mount-namespace").run(
+            _workspace_write(tmp_path), (), ((target, True),), ops.write_file, target, _raw(b"x")
+        )
+    assert info.value.code == -32603
+    assert info.value.message == (
+        "sandbox: the fs call could not be confined: "
+        "unshare(CLONE_NEWNS): Operation not permitted (os error 1)"
+    )
+    assert not os.path.exists(target)
+    with pytest.raises(RpcError) as info:
+        Guard(how="none").run(_workspace_write(tmp_path), (), (), os.getcwd)
+    assert info.value.data == {"kind": "sandboxUnavailable"}
