@@ -104,6 +104,47 @@ def test_the_mount_namespace_refuses_a_carveout_write_the_check_missed(
     assert not os.path.exists(target)
 
 
+@pytest.mark.parametrize("how", MECHANISMS)
+def test_without_a_root_entry_nothing_outside_is_writable(
+    tmp_path: Path, how: Mechanism, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    sandbox = msgspec.convert(
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {
+                    "type": "restricted",
+                    "entries": [
+                        {
+                            "path": {"type": "special", "value": {"kind": "minimal"}},
+                            "access": "read",
+                        },
+                        {"path": {"type": "path", "path": str(work)}, "access": "write"},
+                    ],
+                },
+                "network": "restricted",
+            }
+        },
+        p.SandboxConfig,
+    )
+    guard = Guard(how=how)
+    inside = str(work / "f")
+    guard.run(sandbox, (), ((inside, True),), ops.write_file, inside, _raw(b"x"))
+    target = str(outside / "f")
+    with pytest.raises(RpcError) as info:
+        guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert info.value.message == "No such file or directory (os error 2)"  # as the reference
+    _no_check(monkeypatch)
+    with pytest.raises(RpcError):
+        guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    with pytest.raises(RpcError):  # reads outside the readable roots too
+        guard.run(sandbox, (), (), ops.read_directory, str(outside))
+    assert os.listdir(outside) == []
+
+
 def test_the_mount_namespace_hides_what_the_check_missed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -310,23 +310,22 @@ def _confine_mounts(policy: SandboxPolicy) -> None:
     _check(unshare_thread(), "unshare(CLONE_NEWNS)")
     _check(_mount(None, "/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
     rules = sorted(policy.rules, key=lambda r: (r.path.count("/") if r.path != "/" else 0, r.path))
-    state: dict[str, str] = {}
+    # The root first: read-only unless writable (with or without a rule of
+    # its own: a profile without `root` reads only its roots, and writes none).
+    state: dict[str, str] = {"/": "write"}
+    if policy.access("/") != "write":
+        _check(_set_readonly("/", True), "read-only /")
+        state["/"] = "read"
 
     def mounted_access(path: str) -> str:
         # The access the mounts give ``path`` so far (the nearest rule applied).
         probe = path
-        while True:
-            if probe in state:
-                return state[probe]
-            if probe == "/":
-                return "write"
+        while probe not in state:
             probe = os.path.dirname(probe)
+        return state[probe]
 
     for rule in rules:
         if rule.path == "/":
-            if rule.access != "write":
-                _check(_set_readonly("/", True), "read-only /")
-                state["/"] = "read"
             continue
         if not os.path.lexists(rule.path):
             continue
