@@ -344,3 +344,19 @@ def test_normalise() -> None:
     assert pol.normalise("/a/./b//c/../d/") == "/a/b/d"
     assert pol.normalise("/../..") == "/"
     assert os.path.isabs(pol.normalise("/x"))
+
+
+def test_effective_rules_follow_symlinked_roots(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / ".git").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    policy = _resolve({"mode": "workspaceWrite", "writableRoots": [str(link)]})
+    seen = pol.effective(policy)
+    # The literal rules stay; the real paths get the same access.
+    assert seen.access(str(link / "x")) == "write"
+    assert seen.access(str(real / "x")) == "write"
+    assert seen.access(str(real / ".git" / "config")) == "read"
+    assert pol.effective(pol.UNCONFINED) is pol.UNCONFINED
+    assert pol.realpath(str(link / ".git")) == str(real / ".git")
+    assert pol.realpath(str(link / "missing" / "x")) == str(real / "missing" / "x")

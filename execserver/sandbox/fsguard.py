@@ -53,6 +53,8 @@ from execserver.sandbox.policy import (
     PathRule,
     SandboxPolicy,
     apply_floor,
+    effective,
+    realpath,
     resolve,
 )
 
@@ -185,49 +187,6 @@ def landlock_abi() -> int:
         )
     )
     return max(result, 0)
-
-
-# --- the effective policy (what the kernel sees) --------------------------------------
-
-
-def realpath(path: str) -> str:
-    """``os.path.realpath``, by the kernel where the path exists (one open, one readlink)."""
-    try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return os.path.realpath(path)
-    try:
-        real = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return os.path.realpath(path)
-    finally:
-        os.close(fd)
-    return (
-        real if real.startswith("/") and not real.endswith(" (deleted)") else os.path.realpath(path)
-    )
-
-
-def effective(policy: SandboxPolicy) -> SandboxPolicy:
-    """``policy`` with each rule also on the path its existing prefix resolves to.
-
-    A rule on ``/work/link`` (a symlink to ``/data/w``) also covers
-    ``/data/w``, where a resolved target lands; the literal path stays, so
-    a rule on a symlink still covers the link itself. Disk access.
-    """
-    if not policy.confined:
-        return policy
-    rules: list[PathRule] = list(policy.rules)
-    for rule in policy.rules:
-        real = realpath(rule.path)
-        if real != rule.path:
-            rules.append(PathRule(real, rule.access))
-    merged: dict[str, PathRule] = {}
-    precedence = {"read": 0, "write": 1, "none": 2}
-    for rule in rules:
-        held = merged.get(rule.path)
-        if held is None or precedence[rule.access] > precedence[held.access]:
-            merged[rule.path] = rule
-    return attrs.evolve(policy, rules=tuple(merged[path] for path in sorted(merged)))
 
 
 # --- refusals with the reference's texts ----------------------------------------------

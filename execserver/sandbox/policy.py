@@ -395,6 +395,43 @@ def resolve(sandbox: p.SandboxConfig | None, *, cwd: str, env: Mapping[str, str]
     return _resolve_profile(sandbox, cwd, env)
 
 
+# --- what the kernel sees ------------------------------------------------------------
+
+
+def realpath(path: str) -> str:
+    """``os.path.realpath``, by the kernel where the path exists (one open, one readlink)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return os.path.realpath(path)
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+    return (
+        real if real.startswith("/") and not real.endswith(" (deleted)") else os.path.realpath(path)
+    )
+
+
+def effective(policy: SandboxPolicy) -> SandboxPolicy:
+    """``policy`` with each rule also on the path its existing prefix resolves to.
+
+    A rule on ``/work/link`` (a symlink to ``/data/w``) also covers
+    ``/data/w``, where a resolved target lands; the literal path stays, so
+    a rule on a symlink still covers the link itself. Disk access.
+    """
+    if not policy.confined:
+        return policy
+    rules: list[PathRule] = list(policy.rules)
+    for rule in policy.rules:
+        real = realpath(rule.path)
+        if real != rule.path:
+            rules.append(PathRule(real, rule.access))
+    return _build(rules, policy.network, explicit_full_access=policy.explicit_full_access)
+
+
 def floor_refusal(floor: SandboxPolicy) -> RpcError:
     return RpcError.invalid_params(
         "sandbox: full access (`danger-full-access`) is refused: this server confines "
