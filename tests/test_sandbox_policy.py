@@ -196,6 +196,11 @@ def test_other_permission_types() -> None:
         assert policy.confined and not policy.network
         assert policy.writable_roots() == ("/",) and policy.access("/etc") == "write"
     assert not _resolve(_context({"type": "external", "network": "enabled"}, "/")).confined
+    # A restricted profile that writes everything with the network on is full access too.
+    everything = _resolve(_context(_managed([_special("root", "write")], "enabled"), "/"))
+    assert not everything.confined and everything.explicit_full_access
+    narrowed = _managed([_special("root", "write"), _path("/zz-absent/ro", "read")], "enabled")
+    assert _resolve(_context(narrowed, "/")).confined
 
 
 def test_special_paths_and_absolute_paths(tmp_path: Path) -> None:

@@ -375,7 +375,12 @@ def _resolve_profile(sandbox: p.SandboxConfig, cwd: str, env: Mapping[str, str])
             if entry.missing_path_behavior == "skip" and not _exists(path):
                 continue
             rules.append(PathRule(path, access))
-    return _build(_with_carveouts(rules), network)
+    policy = _build(_with_carveouts(rules), network)
+    if network and policy.rules == (PathRule("/", "write"),):
+        # Every path writable and the network on: full access, as the
+        # reference reads it (its DangerFullAccess).
+        return attrs.evolve(UNCONFINED, explicit_full_access=True)
+    return policy
 
 
 def resolve(sandbox: p.SandboxConfig | None, *, cwd: str, env: Mapping[str, str]) -> SandboxPolicy:
