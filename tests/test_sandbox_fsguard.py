@@ -48,7 +48,7 @@ def test_both_mechanisms_work_here() -> None:
 def _no_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Leave the check out: what is refused then, the kernel refused."""
     monkeypatch.setattr(fsguard, "check_write", lambda policy, path, follows=True: None)
-    monkeypatch.setattr(fsguard, "check_read", lambda policy, path: None)
+    monkeypatch.setattr(fsguard, "check_read", lambda policy, path, deep=False: None)
 
 
 @pytest.mark.parametrize("how", MECHANISMS)
@@ -87,6 +87,23 @@ def test_carveouts_and_hidden_paths_are_refused_by_the_check(
         guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
     assert (info.value.code, info.value.message) == (-32603, "Read-only file system (os error 30)")
     assert not os.path.exists(target)
+
+
+@pytest.mark.parametrize("how", MECHANISMS)
+def test_a_tree_holding_a_carveout_is_not_removed(tmp_path: Path, how: Mechanism) -> None:
+    work = tmp_path / "work"
+    (work / "proj" / ".git").mkdir(parents=True)
+    (work / "proj" / "f").write_text("kept")
+    sandbox = msgspec.convert(
+        {"mode": "workspaceWrite", "writableRoots": [str(work), str(work / "proj")]},
+        p.SandboxConfig,
+    )
+    target = str(work / "proj")
+    with pytest.raises(RpcError) as info:
+        Guard(how=how).run(sandbox, (), ((target, False),), ops.remove, target, True, True)
+    assert info.value.message == "Read-only file system (os error 30)"
+    assert (work / "proj" / "f").read_text() == "kept"
+    assert (work / "proj" / ".git").is_dir()
 
 
 def test_the_mount_namespace_refuses_a_carveout_write_the_check_missed(
@@ -177,9 +194,11 @@ def test_the_mount_namespace_hides_what_the_check_missed(
     guard = Guard(how="mount-namespace")
     key = str(work / "hidden" / "key")
     with pytest.raises(RpcError) as info:
-        guard.run(sandbox, (key,), (), ops.get_metadata, key)
+        guard.run(sandbox, ((key, False),), (), ops.get_metadata, key)
     assert info.value.data["kind"] == "notFound"  # an empty tmpfs covers the directory
-    listing = guard.run(sandbox, (str(work),), (), ops.read_directory, str(work / "hidden"))
+    listing = guard.run(
+        sandbox, ((str(work), False),), (), ops.read_directory, str(work / "hidden")
+    )
     assert listing.entries == []
     # /dev/null covers the file: nothing of it can be read.
     with pytest.raises(RpcError) as info:

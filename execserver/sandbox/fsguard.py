@@ -224,10 +224,19 @@ def _entry(path: str) -> str:
     return os.path.join(realpath(parent), name)
 
 
-def check_read(policy: SandboxPolicy, path: str) -> None:
-    for target in {_physical(path), _entry(path)}:
+def _within(path: str, root: str) -> bool:
+    return path != root and (root == "/" or path.startswith(root + "/"))
+
+
+def check_read(policy: SandboxPolicy, path: str, *, deep: bool = False) -> None:
+    """Refuse a read of ``path`` the policy does not allow (``deep``: its whole tree is read)."""
+    targets = {_physical(path), _entry(path)}
+    for target in targets:
         if policy.access(target) == "none":
             raise hidden_error() if policy.is_hidden(target) else unreadable_error()
+    if deep and any(_within(hidden, target) for hidden in policy.hidden() for target in targets):
+        # A recursive fs/copy would copy what is hidden inside the tree.
+        raise hidden_error()
 
 
 def check_write(policy: SandboxPolicy, path: str, *, follows: bool = True) -> None:
@@ -250,6 +259,13 @@ def check_write(policy: SandboxPolicy, path: str, *, follows: bool = True) -> No
             raise unreadable_error()
         if access != "write":
             raise read_only_error()
+        if not follows:
+            # A removal reaches the whole tree: nothing in it may be protected.
+            inner = [r for r in policy.rules if r.access != "write" and _within(r.path, target)]
+            if any(policy.is_hidden(r.path) for r in inner):
+                raise hidden_error()
+            if inner:
+                raise read_only_error()
     if policy.access("/") == "write":
         return
     try:
@@ -496,15 +512,17 @@ class Guard:
     def run(
         self,
         sandbox: p.SandboxConfig | None,
-        reads: Iterable[str],
+        reads: Iterable[tuple[str, bool]],
         writes: Iterable[tuple[str, bool]],
         func: Callable[..., _T],
         *args: Any,
     ) -> _T:
         """Run ``func(*args)`` confined to ``sandbox``'s policy (blocking: on the pool).
 
-        ``reads`` are the paths read, ``writes`` the paths written (with
-        whether the operation follows a final symlink there).
+        ``reads`` are the paths read (with whether their whole tree is: a
+        recursive fs/copy), ``writes`` the paths written (with whether the
+        operation follows a final symlink there; one that does not, fs/remove,
+        reaches the whole tree).
         """
         policy = self.policy(sandbox)
         if not policy.confined:
@@ -520,8 +538,8 @@ class Guard:
 
         def body() -> _T:
             seen = effective(policy)
-            for path in reads:
-                check_read(seen, path)
+            for path, deep in reads:
+                check_read(seen, path, deep=deep)
             for path, follows in writes:
                 check_write(seen, path, follows=follows)
             try:
