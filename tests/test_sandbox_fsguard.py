@@ -350,3 +350,30 @@ def test_confinement_failure_is_a_refusal(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(RpcError) as info:
         Guard(how="none").run(_workspace_write(tmp_path), (), (), os.getcwd)
     assert info.value.data == {"kind": "sandboxUnavailable"}
+
+
+def test_only_writable_rules_without_the_root_still_confine(tmp_path: Path) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    entry = {"path": {"type": "path", "path": str(work)}, "access": "write"}
+    sandbox = msgspec.convert(
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {"type": "restricted", "entries": [entry]},
+                "network": "restricted",
+            }
+        },
+        p.SandboxConfig,
+    )
+    target = str(outside / "f")
+    with pytest.raises(RpcError):
+        Guard().run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert os.listdir(outside) == []
+    # `external` confines only the network: the file system is the caller's.
+    external = msgspec.convert(
+        {"permissions": {"type": "external", "network": "restricted"}}, p.SandboxConfig
+    )
+    Guard().run(external, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert os.listdir(outside) == ["f"]

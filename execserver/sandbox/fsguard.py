@@ -525,7 +525,11 @@ class Guard:
         reaches the whole tree).
         """
         policy = self.policy(sandbox)
-        if not policy.confined:
+        if not policy.confined or (
+            policy.access("/") == "write" and all(r.access == "write" for r in policy.rules)
+        ):
+            # Nothing to confine for the file system: everything writable
+            # (`external`, or an unrestricted file system without the network).
             return func(*args)
         how = self.how or mechanism()
         if how == "none":
