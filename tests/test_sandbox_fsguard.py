@@ -377,3 +377,33 @@ def test_only_writable_rules_without_the_root_still_confine(tmp_path: Path) -> N
     )
     Guard().run(external, (), ((target, True),), ops.write_file, target, _raw(b"x"))
     assert os.listdir(outside) == ["f"]
+
+
+def test_landlock_grants_only_the_directory_written_in_when_it_is_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    (work / ".git").mkdir(parents=True)
+    (work / "sub").mkdir()
+    sandbox = _workspace_write(work)
+    guard = Guard(how="landlock")
+    declared = str(work / "sub" / "x")
+    guard.run(sandbox, (), ((declared, True),), ops.write_file, declared, _raw(b"x"))
+    assert (work / "sub" / "x").read_bytes() == b"x"
+    # The operation lands elsewhere than checked (what a swapped symlink
+    # would do): beneath a clean directory, the kernel refuses .git and the
+    # rest of the workspace alike.
+    _no_check(monkeypatch)
+    for elsewhere in (work / ".git" / "config", work / "other"):
+        with pytest.raises(RpcError) as info:
+            guard.run(sandbox, (), ((declared, True),), ops.write_file, str(elsewhere), _raw(b"x"))
+        assert info.value.message == "Permission denied (os error 13)"
+        assert not elsewhere.exists()
+    # Where the directory written in holds a carve-out, the grant is the
+    # writable root (the check alone guards .git there, documented).
+    assert (
+        fsguard.narrow_write_grants(
+            fsguard.effective(resolve(sandbox, cwd="/", env={})), [(str(work / "y"), True)]
+        )
+        is None
+    )
