@@ -22,7 +22,7 @@ from execserver.errors import RpcError
 from execserver.fs import ops
 from execserver.sandbox import fsguard
 from execserver.sandbox.fsguard import Guard, Mechanism
-from execserver.sandbox.policy import SandboxPolicy, resolve
+from execserver.sandbox.policy import SandboxPolicy, effective, resolve
 
 MECHANISMS: tuple[Mechanism, ...] = ("mount-namespace", "landlock")
 
@@ -403,7 +403,7 @@ def test_landlock_grants_only_the_directory_written_in_when_it_is_clean(
     # writable root (the check alone guards .git there, documented).
     assert (
         fsguard.narrow_write_grants(
-            fsguard.effective(resolve(sandbox, cwd="/", env={})), [(str(work / "y"), True)]
+            effective(resolve(sandbox, cwd="/", env={})), [(str(work / "y"), True)]
         )
         is None
     )
