@@ -147,6 +147,7 @@ class Layout:
         self.outside.mkdir()
         (self.outside / "target").write_text("original")
         os.symlink(self.outside, self.work / "link")
+        os.symlink(self.work / "secret", self.work / "alias")
         os.link(self.outside / "target", self.work / "hard")
 
 
@@ -405,6 +406,18 @@ CASES = [
     ),
     Case(
         "read hidden", "fs/readFile", lambda lay: {"path": _u(lay.work / "secret" / "key")}, EACCES
+    ),
+    Case(
+        "read hidden through a symlink",
+        "fs/readFile",
+        lambda lay: {"path": _u(lay.work / "alias" / "key")},
+        EACCES,
+    ),
+    Case(
+        "read hidden through ..",
+        "fs/readFile",
+        lambda lay: {"path": _u(lay.work / "sub") + "/../secret/key"},
+        EACCES,
     ),
     Case(
         "metadata hidden",
