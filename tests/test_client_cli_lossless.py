@@ -1,0 +1,241 @@
+"""``exec-server-client run`` through dropped connections: lossless, or loud (issue 20).
+
+The issue's reproduction: a child writes far more than the server's
+``--retained-output-bytes`` while the client is kept away from its session
+by a connection-cutting proxy (:mod:`tests.cutting_proxy`, which holds the
+client's new connections until the child has done what the test waits for).
+With the default ``--on-detached-full pause`` the output must be byte-exact
+and the exit status the child's; with ``--on-detached-full drop`` the client
+must print the documented line naming the lost range and exit 125, never the
+child's own status. Hypothesis chooses where the two cuts fall (the second
+one lands in the reconnection's handshake or its catch-up).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from typing import Any
+
+import pytest_twisted
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.protocol import Factory, ProcessProtocol
+from twisted.protocols.basic import LineOnlyReceiver
+from twisted.python.failure import Failure
+
+from execserver.client.cli.common import EXIT_OUTPUT_LOST
+from tests.cutting_proxy import CuttingProxy
+from tests.harness import child_env, console_script, reactor, server_env, with_timeout
+from tests.test_websocket_integration import poll_until
+from tests.ws_harness import WsServerProcess, observe
+
+#: The server keeps this much output per process; the child writes 16 times it.
+RETAINED = 256 * 1024
+CHUNK = 65536
+CHUNKS = 64
+EXIT_CODE = 5
+SEED = 7
+#: The child: its pid and its end reported over a TCP connection to the test.
+CHILD = (
+    "import os, random, socket, sys\n"
+    "s = socket.create_connection(('127.0.0.1', int(os.environ['REPORT_PORT'])))\n"
+    "s.sendall(b'pid %d\\n' % os.getpid())\n"
+    f"r = random.Random({SEED}); w = sys.stdout.buffer.write\n"
+    f"for _ in range({CHUNKS}): w(r.randbytes({CHUNK}))\n"
+    "sys.stdout.flush()\n"
+    "s.sendall(b'done\\n'); s.close()\n"
+    f"sys.exit({EXIT_CODE})\n"
+)
+#: The line ``run`` prints for a gap (docs/client.md, "Exit status").
+GAP_LINE = re.compile(
+    rb"exec-server-client: output lost: the server dropped output seqs (\d+)-(\d+) of "
+    rb"`[^`]+` before this client read them \(delivered before the gap: "
+    rb"stdout (\d+) bytes, stderr (\d+) bytes\); exiting 125, not with the command's 5\n"
+)
+
+
+def expected() -> bytes:
+    r = random.Random(SEED)
+    return b"".join(r.randbytes(CHUNK) for _ in range(CHUNKS))
+
+
+class Reports(LineOnlyReceiver):
+    delimiter = b"\n"
+
+    def __init__(self, box: ChildReports) -> None:
+        self.box = box
+
+    def lineReceived(self, line: bytes) -> None:
+        word, _, rest = line.partition(b" ")
+        if word == b"pid":
+            self.box.pid = int(rest)
+        elif word == b"done":
+            self.box.done = True
+
+
+class ChildReports:
+    """What the child tells the test: its pid, and that it wrote everything."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.done = False
+        self.port: Any = None
+
+    async def listen(self) -> ChildReports:
+        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        self.port = await endpoint.listen(Factory.forProtocol(lambda: Reports(self)))
+        return self
+
+    def reset(self) -> None:
+        self.pid, self.done = None, False
+
+    def blocked_in_write(self) -> bool:
+        """The child waits in write(2) on its full stdout pipe (a paused child)."""
+        if self.done:
+            return True
+        if self.pid is None:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/syscall") as f:
+                syscall = f.read().split()
+            with open(f"/proc/{self.pid}/wchan") as f:
+                wchan = f.read()
+        except OSError:
+            return False
+        return bool(syscall) and syscall[0] == "1" and "pipe_write" in wchan
+
+
+class Cli(ProcessProtocol):
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.err = bytearray()
+        self.ended: Deferred[int | None] = Deferred()
+
+    def outReceived(self, data: bytes) -> None:
+        self.out += data
+
+    def errReceived(self, data: bytes) -> None:
+        self.err += data
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended.callback(getattr(reason.value, "exitCode", None))
+
+
+async def run_through_cuts(
+    proxy: CuttingProxy,
+    reports: ChildReports,
+    first: int,
+    second: int | None,
+    mode: str | None,
+    extra: tuple[str, ...] = (),
+) -> Cli:
+    """One ``run`` of the child; the client is held away after the first cut until
+    the child finished writing (drop) or blocks on its full pipe (pause)."""
+    reports.reset()
+    proto = Cli()
+    argv = [console_script("exec-server-client"), "run", "--url", proxy.url, *extra]
+    if mode is not None:
+        argv += ["--on-detached-full", mode]
+    argv += ["-e", f"REPORT_PORT={reports.port.getHost().port}", "--"]
+    argv += [sys.executable, "-c", CHILD]
+    env = server_env({"PATH": child_env()["PATH"]})
+    accepted = proxy.accepted
+    cuts = proxy.cuts
+    proxy.hold_after = accepted + 1  # the first connection goes through
+    proxy.cut_after(first)
+    reactor.spawnProcess(proto, argv[0], argv, env=env, path="/")
+    try:
+        await poll_until(
+            lambda: proxy.cuts > cuts or proto.ended.called, 30.0, "the first cut or the end"
+        )
+        if not proto.ended.called:
+            if mode == "drop":
+                await poll_until(lambda: reports.done, 30.0, "the child to finish writing")
+            else:
+                await poll_until(reports.blocked_in_write, 30.0, "the child to be paused")
+            if second is not None:
+                proxy.cut_after(second)
+            proxy.release()
+        await with_timeout(observe(proto.ended), 60.0, "the CLI to finish")
+        return proto
+    finally:
+        proxy.release()
+        proxy.cut_at = None
+        if not proto.ended.called:
+            proto.transport.signalProcess("KILL")  # type: ignore[union-attr]
+
+
+def chosen(max_first: int) -> list[tuple[int, int | None]]:
+    """Cut points chosen by hypothesis (few: each example runs the real CLI)."""
+    picked: list[tuple[int, int | None]] = []
+
+    @settings(
+        max_examples=min(4, settings().max_examples),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        first=st.integers(min_value=20_000, max_value=max_first),
+        second=st.none() | st.integers(min_value=1, max_value=600_000),
+    )
+    def pick(first: int, second: int | None) -> None:
+        picked.append((first, second))
+
+    pick()
+    return picked
+
+
+async def started(*args: str) -> tuple[WsServerProcess, CuttingProxy, ChildReports]:
+    server = await WsServerProcess.start("--retained-output-bytes", str(RETAINED), *args)
+    proxy = await CuttingProxy(server.host_port).start()
+    reports = await ChildReports().listen()
+    return server, proxy, reports
+
+
+async def stopped(server: WsServerProcess, proxy: CuttingProxy, reports: ChildReports) -> None:
+    await proxy.stop()
+    await reports.port.stopListening()
+    await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_issue_command_is_byte_exact_through_two_cuts_by_default() -> None:
+    server, proxy, reports = await started()
+    try:
+        # The first cut: after the start, within the first 3 of 5.3 MiB (base64).
+        for first, second in chosen(3 * 1024 * 1024):
+            cli = await run_through_cuts(proxy, reports, first, second, mode=None)
+            where = f"cuts {first}, {second}: {bytes(cli.err)!r}"
+            assert bytes(cli.out) == expected(), where
+            assert (cli.ended.result, bytes(cli.err)) == (EXIT_CODE, b""), where
+    finally:
+        await stopped(server, proxy, reports)
+
+
+@pytest_twisted.ensureDeferred
+async def test_drop_mode_prints_the_lost_range_and_exits_125() -> None:
+    server, proxy, reports = await started()
+    try:
+        # The cut falls within the first 2 MiB: more than the retention follows.
+        for first, second in chosen(2 * 1024 * 1024)[:3]:
+            cli = await run_through_cuts(proxy, reports, first, second, mode="drop")
+            where = f"cuts {first}, {second}: {bytes(cli.err)!r}"
+            assert cli.ended.result == EXIT_OUTPUT_LOST, where
+            match = GAP_LINE.fullmatch(bytes(cli.err))
+            assert match is not None, where
+            from_seq, to_seq, before, stderr_bytes = (int(g) for g in match.groups())
+            assert 1 <= from_seq <= to_seq and stderr_bytes == 0, where
+            # What arrived: the stream up to the gap, then the end of it, no more
+            # than the retention holds (none when the last chunk alone exceeds it).
+            out, want = bytes(cli.out), expected()
+            assert out[:before] == want[:before], where
+            tail = out[before:]
+            assert len(tail) <= RETAINED and want.endswith(tail), where
+            assert before + len(tail) < len(want), where
+    finally:
+        await stopped(server, proxy, reports)
