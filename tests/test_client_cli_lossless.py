@@ -13,11 +13,16 @@ one lands in the reconnection's handshake or its catch-up).
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +35,7 @@ from twisted.python.failure import Failure
 from execserver.client.cli.common import EXIT_OUTPUT_LOST
 from tests.cutting_proxy import CuttingProxy
 from tests.harness import child_env, console_script, reactor, server_env, with_timeout
+from tests.test_tls import Pki
 from tests.test_websocket_integration import poll_until
 from tests.ws_harness import WsServerProcess, observe
 
@@ -93,8 +99,9 @@ class ChildReports:
     def reset(self) -> None:
         self.pid, self.done = None, False
 
-    def blocked_in_write(self) -> bool:
-        """The child waits in write(2) on its full stdout pipe (a paused child)."""
+    def waiting(self) -> bool:
+        """The child is done, or waits in read(2)/write(2): on its full output
+        (a paused child) or for input that only the absent client can send."""
         if self.done:
             return True
         if self.pid is None:
@@ -102,11 +109,9 @@ class ChildReports:
         try:
             with open(f"/proc/{self.pid}/syscall") as f:
                 syscall = f.read().split()
-            with open(f"/proc/{self.pid}/wchan") as f:
-                wchan = f.read()
         except OSError:
             return False
-        return bool(syscall) and syscall[0] == "1" and "pipe_write" in wchan
+        return bool(syscall) and syscall[0] in ("0", "1")  # read, write (x86-64)
 
 
 class Cli(ProcessProtocol):
@@ -131,35 +136,47 @@ async def run_through_cuts(
     first: int,
     second: int | None,
     mode: str | None,
-    extra: tuple[str, ...] = (),
+    *,
+    options: tuple[str, ...] = (),
+    child: str = CHILD,
+    stdin: bytes | None = None,
+    url: str | None = None,
 ) -> Cli:
-    """One ``run`` of the child; the client is held away after the first cut until
-    the child finished writing (drop) or blocks on its full pipe (pause)."""
+    """One ``run`` of ``child``; the client is held away after the first cut until
+    the child finished writing (drop) or waits on its pipe (pause); the
+    second cut (if any) falls that many bytes into the resumed connection.
+
+    ``stdin``: written to the client's stdin, which is then closed (else it
+    stays open and empty).
+    """
     reports.reset()
     proto = Cli()
-    argv = [console_script("exec-server-client"), "run", "--url", proxy.url, *extra]
+    argv = [console_script("exec-server-client"), "run", "--url", url or proxy.url, *options]
     if mode is not None:
         argv += ["--on-detached-full", mode]
     argv += ["-e", f"REPORT_PORT={reports.port.getHost().port}", "--"]
-    argv += [sys.executable, "-c", CHILD]
+    argv += [sys.executable, "-c", child]
     env = server_env({"PATH": child_env()["PATH"]})
-    accepted = proxy.accepted
     cuts = proxy.cuts
-    proxy.hold_after = accepted + 1  # the first connection goes through
+    proxy.hold_after = proxy.accepted + 1  # the first connection goes through
     proxy.cut_after(first)
     reactor.spawnProcess(proto, argv[0], argv, env=env, path="/")
+    if stdin is not None:
+        assert proto.transport is not None
+        proto.transport.write(stdin)
+        proto.transport.closeStdin()
     try:
         await poll_until(
             lambda: proxy.cuts > cuts or proto.ended.called, 30.0, "the first cut or the end"
         )
-        if not proto.ended.called:
-            if mode == "drop":
-                await poll_until(lambda: reports.done, 30.0, "the child to finish writing")
-            else:
-                await poll_until(reports.blocked_in_write, 30.0, "the child to be paused")
-            if second is not None:
-                proxy.cut_after(second)
-            proxy.release()
+        assert proxy.cuts > cuts, f"the CLI ended before the cut: {bytes(proto.err)!r}"
+        if mode == "drop":
+            await poll_until(lambda: reports.done, 30.0, "the child to finish writing")
+        else:
+            await poll_until(reports.waiting, 30.0, "the child to be paused")
+        if second is not None:
+            proxy.cut_after(second)
+        proxy.release()
         await with_timeout(observe(proto.ended), 60.0, "the CLI to finish")
         return proto
     finally:
@@ -239,3 +256,106 @@ async def test_drop_mode_prints_the_lost_range_and_exits_125() -> None:
             assert before + len(tail) < len(want), where
     finally:
         await stopped(server, proxy, reports)
+
+
+# --- pause holds under every drop: stdin, a PTY; WebSocket, Unix socket, TLS -----------
+
+#: Reads its stdin in CHUNK pieces, writing CHUNK pseudo-random bytes for each,
+#: then the SHA-256 of its input to stderr: stdin forwarded across the cuts.
+STDIN_CHILD = (
+    "import hashlib, os, random, socket, sys\n"
+    "s = socket.create_connection(('127.0.0.1', int(os.environ['REPORT_PORT'])))\n"
+    "s.sendall(b'pid %d\\n' % os.getpid())\n"
+    f"h = hashlib.sha256(); r = random.Random({SEED}); w = sys.stdout.buffer.write\n"
+    "while True:\n"
+    f"    data = sys.stdin.buffer.read({CHUNK})\n"
+    "    if not data: break\n"
+    f"    h.update(data); w(r.randbytes({CHUNK}))\n"
+    "sys.stdout.flush(); sys.stderr.write(h.hexdigest() + '\\n')\n"
+    "s.sendall(b'done\\n'); s.close()\n"
+    f"sys.exit({EXIT_CODE})\n"
+)
+STDIN_CHUNKS = 32
+#: The plain child in a PTY put in raw mode (no newline translation, no echo).
+PTY_CHILD = "import tty; tty.setraw(1)\n" + CHILD
+
+
+def scenario(kind: str) -> tuple[dict[str, Any], bytes, bytes]:
+    """(run_through_cuts arguments, expected stdout, expected stderr) of ``kind``."""
+    if kind == "stdin":
+        data = random.Random(11).randbytes(STDIN_CHUNKS * CHUNK)
+        out = expected()[: STDIN_CHUNKS * CHUNK]
+        digest = hashlib.sha256(data).hexdigest().encode() + b"\n"
+        return {"child": STDIN_CHILD, "stdin": data, "options": ("-i",)}, out, digest
+    if kind == "pty":
+        return {"child": PTY_CHILD, "options": ("-t",)}, expected(), b""
+    return {}, expected(), b""
+
+
+async def transport_server(
+    transport: str, root: Path
+) -> tuple[WsServerProcess, CuttingProxy, str, tuple[str, ...]]:
+    """(server, proxy, the URL the CLI dials, its extra options) over ``transport``."""
+    retained = ("--retained-output-bytes", str(RETAINED))
+    if transport == "unix":
+        server = await WsServerProcess.start("--listen", f"unix://{root}/server.sock", *retained)
+        proxy = await CuttingProxy(f"{root}/server.sock", listen_unix=f"{root}/proxy.sock").start()
+        return server, proxy, proxy.url, ()
+    if transport == "tls":
+        pki = Pki(root)
+        server = await WsServerProcess.start(
+            *("--listen", "wss://127.0.0.1:0", "--tls-cert", pki.server_cert),
+            *("--tls-key", pki.server_key, *retained),
+        )
+        port = int(server.url.rsplit(":", 1)[1])
+        proxy = await CuttingProxy(("127.0.0.1", port)).start()
+        url = f"wss://127.0.0.1:{proxy.port.getHost().port}"
+        return server, proxy, url, ("--ca-file", pki.ca_file)
+    server = await WsServerProcess.start(*retained)
+    proxy = await CuttingProxy(server.host_port).start()
+    return server, proxy, proxy.url, ()
+
+
+def handshake_and_catch_up_cuts() -> tuple[int, int, int]:
+    """A first cut, then a second one in the resumed connection's handshake
+    (its upgrade answer and initialize result are a few hundred bytes) and
+    one in its catch-up (the reads of the retained output)."""
+    picked: list[tuple[int, int, int]] = []
+
+    @settings(max_examples=1, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(
+        first=st.integers(min_value=20_000, max_value=1024 * 1024),
+        in_handshake=st.integers(min_value=1, max_value=300),
+        in_catch_up=st.integers(min_value=2_000, max_value=RETAINED),
+    )
+    def pick(first: int, in_handshake: int, in_catch_up: int) -> None:
+        picked.append((first, in_handshake, in_catch_up))
+
+    pick()
+    return picked[0]
+
+
+@pytest.mark.parametrize("kind", ["pipes", "stdin", "pty"])
+@pytest.mark.parametrize("transport", ["ws", "unix", "tls"])
+@pytest_twisted.ensureDeferred
+async def test_pause_is_byte_exact_through_cuts_in_the_handshake_and_the_catch_up(
+    transport: str, kind: str
+) -> None:
+    root = Path(tempfile.mkdtemp(prefix="es-i20-"))  # short: Unix socket paths
+    server, proxy, url, options = await transport_server(transport, root)
+    reports = await ChildReports().listen()
+    kwargs, out, err = scenario(kind)
+    kwargs["options"] = (*options, *kwargs.get("options", ()))
+    try:
+        first, in_handshake, in_catch_up = handshake_and_catch_up_cuts()
+        for second in (in_handshake, in_catch_up):
+            cli = await run_through_cuts(
+                proxy, reports, first, second, mode=None, url=url, **kwargs
+            )
+            where = f"{transport} {kind}, cuts {first}, {second}: {bytes(cli.err)[-300:]!r}"
+            assert bytes(cli.out) == out, where
+            assert (cli.ended.result, bytes(cli.err)) == (EXIT_CODE, err), where
+            assert proxy.accepted >= 2
+    finally:
+        await stopped(server, proxy, reports)
+        shutil.rmtree(root, ignore_errors=True)
