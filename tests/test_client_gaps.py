@@ -9,16 +9,19 @@ Twisted and the blocking clients (the asyncio one: tests/test_aio_resume.py).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_twisted
 from twisted.internet import threads
+from twisted.internet.defer import Deferred
 
 from execserver import aio, sync
 from execserver.client import ConnectOptions, OutputEvent, OutputGap, connect_websocket
-from tests.aio_harness import in_asyncio
+from tests.aio_harness import in_asyncio, on_reactor
 from tests.cutting_proxy import CuttingProxy
 from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
 from tests.test_resume_client import reconnecting
@@ -151,5 +154,40 @@ async def test_the_blocking_output_iterator_raises_the_gap_and_goes_on_after_it(
     finally:
         if "client" in state:
             await threads.deferToThread(state["client"].close)
+        await proxy.stop()
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_asyncio_run_raises_the_gap_with_what_arrived(tmp_path: Path) -> None:
+    server, proxy = await started()
+    go, done = tmp_path / "go", tmp_path / "done"
+
+    async def scenario() -> None:
+        async with aio.connect(proxy.url, on_detached_full="drop", connect_timeout=5.0) as c:
+            argv = ["sh", "-c", gap_script(go, done)]
+            running = asyncio.ensure_future(c.run(argv, cwd=CWD, process_id="gap"))
+            # Its start answered (a read after it is answered after it), its
+            # first output written: only then is the connection cut.
+            while True:
+                with contextlib.suppress(aio.ServerError):  # not started yet
+                    if (await c.read("gap", 0, wait_ms=1000)).chunks:
+                        break
+                await asyncio.sleep(0.01)
+            await on_reactor(lambda: Deferred.fromCoroutine(lose_output(proxy, go, done)))
+            with pytest.raises(aio.OutputGap) as raised:
+                await running
+            gap = raised.value
+            result = gap.result
+            assert isinstance(result, aio.RunResult) and result.exit_code == 0
+            # "first" (unless the stall came before it), then the retained tail.
+            before = gap.delivered["stdout"]
+            assert result.stdout[:before] == b"first"[:before]
+            tail = result.stdout[before:]
+            assert 0 < len(tail) < 40 * 1024 and tail == b"x" * len(tail)
+
+    try:
+        await in_asyncio(scenario)
+    finally:
         await proxy.stop()
         await server.stop()
