@@ -45,17 +45,24 @@ CHUNK = 65536
 CHUNKS = 64
 EXIT_CODE = 5
 SEED = 7
-#: The child: its pid and its end reported over a TCP connection to the test.
-CHILD = (
-    "import os, random, socket, sys\n"
-    "s = socket.create_connection(('127.0.0.1', int(os.environ['REPORT_PORT'])))\n"
-    "s.sendall(b'pid %d\\n' % os.getpid())\n"
-    f"r = random.Random({SEED}); w = sys.stdout.buffer.write\n"
-    f"for _ in range({CHUNKS}): w(r.randbytes({CHUNK}))\n"
-    "sys.stdout.flush()\n"
-    "s.sendall(b'done\\n'); s.close()\n"
-    f"sys.exit({EXIT_CODE})\n"
-)
+
+
+def child_script(chunks: int) -> str:
+    """The child: ``chunks`` pseudo-random 64 KiB writes, exit 5; its pid and
+    its end are reported over a TCP connection to the test."""
+    return (
+        "import os, random, socket, sys\n"
+        "s = socket.create_connection(('127.0.0.1', int(os.environ['REPORT_PORT'])))\n"
+        "s.sendall(b'pid %d\\n' % os.getpid())\n"
+        f"r = random.Random({SEED}); w = sys.stdout.buffer.write\n"
+        f"for _ in range({chunks}): w(r.randbytes({CHUNK}))\n"
+        "sys.stdout.flush()\n"
+        "s.sendall(b'done\\n'); s.close()\n"
+        f"sys.exit({EXIT_CODE})\n"
+    )
+
+
+CHILD = child_script(CHUNKS)
 #: The line ``run`` prints for a gap (docs/client.md, "Exit status").
 GAP_LINE = re.compile(
     rb"exec-server-client: output lost: the server dropped output seqs (\d+)-(\d+) of "
@@ -64,9 +71,9 @@ GAP_LINE = re.compile(
 )
 
 
-def expected() -> bytes:
+def expected(chunks: int = CHUNKS) -> bytes:
     r = random.Random(SEED)
-    return b"".join(r.randbytes(CHUNK) for _ in range(CHUNKS))
+    return b"".join(r.randbytes(CHUNK) for _ in range(chunks))
 
 
 class Reports(LineOnlyReceiver):
@@ -235,6 +242,24 @@ async def test_the_issue_command_is_byte_exact_through_two_cuts_by_default() -> 
 
 
 @pytest_twisted.ensureDeferred
+async def test_the_issues_own_command_and_cuts_with_the_default_retention() -> None:
+    # As reported: 256 writes of 64 KiB (16 MiB) and exit 5, the default
+    # retention (1 MiB), a reset after 4 MB reached the client and one more
+    # on the next connection; the client away while the child is paused.
+    server = await WsServerProcess.start()
+    proxy = await CuttingProxy(server.host_port).start()
+    reports = await ChildReports().listen()
+    try:
+        cli = await run_through_cuts(
+            proxy, reports, 4_000_000, 100_000, mode=None, child=child_script(256)
+        )
+        assert bytes(cli.out) == expected(256), bytes(cli.err)
+        assert (cli.ended.result, bytes(cli.err)) == (EXIT_CODE, b"")
+    finally:
+        await stopped(server, proxy, reports)
+
+
+@pytest_twisted.ensureDeferred
 async def test_drop_mode_prints_the_lost_range_and_exits_125() -> None:
     server, proxy, reports = await started()
     try:
@@ -317,9 +342,9 @@ async def transport_server(
 
 
 def handshake_and_catch_up_cuts() -> tuple[int, int, int]:
-    """A first cut, then a second one in the resumed connection's handshake
-    (its upgrade answer and initialize result are a few hundred bytes) and
-    one in its catch-up (the reads of the retained output)."""
+    """A first cut, and where a second one falls: in the resumed connection's
+    handshake (its upgrade answer and initialize result are a few hundred
+    bytes) or in its catch-up (the reads of the retained output)."""
     picked: list[tuple[int, int, int]] = []
 
     @settings(max_examples=1, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -335,8 +360,12 @@ def handshake_and_catch_up_cuts() -> tuple[int, int, int]:
     return picked[0]
 
 
-@pytest.mark.parametrize("kind", ["pipes", "stdin", "pty"])
-@pytest.mark.parametrize("transport", ["ws", "unix", "tls"])
+KINDS = ["pipes", "stdin", "pty"]
+TRANSPORTS = ["ws", "unix", "tls"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest_twisted.ensureDeferred
 async def test_pause_is_byte_exact_through_cuts_in_the_handshake_and_the_catch_up(
     transport: str, kind: str
@@ -348,14 +377,17 @@ async def test_pause_is_byte_exact_through_cuts_in_the_handshake_and_the_catch_u
     kwargs["options"] = (*options, *kwargs.get("options", ()))
     try:
         first, in_handshake, in_catch_up = handshake_and_catch_up_cuts()
-        for second in (in_handshake, in_catch_up):
-            cli = await run_through_cuts(
-                proxy, reports, first, second, mode=None, url=url, **kwargs
-            )
-            where = f"{transport} {kind}, cuts {first}, {second}: {bytes(cli.err)[-300:]!r}"
-            assert bytes(cli.out) == out, where
-            assert (cli.ended.result, bytes(cli.err)) == (EXIT_CODE, err), where
-            assert proxy.accepted >= 2
+        # The second cut alternates over the matrix: each transport and each
+        # kind gets one in the handshake and one in the catch-up.
+        odd = (TRANSPORTS.index(transport) + KINDS.index(kind)) % 2
+        second = in_catch_up if odd else in_handshake
+        cli = await run_through_cuts(proxy, reports, first, second, mode=None, url=url, **kwargs)
+        where = f"{transport} {kind}, cuts {first}, {second}: {bytes(cli.err)[-300:]!r}"
+        assert bytes(cli.out) == out, where
+        assert (cli.ended.result, bytes(cli.err)) == (EXIT_CODE, err), where
+        # Resumed at least once (twice unless the second cut fell before the
+        # resumed connection reached the server).
+        assert proxy.accepted >= 2
     finally:
         await stopped(server, proxy, reports)
         shutil.rmtree(root, ignore_errors=True)
