@@ -9,6 +9,9 @@ a test (or hypothesis) can choose where in a stream the cut falls.
 :meth:`stall` stops forwarding without closing (a dead peer) until
 :meth:`unstall`; :meth:`stall_replies` stops only the server-to-client
 direction (requests arrive, answers are lost with the next cut).
+:meth:`hold` keeps new connections waiting (accepted, not yet forwarded to
+the server) until :meth:`release`: a client that lost its connection is
+kept away from its session for as long as a test needs.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet import reactor as _reactor
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.endpoints import (
+    TCP4ClientEndpoint,
+    TCP4ServerEndpoint,
+    UNIXClientEndpoint,
+    UNIXServerEndpoint,
+)
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 
@@ -49,11 +57,25 @@ class _Pair(Protocol):
         self.closed = False
 
     def connectionMade(self) -> None:
+        self.proxy.accepted += 1
         self.proxy.pairs.add(self)
         assert self.transport is not None
         self.transport.pauseProducing()  # type: ignore[attr-defined]
-        host, port = self.proxy.target
-        endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=10)
+        proxy = self.proxy
+        if proxy.holding or (proxy.hold_after is not None and proxy.accepted > proxy.hold_after):
+            proxy.held.append(self)
+        else:
+            self.dial()
+
+    def dial(self) -> None:
+        if self.closed:
+            return
+        target = self.proxy.target
+        endpoint: Any
+        if isinstance(target, str):
+            endpoint = UNIXClientEndpoint(reactor, target, timeout=10)
+        else:
+            endpoint = TCP4ClientEndpoint(reactor, target[0], target[1], timeout=10)
         d = endpoint.connect(Factory.forProtocol(lambda: _Upstream(self)))
         d.addErrback(lambda _: self.abort())
 
@@ -111,10 +133,15 @@ class _Pair(Protocol):
 
 
 class CuttingProxy:
-    """Forwards 127.0.0.1:``port`` to ``target``; cuts and stalls on demand."""
+    """Forwards 127.0.0.1:``port`` to ``target``; cuts and stalls on demand.
 
-    def __init__(self, target: tuple[str, int]) -> None:
+    ``target`` is (host, port) or the path of a Unix socket; with
+    ``listen_unix`` the proxy listens on that Unix socket path instead.
+    """
+
+    def __init__(self, target: tuple[str, int] | str, listen_unix: str | None = None) -> None:
         self.target = target
+        self.listen_unix = listen_unix
         self.pairs: set[_Pair] = set()
         self.port: Any = None
         self.stalled = False
@@ -124,14 +151,25 @@ class CuttingProxy:
         self.cut_at: int | None = None
         self.cuts = 0
         self.cuts_done: Waiters[None] = Waiters()
+        #: New connections wait in ``held`` (not forwarded) while set.
+        self.holding = False
+        self.held: list[_Pair] = []
+        #: Hold every connection after this many were accepted (None: no).
+        self.hold_after: int | None = None
+        #: Connections accepted so far.
+        self.accepted = 0
 
     async def start(self) -> CuttingProxy:
-        endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        endpoint: Any = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+        if self.listen_unix is not None:
+            endpoint = UNIXServerEndpoint(reactor, self.listen_unix)
         self.port = await endpoint.listen(Factory.forProtocol(lambda: _Pair(self)))
         return self
 
     @property
     def url(self) -> str:
+        if self.listen_unix is not None:
+            return f"unix://{self.listen_unix}"
         return f"ws://127.0.0.1:{self.port.getHost().port}"
 
     def cut(self) -> None:
@@ -162,7 +200,20 @@ class CuttingProxy:
         for pair in self.pairs:
             pair.set_paused(False)
 
+    def hold(self) -> None:
+        """Accept new connections but forward nothing until :meth:`release`."""
+        self.holding = True
+
+    def release(self) -> None:
+        """Forward the held connections (and new ones) to the server."""
+        self.holding = False
+        self.hold_after = None
+        held, self.held = self.held, []
+        for pair in held:
+            pair.dial()
+
     async def stop(self) -> None:
+        self.release()
         self.cut()
         if self.port is not None:
             await self.port.stopListening()

@@ -13,16 +13,21 @@ pytest-twisted installs one.
 
 from __future__ import annotations
 
+import os
 import re
 import signal as signals
 from collections.abc import Iterable
 
 #: What the server writes to stderr only when something went wrong: Python's
 #: traceback header, Twisted's "Unhandled error in Deferred" / "Unhandled
-#: Error", and the level tag ``textFileLogObserver`` gives error and
-#: critical events (``[namespace#error]``).
+#: Error", the level tag ``textFileLogObserver`` gives error and critical
+#: events (``[namespace#error]``), and the warnings that containment failed
+#: (a process tree that outlived its SIGKILL, output held open by a member
+#: beyond reach): each means a process may have escaped.
 FORBIDDEN_STDERR = re.compile(
-    rb"Traceback \(most recent call last\)|Unhandled error|#error\]|#critical\]", re.IGNORECASE
+    rb"Traceback \(most recent call last\)|Unhandled error|#error\]|#critical\]"
+    rb"|members still alive .* after SIGKILL|output still open after SIGKILL",
+    re.IGNORECASE,
 )
 
 #: Every server started and not yet checked, oldest first.
@@ -114,9 +119,38 @@ class ServerChecks:
         return found
 
     def _forbidden(self, line: bytes) -> bool:
-        return bool(FORBIDDEN_STDERR.search(line)) and not any(
-            p.search(line) for p in self.allowed_stderr
-        )
+        return bool(forbidden_lines(line, self.allowed_stderr))
+
+
+def forbidden_lines(text: bytes, allowed: Iterable[re.Pattern[bytes]] = ()) -> list[bytes]:
+    """The lines of ``text`` that show an error (and match none of ``allowed``)."""
+    patterns = list(allowed)
+    return [
+        line
+        for line in text.splitlines()
+        if FORBIDDEN_STDERR.search(line) and not any(p.search(line) for p in patterns)
+    ]
+
+
+def check_local_server_logs(directory: str) -> list[str]:
+    """Problems in the stderr copies of servers that clients launched themselves
+    (``EXEC_SERVER_LOCAL_LOG_DIR``: the CLI's ``--stdio``, ``connect()``
+    without a URL, ``spawn_local``); the files are removed once read."""
+    report: list[str] = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            text = f.read()
+        os.unlink(path)
+        bad = forbidden_lines(text)
+        if bad:
+            shown = " | ".join(b.decode(errors="replace") for b in bad[:5])
+            tail = text[-2000:].decode(errors="replace")
+            report.append(
+                f"local server {name} (launched by a client): stderr shows errors: {shown}"
+                f"\n--- stderr tail ---\n{tail}"
+            )
+    return report
 
 
 def check(servers: Iterable[ServerChecks]) -> list[str]:

@@ -97,7 +97,7 @@ async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any)
                 pipe_stdin=True,
             )
             recorder = Recorder()
-            proc.add_output_listener(recorder.output)
+            proc.add_output_listener(recorder.output, gaps=True)
             for index, offset in enumerate(cuts):
                 before = proxy.cuts
                 await on_reactor(proxy.cut_after, offset)
@@ -123,7 +123,9 @@ async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any)
 @pytest_twisted.ensureDeferred
 async def test_every_byte_arrives_once_in_order_through_random_cuts() -> None:
     for cuts in chosen_cuts():
-        await stream_through_cuts(cuts, "--retained-output-bytes", str(4 * CHUNK * CHUNKS))
+        await stream_through_cuts(
+            cuts, "--retained-output-bytes", str(4 * CHUNK * CHUNKS), on_detached_full="drop"
+        )
 
 
 @pytest_twisted.ensureDeferred
@@ -145,10 +147,11 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
     )
 
     async def scenario() -> None:
-        async with connect(proxy) as client:
+        async with connect(proxy, on_detached_full="drop") as client:
             proc = await client.start(["sh", "-c", script], cwd=CWD)
             events: list[aio.OutputEvent] = []
-            stream = proc.output()
+            stream = proc.output(gaps=True)
+            plain = proc.output()
             events.append(await anext(stream))
             assert events[0].chunk == b"first"
             # Nothing reaches the client now; the output piles up in the server.
@@ -163,6 +166,22 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
             seqs = [e.seq for e in events if not isinstance(e, aio.GapEvent)]
             [gap] = gaps
             assert gap.from_seq == 2 and events[1] is gap
+            assert gap.delivered == (("stdout", 5), ("stderr", 0))
+            # The default stream raises the gap where it falls, and goes on after it.
+            # ("first" reaches it unless it came before it existed: the
+            # backlog goes to the first stream only.)
+            try:
+                head = await anext(plain)
+            except aio.OutputGap as exc:
+                error = exc
+            else:
+                assert head.chunk == b"first"
+                with pytest.raises(aio.OutputGap) as raised:
+                    await anext(plain)
+                error = raised.value
+            assert (error.from_seq, error.to_seq) == (gap.from_seq, gap.to_seq)
+            assert error.delivered == {"stdout": 5, "stderr": 0}
+            assert [e.seq async for e in plain] == seqs[1:]
             assert seqs[0] == 1 and seqs[1] == gap.to_seq + 1
             assert seqs[1:] == list(range(gap.to_seq + 1, gap.to_seq + len(seqs)))
 
@@ -208,7 +227,7 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
         async with connect(proxy) as client:
             cat = await client.start(["sh", "-c", f'tee "{copy}"'], cwd=CWD, pipe_stdin=True)
             recorder = Recorder()
-            cat.add_output_listener(recorder.output)
+            cat.add_output_listener(recorder.output, gaps=True)
             # The server gets these requests, but their answers are lost in the cut.
             await on_reactor(proxy.stall_replies)
             write = asyncio.ensure_future(cat.write(b"once\n"))

@@ -22,6 +22,7 @@ from execserver.clientcore.errors import (
     AuthRefused,
     ConnectFailed,
     ConnectionClosed,
+    OutputGap,
     OutputLagged,
     ProtocolViolation,
     RangesNotSupported,
@@ -34,11 +35,11 @@ from execserver.clientcore.framing import (
     keep_stderr_tail,
     server_exited,
 )
-from execserver.clientcore.process import ProcessCore
+from execserver.clientcore.process import EMPTY, OutputQueue, ProcessCore
 from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS, ResumeAttempts
 from execserver.clientcore.rpc import RpcCore
 from execserver.clientcore.start import exec_params, next_process_id
-from execserver.clientcore.types import OutputEvent, OutputParams
+from execserver.clientcore.types import GapEvent, OutputEvent, OutputParams
 from execserver.retained import CHUNK_OVERHEAD_BYTES
 
 # --- RpcCore ------------------------------------------------------------------------------
@@ -237,6 +238,9 @@ class _Handle(ProcessCore[_Queue]):
 
     def _listener_failed(self) -> None:
         self.fired.append("listener failed")
+
+    def _gap_unheard(self, error: OutputGap) -> None:
+        self.fired.append(f"gap unheard {error.from_seq}-{error.to_seq}")
 
 
 def _event(seq: int, size: int) -> OutputEvent:
@@ -453,3 +457,97 @@ def test_resume_ends_with_the_ttl_and_backs_off_doubling() -> None:
     attempts.restart(20.0, "dropped again")
     assert attempts.expired(24.9) is None and attempts.next_delay() == 0.05
     assert attempts.expired(25.0) == "no connection within its 5 s TTL (dropped again)"
+
+
+# --- gaps: loud by default, events on request -------------------------------------------
+
+
+class _Pull(OutputQueue):
+    def _wake(self) -> None:
+        pass
+
+
+class _PullHandle(ProcessCore[_Pull]):
+    def __init__(self) -> None:
+        self.fired: list[str] = []
+        self._init_process("p", 1 << 20)
+
+    def _fire_exited(self, exit_code: int | None) -> None:
+        pass
+
+    def _fire_closed(self) -> None:
+        pass
+
+    def _backlog_overflow(self) -> None:
+        pass
+
+    def _listener_failed(self) -> None:
+        self.fired.append("listener failed")
+
+    def _gap_unheard(self, error: OutputGap) -> None:
+        self.fired.append(str(error))
+
+
+def _resume_with_a_gap(handle: ProcessCore[Any]) -> None:
+    """Seq 1 (3 stdout bytes) and 2 (2 stderr bytes) arrive live; a resume finds
+    seqs 3..6 dropped and 7 retained."""
+    handle.accept_output(OutputEvent("p", "stdout", b"abc", 1))
+    handle.accept_output(OutputEvent("p", "stderr", b"de", 2))
+    handle.begin_catch_up()
+    read = p.ReadResponse(
+        chunks=[p.ProcessOutputChunk(7, "stdout", b"tail")],
+        next_seq=8,
+        exited=False,
+        exit_code=None,
+        gap=p.SeqGap(3, 6),
+    )
+    assert handle.catch_up(read)
+    handle.end_catch_up()
+
+
+def test_a_default_reader_gets_the_gap_raised_with_its_range_and_continues_after_it() -> None:
+    handle = _PullHandle()
+    queue = handle._add_queue(_Pull("p", 1 << 20), fail_if_lost=False)
+    _resume_with_a_gap(handle)
+    assert [queue.take(), queue.take()] == [
+        OutputEvent("p", "stdout", b"abc", 1),
+        OutputEvent("p", "stderr", b"de", 2),
+    ]
+    with pytest.raises(OutputGap) as raised:
+        queue.take()
+    gap = raised.value
+    assert (gap.process_id, gap.from_seq, gap.to_seq) == ("p", 3, 6)
+    assert gap.delivered == {"stdout": 3, "stderr": 2}
+    assert "dropped output seqs 3-6" in str(gap) and "stdout 3 bytes, stderr 2 bytes" in str(gap)
+    assert queue.take() == OutputEvent("p", "stdout", b"tail", 7)
+    assert queue.take() is EMPTY
+    assert [(g.from_seq, g.to_seq) for g in handle.gaps] == [(3, 6)]
+
+
+def test_gap_events_reach_only_readers_that_ask_for_them() -> None:
+    handle = _PullHandle()
+    queue = handle._add_queue(_Pull("p", 1 << 20, gaps=True), fail_if_lost=False)
+    aware: list[OutputEvent] = []
+    plain: list[OutputEvent] = []
+    handle.add_output_listener(aware.append, gaps=True)
+    handle.add_output_listener(plain.append)
+    _resume_with_a_gap(handle)
+    [gap_event] = [e for e in aware if isinstance(e, GapEvent)]
+    assert (gap_event.from_seq, gap_event.to_seq) == (3, 6)
+    assert gap_event.delivered == (("stdout", 3), ("stderr", 2))
+    assert [e.seq for e in plain] == [1, 2, 7]  # the plain listener never sees it ...
+    assert handle.fired == [str(gap_event.error())]  # ... and the gap is logged instead
+    assert [queue.take() for _ in range(4)][2] == gap_event
+
+
+def test_a_gap_in_a_pty_names_the_terminal_stream() -> None:
+    handle = _PullHandle()
+    events: list[OutputEvent] = []
+    handle.add_output_listener(events.append, gaps=True)
+    handle.accept_output(OutputEvent("p", "pty", b"$ ", 1))
+    handle.begin_catch_up()
+    handle.catch_up(p.ReadResponse([], 9, False, None, gap=p.SeqGap(2, 8)))
+    handle.end_catch_up()
+    gap = events[-1]
+    assert isinstance(gap, GapEvent) and gap.stream == "pty"
+    assert gap.delivered == (("pty", 2),)

@@ -112,7 +112,7 @@ async def stream_through_cuts(
         proc = await client.start_process(
             [sys.executable, "-c", STREAM_SCRIPT], cwd=str(REPO_ROOT), env=child_env()
         )
-        proc.add_output_listener(recorder.output)
+        proc.add_output_listener(recorder.output, gaps=True)
         proc.exited().addCallback(lambda code: recorder.events.append(("exit", code)))
         closed = proc.closed()
         closed.addCallback(lambda _: recorder.events.append("closed"))
@@ -176,7 +176,7 @@ async def test_every_byte_arrives_once_in_order_through_random_cuts() -> None:
     for cuts in chosen_cuts():
         # Retention well above the stream: "drop" never has to drop.
         recorder, proc, client = await stream_through_cuts(
-            cuts, ("--retained-output-bytes", str(4 * CHUNK * CHUNKS))
+            cuts, ("--retained-output-bytes", str(4 * CHUNK * CHUNKS)), on_detached_full="drop"
         )
         try:
             check_complete(recorder, proc)
@@ -203,7 +203,7 @@ async def test_pause_with_a_tiny_retention_loses_nothing() -> None:
 async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
     server = await WsServerProcess.start("--retained-output-bytes", str(4 * (1024 + 96)))
     proxy = await CuttingProxy((server.host_port[0], server.host_port[1])).start()
-    client = reconnecting(proxy.url, session_ttl_ms=30_000)
+    client = reconnecting(proxy.url, session_ttl_ms=30_000, on_detached_full="drop")
     client.start()
     go, done = tmp_path / "go", tmp_path / "done"
     # One 1 KiB chunk per write, 40 of them once `go` exists; `done` at the end.
@@ -216,7 +216,7 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
     try:
         await with_timeout(client.when_connected(), DEFAULT_TIMEOUT, "connection")
         proc = await client.start_process(["sh", "-c", script], cwd=str(REPO_ROOT))
-        proc.add_output_listener(recorder.output)
+        proc.add_output_listener(recorder.output, gaps=True)
         proc.exited().addCallback(lambda code: recorder.events.append(("exit", code)))
         proc.closed().addCallback(lambda _: recorder.events.append("closed"))
         await poll_until(lambda: recorder.data == b"first", 10.0, "the first output")
@@ -288,7 +288,7 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
             ["sh", "-c", f'tee "{copy}"'], cwd=str(REPO_ROOT), pipe_stdin=True
         )
         recorder = Recorder()
-        cat.add_output_listener(recorder.output)
+        cat.add_output_listener(recorder.output, gaps=True)
         # The server gets these requests, but their answers are lost in the cut.
         proxy.stall_replies()
         write = client.write(cat.process_id, b"once\n")

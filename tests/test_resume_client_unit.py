@@ -24,7 +24,7 @@ def handle() -> tuple[RemoteProcess, list[object]]:
         else:
             delivered.append(event.seq)
 
-    proc.add_output_listener(output)
+    proc.add_output_listener(output, gaps=True)
     proc.exited().addCallback(lambda code: delivered.append(("exit", code)))
     proc.closed().addCallback(lambda _: delivered.append("closed"))
     return proc, delivered

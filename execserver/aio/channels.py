@@ -44,6 +44,7 @@ from execserver.clientcore.framing import (
     MAX_MESSAGE_BYTES,
     STDOUT_CLOSED_REASON,
     LineInput,
+    LocalServerLog,
     describe_exit,
     keep_stderr_tail,
     server_exited,
@@ -71,6 +72,7 @@ class _ServerPipes(asyncio.SubprocessProtocol):
         self._input = LineInput(rpc)
         self._stderr = stderr
         self.stderr_tail = b""
+        self._log = LocalServerLog()
         self.transport: asyncio.SubprocessTransport | None = None
         self.exited = asyncio.Event()
         self._stdout_open = True
@@ -87,6 +89,7 @@ class _ServerPipes(asyncio.SubprocessProtocol):
         if fd != 2:
             return
         self.stderr_tail = keep_stderr_tail(self.stderr_tail, data)
+        self._log.write(self.transport.get_pid() if self.transport else None, data)
         if self._stderr is not None:
             try:
                 self._stderr(data)
@@ -94,6 +97,8 @@ class _ServerPipes(asyncio.SubprocessProtocol):
                 log.exception("exec-server stderr callback failed")
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 2:
+            self._log.close()
         if fd == 1 and self._stdout_open:
             self._stdout_open = False
             self._input.finish()

@@ -8,15 +8,19 @@ is done, over a local server's stdio (``url=None``), ``ws://``, ``wss://`` or
 
 Over WebSocket and Unix sockets (``resume=True``, the default) the session
 is created with a TTL (``session_ttl_ms``, default 60 s, capped by the
-server) and survives a dropped connection exactly as the Twisted client's
-``ResumingClient`` does:
+server) and ``onDetachedFull: "pause"`` (the server pauses a child rather
+than drop output the client has not read; ``on_detached_full="drop"`` to
+choose otherwise), and survives a dropped connection exactly as the Twisted
+client's ``ResumingClient`` does:
 
 1. the client re-dials with backoff (50 ms doubling to 2 s) and sends
    ``initialize`` with ``resumeSessionId``;
 2. every live process handle is caught up with ``process/read`` from the last
-   seq it delivered: output is delivered in seq order, never twice, with a
-   :class:`~execserver.clientcore.types.GapEvent` where the server dropped
-   some, then the exit and the close; live notifications wait their turn;
+   seq it delivered: output is delivered in seq order, never twice, then the
+   exit and the close; where the server dropped some ("drop" only), the
+   output iteration raises :class:`~execserver.clientcore.errors.OutputGap`
+   (a :class:`~execserver.clientcore.types.GapEvent` for readers that asked
+   for ``gaps=True``); live notifications wait their turn;
 3. calls in flight at the drop that are safe to repeat (``read``, ``wait``,
    ``list_processes``, fs reads, and ``write``, which carries a ``writeId``)
    are sent again on the resumed session; the others fail with
@@ -71,6 +75,7 @@ from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
     ClosedParams,
     ExitedParams,
+    GapEvent,
     InitializeResult,
     OutputEvent,
     OutputParams,
@@ -743,13 +748,18 @@ class Client:
         stderr: list[bytes] = []
         handle: Process | None = None
 
+        gaps: list[GapEvent] = []
+
         def collect(event: OutputEvent) -> None:
+            if isinstance(event, GapEvent):
+                gaps.append(event)
+                return
             (stderr if event.stream == "stderr" else stdout).append(event.chunk)
 
         try:
             async with asyncio.timeout(timeout):
                 handle = await self.start(argv, **start_kwargs)
-                handle.add_output_listener(collect)
+                handle.add_output_listener(collect, gaps=True)
                 if input is not None:
                     await _feed(handle, input)
                 await handle.closed()
@@ -772,9 +782,15 @@ class Client:
             raise handle.lost_reason
         if not handle.has_exited or handle.exit_code is None:
             raise ConnectionClosed(self._rpc.closed_reason or "connection closed")
-        return RunResult(
+        result = RunResult(
             b"".join(stdout), b"".join(stderr), handle.exit_code, handle.signal, handle.timed_out
         )
+        if gaps:
+            # Never a silently incomplete result: what arrived rides on the error.
+            error = gaps[0].error()
+            error.result = result
+            raise error
+        return result
 
     # --- notifications --------------------------------------------------------------
 
@@ -936,7 +952,10 @@ def connect(
     - ``request_timeout``: the default per-call timeout (``TimeoutError``).
     - ``resume`` (WebSocket / Unix socket): ride through dropped connections
       (see the module doc); the session is asked to live ``session_ttl_ms``
-      after a drop (default 60000; the server may grant less).
+      after a drop (default 60000; the server may grant less), with
+      ``on_detached_full`` (default ``"pause"`` for such a session;
+      ``"drop"``: the server may drop unread output, and the output
+      iteration raises ``OutputGap`` where it did).
     """
     display = url or "stdio"
     if token_file is not None:
@@ -954,6 +973,9 @@ def connect(
     ttl = session_ttl_ms
     if ttl is None and resume and url is not None:
         ttl = DEFAULT_SESSION_TTL_MS
+    if on_detached_full is None and ttl:
+        # A resumed session never lacks output the client has not read.
+        on_detached_full = "pause"
     dialer = _Dialer(
         url=url,
         server_command=server_command,

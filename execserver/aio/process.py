@@ -14,8 +14,11 @@ Output, in seq order and never twice (also across a resumed session):
   to ``limit`` bytes (64 MiB); a consumer that falls further behind gets
   :class:`~execserver.clientcore.errors.OutputLagged` after the buffered
   events, naming the ``after_seq`` to ``read()`` from -- never a silent gap
-  and never unbounded memory;
-- ``add_output_listener(fn)``: a function called for every event.
+  and never unbounded memory; where the server dropped output it raises
+  :class:`~execserver.clientcore.errors.OutputGap` naming the lost seqs
+  (``output(gaps=True)``: a ``GapEvent`` in its place);
+- ``add_output_listener(fn)``: a function called for every event (a gap
+  only with ``gaps=True``; otherwise logged as an error, kept in ``gaps``).
 
 Output that arrives before the first ``output()`` or listener is kept (up to
 16 MiB) and replayed to it.
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from execserver import protocol as p
+from execserver.clientcore.errors import OutputGap
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, Empty, OutputQueue, ProcessCore
 from execserver.clientcore.types import OutputEvent
 
@@ -50,9 +54,14 @@ class OutputStream(OutputQueue):
     """
 
     def __init__(
-        self, process_id: str, limit: int, on_cancel: Callable[[OutputStream], None]
+        self,
+        process_id: str,
+        limit: int,
+        on_cancel: Callable[[OutputStream], None],
+        *,
+        gaps: bool = False,
     ) -> None:
-        super().__init__(process_id, limit)
+        super().__init__(process_id, limit, gaps=gaps)
         self._on_cancel = on_cancel
         self._waiter: asyncio.Future[None] | None = None
 
@@ -129,11 +138,20 @@ class Process(ProcessCore[OutputStream]):
     def _listener_failed(self) -> None:
         log.exception("output listener of %s failed", self.process_id)
 
+    def _gap_unheard(self, error: OutputGap) -> None:
+        log.error("%s (an output listener without gaps=True was not told)", error)
+
     # --- output -------------------------------------------------------------------
 
-    def output(self, limit: int = DEFAULT_OUTPUT_LIMIT) -> OutputStream:
-        """A new stream of output events (the backlog first); ``async for`` it."""
-        stream = OutputStream(self.process_id, limit, self._forget_queue)
+    def output(self, limit: int = DEFAULT_OUTPUT_LIMIT, *, gaps: bool = False) -> OutputStream:
+        """A new stream of output events (the backlog first); ``async for`` it.
+
+        Where the server dropped output, the iteration raises
+        :class:`~execserver.clientcore.errors.OutputGap` (iterating again
+        continues after the gap); with ``gaps=True`` a ``GapEvent`` comes in
+        its place instead.
+        """
+        stream = OutputStream(self.process_id, limit, self._forget_queue, gaps=gaps)
         return self._add_queue(stream, fail_if_lost=True)
 
     # --- lifecycle ------------------------------------------------------------------

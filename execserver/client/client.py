@@ -86,7 +86,8 @@ class ConnectOptions:
     session_ttl_ms: int | None = None
     #: Take over this detached session instead of creating one.
     resume_session_id: str | None = None
-    #: "drop" or "pause" (docs/protocol.md, "Resumable sessions").
+    #: "drop" or "pause" (docs/protocol.md, "Resumable sessions"); None:
+    #: "pause" when ``session_ttl_ms`` asks for a resumable session.
     on_detached_full: str | None = None
 
 
@@ -181,8 +182,12 @@ class ExecServerClient(ClientApi, FileTransfers):
             params["sessionTtlMs"] = options.session_ttl_ms
         if options.resume_session_id is not None:
             params["resumeSessionId"] = options.resume_session_id
-        if options.on_detached_full is not None:
-            params["onDetachedFull"] = options.on_detached_full
+        on_detached_full = options.on_detached_full
+        if on_detached_full is None and options.session_ttl_ms:
+            # A session that outlives a drop never drops output unread.
+            on_detached_full = "pause"
+        if on_detached_full is not None:
+            params["onDetachedFull"] = on_detached_full
         d = self._rpc.call(p.INITIALIZE, params, InitializeResult)
 
         def timed_out(result: InitializeResult | Failure, timeout: float) -> NoReturn:

@@ -247,7 +247,9 @@ def connect_websocket(
         proto = await open_channel(endpoint, factory, url, connect_timeout, reactor)
 
         def on_collect() -> None:
-            if proto.transport is not None:
+            # A connection already lost is left alone: aborting a TLS one
+            # again raises (seen at exit, in a finalizer, after a resume).
+            if proto.transport is not None and not proto.rpc.is_closed:
                 proto.transport.abortConnection()  # type: ignore[attr-defined]
 
         link = Link(proto.rpc, closer=lambda: close_channel(proto, reactor), on_collect=on_collect)

@@ -16,6 +16,11 @@ Output is offered two ways:
   byte limit and fails with :class:`OutputLagged` beyond it, naming the seq to
   catch up from with :meth:`RemoteProcess.read`.
 
+Where the server dropped output (a resumed ``onDetachedFull: "drop"``
+session), a subscription raises :class:`OutputGap` in its place and a
+listener is not called (the gap is logged as an error and kept in
+``gaps``), unless they asked for ``gaps=True``: then a :class:`GapEvent`.
+
 Output received before the first listener or subscription is kept (up to
 ``backlog_bytes``) and replayed to it.
 """
@@ -30,6 +35,7 @@ from twisted.logger import Logger
 
 from execserver import protocol as p
 from execserver.client.types import OutputEvent
+from execserver.clientcore.errors import OutputGap
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES, Empty, OutputQueue, ProcessCore
 from execserver.waiters import Latch
 
@@ -53,8 +59,10 @@ class OutputSubscription(OutputQueue):
         process_id: str,
         limit: int,
         on_cancel: Callable[[OutputSubscription], None],
+        *,
+        gaps: bool = False,
     ) -> None:
-        super().__init__(process_id, limit)
+        super().__init__(process_id, limit, gaps=gaps)
         self._on_cancel = on_cancel
         self._waiter: Deferred[OutputEvent | None] | None = None
 
@@ -144,11 +152,22 @@ class RemoteProcess(ProcessCore[OutputSubscription]):
     def _listener_failed(self) -> None:
         log.failure("output listener of {pid} failed", pid=self.process_id)
 
+    def _gap_unheard(self, error: OutputGap) -> None:
+        log.error("{error} (an output listener without gaps=True was not told)", error=str(error))
+
     # --- output -----------------------------------------------------------------
 
-    def subscribe(self, limit: int = DEFAULT_SUBSCRIPTION_BYTES) -> OutputSubscription:
-        """A new pull queue of output events (the backlog first)."""
-        sub = OutputSubscription(self.process_id, limit, self._forget_queue)
+    def subscribe(
+        self, limit: int = DEFAULT_SUBSCRIPTION_BYTES, *, gaps: bool = False
+    ) -> OutputSubscription:
+        """A new pull queue of output events (the backlog first).
+
+        Where the server dropped output, ``next()`` fails with
+        :class:`~execserver.clientcore.errors.OutputGap` (the next call
+        continues after the gap); with ``gaps=True`` a ``GapEvent`` comes
+        in its place instead.
+        """
+        sub = OutputSubscription(self.process_id, limit, self._forget_queue, gaps=gaps)
         return self._add_queue(sub, fail_if_lost=False)
 
     # --- lifecycle ----------------------------------------------------------------

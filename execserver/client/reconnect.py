@@ -15,8 +15,12 @@ The session outlives a drop (``session_ttl_ms``, default 60 s, capped by
 the server): each new connection resumes it (``initialize``
 ``resumeSessionId``) and every live process handle is caught up from the
 last seq it delivered, so the code using a handle sees one ordered stream of
-output, exit and close, never a duplicate (a :class:`GapEvent` where the
-server had to drop output). Calls in flight at the drop are retried after
+output, exit and close, never a duplicate. The session is created with
+``onDetachedFull: "pause"`` (``on_detached_full="drop"`` to choose
+otherwise): the server pauses a child rather than drop output this client
+has not read; where a "drop" server dropped some, subscriptions raise
+:class:`OutputGap` (listeners and subscriptions with ``gaps=True`` get a
+:class:`GapEvent`). Calls in flight at the drop are retried after
 the resume when repeating them is harmless (reads, waits, lists, fs reads,
 writes, which carry a ``writeId``); the others fail with
 :class:`OutcomeUnknown`. A session that cannot be resumed (expired, server
@@ -243,6 +247,9 @@ class ReconnectingClient(_FollowsSession):
     ) -> None:
         self.url = url
         self._session_ttl_ms = session_ttl_ms
+        if on_detached_full is None and session_ttl_ms:
+            # A resumed session never lacks output the client has not read.
+            on_detached_full = "pause"
         self._on_detached_full = on_detached_full
         #: The client of the last connection while its session waits to be resumed.
         self._suspended: ExecServerClient | None = None

@@ -9,6 +9,7 @@ for the same situation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 #: Every client package exports these (``from ... import *`` takes exactly them).
@@ -21,6 +22,7 @@ __all__ = [
     "InitializeTimeout",
     "NotConnected",
     "OutcomeUnknown",
+    "OutputGap",
     "OutputLagged",
     "ProtocolViolation",
     "RangesNotSupported",
@@ -139,6 +141,36 @@ class OutputLagged(ExecServerError):
         )
         self.process_id = process_id
         self.after_seq = after_seq
+
+
+class OutputGap(ExecServerError):
+    """Output of a process is lost: the server dropped seqs ``from_seq..to_seq``
+    (inclusive) before this client read them (a session resumed after its
+    retention overflowed with ``onDetachedFull: "drop"``).
+
+    ``delivered`` maps each stream to the bytes of it delivered before the
+    gap: the lost output follows them. Raised by the default iteration over
+    a process's output where the gap falls (iterating again continues after
+    it); ``gaps=True`` delivers a :class:`~execserver.clientcore.types.GapEvent`
+    in its place instead. ``run()`` raises it after the process ended, with
+    ``result`` holding what did arrive.
+    """
+
+    def __init__(
+        self, process_id: str, from_seq: int, to_seq: int, delivered: Mapping[str, int]
+    ) -> None:
+        streams = ", ".join(f"{name} {count} bytes" for name, count in delivered.items())
+        super().__init__(
+            f"output of process {process_id} lost: the server dropped output seqs "
+            f"{from_seq}-{to_seq} before this client read them (delivered before the gap: "
+            f"{streams or 'nothing'})"
+        )
+        self.process_id = process_id
+        self.from_seq = from_seq
+        self.to_seq = to_seq
+        self.delivered = dict(delivered)
+        #: ``run()``: the result of what arrived (the gap left out).
+        self.result: Any = None
 
 
 class OutcomeUnknown(ConnectionClosed):

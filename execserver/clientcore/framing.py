@@ -9,7 +9,9 @@ why the connection to a local server ended.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import os
+from typing import IO, Any
 
 from execserver.clientcore.rpc import RpcCore
 from execserver.codec import OVERSIZED, LineFramer
@@ -45,6 +47,43 @@ class LineInput:
                 self.rpc.protocol_error(f"message larger than {self._max} bytes")
             else:
                 self.rpc.message_received(item)
+
+
+#: Names a directory where every client that launches a local server
+#: (``--stdio``, ``connect()`` without a URL, ``spawn_local``) also writes
+#: that server's stderr, one file per server: ``exec-server-PID.log``.
+LOCAL_SERVER_LOG_DIR_ENV = "EXEC_SERVER_LOCAL_LOG_DIR"
+
+
+class LocalServerLog:
+    """A copy of one local server's stderr in ``$EXEC_SERVER_LOCAL_LOG_DIR``, if set.
+
+    The file is opened at the first stderr bytes; an unwritable directory
+    only disables the copy (the client does not fail for its log).
+    """
+
+    def __init__(self) -> None:
+        self._dir = os.environ.get(LOCAL_SERVER_LOG_DIR_ENV) or None
+        self._file: IO[bytes] | None = None
+
+    def write(self, pid: int | None, data: bytes) -> None:
+        if self._dir is None:
+            return
+        if self._file is None:
+            try:
+                path = os.path.join(self._dir, f"exec-server-{pid}.log")
+                self._file = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
+            except OSError:
+                self._dir = None
+                return
+        with contextlib.suppress(OSError):
+            self._file.write(data)
+
+    def close(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
 
 
 def keep_stderr_tail(tail: bytes, data: bytes) -> bytes:

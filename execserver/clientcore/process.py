@@ -19,9 +19,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final, Generic, Protocol, TypeVar
 
-from execserver.clientcore.errors import OutputLagged
+import attrs
+
+from execserver.clientcore.errors import OutputGap, OutputLagged
 from execserver.clientcore.ordering import SeqOrdering
-from execserver.clientcore.types import OutputEvent
+from execserver.clientcore.types import GapEvent, OutputEvent
 from execserver.retained import CHUNK_OVERHEAD_BYTES
 
 DEFAULT_BACKLOG_BYTES = 16 * 1024 * 1024
@@ -55,11 +57,17 @@ class OutputQueue(ABC):
     naming the last of them as the seq to ``read()`` from), unless nothing
     is queued: then one event larger than the limit is not a lag, it is
     queued alone.
+
+    A :class:`GapEvent` (output the server dropped) is taken as
+    :class:`OutputGap` raised in its place, unless the reader asked for
+    ``gaps``: a reader writing every event's chunk cannot lose output
+    silently. Taking again continues after the gap.
     """
 
-    def __init__(self, process_id: str, limit: int) -> None:
+    def __init__(self, process_id: str, limit: int, *, gaps: bool = False) -> None:
         self.process_id = process_id
         self._limit = limit
+        self._gaps = gaps
         self._queue: deque[OutputEvent] = deque()
         self._bytes = 0
         self._ended = False
@@ -100,6 +108,8 @@ class OutputQueue(ABC):
         if self._queue:
             event = self._queue.popleft()
             self._bytes -= len(event.chunk)
+            if isinstance(event, GapEvent) and not self._gaps:
+                raise event.error()
             return event
         if self._error is not None:
             raise self._error
@@ -134,7 +144,12 @@ class ProcessCore(SeqOrdering, ABC, Generic[Q]):
         self.lost_reason: Exception | None = None
         #: Output bytes (with per-chunk overhead) not yet acknowledged ("pause").
         self.unacked_bytes = 0
-        self._listeners: list[Callable[[OutputEvent], None]] = []
+        #: Output bytes delivered so far, by stream (what a gap follows).
+        self.delivered_bytes: dict[str, int] = {"stdout": 0, "stderr": 0}
+        #: Every gap in this handle's output so far (whoever read it).
+        self.gaps: list[OutputGap] = []
+        #: (listener, whether it takes GapEvents)
+        self._listeners: list[tuple[Callable[[OutputEvent], None], bool]] = []
         self._queues: list[Q] = []
         self._backlog: list[OutputEvent] | None = []
         self._backlog_bytes = 0
@@ -162,17 +177,35 @@ class ProcessCore(SeqOrdering, ABC, Generic[Q]):
     def _listener_failed(self) -> None:
         """Called inside ``except``: an output listener raised; log it with its traceback."""
 
+    @abstractmethod
+    def _gap_unheard(self, error: OutputGap) -> None:
+        """Log (at error level) a gap that an output listener without ``gaps`` did not get."""
+
     # --- output -----------------------------------------------------------------------
 
-    def add_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
-        """Call ``listener`` with every output event (the backlog first)."""
-        self._listeners.append(listener)
+    def add_output_listener(
+        self, listener: Callable[[OutputEvent], None], *, gaps: bool = False
+    ) -> None:
+        """Call ``listener`` with every output event (the backlog first).
+
+        A gap (output the server dropped) reaches it as a :class:`GapEvent`
+        only with ``gaps=True``; otherwise it is logged as an error and kept
+        in :attr:`gaps`.
+        """
+        self._listeners.append((listener, gaps))
         for event in self._take_backlog():
-            listener(event)
+            self._call(listener, gaps, event)
 
     def remove_output_listener(self, listener: Callable[[OutputEvent], None]) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
+        self._listeners = [entry for entry in self._listeners if entry[0] is not listener]
+
+    def _call(
+        self, listener: Callable[[OutputEvent], None], gaps: bool, event: OutputEvent
+    ) -> None:
+        if isinstance(event, GapEvent) and not gaps:
+            self._gap_unheard(event.error())
+            return
+        listener(event)
 
     def _add_queue(self, queue: Q, *, fail_if_lost: bool) -> Q:
         """Give ``queue`` the backlog (and its overflow), then every later event.
@@ -207,6 +240,19 @@ class ProcessCore(SeqOrdering, ABC, Generic[Q]):
 
     def deliver_output(self, event: OutputEvent) -> None:
         """Called by the client for each ``process/output`` of this process."""
+        if isinstance(event, GapEvent):
+            delivered = self.delivered_bytes
+            if "pty" in delivered:  # a terminal has one stream
+                delivered = {"pty": delivered["pty"]}
+            event = attrs.evolve(
+                event,
+                stream="pty" if "pty" in delivered else event.stream,
+                delivered=tuple(delivered.items()),
+            )
+            self.gaps.append(event.error())
+        else:
+            counts = self.delivered_bytes
+            counts[event.stream] = counts.get(event.stream, 0) + len(event.chunk)
         if self._backlog is not None:
             if self._backlog_overflowed:
                 return
@@ -219,9 +265,9 @@ class ProcessCore(SeqOrdering, ABC, Generic[Q]):
             self._backlog.append(event)
             self._backlog_bytes += len(event.chunk)
             return
-        for listener in list(self._listeners):
+        for listener, gaps in list(self._listeners):
             try:
-                listener(event)
+                self._call(listener, gaps, event)
             except Exception:
                 self._listener_failed()
         for queue in list(self._queues):

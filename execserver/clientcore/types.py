@@ -17,6 +17,7 @@ import attrs
 import msgspec
 
 from execserver import protocol as p
+from execserver.clientcore.errors import OutputGap
 
 
 class InitializeResult(msgspec.Struct, rename="camel"):
@@ -70,10 +71,20 @@ class OutputEvent:
 @attrs.frozen
 class GapEvent(OutputEvent):
     """Output seqs ``from_seq..to_seq`` (inclusive) are lost: the server
-    dropped them before this client could read them (``chunk`` is empty)."""
+    dropped them before this client could read them (``chunk`` is empty).
+
+    Delivered only to readers that asked for gaps (``gaps=True``); the
+    others get :class:`~execserver.clientcore.errors.OutputGap` raised.
+    ``delivered``: (stream, bytes) of the output delivered before the gap.
+    """
 
     from_seq: int = 0
     to_seq: int = 0
+    delivered: tuple[tuple[str, int], ...] = ()
+
+    def error(self) -> OutputGap:
+        """The exception a reader that did not ask for gaps gets in this event's place."""
+        return OutputGap(self.process_id, self.from_seq, self.to_seq, dict(self.delivered))
 
 
 @attrs.frozen

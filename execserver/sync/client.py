@@ -36,7 +36,7 @@ from execserver import aio
 from execserver import protocol as p
 from execserver.aio import RunResult
 from execserver.clientcore.errors import ConnectionClosed
-from execserver.clientcore.types import OutputEvent
+from execserver.clientcore.types import GapEvent, OutputEvent
 from execserver.sync._loop import CANCEL_GRACE, LOOP, Call, check_not_loop_thread
 
 T = TypeVar("T")
@@ -427,15 +427,18 @@ class Process:
     def timed_out(self) -> str | None:
         return self._aio.timed_out
 
-    def output(self, timeout: float | None = None) -> Iterator[OutputEvent]:
-        """The output events (:class:`OutputEvent`, :class:`GapEvent`) up to the close.
+    def output(self, timeout: float | None = None, *, gaps: bool = False) -> Iterator[OutputEvent]:
+        """The output events (:class:`OutputEvent`) up to the close.
 
         ``timeout`` bounds this iteration (TimeoutError when it expires). Every
         ``output()`` of a handle reads one stream: a new iteration continues
-        where the last one stopped (after a timeout, a ``break``), so no event
-        is lost or seen twice. One thread at a time may iterate it.
+        where the last one stopped (after a timeout, a ``break``, a gap), so no
+        event is lost or seen twice. One thread at a time may iterate it.
+        Where the server dropped output the iteration raises
+        :class:`~execserver.clientcore.errors.OutputGap` naming the lost
+        seqs; with ``gaps=True`` a :class:`GapEvent` comes in its place.
         """
-        return _OutputIterator(self, timeout)
+        return _OutputIterator(self, timeout, gaps)
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once the process exited (TimeoutError after ``timeout``)."""
@@ -474,8 +477,9 @@ class _OutputIterator(Iterator[OutputEvent]):
     The stream is created, and read, on the loop thread.
     """
 
-    def __init__(self, process: Process, timeout: float | None) -> None:
+    def __init__(self, process: Process, timeout: float | None, gaps: bool) -> None:
         self._process = process
+        self._gaps = gaps
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._ended = False
 
@@ -489,7 +493,8 @@ class _OutputIterator(Iterator[OutputEvent]):
 
         async def step() -> OutputEvent | None:
             if not process._stream:
-                process._stream.append(process.aio.output())
+                # Gaps are events here; each iterator raises them or not.
+                process._stream.append(process.aio.output(gaps=True))
             try:
                 event: OutputEvent = await process._stream[0].__anext__()
             except StopAsyncIteration:
@@ -497,7 +502,7 @@ class _OutputIterator(Iterator[OutputEvent]):
             return event
 
         if process._pushback:
-            return process._pushback.pop(0)
+            return self._checked(process._pushback.pop(0))
         remaining = None
         if self._deadline is not None:
             remaining = max(0.0, self._deadline - time.monotonic())
@@ -512,6 +517,11 @@ class _OutputIterator(Iterator[OutputEvent]):
         if event is None:
             self._ended = True
             raise StopIteration
+        return self._checked(event)
+
+    def _checked(self, event: OutputEvent) -> OutputEvent:
+        if isinstance(event, GapEvent) and not self._gaps:
+            raise event.error()
         return event
 
 

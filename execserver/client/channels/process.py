@@ -32,6 +32,7 @@ from execserver.client.rpc import RpcClient
 from execserver.clientcore.framing import (
     STDOUT_CLOSED_REASON,
     LineInput,
+    LocalServerLog,
     describe_exit,
     keep_stderr_tail,
     server_exited,
@@ -60,6 +61,7 @@ class ServerProcessProtocol(ProcessProtocol):
         self._input = LineInput(rpc, max_message_bytes)
         self._stderr = stderr
         self.stderr_tail = b""
+        self._log = LocalServerLog()
         self.exit_code: int | None = None
         self.exit_signal: int | None = None
         self.ended = False
@@ -78,6 +80,7 @@ class ServerProcessProtocol(ProcessProtocol):
 
     def errReceived(self, data: bytes) -> None:
         self.stderr_tail = keep_stderr_tail(self.stderr_tail, data)
+        self._log.write(self.pid, data)
         if self._stderr is not None:
             try:
                 self._stderr(data)
@@ -87,6 +90,9 @@ class ServerProcessProtocol(ProcessProtocol):
     def outConnectionLost(self) -> None:
         self._input.finish()
         self.rpc.connection_lost(STDOUT_CLOSED_REASON)
+
+    def errConnectionLost(self) -> None:
+        self._log.close()
 
     def processEnded(self, reason: Failure) -> None:
         if self._stdout_open:

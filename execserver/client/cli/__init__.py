@@ -7,7 +7,9 @@
     exec-server-client fs --stdio ls /tmp
 
 Exit status: the remote command's exit code for ``run``/``shell`` (128+N when
-it died of signal N); 124 when ``--timeout-ms`` expired; 141 when the reader
+it died of signal N); 124 when ``--timeout-ms`` expired; 125 when output
+was lost (the server dropped output this client had not read: ``run``
+prints a line naming the lost range); 141 when the reader
 of the output went away; 127/126 when the command cannot be found /
 executed; 1 for other remote errors; 2 for usage errors; 255 when the server
 cannot be reached, refuses authentication, does not answer the handshake in
@@ -42,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Run commands and touch files through an exec-server.",
         epilog="Exit status: the remote exit code (128+N: killed by signal N); "
-        "124 --timeout-ms expired; 141 output reader gone; "
+        "124 --timeout-ms expired; 125 output lost (the server dropped some); "
+        "141 output reader gone; "
         "126/127 command not executable/found; 1 other remote error; 2 usage; "
         "255 connection, auth or handshake failure. "
         "Ctrl-C: SIGINT to the remote process, again: terminate, again: kill.",

@@ -28,6 +28,9 @@ EXIT_CONNECTION = 255
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 #: As GNU ``timeout``: the command ran out of its ``--timeout-ms``.
 EXIT_TIMED_OUT = 124
+#: Output of the command was lost (the server dropped output this client had
+#: not read: ``--on-detached-full drop``, or a server without "pause").
+EXIT_OUTPUT_LOST = 125
 
 
 class CliError(Exception):
@@ -141,6 +144,8 @@ async def connect(
         initialize_timeout=args.initialize_timeout,
         session_ttl_ms=ttl or None,
         resume_session_id=resume_session_id,
+        # Only a session that outlives a drop has output to pause or drop.
+        on_detached_full=getattr(args, "on_detached_full", None) if ttl else None,
     )
     url = args.url or (None if args.stdio else os.environ.get("EXEC_SERVER_URL"))
     try:

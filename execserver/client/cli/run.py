@@ -28,6 +28,7 @@ from execserver.client.cli.common import (
     EXIT_CONNECTION,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
+    EXIT_OUTPUT_LOST,
     EXIT_REMOTE_ERROR,
     EXIT_TIMED_OUT,
     EXIT_USAGE,
@@ -43,7 +44,7 @@ from execserver.client.connect import wait_at_most
 from execserver.client.errors import ExecServerError, ServerError
 from execserver.client.process import RemoteProcess
 from execserver.client.reconnect import ResumingClient
-from execserver.client.types import OutputEvent
+from execserver.client.types import GapEvent, OutputEvent
 
 #: ``run``/``shell`` over --url: the session outlives a drop this long (ms).
 RESUME_TTL_MS = 60_000
@@ -110,6 +111,14 @@ def _process_options(parser: argparse.ArgumentParser) -> None:
         f"dropped connection while this client reconnects (default {RESUME_TTL_MS}; "
         "0: a drop ends the command, exit 255)",
     )
+    parser.add_argument(
+        "--on-detached-full",
+        choices=("pause", "drop"),
+        default="pause",
+        help="with --url: while this client is away and the server's retained output "
+        "fills, pause the command (default; nothing is lost) or drop the oldest "
+        f"output (the command never waits; lost output is reported, exit {EXIT_OUTPUT_LOST})",
+    )
 
 
 class _Output:
@@ -117,15 +126,21 @@ class _Output:
 
     When a reader goes away (EPIPE, e.g. ``| head``), writing stops and
     ``on_broken`` runs once: the remote process is terminated, as a local
-    one would die of SIGPIPE.
+    one would die of SIGPIPE. Output the server dropped (a :class:`GapEvent`)
+    is kept in ``gaps``: the run then reports it and exits
+    :data:`EXIT_OUTPUT_LOST`.
     """
 
     def __init__(self, on_broken: Callable[[], None], stdout: int = 1, stderr: int = 2) -> None:
         self._fds = {"stdout": stdout, "stderr": stderr, "pty": stdout}
         self._on_broken = on_broken
         self.broken = False
+        self.gaps: list[GapEvent] = []
 
     def __call__(self, event: OutputEvent) -> None:
+        if isinstance(event, GapEvent):
+            self.gaps.append(event)
+            return
         if self.broken:
             return
         try:
@@ -325,6 +340,8 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
     saved_tty: list[Any] | None = None
     old_handlers: dict[int, Any] = {}
     forwarder: _StdinForwarder | None = None
+    output: _Output | None = None
+    command_code: int | None = None
     timed_out_after: int | None = None
     try:
         cwd = args.cwd or (os.getcwd() if args.stdio else "/")
@@ -352,7 +369,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 proc.terminate().addErrback(_ignore)
 
         output = _Output(reader_gone)
-        proc.add_output_listener(output)
+        proc.add_output_listener(output, gaps=True)
 
         interrupts = _Interrupts(
             proc, client, argv[0], lambda text: note(text, raw_terminal=saved_tty is not None)
@@ -382,6 +399,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             forwarder.start()
 
         code = await proc.exited()
+        command_code = code
         if code is None:
             raise CliError(
                 f"connection lost while `{argv[0]}` was running: "
@@ -391,6 +409,8 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, reactor)
         if output.broken:
             return EXIT_BROKEN_PIPE
+        if output.gaps:
+            return EXIT_OUTPUT_LOST  # said below, once the terminal is restored
         if proc.timed_out is not None:
             # Said after the terminal is restored (below).
             timed_out_after = args.timeout_ms
@@ -403,12 +423,27 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             termios.tcsetattr(0, termios.TCSADRAIN, saved_tty)
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)
+        if output is not None and not output.broken:
+            for gap in output.gaps:
+                note(gap_line(gap, argv[0], command_code))
         if timed_out_after is not None:
             note(
                 f"`{argv[0]}` timed out after {timed_out_after} ms (--timeout-ms) "
                 "and was terminated"
             )
         await client.close()
+
+
+def gap_line(gap: GapEvent, argv0: str, code: int | None) -> str:
+    """The line ``run`` prints for output the server dropped (docs/client.md)."""
+    delivered = ", ".join(f"{stream} {count} bytes" for stream, count in gap.delivered)
+    line = (
+        f"output lost: the server dropped output seqs {gap.from_seq}-{gap.to_seq} of "
+        f"`{argv0}` before this client read them (delivered before the gap: {delivered})"
+    )
+    if code is not None:
+        line += f"; exiting {EXIT_OUTPUT_LOST}, not with the command's {code}"
+    return line
 
 
 def _closed_reason(client: Any) -> str | None:
