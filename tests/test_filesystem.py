@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import errno
 import os
 import stat
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -356,17 +358,38 @@ def test_write_errors(tmp: Path) -> None:
     assert error["data"] == {"kind": "isADirectory", "errno": 21}
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+@contextlib.contextmanager
+def _no_new_entries(directory: Path) -> Iterator[int]:
+    """A directory nobody can create entries in; yields the errno a creation gets.
+
+    Root ignores permission bits, so as root the directory is made
+    immutable (``chattr +i``: no entry can be added, even by root, while
+    the files already in it stay writable); otherwise it is made read-only.
+    """
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            yield errno.EACCES
+        finally:
+            directory.chmod(0o755)
+        return
+    subprocess.run(["chattr", "+i", str(directory)], check=True, timeout=30)
+    try:
+        yield errno.EPERM
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True, timeout=30)
+
+
 def test_write_into_a_read_only_directory_falls_back_to_in_place(tmp: Path) -> None:
     h = ready()
     locked = tmp / "locked"
     locked.mkdir()
     (locked / "f").write_bytes(b"old contents")
-    locked.chmod(0o555)
-    h.result("fs/writeFile", {"path": str(locked / "f"), "dataBase64": b64(b"new")})
-    assert (locked / "f").read_bytes() == b"new"
-    error = h.error("fs/writeFile", {"path": str(locked / "g"), "dataBase64": ""})
-    assert error["data"] == {"kind": "permissionDenied", "errno": 13}
+    with _no_new_entries(locked) as refused:
+        h.result("fs/writeFile", {"path": str(locked / "f"), "dataBase64": b64(b"new")})
+        assert (locked / "f").read_bytes() == b"new"
+        error = h.error("fs/writeFile", {"path": str(locked / "g"), "dataBase64": ""})
+    assert error["data"] == {"kind": "permissionDenied", "errno": refused}
 
 
 def test_unwritable_directory_falls_back_to_truncate_and_write(tmp: Path, monkeypatch: Any) -> None:
