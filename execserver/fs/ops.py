@@ -16,7 +16,6 @@ import contextlib
 import errno
 import mmap
 import os
-import secrets
 import stat
 from collections.abc import Callable
 from typing import Final, NoReturn
@@ -29,6 +28,7 @@ from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.errors import RpcError
 from execserver.fs import b64
+from execserver.fs.journal import copy_back, journal
 from execserver.fs.paths import (
     ROOT_MESSAGE,
     created_at_ms,
@@ -124,6 +124,17 @@ def _open_regular_for_reading(path: str, extra: int = 0) -> tuple[int, os.stat_r
     return fd, st
 
 
+def _seek(fd: int, offset: int) -> bool:
+    """Move ``fd`` to ``offset``; False if the file system allows no file that long."""
+    try:
+        os.lseek(fd, offset, os.SEEK_SET)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOVERFLOW, errno.EFBIG):
+            return False
+        raise
+    return True
+
+
 @oserrors
 def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
     """``fs/readFile``: the result rendered as pieces, the file read a slice at a time.
@@ -136,8 +147,11 @@ def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
     try:
         if not span.ranged and st.st_size > limit:
             raise too_large(limit)
-        if span.offset:
-            os.lseek(fd, span.offset, os.SEEK_SET)
+        if span.offset and not _seek(fd, span.offset):
+            # Past what the file system allows a file to reach (2^63-1 on
+            # ext4 is EINVAL): nothing there, as past the end.
+            tail = b'","size":%d}' % os.fstat(fd).st_size
+            return RenderedParts((_READ_PREFIX, tail))
         # Files whose size lies (/proc) or that grow or shrink while read
         # are read to their end (or the range's), up to the limit.
         want = limit + 1 if span.length is None else min(span.length, limit + 1)
@@ -253,7 +267,14 @@ def _open_regular_for_writing(
     effect).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | extra
-    fd = os.open(path, flags, mode)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            # A FIFO without a reader (or a device node without a device)
+            # refuses a non-blocking writer: it is not a regular file.
+            raise refusal() from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise refusal()
@@ -304,58 +325,152 @@ def write_file(path: str, raw: msgspec.Raw) -> None:
         raise
 
 
-def _write_file(path: str, raw: msgspec.Raw) -> None:
-    path = resolve_path(path)
-    st = _check_write_target(path)
-    if st is not None and st.st_nlink > 1:
-        # Hard links: renaming would detach this name from the others;
-        # write through, as the reference.
-        _write_in_place(path, raw)
-        return
-    # A symlink at the path is followed: its final target is replaced.
-    target = os.path.realpath(path)
-    directory = os.path.dirname(target)
-    temp = os.path.join(directory, f".exec-server-{secrets.token_hex(8)}.tmp")
+def _fill(fd: int, raw: msgspec.Raw) -> int:
+    """Decode ``raw`` into the empty file ``fd``; bytes written."""
+    try:
+        return _write_pieces(fd, raw, None)
+    except b64.NotFast:
+        # JSON escapes or invalid base64: start over with the exact decoder.
+        slow = b64.decode_slow(raw)
+        os.ftruncate(fd, 0)
+        return _write_all(fd, slow, 0)
+
+
+def _create_temp(directory: str) -> tuple[str, int] | None:
+    """A new temporary file in ``directory`` (None if the directory refuses one)."""
+    temp = journal().temp_path(directory)
     try:
         # Mode 0o666 lets the kernel apply the umask (and default ACLs) to a
         # new file exactly as for the reference's File::create.
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            _write_in_place(path, raw)  # directory not writable
-            return
+            return None
         raise
-    try:
-        try:
-            if st is not None:
-                own = os.fstat(fd)
-                if (own.st_uid, own.st_gid) != (st.st_uid, st.st_gid):
-                    os.fchown(fd, st.st_uid, st.st_gid)
-                os.fchmod(fd, stat.S_IMODE(st.st_mode))
-        except PermissionError:
-            # The owner cannot be kept (someone else's file we may write to):
-            # replacing it would change who owns it; write through instead.
-            os.close(fd)
-            fd = -1
-            os.unlink(temp)
+    return temp, fd
+
+
+def _write_file(path: str, raw: msgspec.Raw) -> None:
+    path = resolve_path(path)
+    st = _check_write_target(path)
+    # A symlink at the path is followed: its final target is replaced.
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    # Hard links: renaming would detach this name from the others, so the
+    # new bytes are copied back into the same inode (under the journal).
+    replace = st is None or st.st_nlink == 1
+    created = _create_temp(directory)
+    if created is None:
+        # The directory is not writable: the temporary file goes to the
+        # state directory, and the target is written in place from it.
+        replace = False
+        if not journal().enabled:
             _write_in_place(path, raw)
             return
-        try:
-            _write_pieces(fd, raw, None)
-        except b64.NotFast:
-            # JSON escapes or invalid base64: start over with the exact decoder.
-            slow = b64.decode_slow(raw)
-            os.ftruncate(fd, 0)
-            _write_all(fd, slow, 0)
-        os.close(fd)
-        fd = -1
-        os.rename(temp, target)
+        slow = b64.validate(raw)  # nothing is written for invalid base64
+        del slow
+        created = _create_temp(journal().directory)
+        if created is None:
+            _write_in_place(path, raw)
+            return
+    temp, fd = created
+    try:
+        if replace and st is not None:
+            # Owner and mode before any byte is written: the temporary
+            # file is never readable by more people than the target.
+            replace = _keep_owner_and_mode(fd, st)
+        if not replace:
+            os.fchmod(fd, 0o600)  # only a copy of bytes for the target's own inode
+        size = _fill(fd, raw)
+        if replace and st is not None:
+            replace = _keep_attributes(fd, target, st)
+        if replace:
+            os.close(fd)
+            fd = -1
+            os.rename(temp, target)
+            return
+        _copy_into(path, temp, fd, size)
     except BaseException:
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(temp)
+
+
+def _copy_into(path: str, temp: str, temp_fd: int, size: int) -> None:
+    """Copy the complete temporary file into ``path``'s own inode, under a journal record.
+
+    The temporary file is synced, then a record naming it and the target's
+    inode is written and synced, then the target is overwritten, ended and
+    synced, and only then is the record removed: a server killed at any
+    point leaves the old contents (before the record) or a record that the
+    next server replays (:meth:`Journal.recover`) to the new contents.
+    """
+    os.fsync(temp_fd)
+    fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"))
+    try:
+        record = journal().begin_copy(temp, os.path.realpath(path), os.fstat(fd), size)
+        try:
+            copy_back(temp_fd, fd, size)
+        finally:
+            journal().end_copy(record)
+    finally:
+        os.close(fd)
+
+
+def _keep_owner_and_mode(fd: int, st: os.stat_result) -> bool:
+    """Give the temporary file ``st``'s owner, group and mode; False if the owner cannot be kept."""
+    own = os.fstat(fd)
+    try:
+        if (own.st_uid, own.st_gid) != (st.st_uid, st.st_gid):
+            os.fchown(fd, st.st_uid, st.st_gid)
+    except PermissionError:
+        # Someone else's file we may write to: replacing it would change
+        # who owns it; it is written in place instead.
+        return False
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    return True
+
+
+#: Set after every other attribute: a change of owner or a write clears it.
+_CAPABILITY: Final = "security.capability"
+
+
+def _keep_attributes(fd: int, target: str, st: os.stat_result) -> bool:
+    """Copy every extended attribute of ``target`` onto ``fd``; False if one cannot be.
+
+    User attributes, the POSIX ACL (``system.posix_acl_access``), the
+    SELinux label and the rest; the file capabilities
+    (``security.capability``) last, because a write or a ``chown`` clears
+    them. The setuid and setgid bits a write may have cleared are set
+    again. If an attribute cannot be set here (not permitted, not
+    supported), the target is written in place instead, so it keeps all.
+    """
+    try:
+        names = os.listxattr(target)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.ENODATA):
+            raise
+        names = []
+    special = stat.S_IMODE(st.st_mode) & (stat.S_ISUID | stat.S_ISGID)
+    if special and (os.fstat(fd).st_mode & special) != special:
+        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | special)
+    for name in sorted(names, key=lambda n: n == _CAPABILITY):
+        try:
+            value = os.getxattr(target, name)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                continue  # removed meanwhile
+            return False
+        try:
+            os.setxattr(fd, name, value)
+        except OSError:
+            return False
+    return True
 
 
 @oserrors
@@ -372,7 +487,7 @@ def write_range(
     """
     path = resolve_path(path)
     slow = b64.validate(raw)
-    _check_write_target(path)
+    existed = _check_write_target(path) is not None
     extra = os.O_APPEND if append else 0
     fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"), extra)
     try:
@@ -382,8 +497,20 @@ def write_range(
         # any case (an empty write past the end extends the file too).
         if not append and (truncate or os.fstat(fd).st_size < end):
             os.ftruncate(fd, end)
+    except BaseException:
+        if not existed:
+            _remove_created(path, fd)
+        raise
     finally:
         os.close(fd)
+
+
+def _remove_created(path: str, fd: int) -> None:
+    """Unlink the file this failed write created at ``path``, if it is still that file."""
+    with contextlib.suppress(OSError):
+        target = os.path.realpath(path)  # a dangling symlink's new target, not the link
+        if _same_inode(os.fstat(fd), os.lstat(target)):
+            os.unlink(target)
 
 
 @oserrors
