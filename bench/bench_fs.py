@@ -15,6 +15,13 @@ Prints figures and ratios to baselines measured in the same run, never asserts:
   library (``ExecServerClient.download``/``upload``, 8 MiB ranges): MB/s,
   the client's and the server's peak RSS. Not part of the test suite.
 
+- with ``--put-get MIB``: ``exec-server-client fs put`` against ``fs get`` of
+  the same file (``--stdio``), alternating;
+- with ``--write-paths MIB``: ``fs/writeFile`` of a file with one link (the
+  atomic replacement) and of a hard-linked one (the journaled copy-back)
+  against a plain ``write`` + ``fsync`` of the same bytes; ``--before TREE``
+  adds the same rows for the server of an older checkout, in the same run.
+
 Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1] [--ws]``
 (``--rss-only``: the peak RSS figures alone.)
 (``--size-mib N --repeat R --seconds S``: one size, R rounds, short runs.)
@@ -252,6 +259,132 @@ def peak_over_idle_ws(work: Path, size: int) -> dict[str, tuple[float, float]]:
 # --- the client library, N GiB -------------------------------------------------------------
 
 
+def _server_command(tree: str | None) -> list[str]:
+    """The server to run: this one, or the tree ``tree`` (a checkout) put first on the path."""
+    if tree is None:
+        return [sys.executable, "-m", "execserver"]
+    return ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "execserver"]
+
+
+def _cli_seconds(*args: str) -> float:
+    client = str(Path(sys.executable).with_name("exec-server-client"))
+    start = time.perf_counter()
+    subprocess.run([client, "fs", "--stdio", *args], check=True, cwd=tempfile.gettempdir())
+    return time.perf_counter() - start
+
+
+def put_get_rates(work: Path, size: int, rounds: int, before: str | None) -> list[Ratio]:
+    """``exec-server-client fs put`` and ``fs get`` of ``size`` bytes (stdio), alternating.
+
+    ``put / get`` with this server; with ``before`` (a checkout of an older
+    version) also this server's put over the older one's, in the same rounds.
+    """
+    source = work / f"put-{size}.bin"
+    with open(source, "wb") as f:
+        f.write(os.urandom(size))
+    remote = work / "put-remote.bin"
+    back = work / "put-back.bin"
+    mib = size / MiB
+    puts: list[float] = []
+    gets: list[float] = []
+    old_puts: list[float] = []
+    for _ in range(rounds):
+        for tree, rates in ((None, puts), *(((before, old_puts),) if before else ())):
+            command = " ".join(_server_command(tree))
+            rates.append(
+                mib / _cli_seconds("--server-command", command, "put", str(source), str(remote))
+            )
+        command = " ".join(_server_command(None))
+        gets.append(mib / _cli_seconds("--server-command", command, "get", str(remote), str(back)))
+    assert back.read_bytes() == source.read_bytes()
+    ratios = [
+        Ratio(
+            f"fs put {mib:.0f} MiB (put / get, exec-server-client --stdio)",
+            Series("fs put", "MiB/s", tuple(puts)),
+            Series("fs get", "MiB/s", tuple(gets)),
+        )
+    ]
+    if before:
+        ratios.append(
+            Ratio(
+                f"fs put {mib:.0f} MiB (this server / the server at {before})",
+                Series("fs put", "MiB/s", tuple(puts)),
+                Series("fs put before", "MiB/s", tuple(old_puts)),
+            )
+        )
+    return ratios
+
+
+def _plain_write_seconds(path: Path, data: bytes) -> float:
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def write_path_costs(work: Path, size: int, rounds: int, before: str | None) -> list[Ratio]:
+    """What each ``fs/writeFile`` path costs: atomic, hard-linked (journaled copy-back).
+
+    Ratios to a plain ``write`` + ``fsync`` of the same bytes in the same
+    round (the physical limit of a durable write here), and the hard-linked
+    write over the atomic one. With ``before`` (a checkout), the same two
+    writes by that server too (its hard-linked write truncated in place).
+    """
+    data = os.urandom(size)
+    text = base64.b64encode(data)
+    mib = size / MiB
+    figures: dict[str, list[float]] = {}
+    servers = [("", None)] + ([(" before", before)] if before else [])
+    plain = work / "plain.bin"
+    for _ in range(rounds):
+        figures.setdefault("plain", []).append(mib / _plain_write_seconds(plain, data))
+        for label, tree in servers:
+            with started_server_at(tree) as client:
+                for kind in ("atomic", "hard-linked"):
+                    target = work / f"paths-{kind}.bin"
+                    target.write_bytes(b"old")
+                    if kind == "hard-linked":
+                        link = work / "paths-link.bin"
+                        link.unlink(missing_ok=True)
+                        os.link(target, link)
+                    request = write_request(client.new_id(), target, text)
+                    start = time.perf_counter()
+                    client.send_bytes(request)
+                    line = read_line(client)
+                    figures.setdefault(kind + label, []).append(mib / (time.perf_counter() - start))
+                    check_ok(line)
+                    assert target.read_bytes() == data
+    plain_series = Series("write+fsync", "MiB/s", tuple(figures["plain"]))
+    ratios = []
+    for label, _tree in servers:
+        atomic = Series(f"atomic{label}", "MiB/s", tuple(figures["atomic" + label]))
+        linked = Series(f"hard-linked{label}", "MiB/s", tuple(figures["hard-linked" + label]))
+        ratios.append(
+            Ratio(f"fs/writeFile {mib:.0f} MiB atomic{label} / write+fsync", atomic, plain_series)
+        )
+        ratios.append(
+            Ratio(
+                f"fs/writeFile {mib:.0f} MiB hard-linked{label} / write+fsync", linked, plain_series
+            )
+        )
+        ratios.append(
+            Ratio(f"fs/writeFile {mib:.0f} MiB hard-linked{label} / atomic{label}", linked, atomic)
+        )
+    return ratios
+
+
+def started_server_at(tree: str | None) -> StdioClient:
+    argv = [*_server_command(tree), "--max-message-bytes", str(1024 * MiB)]
+    client = StdioClient(argv=argv)
+    client.initialize()
+    client.request("fs/getMetadata", {"path": "/tmp"})
+    return client
+
+
 def library_child(direction: str, remote: str, local: str) -> None:
     """Run in a child process: one transfer, then print its figures as JSON."""
     import psutil
@@ -329,9 +462,32 @@ def main() -> None:
         "--rss-only", action="store_true", help="only the peak RSS figures (no rates)"
     )
     parser.add_argument("--library-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--put-get", type=int, metavar="MIB", help="only: fs put vs fs get of MIB MiB (the CLI)"
+    )
+    parser.add_argument(
+        "--write-paths", type=int, metavar="MIB", help="only: the fs/writeFile paths' costs"
+    )
+    parser.add_argument("--before", metavar="TREE", help="with those two: also a checkout's server")
     args = parser.parse_args()
     if args.library_child:
         library_child(*args.library_child)
+        return
+    if args.put_get or args.write_paths:
+        print_header("filesystem write paths")
+        work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
+        try:
+            found = []
+            if args.put_get:
+                found += put_get_rates(work, args.put_get * MiB, args.rounds, args.before)
+            if args.write_paths:
+                found += write_path_costs(work, args.write_paths * MiB, args.rounds, args.before)
+            for ratio in found:
+                print(ratio.value.describe())
+                print(ratio.baseline.describe())
+                print(ratio.describe(), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         return
     if args.size_mib:
         args.sizes_mib = args.size_mib
