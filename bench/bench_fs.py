@@ -20,7 +20,11 @@ Prints figures and ratios to baselines measured in the same run, never asserts:
 - with ``--write-paths MIB``: ``fs/writeFile`` of a file with one link (the
   atomic replacement) and of a hard-linked one (the journaled copy-back)
   against a plain ``write`` + ``fsync`` of the same bytes; ``--before TREE``
-  adds the same rows for the server of an older checkout, in the same run.
+  adds the same rows for the server of an older checkout, in the same run;
+- with ``--reference MIB``: ``fs/writeFile`` of MIB MiB and ``fs/getMetadata``
+  round trips at depth 1 against the Rust reference (``codex exec-server
+  --listen stdio``, the cached Codex CLI), alternating, and against a plain
+  ``write`` + ``fsync`` of the same bytes (targets 2x and 0.5, 1.5x).
 
 Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1] [--ws]``
 (``--rss-only``: the peak RSS figures alone.)
@@ -377,6 +381,99 @@ def write_path_costs(work: Path, size: int, rounds: int, before: str | None) -> 
     return ratios
 
 
+#: The Rust reference (the Codex CLI's ``codex exec-server``), if cached here.
+REFERENCE_BINARY = Path.home() / (
+    ".cache/exec-server-codex/0.171.0/package/vendor/x86_64-unknown-linux-musl/bin/codex"
+)
+
+
+def _started_reference(home: Path) -> StdioClient:
+    env_home = home / "codex-home"
+    env_home.mkdir(exist_ok=True)
+    os.environ.setdefault("CODEX_HOME", str(env_home))
+    client = StdioClient(argv=[str(REFERENCE_BINARY), "exec-server", "--listen", "stdio"])
+    client.initialize()
+    client.request("fs/getMetadata", {"path": "file:///tmp"})
+    return client
+
+
+def _timed_write(client: StdioClient, target: Path, text: bytes) -> float:
+    # Paths as file:// URIs: the reference's current dialect takes nothing else.
+    request = (
+        b'{"id":%d,"method":"fs/writeFile","params":{"path":"file://%s","dataBase64":"%s"}}\n'
+        % (
+            client.new_id(),
+            str(target).encode(),
+            text,
+        )
+    )
+    start = time.perf_counter()
+    client.send_bytes(request)
+    line = read_line(client)
+    seconds = time.perf_counter() - start
+    check_ok(line)
+    return seconds
+
+
+def _metadata_rate(client: StdioClient, count: int) -> float:
+    request = b'{"id":%d,"method":"fs/getMetadata","params":{"path":"file:///tmp"}}\n'
+    start = time.perf_counter()
+    for _ in range(count):
+        client.send_bytes(request % client.new_id())
+        check_ok(read_line(client))
+    return count / (time.perf_counter() - start)
+
+
+def reference_rates(work: Path, size: int, rounds: int, count: int) -> list[Ratio]:
+    """This server against the Rust reference over stdio, alternating, and the physical limit.
+
+    ``fs/writeFile`` of ``size`` bytes (whole file) by each, and a plain
+    ``write`` + ``fsync`` of the same bytes; ``fs/getMetadata`` round trips
+    at depth 1 (one request in flight), ``count`` per round.
+    """
+    data = os.urandom(size)
+    text = base64.b64encode(data)
+    mib = size / MiB
+    ours: list[float] = []
+    theirs: list[float] = []
+    plain: list[float] = []
+    ours_meta: list[float] = []
+    theirs_meta: list[float] = []
+    home = Path(tempfile.mkdtemp(prefix="bench-codex-", dir=Path.home()))
+    try:
+        with started_server() as mine, _started_reference(home) as reference:
+            for _ in range(rounds):
+                plain.append(mib / _plain_write_seconds(work / "plain.bin", data))
+                ours.append(mib / _timed_write(mine, work / "ours.bin", text))
+                theirs.append(mib / _timed_write(reference, work / "theirs.bin", text))
+                ours_meta.append(_metadata_rate(mine, count))
+                theirs_meta.append(_metadata_rate(reference, count))
+        assert (work / "ours.bin").read_bytes() == (work / "theirs.bin").read_bytes() == data
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    ours_series = Series("fs/writeFile", "MiB/s", tuple(ours))
+    return [
+        Ratio(
+            f"fs/writeFile {mib:.0f} MiB stdio (server / reference)",
+            ours_series,
+            Series("reference", "MiB/s", tuple(theirs)),
+            target=2.0,
+        ),
+        Ratio(
+            f"fs/writeFile {mib:.0f} MiB stdio (server / write+fsync)",
+            ours_series,
+            Series("write+fsync", "MiB/s", tuple(plain)),
+            target=0.5,
+        ),
+        Ratio(
+            "fs/getMetadata round trips, depth 1 (server / reference)",
+            Series("server", "req/s", tuple(ours_meta)),
+            Series("reference", "req/s", tuple(theirs_meta)),
+            target=1.5,
+        ),
+    ]
+
+
 def started_server_at(tree: str | None) -> StdioClient:
     argv = [*_server_command(tree), "--max-message-bytes", str(1024 * MiB)]
     client = StdioClient(argv=argv)
@@ -469,11 +566,17 @@ def main() -> None:
         "--write-paths", type=int, metavar="MIB", help="only: the fs/writeFile paths' costs"
     )
     parser.add_argument("--before", metavar="TREE", help="with those two: also a checkout's server")
+    parser.add_argument(
+        "--reference",
+        type=int,
+        metavar="MIB",
+        help="only: fs/writeFile of MIB MiB and getMetadata depth 1 against the Rust reference",
+    )
     args = parser.parse_args()
     if args.library_child:
         library_child(*args.library_child)
         return
-    if args.put_get or args.write_paths:
+    if args.put_get or args.write_paths or args.reference:
         print_header("filesystem write paths")
         work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
         try:
@@ -482,6 +585,9 @@ def main() -> None:
                 found += put_get_rates(work, args.put_get * MiB, args.rounds, args.before)
             if args.write_paths:
                 found += write_path_costs(work, args.write_paths * MiB, args.rounds, args.before)
+            if args.reference:
+                count = max(1000, args.count // 10)
+                found += reference_rates(work, args.reference * MiB, args.rounds, count)
             for ratio in found:
                 print(ratio.value.describe())
                 print(ratio.baseline.describe())

@@ -158,3 +158,20 @@ def test_a_failed_far_offset_write_leaves_no_new_file(server: RawServer, tmp_pat
     target.write_bytes(b"keep")
     _error(server, "fs/writeFile", {"path": str(target), "dataBase64": "AAAA", "offset": I64_MAX})
     assert target.read_bytes() == b"keep"
+
+
+def test_an_acl_the_directory_would_give_the_new_file_is_not_added(
+    server: RawServer, tmp_path: Path
+) -> None:
+    """A default ACL on the directory: the replaced file keeps having none, as before."""
+    directory = tmp_path / "with-default-acl"
+    directory.mkdir()
+    target = directory / "plain"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o640)
+    os.setxattr(directory, "system.posix_acl_default", ACL)
+    assert "system.posix_acl_access" not in os.listxattr(target)
+    server.call("fs/writeFile", {"path": str(target), "dataBase64": "bmV3"})
+    assert target.read_bytes() == b"new"
+    assert "system.posix_acl_access" not in os.listxattr(target)
+    assert os.stat(target).st_mode & 0o7777 == 0o640

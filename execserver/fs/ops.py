@@ -461,6 +461,17 @@ def _keep_attributes(fd: int, target: str, st: os.stat_result) -> bool:
     special = stat.S_IMODE(st.st_mode) & (stat.S_ISUID | stat.S_ISGID)
     if special and (os.fstat(fd).st_mode & special) != special:
         os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | special)
+    try:
+        extra = [name for name in os.listxattr(fd) if name not in names]
+    except OSError:
+        extra = []
+    for name in extra:
+        # Given to the new file by the directory (a default ACL): the
+        # target does not have it.
+        try:
+            os.removexattr(fd, name)
+        except OSError:
+            return False
     for name in sorted(names, key=lambda n: n == _CAPABILITY):
         try:
             value = os.getxattr(target, name)
