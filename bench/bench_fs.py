@@ -24,7 +24,9 @@ Prints figures and ratios to baselines measured in the same run, never asserts:
 - with ``--reference MIB``: ``fs/writeFile`` of MIB MiB and ``fs/getMetadata``
   round trips at depth 1 against the Rust reference (``codex exec-server
   --listen stdio``, the cached Codex CLI), alternating, and against a plain
-  ``write`` + ``fsync`` of the same bytes (targets 2x and 0.5, 1.5x).
+  ``write`` + ``fsync`` of the same bytes (targets 2x and 0.5, 1.5x);
+- with ``--write-steps MIB``: each step of one MIB MiB ``fs/writeFile`` timed
+  alone beside its physical limit.
 
 Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1] [--ws]``
 (``--rss-only``: the peak RSS figures alone.)
@@ -474,6 +476,88 @@ def reference_rates(work: Path, size: int, rounds: int, count: int) -> list[Rati
     ]
 
 
+def write_steps(work: Path, size: int) -> None:
+    """Where an ``fs/writeFile`` of ``size`` bytes goes: each step of the server, timed alone.
+
+    The server's own functions on one request line, median of 7, each
+    printed beside its physical limit (a copy of the line, ``pybase64``'s
+    decode, a plain ``write`` and ``write`` + ``fsync``, a pipe transfer).
+    """
+    import threading
+
+    import pybase64
+
+    from execserver import codec
+    from execserver.dispatcher import _has_uri_value
+    from execserver.fs import ops
+    from execserver.fs.handlers import WriteFileWire
+
+    data = os.urandom(size)
+    text = base64.b64encode(data)
+    target = work / "steps.bin"
+    line = write_request(1, target, text).rstrip(b"\n")
+
+    def timed(func: Any, repeat: int = 7) -> float:
+        values = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            func()
+            values.append(time.perf_counter() - start)
+        return sorted(values)[len(values) // 2] * 1000
+
+    request: Any = codec.decode_message(line)
+    params: Any = codec.decode_params(request.params, WriteFileWire)
+    fd = os.open(work / "steps-plain.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write_and_sync() -> None:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+
+    def pipe_transfer() -> None:
+        r, w = os.pipe()
+
+        def reader() -> None:
+            got = 0
+            while got < len(line):
+                got += len(os.read(r, 256 * 1024))
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        view = memoryview(line)
+        while view:
+            view = view[os.write(w, view[: 1 << 20]) :]
+        thread.join()
+        os.close(r)
+        os.close(w)
+
+    rows = [
+        ("limit: copy of the line", timed(lambda: bytearray(line))),
+        ("limit: the line through a pipe, 256 KiB reads", timed(pipe_transfer, 3)),
+        ("envelope parse (params kept as Raw)", timed(lambda: codec.decode_message(line))),
+        (
+            "dialect check (a file:// value in params)",
+            timed(lambda: _has_uri_value(request.params)),
+        ),
+        (
+            "params parse (WriteFileWire)",
+            timed(lambda: codec.decode_params(request.params, WriteFileWire)),
+        ),
+        (
+            "limit: pybase64 decode of the whole text",
+            timed(lambda: pybase64.b64decode(text, validate=True)),
+        ),
+        (
+            "fs work: decode into a temporary file, attributes, rename",
+            timed(lambda: ops.write_file(str(target), params.data_base64)),
+        ),
+        ("limit: plain write of the bytes", timed(lambda: os.pwrite(fd, data, 0))),
+        ("limit: plain write + fsync", timed(write_and_sync, 3)),
+    ]
+    os.close(fd)
+    for name, ms in rows:
+        print(f"{ms:8.2f} ms  {len(line) / MiB / (ms / 1000):7.0f} MiB/s of text  {name}")
+
+
 def started_server_at(tree: str | None) -> StdioClient:
     argv = [*_server_command(tree), "--max-message-bytes", str(1024 * MiB)]
     client = StdioClient(argv=argv)
@@ -572,9 +656,20 @@ def main() -> None:
         metavar="MIB",
         help="only: fs/writeFile of MIB MiB and getMetadata depth 1 against the Rust reference",
     )
+    parser.add_argument(
+        "--write-steps", type=int, metavar="MIB", help="only: where a MIB MiB write's time goes"
+    )
     args = parser.parse_args()
     if args.library_child:
         library_child(*args.library_child)
+        return
+    if args.write_steps:
+        print_header("filesystem: the steps of one fs/writeFile")
+        work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
+        try:
+            write_steps(work, args.write_steps * MiB)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         return
     if args.put_get or args.write_paths or args.reference:
         print_header("filesystem write paths")
