@@ -820,7 +820,9 @@ def _copy_tree(source: str, target: str, mode: int) -> None:
 def _copy_tree_into(source: str, target: str, mode: int, created: bool) -> None:
     src = _Walk(os.open(source, _DIR_FLAGS))
     try:
-        dst = _Walk(os.open(target, _DIR_FLAGS))
+        # The destination itself may be a symlink to a directory (merged
+        # into, as before); below it nothing is followed.
+        dst = _Walk(os.open(target, _DIR_FLAGS & ~os.O_NOFOLLOW))
         try:
             # Per level: the entries still to copy, and the mode to give the
             # destination directory when it is done (None: it existed).
