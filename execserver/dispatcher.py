@@ -51,6 +51,10 @@ LARGE_RESULT_BYTES = 64 * 1024
 
 #: The current dialect answers unknown methods with JSON-RPC's "method not found".
 METHOD_NOT_FOUND = -32601
+
+#: /readyz's reason (and the 503 to new WebSocket connections) while the
+#: server stops: the listeners stay open until every session has ended.
+SHUTTING_DOWN = "exec-server is shutting down"
 #: A JSON string value that is a file:// URI (re scans the raw params in place).
 _URI_VALUE = re.compile(rb'"file://')
 
@@ -239,6 +243,8 @@ class Dispatcher:
 
     def not_ready_reason(self) -> str | None:
         """Why the server should not get new work now (for /readyz), or None."""
+        if self._stopping:
+            return SHUTTING_DOWN
         for check in self.readiness_checks:
             reason = check()
             if reason is not None:
@@ -248,6 +254,10 @@ class Dispatcher:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    def begin_stopping(self) -> None:
+        """From now on /readyz and new WebSocket connections are answered 503."""
+        self._stopping = True
 
     def shutdown(self) -> Deferred[None]:
         """Shut every connection down and end detached sessions (terminating all processes)."""
