@@ -19,6 +19,9 @@ fleet relies on, and the container image and ``podman kube play`` smoke test.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -258,3 +261,42 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         assert exited["signal"] == "SIGKILL"
     finally:
         await server.stop()
+
+
+# --- the image and the manifests on a real container runtime --------------------
+
+#: What deploy/smoke-test asserts, one line per step (see deploy/smoke_test.py).
+SMOKE_STEPS = [
+    "ok: base image localhost/exec-server-base:",
+    "ok: image localhost/exec-server:0.1.0 built from deploy/Containerfile in ",
+    "ok: the entry point is the installed exec-server (/opt/exec-server), uid 10001, no checkout",
+    "ok: without a token the server refuses 0.0.0.0 (exit 2)",
+    "ok: bubblewrap runs in the image with /proc unmasked, and not without",
+    "ok: podman kube play of deployment.yaml and service.yaml: pod exec-server-pod-0",
+    "ok: the Service's port published on 127.0.0.1:",
+    "ok: a command ran in the pod (as exec)",
+    "ok: a PTY session: input through the terminal, tty is /dev/pts/N",
+    "ok: a 1 MiB file written, read back and hashed in the pod: the same bytes",
+    "ok: /readyz 200; /metrics 200 with the token (3 processes started), 401 without",
+    "ok: SIGTERM: /readyz 503 meanwhile, exit 0 after ",
+    "ok: restarted: the resuming client says 'exec-server connection closed: session ",
+    "ok: podman kube down: the pod and its ",
+    "smoke test passed",
+]
+
+
+@pytest.mark.timeout(1500)
+def test_smoke_test_builds_the_image_and_runs_the_manifests_on_podman() -> None:
+    # Cold (no base image cached): about 2 min of mmdebstrap, 1 min of build,
+    # 15 s of pod; the base is reused by name afterwards.
+    done = subprocess.run(
+        [str(DEPLOY / "smoke-test")],
+        env=dict(os.environ, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [step for step in SMOKE_STEPS if not any(line.startswith(step) for line in lines)] == []
