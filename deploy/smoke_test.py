@@ -251,7 +251,12 @@ def check_image(podman: Podman, image: str) -> int:
         f"bwrap under a masked /proc: {masked.returncode} {masked.stderr.strip()}",
     )
     podman.run(*probe, "--security-opt", "unmask=ALL", image, "-c", BWRAP_PROBE)
-    ok("bubblewrap runs in the image with /proc unmasked, and not without")
+    # In a user namespace of its own, as a hostUsers: false pod runs.
+    userns = ["--uidmap", "0:200000:65536", "--gidmap", "0:200000:65536"]
+    masked = podman.run(*probe, *userns, image, "-c", BWRAP_PROBE, check_rc=False)
+    check(masked.returncode != 0, "bwrap in a user namespace under a masked /proc")
+    podman.run(*probe, *userns, "--security-opt", "unmask=ALL", image, "-c", BWRAP_PROBE)
+    ok("bubblewrap runs in the image with /proc unmasked (in a user namespace too), not without")
     size = int(json.loads(podman.out("image", "inspect", image))[0]["Size"])
     return size
 
@@ -272,6 +277,8 @@ class Forwarder:
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._server.getsockname()[1]
         self._stopped = False
+        #: (when, the pod's address) per connection, for a failure's report.
+        self.targets: list[tuple[float, tuple[str, int] | None]] = []
         self._threads: list[threading.Thread] = []
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -290,6 +297,8 @@ class Forwarder:
 
     def _serve(self, client: socket.socket) -> None:
         target = self._target()
+        with self._lock:
+            self.targets.append((round(time.monotonic(), 2), target))
         upstream: socket.socket | None = None
         try:
             if target is not None:
@@ -374,7 +383,18 @@ class Pod:
         decoded["data"] = {k: self.secret_data(k).decode() for k in self.secret["data"]}
         self._secret_file.write_text(yaml.safe_dump(decoded))
         self.podman.run("secret", "create", self.secret["metadata"]["name"], str(self._secret_file))
-        self.podman.run("kube", "play", str(self.played), timeout=300)
+        args = ["kube", "play", str(self.played)]
+        userns = self.deployment["spec"]["template"]["spec"].get("hostUsers") is False
+        if userns and not subordinate_ids("containers"):
+            # podman runs hostUsers: false as --userns=auto, which takes its
+            # ids from the `containers` user's ranges in /etc/subuid and
+            # /etc/subgid; without them the pod runs in the host's (the
+            # image checks above ran the same container in a user namespace).
+            args += ["--userns", "host"]
+            say(
+                "note: no subordinate ids for `containers`: the pod runs without its user namespace"
+            )
+        self.podman.run(*args, timeout=300)
         ok(f"podman kube play of deployment.yaml and service.yaml: pod {self.pod_name}")
 
     def down(self) -> None:
@@ -421,6 +441,18 @@ class Pod:
             "inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", self.container
         ).split()
         return status, int(code)
+
+
+def subordinate_ids(user: str) -> bool:
+    """Whether ``user`` has ranges in both /etc/subuid and /etc/subgid."""
+    for path in ("/etc/subuid", "/etc/subgid"):
+        try:
+            entries = Path(path).read_text().splitlines()
+        except OSError:
+            return False
+        if not any(line.split(":")[0] == user for line in entries):
+            return False
+    return True
 
 
 def alive(pid: int) -> bool:
@@ -607,6 +639,11 @@ def main(argv: list[str] | None = None) -> int:
         figures["pod run (s)"] = time.monotonic() - run_started
     except Failed as exc:
         say(f"FAILED: {exc}")
+        if forwarder is not None:
+            say(f"the forwarder's targets (last 20): {forwarder.targets[-20:]}")
+        logs = podman.run("logs", "--tail", "40", pod.container, check_rc=False)
+        if logs.returncode == 0:
+            say(f"the server's last lines:\n{logs.stdout}{logs.stderr}")
         return 1
     finally:
         if forwarder is not None:
