@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -103,7 +104,6 @@ def sessions_growth_mib(sessions: int) -> tuple[float, float]:
     argv = [sys.executable, "-m", "execserver", "--listen", "ws://127.0.0.1:0"]
     argv += ["--max-connections", str(sessions + 10)]
     server = subprocess.Popen(argv, env=server_env(), stderr=subprocess.PIPE, text=True)
-    opened = []
     try:
         assert server.stderr is not None
         url = None
@@ -115,16 +115,14 @@ def sessions_growth_mib(sessions: int) -> tuple[float, float]:
             url = found.group(1) if found else None
         idle = settled_rss_mib(server.pid)
         hello = json.dumps({"id": 1, "method": "initialize", "params": {"clientName": "b"}})
-        for _ in range(sessions):
-            ws = connect(url, max_size=None, open_timeout=30)
-            ws.send(hello)
-            json.loads(ws.recv(timeout=30))
-            ws.send(json.dumps({"method": "initialized", "params": {}}))
-            opened.append(ws)
-        loaded = settled_rss_mib(server.pid)
+        with contextlib.ExitStack() as opened:
+            for _ in range(sessions):
+                ws = opened.enter_context(connect(url, max_size=None, open_timeout=30))
+                ws.send(hello)
+                json.loads(ws.recv(timeout=30))
+                ws.send(json.dumps({"method": "initialized", "params": {}}))
+            loaded = settled_rss_mib(server.pid)
     finally:
-        for ws in opened:
-            ws.close()
         server.terminate()
         server.wait(timeout=30)
     return idle, loaded
