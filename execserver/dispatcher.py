@@ -50,6 +50,10 @@ LARGE_RESULT_BYTES = 64 * 1024
 
 #: The current dialect answers unknown methods with JSON-RPC's "method not found".
 METHOD_NOT_FOUND = -32601
+
+#: /readyz's reason (and the 503 to new WebSocket connections) while the
+#: server stops: the listeners stay open until every session has ended.
+SHUTTING_DOWN = "exec-server is shutting down"
 #: A JSON string value that is a file:// URI.
 _URI_VALUE = b'"file://'
 #: Bytes of params copied at a time by the search for it.
@@ -266,6 +270,8 @@ class Dispatcher:
 
     def not_ready_reason(self) -> str | None:
         """Why the server should not get new work now (for /readyz), or None."""
+        if self._stopping:
+            return SHUTTING_DOWN
         for check in self.readiness_checks:
             reason = check()
             if reason is not None:
@@ -275,6 +281,10 @@ class Dispatcher:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    def begin_stopping(self) -> None:
+        """From now on /readyz and new WebSocket connections are answered 503."""
+        self._stopping = True
 
     def shutdown(self) -> Deferred[None]:
         """Shut every connection down and end detached sessions (terminating all processes)."""

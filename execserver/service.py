@@ -540,8 +540,11 @@ class ExecServerService(MultiService):
         return d
 
     async def _stop(self) -> None:
-        # Stop listeners first (no new sessions), then end every session,
+        # No new sessions (a new WebSocket connection, /readyz included, is
+        # answered 503 while the listeners wait for their sessions to end,
+        # so a load balancer stops routing here), then end every session,
         # then whatever escaped every session.
+        self.dispatcher.begin_stopping()
         await super().stopService()
         await self.dispatcher.shutdown()
         if self.containment is not None:

@@ -32,6 +32,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from execserver import __version__, metrics, tls
+from execserver.dispatcher import SHUTTING_DOWN
 
 if TYPE_CHECKING:
     from execserver.auth import TokenStore
@@ -387,6 +388,13 @@ class EdgeChannel(HTTPChannel):
                     "(--max-connections); retry later\n",
                     (("Retry-After", "1"),),
                 )
+            )
+            return
+        if policy.dispatcher.stopping:
+            # Until the sessions have ended the listener stays open: say why
+            # to probes and clients (they retry elsewhere).
+            self._refuse(
+                HttpReply(503, f"{SHUTTING_DOWN}; connect again later\n", (("Retry-After", "1"),))
             )
             return
         self._timer = site.clock.callLater(policy.handshake_timeout, self._timed_out)

@@ -615,12 +615,16 @@ class WebSocketService(Service):
         return d
 
     async def _stop(self) -> None:
+        # The sessions end first, the listener last: meanwhile new
+        # connections are answered 503 (the dispatcher is stopping), not
+        # refused, so /readyz says so (docs/operations.md, "Signals and
+        # shutdown").
+        await self.factory.shut_down()
         if self.port is not None:
             port, self.port = self.port, None
             stopped = port.stopListening()
             if stopped is not None:
                 await stopped
-        await self.factory.shut_down()
 
 
 def _print_to(stream: IO[str]) -> Callable[[str], None]:

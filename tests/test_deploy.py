@@ -1,0 +1,305 @@
+"""deploy/: the manifests against the Kubernetes API schemas, the shutdown a
+fleet relies on, and the container image and ``podman kube play`` smoke test.
+
+- Every manifest under ``deploy/kubernetes`` is validated offline with
+  ``kubernetes-validate`` (the API's own OpenAPI schemas, shipped in the
+  package) in strict mode: an unknown or misspelt field fails. The
+  agent-sandbox custom resources cannot be known to it: their pod template
+  is validated as the core ``PodTemplateSpec`` it is, and their own fields
+  are checked against the CRD's (``agents.x-k8s.io``) field names below.
+- SIGTERM while a session's process ignores SIGTERM: ``/readyz`` and new
+  WebSocket connections get 503 until the sessions have ended (the
+  listener stays open meanwhile), then the server exits 0 within
+  ``--terminate-grace-ms`` + 2 s (the grace the manifests'
+  ``terminationGracePeriodSeconds`` is derived from).
+- ``deploy/smoke-test`` on the real container runtime (podman + runc):
+  see that script for what it asserts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+import yaml
+from kubernetes_validate import validate as k8s_validate
+from twisted.internet.task import deferLater
+
+from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, descendants, pid_alive, reactor, with_timeout
+from tests.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+
+DEPLOY = REPO_ROOT / "deploy"
+KUBE = DEPLOY / "kubernetes"
+#: The Kubernetes version whose API schemas the manifests must satisfy.
+KUBE_VERSION = "1.33.0"
+
+#: The server's own shutdown bound (docs/operations.md, "Signals and shutdown").
+SHUTDOWN_SLACK_SECONDS = 2.0
+
+
+def manifests() -> list[tuple[Path, int, dict[str, Any]]]:
+    found = []
+    for path in sorted(KUBE.rglob("*.yaml")):
+        for index, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if doc is not None:
+                found.append((path, index, doc))
+    return found
+
+
+def _id(item: tuple[Path, int, dict[str, Any]]) -> str:
+    path, index, doc = item
+    return f"{path.relative_to(KUBE)}#{index}:{doc.get('kind')}"
+
+
+#: API groups the API server's schemas do not know: validated below by hand.
+CUSTOM_GROUP = "extensions.agents.x-k8s.io"
+KUSTOMIZE_GROUP = "kustomize.config.k8s.io"
+
+
+def group_of(doc: dict[str, Any]) -> str:
+    api_version: str = doc["apiVersion"]
+    return api_version.split("/", maxsplit=1)[0] if "/" in api_version else ""
+
+
+BUILTIN = [m for m in manifests() if group_of(m[2]) not in (CUSTOM_GROUP, KUSTOMIZE_GROUP)]
+CUSTOM = [m for m in manifests() if group_of(m[2]) == CUSTOM_GROUP]
+KUSTOMIZATIONS = [m for m in manifests() if group_of(m[2]) == KUSTOMIZE_GROUP]
+
+
+@pytest.mark.parametrize("version", [KUBE_VERSION, "1.30.0"])
+@pytest.mark.parametrize("item", BUILTIN, ids=_id)
+def test_manifest_matches_the_kubernetes_api_schema(
+    item: tuple[Path, int, dict[str, Any]], version: str
+) -> None:
+    # 1.30: the oldest release with securityContext.appArmorProfile.
+    k8s_validate(item[2], version, strict=True)
+
+
+def test_the_validator_refuses_a_misspelt_field() -> None:
+    _path, _, doc = next(m for m in BUILTIN if m[2]["kind"] == "Deployment")
+    broken = copy.deepcopy(doc)
+    container = broken["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(Exception, match="readinesProbe"):
+        k8s_validate(broken, KUBE_VERSION, strict=True)
+
+
+def test_every_form_the_manifests_cover_is_there() -> None:
+    kinds = sorted({doc["kind"] for _, _, doc in manifests()})
+    assert kinds == [
+        "Deployment",
+        "Kustomization",
+        "Namespace",
+        "NetworkPolicy",
+        "SandboxTemplate",
+        "SandboxWarmPool",
+        "Secret",
+        "Service",
+        "StatefulSet",
+    ]
+
+
+def test_each_kustomization_lists_every_manifest_beside_it() -> None:
+    for path, _, doc in KUSTOMIZATIONS:
+        beside = sorted(p.name for p in path.parent.glob("*.yaml") if p.name != path.name)
+        assert sorted(doc["resources"]) == beside, path
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    if doc["kind"] == "SandboxTemplate":
+        spec: dict[str, Any] = doc["spec"]["podTemplate"]["spec"]
+    else:
+        spec = doc["spec"]["template"]["spec"]
+    return spec
+
+
+def workloads() -> list[dict[str, Any]]:
+    kinds = ("Deployment", "StatefulSet", "SandboxTemplate")
+    return [doc for _, _, doc in manifests() if doc["kind"] in kinds]
+
+
+def test_every_form_runs_the_same_pod() -> None:
+    specs = [pod_spec(doc) for doc in workloads()]
+    assert len(specs) == 3
+    assert all(spec == specs[0] for spec in specs)
+
+
+def test_the_pod_is_what_the_server_and_the_sandbox_need() -> None:
+    spec = pod_spec(workloads()[0])
+    container = spec["containers"][0]
+    args = container["args"]
+    # The token file the server reads is the Secret's key, copied 0400.
+    token_file = args[args.index("--auth-token-file") + 1]
+    assert "install -m 0400 /etc/exec-server/secret/tokens " + token_file in container["command"][2]
+    assert container["command"][2].endswith('exec exec-server "$@"')
+    secret = next(v for v in spec["volumes"] if "secret" in v)["secret"]
+    names = {doc["metadata"]["name"] for _, _, doc in manifests() if doc["kind"] == "Secret"}
+    assert secret["secretName"] in names
+    assert args[args.index("--listen") + 1] == "ws://0.0.0.0:8765"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/readyz"
+    # The kubelet's grace covers the server's: --terminate-grace-ms + 2 s.
+    grace_ms = (
+        int(args[args.index("--terminate-grace-ms") + 1])
+        if "--terminate-grace-ms" in args
+        else 2000
+    )
+    assert spec["terminationGracePeriodSeconds"] >= grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS + 1
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
+    # The API server refuses procMount Unmasked outside a pod user namespace
+    # (a rule of its validation, not of the OpenAPI schema).
+    assert container["securityContext"]["procMount"] == "Unmasked"
+    assert spec["hostUsers"] is False
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+
+
+#: The fields of agent-sandbox's CRDs (extensions.agents.x-k8s.io/v1beta1,
+#: kubernetes-sigs/agent-sandbox k8s/crds/ at commit 2fd412d5, 2026-08-22)
+#: that the examples use, with their types: the CRDs themselves are not
+#: vendored here, so this is the part of their schema these files rely on.
+SANDBOX_TEMPLATE_SPEC = {
+    "podTemplate": dict,
+    "service": bool,
+    "networkPolicy": dict,
+    "networkPolicyManagement": str,
+    "envVarsInjectionPolicy": str,
+    "volumeClaimTemplates": list,
+    "volumeClaimTemplatesPolicy": str,
+}
+WARM_POOL_SPEC = {"replicas": int, "sandboxTemplateRef": dict, "updateStrategy": dict}
+
+
+@pytest.mark.parametrize("item", CUSTOM, ids=_id)
+def test_agent_sandbox_resources(item: tuple[Path, int, dict[str, Any]]) -> None:
+    doc = item[2]
+    assert doc["apiVersion"] == f"{CUSTOM_GROUP}/v1beta1"
+    spec = doc["spec"]
+    known = SANDBOX_TEMPLATE_SPEC if doc["kind"] == "SandboxTemplate" else WARM_POOL_SPEC
+    assert set(spec) <= set(known), set(spec) - set(known)
+    for key, value in spec.items():
+        assert isinstance(value, known[key]), key
+    if doc["kind"] == "SandboxTemplate":
+        assert spec["networkPolicyManagement"] in ("Managed", "Unmanaged")
+        assert set(spec["networkPolicy"]) <= {"ingress", "egress"}
+        # Its pod template is a core PodTemplateSpec, and its policy rules
+        # core NetworkPolicy rules: validated as such.
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}}
+        template["template"] = spec["podTemplate"]
+        k8s_validate(template, KUBE_VERSION, strict=True)
+        policy = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "p"},
+            "spec": {"podSelector": {}, **spec["networkPolicy"]},
+        }
+        k8s_validate(policy, KUBE_VERSION, strict=True)
+    else:
+        assert spec["replicas"] >= 0
+        templates = {d["metadata"]["name"] for _, _, d in CUSTOM if d["kind"] == "SandboxTemplate"}
+        assert set(spec["sandboxTemplateRef"]) == {"name"}
+        assert spec["sandboxTemplateRef"]["name"] in templates
+
+
+# --- the shutdown a fleet relies on ------------------------------------------------
+
+
+async def _readyz(server: WsServerProcess) -> tuple[int, bytes]:
+    host, port = server.host_port
+    status, _, body = await http_get(host, port, get_request("/readyz"), timeout=5)
+    return status, body
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None:
+    grace_ms = 3000
+    server = await WsServerProcess.start("--terminate-grace-ms", str(grace_ms))
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        # The tree ignores SIGTERM: the shutdown waits the whole grace for
+        # its SIGKILL, the window in which /readyz must say 503.
+        await client.start_process(
+            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+        )
+        await client.wait_for(
+            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+        )
+        assert server.pid is not None
+        tree = descendants(server.pid)
+        assert len(tree) >= 2
+        assert await _readyz(server) == (200, b"")
+        started = time.monotonic()
+        server.signal("TERM")
+        while True:
+            status, body = await _readyz(server)
+            if status == 503:
+                break
+            assert time.monotonic() - started < grace_ms / 1000, "no 503 within the grace"
+            await deferLater(reactor, 0.02, lambda: None)
+        assert body == b"exec-server is shutting down; connect again later\n"
+        # An upgrade is refused the same way (a client retries elsewhere).
+        host, port = server.host_port
+        upgrade = get_request(
+            "/",
+            "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+        )
+        status, headers, _ = await http_get(host, port, upgrade, timeout=5)
+        assert (status, headers.get("retry-after")) == (503, "1")
+        await with_timeout(
+            observe(server.ended), grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS + 3, "server exit"
+        )
+        assert server.exit_code == 0
+        assert time.monotonic() - started < grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS + 1
+        assert not any(pid_alive(pid) for pid in tree)
+        exited = await client.wait_notification("process/exited", "proc-1", timeout=1)
+        assert exited["signal"] == "SIGKILL"
+    finally:
+        await server.stop()
+
+
+# --- the image and the manifests on a real container runtime --------------------
+
+#: What deploy/smoke-test asserts, one line per step (see deploy/smoke_test.py).
+SMOKE_STEPS = [
+    "ok: base image localhost/exec-server-base:",
+    "ok: image localhost/exec-server:0.1.0 built from deploy/Containerfile in ",
+    "ok: the entry point is the installed exec-server (/opt/exec-server), uid 10001, no checkout",
+    "ok: without a token the server refuses 0.0.0.0 (exit 2)",
+    "ok: bubblewrap runs in the image with /proc unmasked (in a user namespace too), not without",
+    "ok: podman kube play of deployment.yaml and service.yaml: pod exec-server-pod-0",
+    "ok: the Service's port published on 127.0.0.1:",
+    "ok: a command ran in the pod (as exec)",
+    "ok: a PTY session: input through the terminal, tty is /dev/pts/N",
+    "ok: a 1 MiB file written, read back and hashed in the pod: the same bytes",
+    "ok: /readyz 200; /metrics 200 with the token (3 processes started), 401 without",
+    "ok: SIGTERM: /readyz 503 meanwhile, exit 0 after ",
+    "ok: restarted: the resuming client says 'exec-server connection closed: session ",
+    "ok: podman kube down: the pod and its ",
+    "smoke test passed",
+]
+
+
+@pytest.mark.timeout(1500)
+def test_smoke_test_builds_the_image_and_runs_the_manifests_on_podman() -> None:
+    # Cold (no base image cached): about 2 min of mmdebstrap, 1 min of build,
+    # 15 s of pod; the base is reused by name afterwards.
+    done = subprocess.run(
+        [str(DEPLOY / "smoke-test")],
+        env=dict(os.environ, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [step for step in SMOKE_STEPS if not any(line.startswith(step) for line in lines)] == []
