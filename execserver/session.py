@@ -35,7 +35,7 @@ from execserver.environment import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally
-from execserver.spawn import ProcessSpec, Spawner, SpawnError
+from execserver.spawn import ProcessSpec, Spawner, SpawnError, os_error_text
 from execserver.waiters import cancel_call
 
 if TYPE_CHECKING:
@@ -93,6 +93,63 @@ def parse_signal(value: int | str) -> int:
         if _signal.SIGRTMIN <= number <= _signal.SIGRTMAX:
             return number
     raise RpcError.invalid_params(f"unknown signal `{value}`")
+
+
+#: The reference's one signal (``ProcessSignal::Interrupt``): Codex's Ctrl-C.
+REFERENCE_SIGNAL = "interrupt"
+
+
+def reference_signal(value: int | str | dict[str, None]) -> bool:
+    """Whether ``value`` is the reference's form: ``"interrupt"`` or ``{"interrupt": null}``.
+
+    Any other object is the reference's ``-32602``; other strings and
+    numbers are this server's own names (:func:`parse_signal`).
+    """
+    if isinstance(value, dict):
+        if list(value) != [REFERENCE_SIGNAL]:
+            variant = next(iter(value), "")
+            raise RpcError.invalid_params(
+                f"unknown variant `{variant}`, expected `{REFERENCE_SIGNAL}`"
+            )
+        return True
+    return value == REFERENCE_SIGNAL
+
+
+#: The spawn errors the reference's current dialect words as the bare OS error.
+_REWORDED_KINDS = frozenset(
+    {
+        "cwdNotFound",
+        "cwdNotADirectory",
+        "cwdPermissionDenied",
+        "cwdUnusable",
+        "spawnNotFound",
+        "spawnPermissionDenied",
+        "spawnExecFormatError",
+        "spawnArgumentListTooLong",
+    }
+)
+
+
+def reference_spawn_error(exc: SpawnError) -> RpcError:
+    """A spawn error as the reference's current dialect words it.
+
+    The reference reports the bare OS error (``No such file or directory (os
+    error 2)``), naming neither the program nor the cwd, and kinds its
+    ``io::ErrorKind``: not found is ``spawnNotFound`` (a missing cwd too),
+    permission ``spawnPermissionDenied``; a cwd that fails otherwise (not a
+    directory) is ``spawnFailed``. ``data.errno`` stays (an addition).
+    """
+    if exc.kind not in _REWORDED_KINDS or not exc.errno:
+        return exc
+    if exc.errno == errno.ENOENT:
+        kind = "spawnNotFound"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        kind = "spawnPermissionDenied"
+    elif exc.kind.startswith("cwd"):
+        kind = "spawnFailed"
+    else:
+        kind = exc.kind
+    return RpcError(exc.code, os_error_text(exc.errno), {"kind": kind, "errno": exc.errno})
 
 
 @implementer(IPushProducer)
@@ -235,12 +292,17 @@ class Session:
             rows=size.rows if size is not None else 24,
             cols=size.cols if size is not None else 80,
         )
-        proc = self.spawn(
-            process_id,
-            spec,
-            timeout_ms=params.timeout_ms or None,
-            idle_timeout_ms=params.idle_timeout_ms or None,
-        )
+        try:
+            proc = self.spawn(
+                process_id,
+                spec,
+                timeout_ms=params.timeout_ms or None,
+                idle_timeout_ms=params.idle_timeout_ms or None,
+            )
+        except SpawnError as exc:
+            if self.current:
+                raise reference_spawn_error(exc) from None
+            raise
         if self.current:
             return p.ExecResponse(proc.process_id, sandbox_type="none")
         return p.ExecResponse(proc.process_id)
@@ -369,11 +431,21 @@ class Session:
         # anyway, and clamping keeps the value within what islice() accepts.
         after_seq = min(params.after_seq or 0, proc.output.next_seq)
         read = proc.output.read(after_seq, params.max_bytes)
+        next_seq = read.next_seq
+        if not self.current:
+            # The seeds' rule: one past the last output chunk, whether or not
+            # the read returned it (the exit and close seqs never count).
+            next_seq = min(next_seq, proc.output.last_output_seq + 1)
+        elif read.chunks and read.chunks[-1].seq == proc.output.last_output_seq:
+            # The reference's: a read that returned everything answers the
+            # process's next seq (past the exit and close), a read cut by
+            # maxBytes one past its last chunk.
+            next_seq = proc.output.next_seq
         response = p.ReadResponse(
             chunks=[p.ProcessOutputChunk(c.seq, c.stream, c.data) for c in read.chunks],
-            next_seq=read.next_seq,
+            next_seq=next_seq,
             exited=proc.exited,
-            exit_code=proc.exit_code,
+            exit_code=self.exit_code_of(proc),
             closed=proc.closed,
         )
         if proc.signal is not None:
@@ -436,16 +508,37 @@ class Session:
         if proc is None:
             return p.TerminateResponse(running=False)
         running = not proc.exited
-        grace_ms = self.config.terminate_grace_ms if params.grace_ms is None else params.grace_ms
-        # Kill the group even after the leader exited: members left behind may
-        # still hold its output open.
+        if not running and not params.descendants:
+            # As the reference: a process that exited on its own is left
+            # alone, and so are its background jobs (docs/process-control.md,
+            # "Background descendants"); they end with the session.
+            return p.TerminateResponse(running=False)
+        if params.grace_ms is not None:
+            grace_ms = params.grace_ms
+        elif self.current:
+            grace_ms = 0  # the reference SIGKILLs at once
+        else:
+            grace_ms = self.config.terminate_grace_ms
+        # With ``descendants``, the group even after the leader exited:
+        # members left behind may still hold its output open.
         proc.terminate(grace_ms / 1000.0)
         return p.TerminateResponse(running=running)
 
     # --- process/signal, closeStdin, resize -------------------------------------
 
-    def signal(self, params: p.SignalParams) -> p.SignalResponse:
+    def signal(self, params: p.SignalParams) -> p.SignalResponse | p.Empty:
+        if reference_signal(params.signal):
+            # The reference's Ctrl-C: SIGINT to the group. Its answer is
+            # ``{}``, for an unknown or exited process too.
+            proc = self.processes.get(params.process_id)
+            if self.current:
+                if proc is not None:
+                    proc.send_signal(_signal.SIGINT)
+                return p.Empty()
+            proc = self.lookup(params.process_id)
+            return p.SignalResponse(delivered=proc.send_signal(_signal.SIGINT))
         proc = self.lookup(params.process_id)
+        assert not isinstance(params.signal, dict)
         signum = parse_signal(params.signal)
         return p.SignalResponse(delivered=proc.send_signal(signum))
 
@@ -488,9 +581,17 @@ class Session:
             exited.addTimeout(params.timeout_ms / 1000.0, self._clock, onTimeoutCancel=_timed_out)
         return exited.addCallback(lambda _: self._wait_response(proc))
 
-    @staticmethod
-    def _wait_response(proc: ManagedProcess) -> p.WaitResponse:
-        response = p.WaitResponse(exited=proc.exited, exit_code=proc.exit_code)
+    def exit_code_of(self, proc: ManagedProcess) -> int | None:
+        """The exit code this client is told: the reference reports a PTY
+        process that a signal ended with 1 (its PTY layer's code), pipes
+        with 128+N; this server reports 128+N (and ``signal``) to seed-era
+        clients for both."""
+        if self.current and proc.tty and proc.signal is not None:
+            return 1
+        return proc.exit_code
+
+    def _wait_response(self, proc: ManagedProcess) -> p.WaitResponse:
+        response = p.WaitResponse(exited=proc.exited, exit_code=self.exit_code_of(proc))
         if proc.signal is not None:
             response.signal = proc.signal
         if proc.timed_out is not None:
@@ -506,7 +607,7 @@ class Session:
                     argv=list(proc.argv),
                     tty=proc.tty,
                     running=not proc.exited,
-                    exit_code=proc.exit_code,
+                    exit_code=self.exit_code_of(proc),
                 )
                 for proc in self.processes.values()
             ]
@@ -539,9 +640,8 @@ class Session:
         self._running.discard(proc)
         if self.stats is not None:
             self.stats.processes_exited += 1
-        params = p.ExitedNotification(
-            proc.process_id, proc.exit_code if proc.exit_code is not None else -1
-        )
+        code = self.exit_code_of(proc)
+        params = p.ExitedNotification(proc.process_id, code if code is not None else -1)
         if proc.exit_seq is not None:
             params.seq = proc.exit_seq
         if proc.signal is not None:
