@@ -25,6 +25,7 @@ from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
 from execserver.errors import RpcError
+from execserver.fs import walk as fs_walk
 from execserver.fs import watch
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
@@ -103,6 +104,7 @@ def build_dispatcher(
     dispatcher.readiness_checks.append(fs.stall_reason)
     environment_config.register(dispatcher, fs.run)
     capability_discovery.register(dispatcher, fs.run)
+    fs_walk.register(dispatcher, fs.run)
     return dispatcher
 
 
