@@ -361,13 +361,16 @@ class ListParams(_Wire):
     pass
 
 
-class ListedProcess(msgspec.Struct, rename="camel"):
+class ListedProcess(msgspec.Struct, rename="camel", omit_defaults=True):
     process_id: str
     pid: int | None
     argv: list[str]
     tty: bool
     running: bool
     exit_code: int | None
+    #: Pids of the tree still running besides the leader (omitted when none):
+    #: background jobs of a process that exited live until the session ends.
+    descendants: list[int] = msgspec.field(default_factory=list)
 
 
 class ListResponse(msgspec.Struct, rename="camel"):

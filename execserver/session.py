@@ -35,6 +35,7 @@ from execserver.environment import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally
+from execserver.retained import RetainedChunk
 from execserver.spawn import ProcessSpec, Spawner, SpawnError, os_error_text
 from execserver.waiters import cancel_call
 
@@ -436,7 +437,7 @@ class Session:
             # The seeds' rule: one past the last output chunk, whether or not
             # the read returned it (the exit and close seqs never count).
             next_seq = min(next_seq, proc.output.last_output_seq + 1)
-        elif read.chunks and read.chunks[-1].seq == proc.output.last_output_seq:
+        elif read.chunks and not self._cut_by_max_bytes(proc, read.chunks, params.max_bytes):
             # The reference's: a read that returned everything answers the
             # process's next seq (past the exit and close), a read cut by
             # maxBytes one past its last chunk.
@@ -581,6 +582,18 @@ class Session:
             exited.addTimeout(params.timeout_ms / 1000.0, self._clock, onTimeoutCancel=_timed_out)
         return exited.addCallback(lambda _: self._wait_response(proc))
 
+    @staticmethod
+    def _cut_by_max_bytes(
+        proc: ManagedProcess, chunks: list[RetainedChunk], max_bytes: int | None
+    ) -> bool:
+        """Whether the reference's read loop stopped at ``maxBytes``: it reached
+        the limit (even with the last chunk) or left a chunk out."""
+        if max_bytes is None:
+            return False
+        if chunks[-1].seq != proc.output.last_output_seq:
+            return True
+        return sum(len(c.data) for c in chunks) >= max_bytes
+
     def exit_code_of(self, proc: ManagedProcess) -> int | None:
         """The exit code this client is told: the reference reports a PTY
         process that a signal ended with 1 (its PTY layer's code), pipes
@@ -599,18 +612,24 @@ class Session:
         return response
 
     def list(self, params: p.ListParams) -> p.ListResponse:
-        return p.ListResponse(
-            [
-                p.ListedProcess(
-                    process_id=proc.process_id,
-                    pid=proc.pid,
-                    argv=list(proc.argv),
-                    tty=proc.tty,
-                    running=not proc.exited,
-                    exit_code=self.exit_code_of(proc),
-                )
-                for proc in self.processes.values()
-            ]
+        listed = [self._listed(proc) for proc in self.processes.values()]
+        # Processes whose id was released while their background jobs run.
+        listed.extend(
+            self._listed(proc)
+            for proc in self._escalating
+            if self.processes.get(proc.process_id) is not proc and not proc.finished
+        )
+        return p.ListResponse(listed)
+
+    def _listed(self, proc: ManagedProcess) -> p.ListedProcess:
+        return p.ListedProcess(
+            process_id=proc.process_id,
+            pid=proc.pid,
+            argv=list(proc.argv),
+            tty=proc.tty,
+            running=not proc.exited,
+            exit_code=self.exit_code_of(proc),
+            descendants=proc.descendant_pids() if proc.exited else [],
         )
 
     # --- notifications from ManagedProcess --------------------------------------
