@@ -256,9 +256,7 @@ async def test_watch_missing_fires_when_a_deep_path_appears(tmp_path: Path) -> N
         # One-shot: the id is free again; as the reference, a watch on paths
         # that all exist already is no watch: {"watching": false}, no notification.
         assert await server.call("fs/watchMissing", params) == {"watching": False}
-        assert await server.call("fs/watchMissing", dict(params, watchId=2)) == {
-            "watching": False
-        }
+        assert await server.call("fs/watchMissing", dict(params, watchId=2)) == {"watching": False}
 
 
 @pytest_twisted.ensureDeferred
