@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 
 from tests.codex.fetch_codex import FetchError, fetch
 from tests.cutting_proxy import CuttingProxy
-from tests.harness import REPO_ROOT, reactor, with_timeout
+from tests.harness import REPO_ROOT, pid_alive, reactor, with_timeout
 from tests.ws_harness import WsServerProcess, get_request, http_get
 
 #: codex exec's whole run, per scenario (a busy 2-core machine; typically 1-3 s).
@@ -345,3 +345,38 @@ async def test_connection_cut_mid_command(codex_binary: Path, tmp_path: Path) ->
     assert item["exit_code"] == 3, item
     assert item["aggregated_output"] == "before\nafter-exec-server\n", item
     assert run.metric("exec_server_connections_opened_total") >= 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_background_job_outlives_its_command(codex_binary: Path, tmp_path: Path) -> None:
+    # Codex sends process/terminate after every command, also once it
+    # exited; as on the reference, that leaves what the command started in
+    # the background running, so the next command finds it. It ends with the
+    # session (when Codex exits).
+    pid_file = tmp_path / "work" / "bg.pid"
+    spec = {
+        "cmd": "nohup sleep 300 >/dev/null 2>&1 & echo $! > bg.pid; echo started",
+        "then": ["kill -0 $(cat bg.pid) && echo alive-$INTEROP_SIDE"],
+    }
+    run = await scenario(codex_binary, tmp_path, spec)
+    first, second = run.items("command_execution")
+    assert (first["exit_code"], first["aggregated_output"]) == (0, "started\n"), first
+    assert (second["exit_code"], second["aggregated_output"]) == (0, "alive-exec-server\n")
+    assert not pid_alive(int(pid_file.read_text()))
+
+
+@pytest_twisted.ensureDeferred
+async def test_workspace_skills_reach_the_model(codex_binary: Path, tmp_path: Path) -> None:
+    # Codex finds .agents/skills of the project with fs/canonicalize and fs/walk.
+    skill = tmp_path / "work" / ".agents" / "skills" / "wombat"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").write_text(
+        "---\nname: wombat-skill\ndescription: The wombat-5521 skill.\n---\nbody\n"
+    )
+    run = await scenario(codex_binary, tmp_path, {"cmd": "echo plain"})
+    [item] = run.items("command_execution")
+    assert (item["exit_code"], item["aggregated_output"]) == (0, "plain\n"), item
+    assert run.metric('exec_server_requests_total{method="fs/walk",outcome="ok"}') >= 1
+    assert 'method="<unknown>"' not in run.metrics
+    requests = (tmp_path / "model.jsonl").read_text()
+    assert "wombat-skill" in requests and "wombat-5521" in requests
