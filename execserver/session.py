@@ -408,7 +408,7 @@ class Session:
             self._refill(proc)
         response = self._read_now(proc, params)
         wait_ms = params.wait_ms or 0
-        if response.chunks or proc.exited or wait_ms <= 0:
+        if self._read_done(proc, response, params) or wait_ms <= 0:
             return response
         deadline = self._clock.seconds() + wait_ms / 1000.0
         return Deferred.fromCoroutine(self._long_poll(proc, params, deadline))
@@ -423,9 +423,27 @@ class Session:
             change.addTimeout(remaining, self._clock, onTimeoutCancel=_timed_out)
             await change
             response = self._read_now(proc, params)
-            if response.chunks or proc.exited:
+            if self._read_done(proc, response, params):
                 return response
         return self._read_now(proc, params)
+
+    def _read_done(
+        self, proc: ManagedProcess, response: p.ReadResponse, params: p.ReadParams
+    ) -> bool:
+        """Whether a long poll answers now: output, or an event the reader has not seen.
+
+        Seed-era clients: output or the exit (the seeds' rule). Current-dialect
+        clients (the reference's): output, the close, or an exit whose seq is
+        past ``afterSeq``; a reader that saw the exit waits for the close (a
+        background job may hold the output open for long).
+        """
+        if response.chunks:
+            return True
+        if not self.current:
+            return proc.exited
+        if proc.closed:
+            return True
+        return proc.exited and (params.after_seq or 0) < proc.output.next_seq - 1
 
     def _read_now(self, proc: ManagedProcess, params: p.ReadParams) -> p.ReadResponse:
         # afterSeq may be any u64; beyond the next seq nothing is readable

@@ -358,6 +358,41 @@ async def test_current_next_seq_counts_the_exit_and_close(tmp_path: Path) -> Non
         assert await _next_seqs(server, path_to_uri(str(tmp_path)), tmp_path / "go") == [4] * 6
 
 
+# --- a read after the exit waits for the close (current dialect) ---------------------------
+
+
+def _holder(go: Path) -> list[str]:
+    """Exits at once; a background job holds the output open until ``go`` exists."""
+    return ["/bin/sh", "-c", f'(while [ ! -e "{go}" ]; do sleep 0.01; done) & exit 0']
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_read_that_saw_the_exit_waits_for_the_close(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    async with serving() as server:
+        await server.call("process/start", _start("h", _holder(go), path_to_uri(str(tmp_path))))
+        exited = await server.wait_notification("process/exited", "h")
+        # The exit is news to afterSeq 0: at once.
+        first = await server.call("process/read", {"processId": "h", "afterSeq": 0, "waitMs": 0})
+        assert first["exited"] is True and first["closed"] is False
+        # Past the exit's seq, the read waits (for the close, here).
+        params = {"processId": "h", "afterSeq": exited["seq"], "waitMs": 10_000}
+        pending = server.request("process/read", params)
+        read = await server.call("process/read", dict(params, waitMs=200))
+        assert read["closed"] is False  # a bounded wait ended with nothing new
+        go.touch()
+        result = (await pending)["result"]
+        assert result["closed"] is True and result["nextSeq"] == exited["seq"] + 2
+    go.unlink()
+    async with serving(SEED_INIT) as server:
+        await server.call("process/start", _start("h", _holder(go), str(tmp_path)))
+        await server.wait_notification("process/exited", "h")
+        params = {"processId": "h", "afterSeq": 5, "waitMs": 10_000}
+        read = await server.call("process/read", params)  # the seeds': at once
+        assert read["exited"] is True and read["closed"] is False
+        go.touch()
+
+
 # --- point 6: fs/watchMissing shapes --------------------------------------------------------
 
 
@@ -520,6 +555,13 @@ async def _script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, dict
     for after in range(5):
         await ask(f"read after {after}", "process/read", {"processId": "n", "afterSeq": after})
     await ask("read max 1", "process/read", {"processId": "n", "afterSeq": 0, "maxBytes": 1})
+    hold = tmp_path / "hold"
+    hold.unlink(missing_ok=True)
+    await ask("start holder", "process/start", _start("h", _holder(hold), cwd))
+    await server.wait_notification("process/exited", "h")
+    pending = server.request("process/read", {"processId": "h", "afterSeq": 1, "waitMs": 10_000})
+    hold.touch()
+    answers.append(("read past the exit", _answer(await pending)))
     policy = {"inherit": "core", "ignoreDefaultExcludes": True, "exclude": [], "set": {}}
     policy["includeOnly"] = []
     env_start = _start("e", ["/bin/sh", "-c", "env | cut -d= -f1 | sort"], cwd, envPolicy=policy)
