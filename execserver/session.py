@@ -212,10 +212,21 @@ class Session:
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): results and notifications carry its fields.
         self.current = False
+        #: The dialect whose lifecycle rules (terminate, exit codes, nextSeq,
+        #: long polls, interrupt) the session follows: fixed when it starts its
+        #: first process, so a resume does not change them midway.
+        self._reference_rules: bool | None = None
 
     # --- process/start ----------------------------------------------------------
 
+    @property
+    def reference_rules(self) -> bool:
+        """Whether the reference's lifecycle rules apply (see ``_reference_rules``)."""
+        return self.current if self._reference_rules is None else self._reference_rules
+
     def start(self, params: p.ExecParams) -> p.ExecResponse:
+        if self._reference_rules is None:
+            self._reference_rules = self.current
         if not params.argv:
             raise RpcError.invalid_params("argv must not be empty")
         if params.sandbox is not None and params.sandbox.mode == "hostDefault":
@@ -439,7 +450,7 @@ class Session:
         """
         if response.chunks:
             return True
-        if not self.current:
+        if not self.reference_rules:
             return proc.exited
         if proc.closed:
             return True
@@ -451,7 +462,7 @@ class Session:
         after_seq = min(params.after_seq or 0, proc.output.next_seq)
         read = proc.output.read(after_seq, params.max_bytes)
         next_seq = read.next_seq
-        if not self.current:
+        if not self.reference_rules:
             # The seeds' rule: one past the last output chunk, whether or not
             # the read returned it (the exit and close seqs never count).
             next_seq = min(next_seq, proc.output.last_output_seq + 1)
@@ -534,7 +545,7 @@ class Session:
             return p.TerminateResponse(running=False)
         if params.grace_ms is not None:
             grace_ms = params.grace_ms
-        elif self.current:
+        elif self.reference_rules:
             grace_ms = 0  # the reference SIGKILLs at once
         else:
             grace_ms = self.config.terminate_grace_ms
@@ -550,7 +561,7 @@ class Session:
             # The reference's Ctrl-C: SIGINT to the group. Its answer is
             # ``{}``, for an unknown or exited process too.
             proc = self.processes.get(params.process_id)
-            if self.current:
+            if self.reference_rules:
                 if proc is not None:
                     proc.send_signal(_signal.SIGINT)
                 return p.Empty()
@@ -617,7 +628,7 @@ class Session:
         process that a signal ended with 1 (its PTY layer's code), pipes
         with 128+N; this server reports 128+N (and ``signal``) to seed-era
         clients for both."""
-        if self.current and proc.tty and proc.signal is not None:
+        if self.reference_rules and proc.tty and proc.signal is not None:
             return 1
         return proc.exit_code
 

@@ -11,6 +11,7 @@ docs/protocol.md ("Dialects"), docs/process-control.md ("Background descendants"
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
+from execserver.config import ServerConfig
 from execserver.fs.paths import path_to_uri
 from tests.codex.fetch_codex import fetch
 from tests.fakes import Harness
@@ -657,3 +659,29 @@ def test_a_dropped_codex_session_is_resumable_for_80_s() -> None:
     resume["resumeSessionId"] = session_id
     refused = Second(h).call("initialize", resume)
     assert refused["error"]["message"] == f"unknown session id {session_id}"
+
+
+def test_a_resumed_session_keeps_the_rules_it_started_with() -> None:
+    # Our own clients start seed-era sessions and resume them with
+    # resumeSessionId (which makes that connection current): the session's
+    # terminate, exit codes and reads stay the seed-era ones.
+    h = Harness(ServerConfig(terminate_grace_ms=2000))
+    session_id = h.result("initialize", {"clientName": "ours", "sessionTtlMs": 60_000})["sessionId"]
+    h.send({"method": "initialized", "params": {}})
+    h.start("p")
+    pid = h.process("p").pid
+    drop(h)
+    second = Second(h)
+    assert "result" in second.call(
+        "initialize", {"clientName": "ours", "resumeSessionId": session_id}
+    )
+    second.conn.message_received(b'{"method": "initialized", "params": {}}')
+    assert second.call("process/terminate", {"processId": "p"})["result"] == {"running": True}
+    assert h.spawner.kill.signals_to(pid)[0] == signal.SIGTERM
+    # A session Codex started SIGKILLs at once.
+    codex = Harness(ServerConfig(terminate_grace_ms=2000))
+    codex.result("initialize", CODEX_INIT)
+    codex.send({"method": "initialized", "params": {}})
+    codex.start("p")
+    codex.result("process/terminate", {"processId": "p"})
+    assert codex.spawner.kill.signals_to(codex.process("p").pid)[0] == signal.SIGKILL
