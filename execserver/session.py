@@ -212,9 +212,11 @@ class Session:
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): results and notifications carry its fields.
         self.current = False
-        #: The dialect whose lifecycle rules (terminate, exit codes, nextSeq,
-        #: long polls, interrupt) the session follows: fixed when it starts its
-        #: first process, so a resume does not change them midway.
+        #: The dialect whose process rules (terminate, PTY exit codes, the
+        #: interrupt answer) the session follows: fixed when it starts its first
+        #: process, so a resume does not change them midway. (Reads, nextSeq
+        #: and long polls, follow the connection's dialect: resuming clients
+        #: catch up with the current dialect's read rules.)
         self._reference_rules: bool | None = None
 
     # --- process/start ----------------------------------------------------------
@@ -450,7 +452,7 @@ class Session:
         """
         if response.chunks:
             return True
-        if not self.reference_rules:
+        if not self.current:
             return proc.exited
         if proc.closed:
             return True
@@ -462,7 +464,7 @@ class Session:
         after_seq = min(params.after_seq or 0, proc.output.next_seq)
         read = proc.output.read(after_seq, params.max_bytes)
         next_seq = read.next_seq
-        if not self.reference_rules:
+        if not self.current:
             # The seeds' rule: one past the last output chunk, whether or not
             # the read returned it (the exit and close seqs never count).
             next_seq = min(next_seq, proc.output.last_output_seq + 1)
