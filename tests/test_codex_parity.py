@@ -17,12 +17,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
 from execserver.config import ServerConfig
+from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
+from execserver.reference_rules import reference_signal, reference_spawn_error
+from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
 from tests.fakes import Harness
 from tests.harness import REPO_ROOT, ServerProcess, pid_alive, server_env, unb64
@@ -685,3 +689,35 @@ def test_a_resumed_session_keeps_the_rules_it_started_with() -> None:
     codex.start("p")
     codex.result("process/terminate", {"processId": "p"})
     assert codex.spawner.kill.signals_to(codex.process("p").pid)[0] == signal.SIGKILL
+
+
+# --- the pure helpers --------------------------------------------------------------------
+
+
+def test_spawn_errors_as_the_reference_words_them() -> None:
+    cases = [
+        (SpawnError("cwdNotFound", 2, "cannot use cwd `/x`: …"), "spawnNotFound"),
+        (SpawnError("cwdNotADirectory", 20, "cannot use cwd `/x`: …"), "spawnFailed"),
+        (SpawnError("cwdPermissionDenied", 13, "cannot use cwd `/x`: …"), "spawnPermissionDenied"),
+        (SpawnError("spawnNotFound", 2, "failed to start `x`: …"), "spawnNotFound"),
+        (SpawnError("spawnExecFormatError", 8, "failed to start `x`: …"), "spawnExecFormatError"),
+    ]
+    for error, kind in cases:
+        worded = reference_spawn_error(error)
+        assert worded.code == -32603
+        assert worded.message == f"{os.strerror(error.errno)} (os error {error.errno})"
+        assert worded.data == {"kind": kind, "errno": error.errno}
+    # Errors that are not the OS's stay as they are (a sandbox refusal, say).
+    other = SpawnError("spawnFailed", 0, "bwrap: setting up uid map: Permission denied")
+    assert reference_spawn_error(other) is other
+
+
+def test_the_reference_signal_forms() -> None:
+    assert reference_signal("interrupt") and reference_signal({"interrupt": None})
+    assert not reference_signal("INT") and not reference_signal(2)
+    with pytest.raises(RpcError) as refused:
+        reference_signal({"terminate": None})
+    assert (refused.value.code, refused.value.message) == (
+        -32602,
+        "unknown variant `terminate`, expected `interrupt`",
+    )
