@@ -14,6 +14,7 @@ dispatcher here; nothing else imports the handlers' modules for the routes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from twisted.internet.interfaces import IReactorTime
@@ -24,6 +25,7 @@ from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
 from execserver.errors import RpcError
+from execserver.fs import walk as fs_walk
 from execserver.fs import watch
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
@@ -108,6 +110,7 @@ def build_dispatcher(
     dispatcher.readiness_checks.append(fs.stall_reason)
     environment_config.register(dispatcher, fs.run)
     capability_discovery.register(dispatcher, fs.run)
+    fs_walk.register(dispatcher, fs.run)
     return dispatcher
 
 
@@ -130,8 +133,23 @@ def _add_process_routes(dispatcher: Dispatcher) -> None:
 def _watch_missing(
     watches: WatchHub, conn: Connection, params: p.FsWatchMissingParams
 ) -> p.FsWatchMissingResponse:
+    """As the reference: a watch on the ``missing`` paths that are missing now.
+
+    ``present`` (one path, or a list) must exist. The answer is
+    ``{"watching": false}``, and nothing is watched, when a present path
+    does not exist, when no missing path is missing, or when the watchId is
+    already watching; missing paths that exist are ignored.
+    """
     missing = [absolute_path(path, "missing") for path in params.missing]
-    present = [absolute_path(path, "present") for path in params.present or ()]
+    raw_present = [params.present] if isinstance(params.present, str) else params.present or ()
+    present = [absolute_path(path, "present") for path in raw_present]
+    missing = [path for path in missing if not os.path.lexists(path)]
+    if (
+        not missing
+        or not all(os.path.lexists(path) for path in present)
+        or watches.watching(conn, params.watch_id)
+    ):
+        return p.FsWatchMissingResponse(watching=False)
     note = p.Notification(FS_MISSING_CHANGED, p.FsMissingChangedNotification(params.watch_id))
     watches.add(conn, params.watch_id, missing, present, lambda: conn.send(note))
     return p.FsWatchMissingResponse(watching=True)

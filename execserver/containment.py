@@ -354,6 +354,10 @@ class ScanTree(_Owned):
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
 
+    def pids(self) -> list[int]:
+        """The members still running (for process/list; i23)."""
+        return self._checked_members()
+
     def alive(self) -> bool:
         if self._checked_members():
             return True

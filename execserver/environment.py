@@ -32,17 +32,22 @@ EXECUTOR_VERSION: Final = "0.171.0"
 #: Names the reference drops from an inherited environment unless the policy
 #: sets ``ignoreDefaultExcludes`` (credentials are not passed on by default).
 DEFAULT_EXCLUDES: Final = ("*KEY*", "*SECRET*", "*TOKEN*")
-#: What ``inherit: "core"`` keeps of the server's environment.
+#: What ``inherit: "core"`` keeps of the server's environment: the
+#: reference's list on Unix (its common ``PATH SHELL TMPDIR TEMP TMP`` and
+#: the Unix ``HOME LANG LC_ALL LC_CTYPE LOGNAME USER``; ``USERNAME`` is
+#: Windows-only there), matched case-sensitively.
 CORE_VARIABLES: Final = (
-    "HOME",
-    "LOGNAME",
     "PATH",
     "SHELL",
-    "USER",
-    "USERNAME",
     "TMPDIR",
     "TEMP",
     "TMP",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LOGNAME",
+    "USER",
 )
 
 

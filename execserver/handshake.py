@@ -22,7 +22,11 @@ from execserver.session import session_of
 
 #: Session lifetime after a disconnect for current-dialect clients, which
 #: never ask for one: the reference's (unless --default-session-ttl-ms is set).
-CURRENT_DIALECT_TTL_MS: Final = 30_000
+#: Measured on codex exec-server 0.171.0: a session whose connection closed
+#: is resumable 79.5 s later and unknown at 80 s (with or without processes,
+#: and also with ``[sessions] detached_ttl_sec = 1`` in its exec-server.toml,
+#: whose stored source default is 10 s: the released binary's rule is 80 s).
+CURRENT_DIALECT_TTL_MS: Final = 80_000
 
 
 def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:

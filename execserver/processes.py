@@ -29,7 +29,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver.containment import ProcessTree
+from execserver.containment import ProcessTree, proc_table
 from execserver.exits import exit_status, signal_name
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
@@ -155,6 +155,14 @@ class ProcessGroup:
     def release(self) -> None:
         cancel_call(self._sweep)
         self._sweep = None
+
+    def pids(self) -> list[int]:
+        """The running members of the group, from ``/proc``."""
+        return [
+            info.pid
+            for info in proc_table().values()
+            if info.pgrp == self._pgid and not info.zombie
+        ]
 
 
 class ManagedProcess(ProcessProtocol):
@@ -596,6 +604,15 @@ class ManagedProcess(ProcessProtocol):
 
     def wake_all(self) -> None:
         self._wake()
+
+    def descendant_pids(self) -> list[int]:
+        """What still runs of the tree besides the leader (background jobs, daemons)."""
+        if self._tree is None or self.finished:
+            return []
+        pids = getattr(self._tree, "pids", None)
+        if pids is None:
+            return []
+        return sorted(pid for pid in pids() if pid != self.pid)
 
     def _wake(self) -> None:
         self._changed.fire(None)

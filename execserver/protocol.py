@@ -418,8 +418,12 @@ class WriteResponse(_Wire):
 
 class TerminateParams(_Wire):
     process_id: str
-    #: SIGTERM -> SIGKILL delay; absent: --terminate-grace-ms; 0: SIGKILL at once.
+    #: SIGTERM -> SIGKILL delay; absent: --terminate-grace-ms (seed dialect)
+    #: or 0 (current dialect, as the reference); 0: SIGKILL at once.
     grace_ms: NonNegative | None = None
+    #: Also end what is left of the tree of a process that already exited
+    #: (background jobs, daemons); without it those live until the session ends.
+    descendants: bool = False
 
 
 class TerminateResponse(_Wire):
@@ -456,8 +460,9 @@ class ClosedNotification(msgspec.Struct, rename="camel"):
 
 class SignalParams(_Wire):
     process_id: str
-    #: A name ("SIGINT" or "INT") or a number.
-    signal: int | str
+    #: A name ("SIGINT" or "INT"), a number, or the reference's
+    #: ``"interrupt"`` (also as ``{"interrupt": null}``).
+    signal: int | str | dict[str, None]
 
 
 class SignalResponse(_Wire):
@@ -495,13 +500,16 @@ class ListParams(_Wire):
     pass
 
 
-class ListedProcess(msgspec.Struct, rename="camel"):
+class ListedProcess(msgspec.Struct, rename="camel", omit_defaults=True):
     process_id: str
     pid: int | None
     argv: list[str]
     tty: bool
     running: bool
     exit_code: int | None
+    #: Pids of the tree still running besides the leader (omitted when none):
+    #: background jobs of a process that exited live until the session ends.
+    descendants: list[int] = msgspec.field(default_factory=list)
 
 
 class ListResponse(msgspec.Struct, rename="camel"):
@@ -613,7 +621,8 @@ class FsWatchMissingParams(_Wire):
 
     watch_id: U64 | str
     missing: list[str]
-    present: list[str] | None = None
+    #: The reference's shape is one URI (or null); a list is accepted too.
+    present: list[str] | str | None = None
 
     U64_FIELDS: ClassVar[tuple[str, ...]] = ("watch_id",)
 

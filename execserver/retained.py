@@ -51,6 +51,7 @@ class RetainedOutput:
         "_cap",
         "_chunks",
         "_first_seq",
+        "_last_output_seq",
         "_marks",
         "_next_seq",
         "_size",
@@ -63,6 +64,8 @@ class RetainedOutput:
         self._size = 0
         self._first_seq = 1
         self._next_seq = 1
+        #: The seq of the newest output chunk (0: none yet), retained or not.
+        self._last_output_seq = 0
         #: Seqs taken by exit and close (at most two).
         self._marks: list[int] = []
         #: None: drop the oldest when over the cap; else the highest seq the
@@ -75,6 +78,11 @@ class RetainedOutput:
     def next_seq(self) -> int:
         """The seq the next chunk will get."""
         return self._next_seq
+
+    @property
+    def last_output_seq(self) -> int:
+        """The seq of the newest output chunk, 0 before any (exit and close are not output)."""
+        return self._last_output_seq
 
     @property
     def first_seq(self) -> int:
@@ -126,6 +134,7 @@ class RetainedOutput:
     def append(self, stream: OutputStream, data: bytes) -> int:
         seq = self._next_seq
         self._next_seq = seq + 1
+        self._last_output_seq = seq
         self._chunks.append(RetainedChunk(seq, stream, data))
         self._size += len(data) + CHUNK_OVERHEAD_BYTES
         self._evict()

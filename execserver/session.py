@@ -35,6 +35,8 @@ from execserver.environment import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally
+from execserver.reference_rules import reference_signal, reference_spawn_error
+from execserver.retained import RetainedChunk
 from execserver.sandbox import policy as sandbox_policy
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.waiters import cancel_call
@@ -155,10 +157,23 @@ class Session:
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): results and notifications carry its fields.
         self.current = False
+        #: The dialect whose process rules (terminate, PTY exit codes, the
+        #: interrupt answer) the session follows: fixed when it starts its first
+        #: process, so a resume does not change them midway. (Reads, nextSeq
+        #: and long polls, follow the connection's dialect: resuming clients
+        #: catch up with the current dialect's read rules.)
+        self._reference_rules: bool | None = None
 
     # --- process/start ----------------------------------------------------------
 
+    @property
+    def reference_rules(self) -> bool:
+        """Whether the reference's lifecycle rules apply (see ``_reference_rules``)."""
+        return self.current if self._reference_rules is None else self._reference_rules
+
     def start(self, params: p.ExecParams) -> p.ExecResponse:
+        if self._reference_rules is None:
+            self._reference_rules = self.current
         if not params.argv:
             raise RpcError.invalid_params("argv must not be empty")
         if params.sandbox is not None and params.sandbox.mode == "hostDefault":
@@ -245,12 +260,17 @@ class Session:
             rows=size.rows if size is not None else 24,
             cols=size.cols if size is not None else 80,
         )
-        proc = self.spawn(
-            process_id,
-            spec,
-            timeout_ms=params.timeout_ms or None,
-            idle_timeout_ms=params.idle_timeout_ms or None,
-        )
+        try:
+            proc = self.spawn(
+                process_id,
+                spec,
+                timeout_ms=params.timeout_ms or None,
+                idle_timeout_ms=params.idle_timeout_ms or None,
+            )
+        except SpawnError as exc:
+            if self.current:
+                raise reference_spawn_error(exc) from None
+            raise
         if self.current:
             return p.ExecResponse(proc.process_id, sandbox_type="none")
         return p.ExecResponse(proc.process_id)
@@ -355,7 +375,7 @@ class Session:
             self._refill(proc)
         response = self._read_now(proc, params)
         wait_ms = params.wait_ms or 0
-        if response.chunks or proc.exited or wait_ms <= 0:
+        if self._read_done(proc, response, params) or wait_ms <= 0:
             return response
         deadline = self._clock.seconds() + wait_ms / 1000.0
         return Deferred.fromCoroutine(self._long_poll(proc, params, deadline))
@@ -370,20 +390,48 @@ class Session:
             change.addTimeout(remaining, self._clock, onTimeoutCancel=_timed_out)
             await change
             response = self._read_now(proc, params)
-            if response.chunks or proc.exited:
+            if self._read_done(proc, response, params):
                 return response
         return self._read_now(proc, params)
+
+    def _read_done(
+        self, proc: ManagedProcess, response: p.ReadResponse, params: p.ReadParams
+    ) -> bool:
+        """Whether a long poll answers now: output, or an event the reader has not seen.
+
+        Seed-era clients: output or the exit (the seeds' rule). Current-dialect
+        clients (the reference's): output, the close, or an exit whose seq is
+        past ``afterSeq``; a reader that saw the exit waits for the close (a
+        background job may hold the output open for long).
+        """
+        if response.chunks:
+            return True
+        if not self.current:
+            return proc.exited
+        if proc.closed:
+            return True
+        return proc.exited and (params.after_seq or 0) < proc.output.next_seq - 1
 
     def _read_now(self, proc: ManagedProcess, params: p.ReadParams) -> p.ReadResponse:
         # afterSeq may be any u64; beyond the next seq nothing is readable
         # anyway, and clamping keeps the value within what islice() accepts.
         after_seq = min(params.after_seq or 0, proc.output.next_seq)
         read = proc.output.read(after_seq, params.max_bytes)
+        next_seq = read.next_seq
+        if not self.current:
+            # The seeds' rule: one past the last output chunk, whether or not
+            # the read returned it (the exit and close seqs never count).
+            next_seq = min(next_seq, proc.output.last_output_seq + 1)
+        elif read.chunks and not self._cut_by_max_bytes(proc, read.chunks, params.max_bytes):
+            # The reference's: a read that returned everything answers the
+            # process's next seq (past the exit and close), a read cut by
+            # maxBytes one past its last chunk.
+            next_seq = proc.output.next_seq
         response = p.ReadResponse(
             chunks=[p.ProcessOutputChunk(c.seq, c.stream, c.data) for c in read.chunks],
-            next_seq=read.next_seq,
+            next_seq=next_seq,
             exited=proc.exited,
-            exit_code=proc.exit_code,
+            exit_code=self.exit_code_of(proc),
             closed=proc.closed,
         )
         if proc.signal is not None:
@@ -446,16 +494,37 @@ class Session:
         if proc is None:
             return p.TerminateResponse(running=False)
         running = not proc.exited
-        grace_ms = self.config.terminate_grace_ms if params.grace_ms is None else params.grace_ms
-        # Kill the group even after the leader exited: members left behind may
-        # still hold its output open.
+        if not running and not params.descendants:
+            # As the reference: a process that exited on its own is left
+            # alone, and so are its background jobs (docs/process-control.md,
+            # "Background descendants"); they end with the session.
+            return p.TerminateResponse(running=False)
+        if params.grace_ms is not None:
+            grace_ms = params.grace_ms
+        elif self.reference_rules:
+            grace_ms = 0  # the reference SIGKILLs at once
+        else:
+            grace_ms = self.config.terminate_grace_ms
+        # With ``descendants``, the group even after the leader exited:
+        # members left behind may still hold its output open.
         proc.terminate(grace_ms / 1000.0)
         return p.TerminateResponse(running=running)
 
     # --- process/signal, closeStdin, resize -------------------------------------
 
-    def signal(self, params: p.SignalParams) -> p.SignalResponse:
+    def signal(self, params: p.SignalParams) -> p.SignalResponse | p.Empty:
+        if reference_signal(params.signal):
+            # The reference's Ctrl-C: SIGINT to the group. Its answer is
+            # ``{}``, for an unknown or exited process too.
+            proc = self.processes.get(params.process_id)
+            if self.reference_rules:
+                if proc is not None:
+                    proc.send_signal(_signal.SIGINT)
+                return p.Empty()
+            proc = self.lookup(params.process_id)
+            return p.SignalResponse(delivered=proc.send_signal(_signal.SIGINT))
         proc = self.lookup(params.process_id)
+        assert not isinstance(params.signal, dict)
         signum = parse_signal(params.signal)
         return p.SignalResponse(delivered=proc.send_signal(signum))
 
@@ -499,8 +568,28 @@ class Session:
         return exited.addCallback(lambda _: self._wait_response(proc))
 
     @staticmethod
-    def _wait_response(proc: ManagedProcess) -> p.WaitResponse:
-        response = p.WaitResponse(exited=proc.exited, exit_code=proc.exit_code)
+    def _cut_by_max_bytes(
+        proc: ManagedProcess, chunks: list[RetainedChunk], max_bytes: int | None
+    ) -> bool:
+        """Whether the reference's read loop stopped at ``maxBytes``: it reached
+        the limit (even with the last chunk) or left a chunk out."""
+        if max_bytes is None:
+            return False
+        if chunks[-1].seq != proc.output.last_output_seq:
+            return True
+        return sum(len(c.data) for c in chunks) >= max_bytes
+
+    def exit_code_of(self, proc: ManagedProcess) -> int | None:
+        """The exit code this client is told: the reference reports a PTY
+        process that a signal ended with 1 (its PTY layer's code), pipes
+        with 128+N; this server reports 128+N (and ``signal``) to seed-era
+        clients for both."""
+        if self.reference_rules and proc.tty and proc.signal is not None:
+            return 1
+        return proc.exit_code
+
+    def _wait_response(self, proc: ManagedProcess) -> p.WaitResponse:
+        response = p.WaitResponse(exited=proc.exited, exit_code=self.exit_code_of(proc))
         if proc.signal is not None:
             response.signal = proc.signal
         if proc.timed_out is not None:
@@ -508,18 +597,24 @@ class Session:
         return response
 
     def list(self, params: p.ListParams) -> p.ListResponse:
-        return p.ListResponse(
-            [
-                p.ListedProcess(
-                    process_id=proc.process_id,
-                    pid=proc.pid,
-                    argv=list(proc.argv),
-                    tty=proc.tty,
-                    running=not proc.exited,
-                    exit_code=proc.exit_code,
-                )
-                for proc in self.processes.values()
-            ]
+        listed = [self._listed(proc) for proc in self.processes.values()]
+        # Processes whose id was released while their background jobs run.
+        listed.extend(
+            self._listed(proc)
+            for proc in self._escalating
+            if self.processes.get(proc.process_id) is not proc and not proc.finished
+        )
+        return p.ListResponse(listed)
+
+    def _listed(self, proc: ManagedProcess) -> p.ListedProcess:
+        return p.ListedProcess(
+            process_id=proc.process_id,
+            pid=proc.pid,
+            argv=list(proc.argv),
+            tty=proc.tty,
+            running=not proc.exited,
+            exit_code=self.exit_code_of(proc),
+            descendants=proc.descendant_pids() if proc.exited else [],
         )
 
     # --- notifications from ManagedProcess --------------------------------------
@@ -549,9 +644,8 @@ class Session:
         self._running.discard(proc)
         if self.stats is not None:
             self.stats.processes_exited += 1
-        params = p.ExitedNotification(
-            proc.process_id, proc.exit_code if proc.exit_code is not None else -1
-        )
+        code = self.exit_code_of(proc)
+        params = p.ExitedNotification(proc.process_id, code if code is not None else -1)
         if proc.exit_seq is not None:
             params.seq = proc.exit_seq
         if proc.signal is not None:

@@ -10,8 +10,11 @@ when it cannot be fetched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,8 +30,8 @@ from twisted.python.failure import Failure
 
 from tests.codex.fetch_codex import FetchError, fetch
 from tests.cutting_proxy import CuttingProxy
-from tests.harness import REPO_ROOT, reactor, with_timeout
-from tests.ws_harness import WsServerProcess, get_request, http_get
+from tests.harness import REPO_ROOT, pid_alive, reactor, server_env, with_timeout
+from tests.ws_harness import WsServerProcess, get_request, http_get, observe
 
 #: codex exec's whole run, per scenario (a busy 2-core machine; typically 1-3 s).
 CODEX_TIMEOUT = 90.0
@@ -151,6 +154,45 @@ async def our_server(codex_home: Path) -> AsyncIterator[WsServerProcess]:
         yield server
     finally:
         await server.stop()
+
+
+class _ReferenceWs(WsServerProcess):
+    """``codex exec-server --listen ws://127.0.0.1:0``: it prints its URL on stdout."""
+
+    def outReceived(self, data: bytes) -> None:
+        self.stdout_seen = getattr(self, "stdout_seen", b"") + data
+        found = re.search(rb"ws://127\.0\.0\.1:\d+", self.stdout_seen)
+        if found and not self.listening.called:
+            self.urls = [found.group().decode()]
+            self.listening.callback(self.urls)
+
+
+@asynccontextmanager
+async def reference_server(codex: Path, codex_home: Path) -> AsyncIterator[WsServerProcess]:
+    env = server_env({"INTEROP_SIDE": "exec-server", "CODEX_HOME": str(codex_home)})
+    proto = _ReferenceWs(1)
+    argv = [str(codex), "exec-server", "--listen", "ws://127.0.0.1:0"]
+    transport = reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
+    proto.pid = transport.pid
+    proto._init_checks(f"codex exec-server (ws, pid {proto.pid})")
+    proto.allow_stderr(".")  # its own log lines
+    try:
+        await with_timeout(observe(proto.listening), CODEX_TIMEOUT, "the reference's URL")
+        yield proto
+    finally:
+        await proto.stop()
+
+
+async def reference_scenario(codex: Path, tmp: Path, spec: dict[str, Any]) -> list[Any]:
+    """The scenario against the reference: Codex's command items."""
+    server_home = tmp / "server-codex-home"
+    server_home.mkdir(exist_ok=True)
+    async with (
+        fake_model(spec, tmp / "model.jsonl") as port,
+        reference_server(codex, server_home) as server,
+    ):
+        events, _ = await run_codex(codex, tmp, server.url, port)
+    return Run(events, "").items("command_execution")
 
 
 class Run:
@@ -345,3 +387,50 @@ async def test_connection_cut_mid_command(codex_binary: Path, tmp_path: Path) ->
     assert item["exit_code"] == 3, item
     assert item["aggregated_output"] == "before\nafter-exec-server\n", item
     assert run.metric("exec_server_connections_opened_total") >= 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_background_job_outlives_its_command(codex_binary: Path, tmp_path: Path) -> None:
+    # Codex sends process/terminate after every command, also once it
+    # exited; as on the reference, that leaves what the command started in
+    # the background running, so the next command finds it. It ends with the
+    # session (when Codex exits).
+    for side in ("ours", "ref"):
+        (tmp_path / side).mkdir()
+    spec = {
+        "cmd": "nohup sleep 300 >/dev/null 2>&1 & echo $! > bg.pid; echo started",
+        "then": ["kill -0 $(cat bg.pid) && echo alive-$INTEROP_SIDE"],
+    }
+    run = await scenario(codex_binary, tmp_path / "ours", spec)
+    first, second = run.items("command_execution")
+    assert (first["exit_code"], first["aggregated_output"]) == (0, "started\n"), first
+    assert (second["exit_code"], second["aggregated_output"]) == (0, "alive-exec-server\n")
+    assert not pid_alive(int((tmp_path / "ours" / "work" / "bg.pid").read_text()))
+    # What Codex sees against its own server.
+    reference = await reference_scenario(codex_binary, tmp_path / "ref", spec)
+    shown = [(i["exit_code"], i["aggregated_output"]) for i in reference]
+    assert shown == [(first["exit_code"], first["aggregated_output"]), (0, "alive-exec-server\n")]
+    with contextlib.suppress(ProcessLookupError):  # the reference may leave it behind
+        os.kill(int((tmp_path / "ref" / "work" / "bg.pid").read_text()), signal.SIGKILL)
+
+
+@pytest_twisted.ensureDeferred
+async def test_workspace_skills_reach_the_model(codex_binary: Path, tmp_path: Path) -> None:
+    # Codex finds .agents/skills of the project with fs/canonicalize and fs/walk.
+    for side in ("ours", "ref"):
+        skill = tmp_path / side / "work" / ".agents" / "skills" / "wombat"
+        skill.mkdir(parents=True)
+        (skill / "SKILL.md").write_text(
+            "---\nname: wombat-skill\ndescription: The wombat-5521 skill.\n---\nbody\n"
+        )
+    run = await scenario(codex_binary, tmp_path / "ours", {"cmd": "echo plain"})
+    [item] = run.items("command_execution")
+    assert (item["exit_code"], item["aggregated_output"]) == (0, "plain\n"), item
+    assert run.metric('exec_server_requests_total{method="fs/walk",outcome="ok"}') >= 1
+    assert 'method="<unknown>"' not in run.metrics
+    requests = (tmp_path / "ours" / "model.jsonl").read_text()
+    assert "wombat-skill" in requests and "wombat-5521" in requests
+    # Against its own server Codex shows the model the same skill.
+    await reference_scenario(codex_binary, tmp_path / "ref", {"cmd": "echo plain"})
+    reference = (tmp_path / "ref" / "model.jsonl").read_text()
+    assert "wombat-skill" in reference and "wombat-5521" in reference

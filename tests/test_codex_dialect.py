@@ -253,9 +253,10 @@ async def test_watch_missing_fires_when_a_deep_path_appears(tmp_path: Path) -> N
         deep.write_text("rules\n")
         note = await _changed(server, 1)
         assert note["params"] == {"watchId": 1}
-        # One-shot: the id is free again.
-        assert await server.call("fs/watchMissing", params) == {"watching": True}
-        await _changed(server, 1)  # it exists now: fires at once, after the answer
+        # One-shot: the id is free again; as the reference, a watch on paths
+        # that all exist already is no watch: {"watching": false}, no notification.
+        assert await server.call("fs/watchMissing", params) == {"watching": False}
+        assert await server.call("fs/watchMissing", dict(params, watchId=2)) == {"watching": False}
 
 
 @pytest_twisted.ensureDeferred
@@ -269,9 +270,8 @@ async def test_watch_missing_present_path_removed_and_errors(tmp_path: Path) -> 
             "present": [path_to_uri(str(present))],
         }
         assert await server.call("fs/watchMissing", params) == {"watching": True}
-        duplicate = (await server.request("fs/watchMissing", params))["error"]
-        assert duplicate["code"] == p.INVALID_REQUEST
-        assert duplicate["message"] == "watchId already exists: w"
+        # A watchId still watching: the reference answers {"watching": false}.
+        assert await server.call("fs/watchMissing", params) == {"watching": False}
         relative = await server.request("fs/watchMissing", dict(params, watchId=2, missing=["x"]))
         assert relative["error"]["code"] == p.INVALID_PARAMS
         present.unlink()

@@ -496,8 +496,15 @@ async def test_grandchild_holding_the_pipe_delays_closed_not_exited() -> None:
         assert read["exited"] is True
         assert read["closed"] is False
         assert not any(m.get("method") == "process/closed" for m in server.messages)
+        # A plain terminate leaves the background job alone (it ends with the
+        # session); asked for, it ends.
         result = await server.call("process/terminate", {"processId": "h"})
         assert result == {"running": False}
+        assert _group_alive(leader)
+        [listed_h] = (await server.call("process/list", {}))["processes"]
+        assert len(listed_h["descendants"]) == 1
+        terminate = {"processId": "h", "descendants": True}
+        assert await server.call("process/terminate", terminate) == {"running": False}
         await server.wait_closed("h")
         read = await server.call("process/read", {"processId": "h"})
         assert read["closed"] is True

@@ -437,7 +437,7 @@ def test_signal_close_stdin_and_resize_handlers() -> None:
     start(session, "pipe", pipe_stdin=True)
     start(session, "tty", tty=True)
     pipe_t, tty_t = spawner.transports
-    assert session.signal(p.SignalParams("pipe", "HUP")).delivered
+    assert session.signal(p.SignalParams("pipe", "HUP")) == p.SignalResponse(delivered=True)
     assert spawner.group.sent == [signal.SIGHUP]
     assert session.close_stdin(p.CloseStdinParams("pipe")).closed
     assert pipe_t.stdin_closed

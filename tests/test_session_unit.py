@@ -524,12 +524,16 @@ def test_terminate_does_not_imply_exit() -> None:
     assert h.outbound.notifications("process/exited") == []
 
 
-def test_terminate_of_an_exited_leader_still_reaches_its_group() -> None:
+def test_terminate_of_an_exited_leader_leaves_its_group_unless_asked() -> None:
     h = ready()
     h.start("proc-1")
     proc = h.process("proc-1")
     proc.exit_leaving_group(0)
+    # As the reference: an exited process is left alone (background jobs live on).
     assert h.result("process/terminate", {"processId": "proc-1"}) == {"running": False}
+    assert h.spawner.kill.signals_to(proc.pid) == []
+    terminate = {"processId": "proc-1", "descendants": True}
+    assert h.result("process/terminate", terminate) == {"running": False}
     assert signal.SIGTERM in h.spawner.kill.signals_to(proc.pid)
 
 

@@ -168,6 +168,10 @@ class WatchHub:
                 f"cannot watch the paths: {exc}", {"kind": "watchFailed"}
             ) from None
 
+    def watching(self, owner: object, watch_id: WatchId) -> bool:
+        """Whether ``owner`` has a live watch ``watch_id``."""
+        return (owner, watch_id) in self._watches
+
     def forget(self, watch: _Watch) -> None:
         if self._watches.get(watch.key) is watch:
             del self._watches[watch.key]

@@ -3,11 +3,14 @@
 usage: python -m tests.codex.fake_model LOG   (the spec is read from $FAKE_MODEL_SPEC)
 
 The spec (JSON): ``{"cmd": str, "tty": bool, "stdin": str, "yield_ms": int,
-"max_output_tokens": int}``. Each ``POST /v1/responses`` is answered as a
-server-sent event stream with one output item:
+"max_output_tokens": int, "then": [str]}``. Each ``POST /v1/responses`` is
+answered as a server-sent event stream with one output item:
 
 * no tool output in the request yet: a call of Codex's ``exec_command`` tool
   running ``cmd`` (with ``tty`` if asked);
+* after the Nth tool output, while ``then`` has an Nth command: a call of
+  ``exec_command`` running it (one command after another, each once the
+  previous one's output came back);
 * the last tool output says the command is still running ("session ID N"):
   a ``write_stdin`` of ``stdin`` to that session;
 * otherwise: a final assistant message (the turn ends).
@@ -98,6 +101,13 @@ class Model(resource.Resource):
                 args["max_output_tokens"] = self.spec["max_output_tokens"]
             if self.spec.get("tty"):
                 args["tty"] = True
+            return _call(n, "exec_command", args)
+        then = self.spec.get("then", [])
+        if len(outputs) <= len(then):
+            args = {
+                "cmd": then[len(outputs) - 1],
+                "yield_time_ms": self.spec.get("yield_ms", 10_000),
+            }
             return _call(n, "exec_command", args)
         last = outputs[-1].get("output")
         text = last if isinstance(last, str) else json.dumps(last)

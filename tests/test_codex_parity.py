@@ -1,0 +1,723 @@
+"""What Codex 0.171 sees of this server next to its own (``codex exec-server``), and what
+seed-era clients still see.
+
+Each behaviour the reference has is checked twice: against our installed server
+(regression tests, both dialects) and, in :func:`test_the_same_answers_as_the_reference`,
+against the real reference server, request for request, field for field. The only
+differences allowed are in :data:`DELIBERATE_DIFFERENCES`, each with its reason.
+docs/protocol.md ("Dialects"), docs/process-control.md ("Background descendants").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+
+from execserver.config import ServerConfig
+from execserver.errors import RpcError
+from execserver.fs.paths import path_to_uri
+from execserver.reference_rules import reference_signal, reference_spawn_error
+from execserver.spawn import SpawnError
+from tests.codex.fetch_codex import fetch
+from tests.fakes import Harness
+from tests.harness import REPO_ROOT, ServerProcess, pid_alive, server_env, unb64
+from tests.test_registry_unit import Second, drop
+from tests.ws_harness import WsServerProcess
+from tests.ws_harness import connect as ws_connect
+
+CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
+SEED_INIT = {"clientName": "seed-era"}
+ENV = {"PATH": "/usr/bin:/bin"}
+
+#: Every way our answers may differ from the reference's, and why. A difference
+#: not named here fails the comparison.
+DELIBERATE_DIFFERENCES: dict[str, str] = {
+    "result.signal": "process-control extension: the signal that ended the process, by name",
+    "result.exitedSeq": "resume extension: the seq of the exit, so a client knows what it missed",
+    "result.closedSeq": "resume extension: the seq of the close",
+    "error.data.errno": "machine-readable errno beside the reference's kind (additive)",
+    "error.data.kind": "fs errors carry a machine-readable kind (the reference sends no data)",
+    "error.data.field": "the param a relative path came in (additive)",
+    "error.data.path": "the relative path that was refused (additive)",
+}
+
+
+def _strip_allowed(ours: Any, ref: Any, where: str, used: set[str]) -> Any:
+    """``ours`` without the fields :data:`DELIBERATE_DIFFERENCES` allows beyond ``ref``."""
+    if isinstance(ours, dict) and isinstance(ref, dict):
+        kept = {}
+        for key, value in ours.items():
+            name = f"{where}.{key}" if where else key
+            if key not in ref:
+                allowed = {name}
+                if name == "error.data" and isinstance(value, dict):
+                    allowed = {f"{name}.{k}" for k in value}
+                if allowed <= DELIBERATE_DIFFERENCES.keys():
+                    used.update(allowed)
+                    continue
+            kept[key] = _strip_allowed(value, ref.get(key), name, used)
+        return kept
+    if isinstance(ours, list) and isinstance(ref, list) and len(ours) == len(ref):
+        return [_strip_allowed(o, r, where, used) for o, r in zip(ours, ref, strict=True)]
+    return ours
+
+
+def _answer(response: dict[str, Any]) -> dict[str, Any]:
+    """A response without its id; a result's chunks decoded."""
+    answer = {k: v for k, v in response.items() if k not in ("id", "jsonrpc")}
+    result = answer.get("result")
+    if isinstance(result, dict) and "chunks" in result:
+        result["chunks"] = [
+            {**c, "chunk": unb64(c["chunk"]).decode(errors="replace")} for c in result["chunks"]
+        ]
+    return answer
+
+
+class _Reference(ServerProcess):
+    @classmethod
+    def start_reference(cls, env: dict[str, str]) -> ServerProcess:
+        codex = fetch()
+        proto = cls()
+        argv = [str(codex), "exec-server", "--listen", "stdio"]
+        # The environment ServerProcess.start gives our server.
+        transport = reactor.spawnProcess(
+            proto, argv[0], argv, env=server_env(env), path=str(REPO_ROOT)
+        )
+        proto.pid = transport.pid
+        proto._init_checks(f"codex exec-server (stdio, pid {proto.pid})")
+        proto.allow_stderr(".")  # its own warnings (PATH aliases under /tmp)
+        return proto
+
+
+def _server_env(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "codex-home").mkdir(exist_ok=True)
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "CODEX_HOME": str(tmp_path / "codex-home"),
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "USERNAME": "someone",
+        "LOGNAME": "someone",
+        "TMPDIR": str(tmp_path),
+    }
+
+
+@asynccontextmanager
+async def serving(
+    init: dict[str, Any] | None = CODEX_INIT,
+    env: dict[str, str] | None = None,
+    *args: str,
+    reference: bool = False,
+) -> AsyncIterator[ServerProcess]:
+    server = (
+        _Reference.start_reference(env or {}) if reference else ServerProcess.start(*args, env=env)
+    )
+    try:
+        if init is not None:
+            await server.call("initialize", init)
+            server.notify("initialized", {})
+        yield server
+    finally:
+        await server.stop()
+
+
+def _start(process_id: str, argv: list[str], cwd: str, **extra: Any) -> dict[str, Any]:
+    params = {
+        "processId": process_id,
+        "argv": argv,
+        "cwd": cwd,
+        "env": ENV,
+        "tty": False,
+        "pipeStdin": False,
+        "arg0": None,
+    }
+    params.update(extra)
+    return params
+
+
+async def _closed_read(server: ServerProcess, process_id: str) -> dict[str, Any]:
+    await server.wait_closed(process_id)
+    return await server.request("process/read", {"processId": process_id, "afterSeq": 0})
+
+
+async def _output(server: ServerProcess, process_id: str, text: bytes) -> None:
+    await server.wait_for(
+        lambda _: text in server.output_of(process_id), what=f"{text!r} from {process_id}"
+    )
+
+
+#: A command to interrupt, and how to know it runs: a SIGINT that reaches the shell
+#: between its fork and its exec is caught by the shell's handler and lost.
+SLEEPER = ["/bin/sh", "-c", "exec sleep 30.0023"]
+
+
+def _sleeper_running() -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read() == b"sleep\x0030.0023\x00":
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+TRAP = "trap 'echo trapped; exit 0' TERM; echo ready; while :; do sleep 0.05; done"
+
+
+# --- point 3: process/signal "interrupt" ---------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_interrupt_ends_a_pipe_command_with_130(tmp_path: Path) -> None:
+    cwd = path_to_uri(str(tmp_path))
+    async with serving() as server:
+        await server.call("process/start", _start("p", SLEEPER, cwd))
+        await _until(_sleeper_running, "sleep runs")
+        assert await server.call("process/signal", {"processId": "p", "signal": "interrupt"}) == {}
+        read = (await _closed_read(server, "p"))["result"]
+        assert read["exitCode"] == 130 and read["signal"] == "SIGINT"
+        # The reference's other form, and an unknown or exited process: {} too.
+        await server.call("process/start", _start("q", SLEEPER, cwd))
+        await _until(_sleeper_running, "sleep runs")
+        params = {"processId": "q", "signal": {"interrupt": None}}
+        assert await server.call("process/signal", params) == {}
+        assert (await _closed_read(server, "q"))["result"]["exitCode"] == 130
+        for process_id in ("q", "nope"):
+            params = {"processId": process_id, "signal": "interrupt"}
+            assert await server.call("process/signal", params) == {}
+        # Objects other than the reference's are its -32602.
+        bad = await server.request("process/signal", {"processId": "q", "signal": {"kill": None}})
+        assert bad["error"] == {
+            "code": -32602,
+            "message": "unknown variant `kill`, expected `interrupt`",
+        }
+
+
+@pytest_twisted.ensureDeferred
+async def test_seed_clients_may_interrupt_too_with_their_answer(tmp_path: Path) -> None:
+    async with serving(SEED_INIT) as server:
+        await server.call("process/start", _start("p", SLEEPER, str(tmp_path)))
+        await _until(_sleeper_running, "sleep runs")
+        signalled = await server.call("process/signal", {"processId": "p", "signal": "interrupt"})
+        assert signalled == {"delivered": True}
+        assert (await _closed_read(server, "p"))["result"]["exitCode"] == 130
+        unknown = await server.request("process/signal", {"processId": "x", "signal": "interrupt"})
+        assert unknown["error"]["message"] == "unknown process id x"
+
+
+# --- point 2: terminate SIGKILLs at once for current clients -------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_current_terminate_kills_at_once_and_grace_stays_explicit(tmp_path: Path) -> None:
+    cwd = path_to_uri(str(tmp_path))
+    async with serving(None, None, "--terminate-grace-ms", "5000") as server:
+        await server.call("initialize", CODEX_INIT)
+        server.notify("initialized", {})
+        await server.call("process/start", _start("k", ["/bin/sh", "-c", TRAP], cwd))
+        await _output(server, "k", b"ready")
+        assert await server.call("process/terminate", {"processId": "k"}) == {"running": True}
+        read = (await _closed_read(server, "k"))["result"]
+        assert (read["exitCode"], read["signal"]) == (137, "SIGKILL")
+        assert b"trapped" not in server.output_of("k")
+        # graceMs asks for the polite way: the trap runs.
+        await server.call("process/start", _start("g", ["/bin/sh", "-c", TRAP], cwd))
+        await _output(server, "g", b"ready")
+        await server.call("process/terminate", {"processId": "g", "graceMs": 5000})
+        assert (await _closed_read(server, "g"))["result"]["exitCode"] == 0
+        assert b"trapped" in server.output_of("g")
+
+
+@pytest_twisted.ensureDeferred
+async def test_seed_terminate_keeps_the_grace(tmp_path: Path) -> None:
+    async with serving(SEED_INIT) as server:
+        await server.call("process/start", _start("g", ["/bin/sh", "-c", TRAP], str(tmp_path)))
+        await _output(server, "g", b"ready")
+        await server.call("process/terminate", {"processId": "g"})
+        assert (await _closed_read(server, "g"))["result"]["exitCode"] == 0
+        assert b"trapped" in server.output_of("g")
+
+
+# --- point 9: spawn errors -----------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_missing_or_file_cwd_as_the_reference(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (tmp_path / "missing", "No such file or directory (os error 2)", "spawnNotFound", 2),
+        (tmp_path / "file", "Not a directory (os error 20)", "spawnFailed", 20),
+    ]
+    async with serving() as server:
+        for cwd, message, kind, code in cases:
+            params = _start("c", ["/bin/true"], path_to_uri(str(cwd)))
+            error = (await server.request("process/start", params))["error"]
+            assert error == {
+                "code": -32603,
+                "message": message,
+                "data": {"kind": kind, "errno": code},
+            }
+    async with serving(SEED_INIT) as server:
+        params = _start("c", ["/bin/true"], str(tmp_path / "missing"))
+        error = (await server.request("process/start", params))["error"]
+        assert error["message"].startswith("cannot use cwd ")
+        assert error["data"]["kind"] == "cwdNotFound"
+
+
+# --- point 8: inherit "core" ---------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_core_environment_is_the_references_list(tmp_path: Path) -> None:
+    policy = {
+        "inherit": "core",
+        "ignoreDefaultExcludes": True,
+        "exclude": [],
+        "set": {},
+        "includeOnly": [],
+    }
+    env = _server_env(tmp_path) | {"LC_CTYPE": "C", "USER": "u", "TEMP": "/t", "TMP": "/t"}
+    env["SHELL"] = "/bin/sh"
+    async with serving(CODEX_INIT, env) as server:
+        params = _start("e", ["/usr/bin/env"], path_to_uri(str(tmp_path)), env={}, envPolicy=policy)
+        await server.call("process/start", params)
+        await server.wait_closed("e")
+        names = sorted(line.split("=")[0] for line in server.output_of("e").decode().splitlines())
+    # The reference's Unix list: LANG, LC_ALL and LC_CTYPE in, USERNAME (Windows) out.
+    core = "HOME LANG LC_ALL LC_CTYPE LOGNAME PATH SHELL TEMP TMP TMPDIR USER"
+    assert names == core.split()
+
+
+# --- point 4: a PTY command ended by a signal ----------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_pty_killed_by_a_signal_exits_1_for_current_clients(tmp_path: Path) -> None:
+    argv = ["/bin/sh", "-c", "kill -TERM $$"]
+    async with serving() as server:
+        await server.call("process/start", _start("t", argv, path_to_uri(str(tmp_path)), tty=True))
+        exited = await server.wait_notification("process/exited", "t")
+        assert (exited["exitCode"], exited["signal"]) == (1, "SIGTERM")
+        read = (await _closed_read(server, "t"))["result"]
+        assert (read["exitCode"], read["signal"]) == (1, "SIGTERM")
+        waited = await server.call("process/wait", {"processId": "t"})
+        assert waited["exitCode"] == 1
+        # A pipe keeps 128+N, as on the reference.
+        await server.call("process/start", _start("p", argv, path_to_uri(str(tmp_path))))
+        assert (await _closed_read(server, "p"))["result"]["exitCode"] == 143
+    async with serving(SEED_INIT) as server:
+        await server.call("process/start", _start("t", argv, str(tmp_path), tty=True))
+        assert (await _closed_read(server, "t"))["result"]["exitCode"] == 143
+
+
+# --- point 11: nextSeq ---------------------------------------------------------------------
+
+
+def _printer(go: Path) -> list[str]:
+    """Prints, then exits once ``go`` exists: the exit surely follows the output."""
+    return ["/bin/sh", "-c", f'printf ab; while [ ! -e "{go}" ]; do sleep 0.01; done']
+
+
+async def _print_then_exit(server: ServerProcess, params: dict[str, Any], go: Path) -> None:
+    go.unlink(missing_ok=True)
+    await server.call("process/start", params)
+    await _output(server, params["processId"], b"ab")
+    go.touch()
+    await server.wait_closed(params["processId"])
+
+
+async def _next_seqs(server: ServerProcess, cwd: str, go: Path) -> list[int]:
+    await _print_then_exit(server, _start("n", _printer(go), cwd), go)
+    seqs = []
+    for after in range(6):
+        read = await server.call("process/read", {"processId": "n", "afterSeq": after})
+        seqs.append(read["nextSeq"])
+    return seqs
+
+
+@pytest_twisted.ensureDeferred
+async def test_seed_next_seq_is_one_past_the_last_output_in_every_case(tmp_path: Path) -> None:
+    async with serving(SEED_INIT) as server:
+        # Output seq 1, exit 2, close 3: whether a read returns the chunk or not.
+        assert await _next_seqs(server, str(tmp_path), tmp_path / "go") == [2] * 6
+        await server.call("process/start", _start("q", ["/bin/true"], str(tmp_path)))
+        await server.wait_closed("q")
+        read = await server.call("process/read", {"processId": "q", "afterSeq": 0})
+        assert read["nextSeq"] == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_current_next_seq_counts_the_exit_and_close(tmp_path: Path) -> None:
+    async with serving() as server:
+        assert await _next_seqs(server, path_to_uri(str(tmp_path)), tmp_path / "go") == [4] * 6
+
+
+# --- a read after the exit waits for the close (current dialect) ---------------------------
+
+
+def _holder(go: Path) -> list[str]:
+    """Exits at once; a background job holds the output open until ``go`` exists."""
+    return ["/bin/sh", "-c", f'(while [ ! -e "{go}" ]; do sleep 0.01; done) & exit 0']
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_read_that_saw_the_exit_waits_for_the_close(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    async with serving() as server:
+        await server.call("process/start", _start("h", _holder(go), path_to_uri(str(tmp_path))))
+        exited = await server.wait_notification("process/exited", "h")
+        # The exit is news to afterSeq 0: at once.
+        first = await server.call("process/read", {"processId": "h", "afterSeq": 0, "waitMs": 0})
+        assert first["exited"] is True and first["closed"] is False
+        # Past the exit's seq, the read waits (for the close, here).
+        params = {"processId": "h", "afterSeq": exited["seq"], "waitMs": 10_000}
+        pending = server.request("process/read", params)
+        read = await server.call("process/read", dict(params, waitMs=200))
+        assert read["closed"] is False  # a bounded wait ended with nothing new
+        go.touch()
+        result = (await pending)["result"]
+        assert result["closed"] is True and result["nextSeq"] == exited["seq"] + 2
+    go.unlink()
+    async with serving(SEED_INIT) as server:
+        await server.call("process/start", _start("h", _holder(go), str(tmp_path)))
+        await server.wait_notification("process/exited", "h")
+        params = {"processId": "h", "afterSeq": 5, "waitMs": 10_000}
+        read = await server.call("process/read", params)  # the seeds': at once
+        assert read["exited"] is True and read["closed"] is False
+        go.touch()
+
+
+# --- point 6: fs/watchMissing shapes --------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_watch_missing_present_as_one_uri(tmp_path: Path) -> None:
+    present = tmp_path / "repo"
+    present.mkdir()
+    missing = path_to_uri(str(tmp_path / "AGENTS.md"))
+    async with serving() as server:
+        params = {"watchId": 1, "missing": [missing], "present": path_to_uri(str(present))}
+        assert await server.call("fs/watchMissing", params) == {"watching": True}
+        # A present path that does not exist, or nothing missing: no watch.
+        gone = dict(params, watchId=2, present=path_to_uri(str(tmp_path / "gone")))
+        assert await server.call("fs/watchMissing", gone) == {"watching": False}
+        found = dict(params, watchId=3, missing=[path_to_uri(str(present))], present=None)
+        assert await server.call("fs/watchMissing", found) == {"watching": False}
+        present.rmdir()
+
+        def changed(m: dict[str, Any]) -> bool:
+            return m.get("method") == "fs/missingChanged"
+
+        note = await server.wait_for(changed, what="fs/missingChanged")
+        assert note["params"] == {"watchId": 1}
+        bad = await server.request("fs/watchMissing", dict(params, watchId=4, present=5))
+        assert bad["error"]["code"] == -32602
+
+
+# --- point 5: fs/canonicalize and fs/walk ---------------------------------------------------
+
+
+def _tree(base: Path) -> Path:
+    root = base / "w"
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "z").mkdir()
+    (root / ".h").mkdir()
+    (root / "a" / "f1").write_text("x")
+    (root / "b2").write_text("y")
+    (root / "sp ace").write_text("s")
+    (root / "la").symlink_to("a")
+    (root / "lf").symlink_to("b2")
+    (root / "dangling").symlink_to("nowhere")
+    (root / "a" / "up").symlink_to("..")
+    os.mkfifo(root / "fifo")
+    return root
+
+
+def _walk(root: Path, **options: Any) -> dict[str, Any]:
+    full = {"maxDepth": 8, "maxDirectories": 100, "maxEntries": 1000}
+    full["followDirectorySymlinks"] = False
+    full.update(options)
+    return {"path": path_to_uri(str(root)), "options": full, "sandbox": None}
+
+
+@pytest_twisted.ensureDeferred
+async def test_canonicalize_and_walk(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    uri = path_to_uri(str(root))
+    async with serving() as server:
+        canonical = await server.call("fs/canonicalize", {"path": uri + "/a/up/la"})
+        assert canonical == {"path": uri + "/a"}
+        walked = await server.call("fs/walk", _walk(root))
+        assert [(e["path"][len(uri) :], e["kind"][0]) for e in walked["entries"]] == [
+            ("/.h", "d"),
+            ("/a", "d"),
+            ("/b2", "f"),
+            ("/sp%20ace", "f"),
+            ("/z", "d"),
+            ("/a/b", "d"),
+            ("/a/f1", "f"),
+            ("/a/b/c", "d"),
+        ]
+        assert walked["errors"] == [] and walked["truncated"] is False
+        few = await server.call("fs/walk", _walk(root, maxEntries=3))
+        assert len(few["entries"]) == 3 and few["truncated"] is True
+        zero = await server.request("fs/walk", _walk(root, maxDirectories=0))
+        assert zero["error"]["message"] == "filesystem walk limits must be greater than zero"
+        missing = await server.request("fs/walk", _walk(root / "nope"))
+        assert missing["error"]["code"] == -32004
+
+
+# --- point 1: background descendants ------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_background_jobs_outlive_their_command_until_the_session_ends(
+    tmp_path: Path,
+) -> None:
+    pid_file = tmp_path / "bg.pid"
+    script = f"sleep 300 >/dev/null 2>&1 & echo $! > {pid_file}"
+    async with serving() as server:
+        await server.call("process/start", _start("b", ["/bin/sh", "-c", script], str(tmp_path)))
+        await server.wait_closed("b")
+        background = int(pid_file.read_text())
+        # Codex's terminate after the exit leaves the job alone, as the reference.
+        assert await server.call("process/terminate", {"processId": "b"}) == {"running": False}
+        [listed] = (await server.call("process/list", {}))["processes"]
+        assert listed["running"] is False and listed["descendants"] == [background]
+        assert pid_alive(background)
+        # Asked for, they end.
+        terminate = {"processId": "b", "descendants": True}
+        assert await server.call("process/terminate", terminate) == {"running": False}
+        await _until(lambda: not pid_alive(background), "the background job ended")
+        # Another one ends with the session.
+        await server.call("process/start", _start("c", ["/bin/sh", "-c", script], str(tmp_path)))
+        await server.wait_closed("c")
+        second = int(pid_file.read_text())
+        assert second != background and pid_alive(second)
+    await _until(lambda: not pid_alive(second), "the job ended with the session")
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``check`` (a process's end is seen only in /proc) for at most ``timeout`` s."""
+    clock: Any = reactor
+    end = clock.seconds() + timeout
+    while not check():
+        assert clock.seconds() < end, f"timed out waiting: {what}"
+        await deferLater(clock, 0.05, lambda: None)
+
+
+# --- the differential test -----------------------------------------------------------------
+
+
+async def _script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The same requests for both servers; every answer, named."""
+    cwd = path_to_uri(str(tmp_path))
+    root = tmp_path / "w"
+    answers: list[tuple[str, dict[str, Any]]] = []
+
+    async def ask(name: str, method: str, params: Any) -> dict[str, Any]:
+        response = await server.request(method, params)
+        answers.append((name, _answer(response)))
+        return response
+
+    await ask("start", "process/start", _start("i", SLEEPER, cwd))
+    await _until(_sleeper_running, "sleep runs")
+    await ask("interrupt", "process/signal", {"processId": "i", "signal": "interrupt"})
+    await server.wait_closed("i")
+    await ask("interrupted read", "process/read", {"processId": "i", "afterSeq": 0})
+    await ask("interrupt unknown", "process/signal", {"processId": "x", "signal": "interrupt"})
+    await ask("interrupt map", "process/signal", {"processId": "i", "signal": {"interrupt": None}})
+    await ask("start trap", "process/start", _start("k", ["/bin/sh", "-c", TRAP], cwd))
+    await _output(server, "k", b"ready")
+    await ask("terminate", "process/terminate", {"processId": "k"})
+    await server.wait_closed("k")
+    await ask("terminated read", "process/read", {"processId": "k", "afterSeq": 0})
+    await ask("terminate exited", "process/terminate", {"processId": "k"})
+    for name, where in (("missing cwd", "missing"), ("file cwd", "w/b2")):
+        await ask(name, "process/start", _start("c", ["/bin/true"], f"{cwd}/{where}"))
+    await ask("missing program", "process/start", _start("c", ["/no/such/program"], cwd))
+    pty = _start("t", ["/bin/sh", "-c", "kill -TERM $$"], cwd, tty=True)
+    await ask("start pty", "process/start", pty)
+    await server.wait_closed("t")
+    await ask("pty read", "process/read", {"processId": "t", "afterSeq": 0})
+    go = tmp_path / "go"
+    go.unlink(missing_ok=True)
+    await ask("start n", "process/start", _start("n", _printer(go), cwd))
+    await _output(server, "n", b"ab")
+    go.touch()
+    await server.wait_closed("n")
+    for after in range(5):
+        await ask(f"read after {after}", "process/read", {"processId": "n", "afterSeq": after})
+    await ask("read max 1", "process/read", {"processId": "n", "afterSeq": 0, "maxBytes": 1})
+    hold = tmp_path / "hold"
+    hold.unlink(missing_ok=True)
+    await ask("start holder", "process/start", _start("h", _holder(hold), cwd))
+    await server.wait_notification("process/exited", "h")
+    pending = server.request("process/read", {"processId": "h", "afterSeq": 1, "waitMs": 10_000})
+    hold.touch()
+    answers.append(("read past the exit", _answer(await pending)))
+    policy = {"inherit": "core", "ignoreDefaultExcludes": True, "exclude": [], "set": {}}
+    policy["includeOnly"] = []
+    env_start = _start("e", ["/bin/sh", "-c", "env | cut -d= -f1 | sort"], cwd, envPolicy=policy)
+    await ask("start env", "process/start", dict(env_start, env={}))
+    await server.wait_closed("e")
+    await ask("env read", "process/read", {"processId": "e", "afterSeq": 0})
+    present = path_to_uri(str(root / "a"))
+    watch = {"watchId": 1, "missing": [f"{cwd}/AGENTS.md"], "present": present}
+    await ask("watch", "fs/watchMissing", watch)
+    await ask("watch again", "fs/watchMissing", watch)
+    await ask("watch gone", "fs/watchMissing", dict(watch, watchId=2, present=f"{cwd}/gone"))
+    await ask("watch found", "fs/watchMissing", dict(watch, watchId=3, missing=[present]))
+    await ask("watch none", "fs/watchMissing", dict(watch, watchId=4, missing=[]))
+    for path in ("/la", "/lf", "/a/up/a", "/a/../b2", "/dangling", "/nope", "/b2/x", "/sp%20ace"):
+        uri = path_to_uri(str(root)) + path
+        await ask(f"canonicalize {path}", "fs/canonicalize", {"path": uri, "sandbox": None})
+    for name, options in (
+        ("walk", {}),
+        ("walk follow", {"followDirectorySymlinks": True}),
+        ("walk depth 0", {"maxDepth": 0}),
+        ("walk 3 entries", {"maxEntries": 3}),
+        ("walk 2 directories", {"maxDirectories": 2}),
+        ("walk 0 entries", {"maxEntries": 0}),
+        ("walk too deep", {"maxDepth": 65}),
+        ("walk too many", {"maxDirectories": 10001}),
+    ):
+        await ask(name, "fs/walk", _walk(root, **options))
+    await ask("walk a file", "fs/walk", _walk(root / "b2"))
+    await ask("walk a link", "fs/walk", _walk(root / "la"))
+    await ask("walk a link, following", "fs/walk", _walk(root / "la", followDirectorySymlinks=True))
+    await ask("walk missing", "fs/walk", _walk(root / "nope"))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _script(reference, tmp_path)
+    async with serving(CODEX_INIT, env) as server:
+        got = await _script(server, tmp_path)
+    used: set[str] = set()
+    differences = []
+    for (name, ref), (_, ours) in zip(expected, got, strict=True):
+        shown = _strip_allowed(ours, ref, "", used)
+        if shown != ref:
+            differences.append(f"{name}: reference {ref} | ours {shown}")
+    assert not differences, "\n".join(differences)
+    # The list names only differences that exist.
+    assert used <= DELIBERATE_DIFFERENCES.keys()
+    assert {"result.signal", "error.data.errno"} <= used
+    # The script checks what it means to.
+    answers = dict(expected)
+    assert answers["interrupted read"]["result"]["exitCode"] == 130
+    assert answers["terminated read"]["result"]["exitCode"] == 137
+    assert answers["pty read"]["result"]["exitCode"] == 1
+
+
+# --- point 7: a dropped session is kept as long as the reference keeps it ------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_current_sessions_announce_the_references_ttl() -> None:
+    server = await WsServerProcess.start()
+    try:
+        for init, ttl in ((CODEX_INIT, 80_000), (SEED_INIT, None)):
+            client = await ws_connect(server.url)
+            result = await client.call("initialize", init)
+            assert result.get("sessionTtlMs") == ttl
+            await client.close()
+    finally:
+        await server.stop()
+
+
+def _dropped_codex_session() -> tuple[Harness, str]:
+    h = Harness()
+    session_id = h.result("initialize", CODEX_INIT)["sessionId"]
+    h.send({"method": "initialized", "params": {}})
+    h.start("p")
+    drop(h)
+    return h, session_id
+
+
+def test_a_dropped_codex_session_is_resumable_for_80_s() -> None:
+    resume = dict(CODEX_INIT, resumeSessionId=None)
+    h, session_id = _dropped_codex_session()
+    h.clock.advance(79.9)
+    resume["resumeSessionId"] = session_id
+    assert "result" in Second(h).call("initialize", resume)
+    h, session_id = _dropped_codex_session()
+    h.clock.advance(80.0)
+    resume["resumeSessionId"] = session_id
+    refused = Second(h).call("initialize", resume)
+    assert refused["error"]["message"] == f"unknown session id {session_id}"
+
+
+def test_a_resumed_session_keeps_the_rules_it_started_with() -> None:
+    # Our own clients start seed-era sessions and resume them with
+    # resumeSessionId (which makes that connection current): the session's
+    # terminate, exit codes and reads stay the seed-era ones.
+    h = Harness(ServerConfig(terminate_grace_ms=2000))
+    session_id = h.result("initialize", {"clientName": "ours", "sessionTtlMs": 60_000})["sessionId"]
+    h.send({"method": "initialized", "params": {}})
+    h.start("p")
+    pid = h.process("p").pid
+    drop(h)
+    second = Second(h)
+    assert "result" in second.call(
+        "initialize", {"clientName": "ours", "resumeSessionId": session_id}
+    )
+    second.conn.message_received(b'{"method": "initialized", "params": {}}')
+    assert second.call("process/terminate", {"processId": "p"})["result"] == {"running": True}
+    assert h.spawner.kill.signals_to(pid)[0] == signal.SIGTERM
+    # A session Codex started SIGKILLs at once.
+    codex = Harness(ServerConfig(terminate_grace_ms=2000))
+    codex.result("initialize", CODEX_INIT)
+    codex.send({"method": "initialized", "params": {}})
+    codex.start("p")
+    codex.result("process/terminate", {"processId": "p"})
+    assert codex.spawner.kill.signals_to(codex.process("p").pid)[0] == signal.SIGKILL
+
+
+# --- the pure helpers --------------------------------------------------------------------
+
+
+def test_spawn_errors_as_the_reference_words_them() -> None:
+    cases = [
+        (SpawnError("cwdNotFound", 2, "cannot use cwd `/x`: …"), "spawnNotFound"),
+        (SpawnError("cwdNotADirectory", 20, "cannot use cwd `/x`: …"), "spawnFailed"),
+        (SpawnError("cwdPermissionDenied", 13, "cannot use cwd `/x`: …"), "spawnPermissionDenied"),
+        (SpawnError("spawnNotFound", 2, "failed to start `x`: …"), "spawnNotFound"),
+        (SpawnError("spawnExecFormatError", 8, "failed to start `x`: …"), "spawnExecFormatError"),
+    ]
+    for error, kind in cases:
+        worded = reference_spawn_error(error)
+        assert worded.code == -32603
+        assert worded.message == f"{os.strerror(error.errno)} (os error {error.errno})"
+        assert worded.data == {"kind": kind, "errno": error.errno}
+    # Errors that are not the OS's stay as they are (a sandbox refusal, say).
+    other = SpawnError("spawnFailed", 0, "bwrap: setting up uid map: Permission denied")
+    assert reference_spawn_error(other) is other
+
+
+def test_the_reference_signal_forms() -> None:
+    assert reference_signal("interrupt") and reference_signal({"interrupt": None})
+    assert not reference_signal("INT") and not reference_signal(2)
+    with pytest.raises(RpcError) as refused:
+        reference_signal({"terminate": None})
+    assert (refused.value.code, refused.value.message) == (
+        -32602,
+        "unknown variant `terminate`, expected `interrupt`",
+    )
