@@ -12,15 +12,11 @@ import os
 import sys
 from typing import TextIO
 
-from twisted.logger import (
-    FilteringLogObserver,
-    ILogObserver,
-    LogLevel,
-    LogLevelFilterPredicate,
-    textFileLogObserver,
-)
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import ILogObserver
 from twisted.python import usage
 
+from execserver.logsink import StderrSink, stderr_observer
 from execserver.service import Options
 from execserver.transports.listen import StdioAddress
 
@@ -60,12 +56,17 @@ class ServerOptions(Options):
         return f"{super().getUsage(width)}\n{SECURITY_NOTE}"
 
 
-def log_observer(stream: TextIO, verbose: bool) -> ILogObserver:
-    """Text lines on ``stream``: warnings and worse, or everything with ``verbose``."""
-    level = LogLevel.info if verbose else LogLevel.warn
-    return FilteringLogObserver(
-        textFileLogObserver(stream), [LogLevelFilterPredicate(defaultLogLevel=level)]
-    )
+#: How long the script waits at exit for queued log lines to reach stderr.
+LOG_DRAIN_SECONDS = 2.0
+
+
+def log_observer(sink: TextIO | StderrSink, clock: IReactorTime, verbose: bool) -> ILogObserver:
+    """Text lines on ``sink``: warnings and worse, or everything with ``verbose``.
+
+    Repeated lines are rate-limited and each event's text is bounded
+    (``execserver.logsink``).
+    """
+    return stderr_observer(sink, clock, verbose)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,8 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 
+    # fd 2 is written by a thread through a bounded queue: a stderr pipe
+    # nobody reads never blocks the reactor (docs/operations.md, "Logging").
+    sink = StderrSink(sys.stderr.fileno())
     globalLogBeginner.beginLoggingTo(
-        [log_observer(sys.stderr, bool(options["verbose"]))], redirectStandardIO=False
+        [log_observer(sink, reactor, bool(options["verbose"]))], redirectStandardIO=False
     )
     from execserver.service import build_service
 
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reactor.callWhenRunning(start)
     reactor.run()
+    sink.drain(LOG_DRAIN_SECONDS)
     raise SystemExit(failed[0] if failed else getattr(service, "exit_code", 0))
 
 

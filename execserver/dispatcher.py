@@ -479,7 +479,11 @@ class Connection:
 
     def _internal_error(self, req: codec.IncomingRequest, failure: Failure) -> None:
         self._count(req.method, "error")
-        log.failure("unexpected error handling {method}", failure, method=req.method)
+        if isinstance(failure.value, OSError):
+            # An OS error is the host's answer, not a bug of ours: one line.
+            log.warn("{method} failed: {error}", method=req.method, error=failure.getErrorMessage())
+        else:
+            log.failure("unexpected error handling {method}", failure, method=req.method)
         self._send_error(req.id, RpcError.internal(f"internal error: {failure.getErrorMessage()}"))
 
     def _request_done(self) -> None:

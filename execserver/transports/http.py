@@ -32,6 +32,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from execserver import __version__, metrics, tls
+from execserver.logsink import OncePerInterval
 
 if TYPE_CHECKING:
     from execserver.auth import TokenStore
@@ -374,12 +375,18 @@ class EdgeChannel(HTTPChannel):
         site.channels.add(self)
         if stats.sockets_open > policy.max_connections:
             stats.refused["connections"] += 1
-            log.warn(
-                "refusing a connection from {peer}: {limit} connections are open "
-                "(--max-connections)",
-                peer=peer_text(self.transport.getPeer()),  # type: ignore[union-attr]
-                limit=policy.max_connections,
-            )
+            refused = site.refusal_log.hit()
+            if refused is not None:
+                # One line per interval, however fast a peer reconnects.
+                log.warn(
+                    "refusing a connection from {peer}: {limit} connections are open "
+                    "(--max-connections); {refused} refused since the last such line "
+                    "(logged at most once per {interval:g} s)",
+                    peer=peer_text(self.transport.getPeer()),  # type: ignore[union-attr]
+                    limit=policy.max_connections,
+                    refused=refused,
+                    interval=site.refusal_log.interval,
+                )
             self._refuse(
                 HttpReply(
                     503,
@@ -503,6 +510,8 @@ class EdgeSite(Site):
         self.clock = clock
         #: Connections not (yet) upgraded, aborted when the listener stops.
         self.channels: set[EdgeChannel] = set()
+        #: The --max-connections refusal warning, at most once per interval.
+        self.refusal_log = OncePerInterval(clock)
 
     def buildProtocol(self, addr: Any) -> EdgeChannel:  # type: ignore[override]
         channel = cast(EdgeChannel, super().buildProtocol(addr))
