@@ -118,6 +118,15 @@ def host_refused(host: str) -> HttpReply:
     )
 
 
+#: Headers a request carries at most once (RFC 9110 section 5.3: neither is a list).
+_SINGLE_HEADERS = (b"host", b"authorization")
+
+
+def duplicate_header_refused(name: bytes) -> HttpReply:
+    title = name.decode().title()
+    return HttpReply(400, f"the request carries more than one {title} header; send one\n")
+
+
 def body_refused() -> HttpReply:
     return HttpReply(
         400,
@@ -212,7 +221,7 @@ def _only_get(request: Request, path: str) -> bytes | None:
 
 
 class ReadyResource(Resource):
-    """``GET /readyz``: 200 with an empty body, 503 with the reason while not ready."""
+    """``GET /readyz``: 200 ``ready``, or 503 with the reason while not ready."""
 
     isLeaf = True
 
@@ -226,7 +235,8 @@ class ReadyResource(Resource):
             return refused
         reason = self._dispatcher.not_ready_reason()
         return _send(
-            request, HttpReply(200, "") if reason is None else HttpReply(503, reason + "\n")
+            request,
+            HttpReply(200, "ready\n") if reason is None else HttpReply(503, reason + "\n"),
         )
 
 
@@ -274,6 +284,12 @@ class EdgeResource(Resource):
 
     def render(self, request: Request) -> Any:
         policy = self._policy
+        for name in _SINGLE_HEADERS:
+            values = request.requestHeaders.getRawHeaders(name)
+            if values is not None and len(values) > 1:
+                # Which one a check reads and which one a proxy or the next
+                # hop reads may differ: a request carries one or is refused.
+                return _send(request, duplicate_header_refused(name))
         host = _header(request, b"host")
         if policy.loopback_only and host is not None and not host_is_loopback(host):
             return _send(request, host_refused(host))
