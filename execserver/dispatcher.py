@@ -160,6 +160,9 @@ class Stats:
     refused: Counter[str] = attrs.Factory(Counter)
     #: Connections open on WebSocket listeners (upgraded or not), all listeners.
     sockets_open: int = 0
+    #: Detached anonymous sessions ended to make room for a new one
+    #: (--max-sessions-per-identity reached; operations.md, "Limits a peer cannot exceed").
+    sessions_evicted: int = 0
 
 
 class Dispatcher:
