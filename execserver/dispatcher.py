@@ -163,6 +163,8 @@ class Stats:
     #: Detached anonymous sessions ended to make room for a new one
     #: (--max-sessions-per-identity reached; operations.md, "Limits a peer cannot exceed").
     sessions_evicted: int = 0
+    #: PTYs held (tty processes started and not yet closed), all sessions.
+    ptys_open: int = 0
 
 
 class Dispatcher:

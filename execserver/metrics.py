@@ -96,6 +96,12 @@ def render(dispatcher: Dispatcher) -> bytes:
         [({}, len(dispatcher.connections) + registry.detached_count + registry.ending_count)],
     )
     lines += _family(
+        "exec_server_ptys_open",
+        "gauge",
+        "PTYs held (tty processes started and not yet closed), all sessions.",
+        [({}, stats.ptys_open)],
+    )
+    lines += _family(
         "exec_server_sessions_detached",
         "gauge",
         "Sessions waiting to be resumed (their connection is gone, their TTL runs).",
