@@ -75,7 +75,7 @@ def build_dispatcher(
     reactor gets the pool and a fake clock runs fs work inline.
     """
 
-    retained = RetainedTally()
+    retained = RetainedTally(config.max_total_retained_bytes)
 
     def new_session(conn: Connection) -> Session:
         return Session(config, clock, spawner, conn.send, stats=dispatcher.stats, retained=retained)

@@ -532,17 +532,20 @@ class Session:
         if encoder is None:
             encoder = proc.output_encoder = codec.OutputEncoder(proc.process_id)
         self._emit(proc, encoder.encode(stream, data, seq))
-        if proc.output.full and not proc.full_paused and proc.readable:
+        if proc.retention_full and not proc.full_paused and proc.readable:
             proc.full_paused = True
             if not self._paused:
                 proc.pause_reading()
+            proc.when_retention_room(lambda: self._refill(proc))
 
     def _refill(self, proc: ManagedProcess) -> None:
-        """Read a child again once acknowledged output made room."""
-        if proc.full_paused and not proc.output.full:
+        """Read a child again once acknowledged output made room (its own or the server's)."""
+        if proc.full_paused and not proc.retention_full:
             proc.full_paused = False
             if not self._paused:
                 proc.resume_reading()
+        elif proc.full_paused:
+            proc.when_retention_room(lambda: self._refill(proc))
 
     def process_exited(self, proc: ManagedProcess) -> None:
         self._running.discard(proc)
