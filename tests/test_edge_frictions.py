@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted
+from twisted.internet import reactor
 
 from tests.harness import run_script
 from tests.ws_harness import WsServerProcess, get_request, http_get
@@ -106,3 +107,29 @@ def test_an_unsupported_listen_url_lists_every_accepted_form() -> None:
         "unsupported --listen URL `stdio://x`; expected `stdio://` or `ws://IP:PORT` "
         "(or `wss://IP:PORT`, `unix:///ABSOLUTE/PATH`)"
     ) in done.stderr
+
+
+@pytest_twisted.ensureDeferred
+async def test_ws_to_a_wss_port_says_use_wss(tmp_path: Path) -> None:
+    from execserver.client import connect_websocket
+    from execserver.client.errors import ConnectFailed
+    from tests.harness import DEFAULT_TIMEOUT, with_timeout
+    from tests.test_tls import Pki, start_wss
+
+    server = await start_wss(Pki(tmp_path))
+    plain = server.url.replace("wss://", "ws://")
+    try:
+        with pytest.raises(ConnectFailed) as failed:
+            await with_timeout(
+                connect_websocket(reactor, plain), DEFAULT_TIMEOUT, f"connect to {plain}"
+            )
+        assert str(failed.value) == (
+            f"cannot connect to {plain}: the server speaks TLS here: "
+            f"use wss://{plain.removeprefix('ws://')}"
+        )
+        # The client command says the same.
+        done = run_script("exec-server-client", "run", "--url", plain, "--", "true", text=True)
+        assert done.returncode == 255
+        assert "the server speaks TLS here: use wss://" in done.stderr
+    finally:
+        assert await server.stop() == 0
