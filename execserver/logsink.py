@@ -20,7 +20,10 @@ Two more rules keep the log readable and small under abuse:
 
 from __future__ import annotations
 
+import io
 import os
+import select
+import stat
 import threading
 from collections import deque
 from collections.abc import Hashable
@@ -73,12 +76,21 @@ class StderrSink:
         self._dropped = 0
         self._writing = False
         self._thread: threading.Thread | None = None
-        #: Lines dropped since the sink was made (for tests and metrics).
+        #: Messages dropped since the sink was made.
         self.dropped_total = 0
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLOUT)
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            mode = 0
+        self._inline = stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISREG(mode)
 
     def write(self, text: str) -> None:
         data = text.encode("utf-8", "backslashreplace")
         with self._lock:
+            if self._write_now(data):
+                return
             if self._pending_bytes + len(data) > self._capacity:
                 self._dropped += 1
                 self.dropped_total += 1
@@ -89,15 +101,45 @@ class StderrSink:
                 self._dropped = 0
             self._pending.append(data)
             self._pending_bytes += len(data)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="exec-server stderr", daemon=True
-                )
-                self._thread.start()
-            self._lock.notify()
+            self._start_thread()
 
     def flush(self) -> None:
         """Nothing to do: the writer thread writes as soon as it can."""
+
+    def _write_now(self, data: bytes) -> bool:
+        """Write ``data`` at once when that cannot block; True if it was written.
+
+        Only with nothing queued (order is kept), at most ``PIPE_BUF`` bytes,
+        on a pipe, socket or regular file that polls writable: a pipe then
+        has a free page, so the write completes without waiting. (A
+        terminal may still stall a writer: its lines always go through the
+        thread.)
+        """
+        if not self._inline or self._pending or self._writing or self._dropped:
+            return False
+        if len(data) > select.PIPE_BUF:
+            return False
+        try:
+            if not self._poll.poll(0):
+                return False
+            written = os.write(self._fd, data)
+        except OSError:
+            return False
+        if written < len(data):
+            # (Not expected after POLLOUT; the rest goes through the thread.)
+            rest = data[written:]
+            self._pending.append(rest)
+            self._pending_bytes += len(rest)
+            self._start_thread()
+        return True
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="exec-server stderr", daemon=True
+            )
+            self._thread.start()
+        self._lock.notify()
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the queue to be written; True if it was."""
@@ -131,6 +173,48 @@ class StderrSink:
             with self._lock:
                 self._writing = False
                 self._lock.notify_all()
+
+
+class SinkStream(io.TextIOBase):
+    """``sys.stderr`` for the script: every write goes through the sink, in order.
+
+    Prints (the ``listening on`` lines, the terminal hint, a stray write that
+    the stdio guard sends to stderr) and log lines then share one queue: no
+    print can block the reactor, and none lands in the middle of a log line.
+    """
+
+    def __init__(self, sink: StderrSink, fd: int = 2) -> None:
+        super().__init__()
+        self._sink = sink
+        self._fd = fd
+        #: Text after the last newline, sent with the line it belongs to.
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        pending = self._partial + text
+        end = pending.rfind("\n") + 1
+        self._partial = pending[end:]
+        if end:
+            self._sink.write(pending[:end])
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            text, self._partial = self._partial, ""
+            self._sink.write(text)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
 
 
 def dropped_notice(count: int) -> bytes:

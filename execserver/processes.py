@@ -388,6 +388,8 @@ class ManagedProcess(ProcessProtocol):
             tally.bytes += output.retained_bytes - before
             if tally.cap and tally.bytes > tally.cap:
                 tally.shed(self)
+                # (What others dropped may make room for a paused one.)
+                tally.released()
         if self._idle_timer is not None:
             # Only note the time: the idle timer re-arms itself when it fires
             # early, so a chatty process costs no timer churn per chunk.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import time
@@ -26,6 +27,7 @@ from execserver.logsink import (
     REPEAT_BURST,
     REPEAT_INTERVAL_SECONDS,
     RepeatLimiter,
+    SinkStream,
     StderrSink,
     cut_text,
     format_event,
@@ -64,6 +66,21 @@ def _read_until(fd: int, marker: bytes, seconds: float) -> bytes:
     return bytes(got)
 
 
+def _read_all(fd: int, sink: StderrSink) -> bytes:
+    """Everything the sink writes to ``fd`` until it has nothing left."""
+    got = bytearray()
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        assert time.monotonic() < deadline, f"the sink did not drain; read {len(got)} bytes"
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            got += os.read(fd, 1 << 16)
+        elif sink.drain(0):
+            ready, _, _ = select.select([fd], [], [], 0)
+            if not ready:
+                return bytes(got)
+
+
 def test_a_sink_whose_pipe_nobody_reads_drops_and_counts_and_says_so_once_read() -> None:
     read_end, write_end = os.pipe()
     try:
@@ -75,12 +92,13 @@ def test_a_sink_whose_pipe_nobody_reads_drops_and_counts_and_says_so_once_read()
             sink.write(line)
         # At most the pipe, the queue and the line being written got through.
         assert sink.dropped_total >= 4096 - 2 * 64 - 1
-        dropped = sink.dropped_total
-        got = _read_until(read_end, b"(stderr was not read)\n", WAIT_SECONDS)
-        assert f"exec-server: {dropped} log messages dropped".encode() in got
+        got = _read_all(read_end, sink)
+        # Every message was either written or counted in a notice.
+        notices = [int(n) for n in re.findall(rb"exec-server: (\d+) log messages dropped", got)]
+        assert sum(notices) == sink.dropped_total
+        assert got.count(line.encode()) + sink.dropped_total == 4096
         sink.write("after\n")
         assert _read_until(read_end, b"after\n", WAIT_SECONDS) == b"after\n"
-        assert sink.drain(WAIT_SECONDS)
     finally:
         os.close(read_end)
         os.close(write_end)
@@ -92,8 +110,11 @@ def test_a_sink_reports_dropped_messages_even_when_no_line_follows() -> None:
         sink = StderrSink(write_end, capacity=1024)
         for _ in range(200):
             sink.write("y" * 999 + "\n")
-        got = _read_until(read_end, b"(stderr was not read)\n", WAIT_SECONDS)
-        assert f"exec-server: {sink.dropped_total} log messages dropped".encode() in got
+        got = _read_all(read_end, sink)
+        # The last thing written says what is missing.
+        assert got.endswith(b" log messages dropped (stderr was not read)\n")
+        notices = [int(n) for n in re.findall(rb"exec-server: (\d+) log messages dropped", got)]
+        assert sum(notices) == sink.dropped_total > 0
     finally:
         os.close(read_end)
         os.close(write_end)
@@ -230,3 +251,20 @@ def test_a_stdio_server_whose_stderr_nobody_reads_keeps_answering(deep_tree: Pat
         stdin.close()
         stdout.close()
         os.close(read_end)
+
+
+def test_the_stderr_stream_sends_whole_lines_in_order() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        sink = StderrSink(write_end)
+        stream = SinkStream(sink, write_end)
+        print("exec-server listening on", "ws://127.0.0.1:1", file=stream)
+        sink.write("a log line\n")
+        stream.write("no newline yet")
+        assert stream.encoding == "utf-8" and not stream.isatty()
+        stream.flush()
+        got = _read_until(read_end, b"no newline yet", WAIT_SECONDS)
+        assert got == b"exec-server listening on ws://127.0.0.1:1\na log line\nno newline yet"
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -10,6 +10,7 @@ there is room. Unit tests on a fake clock, then the real installed server.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest_twisted
 from execserver.config import ServerConfig
 from execserver.retained import CHUNK_OVERHEAD_BYTES
 from execserver.spawn.reading import READ_SIZE
-from tests.fakes import Harness
+from tests.fakes import FakeOutbound, Harness, exec_params
 from tests.test_limits import until
 from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
@@ -91,6 +92,28 @@ def test_room_made_elsewhere_resumes_a_paused_process() -> None:
     assert h.process("b").paused and not h.process("a").paused
     h.result("process/read", {"processId": "a", "afterSeq": 2})
     assert not h.process("b").paused
+
+
+def test_room_made_by_dropped_output_resumes_a_paused_process() -> None:
+    # A pause session's process and another connection's (drop) process share the cap.
+    h = _ready(3 * COST, sessionTtlMs=60_000, onDetachedFull="pause")
+    other = h.dispatcher.connect(FakeOutbound(), "other")
+    for message in (
+        {"id": 1, "method": "initialize", "params": {"clientName": "other"}},
+        {"method": "initialized", "params": {}},
+        {"id": 2, "method": "process/start", "params": exec_params("drop")},
+    ):
+        other.message_received(json.dumps(message).encode())
+    h.start("paused")
+    paused, drop = h.process("paused"), h.process("drop")
+    paused.output(b"p" * CHUNK)
+    paused.output(b"p" * CHUNK)
+    drop.output(b"d" * CHUNK)  # at the cap
+    paused.output(b"p" * 10)  # over, and nothing may go: not read
+    assert paused.paused
+    # The drop process's next chunk makes it drop its older one: room again.
+    drop.output(b"d" * 10)
+    assert not paused.paused
 
 
 # --- the real server --------------------------------------------------------------------------
