@@ -83,7 +83,7 @@ def build_dispatcher(
     ``sandbox_floor`` confines every fs call at least that much.
     """
 
-    retained = RetainedTally()
+    retained = RetainedTally(config.max_total_retained_bytes)
 
     def new_session(conn: Connection) -> Session:
         return Session(config, clock, spawner, conn.send, stats=dispatcher.stats, retained=retained)

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
-from twisted.logger import (
-    FilteringLogObserver,
-    ILogObserver,
-    LogLevel,
-    LogLevelFilterPredicate,
-    textFileLogObserver,
-)
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import ILogObserver
 from twisted.python import usage
 
+from execserver.logsink import SinkStream, StderrSink, stderr_observer
 from execserver.service import Options
 from execserver.transports.listen import StdioAddress
 
@@ -60,12 +56,17 @@ class ServerOptions(Options):
         return f"{super().getUsage(width)}\n{SECURITY_NOTE}"
 
 
-def log_observer(stream: TextIO, verbose: bool) -> ILogObserver:
-    """Text lines on ``stream``: warnings and worse, or everything with ``verbose``."""
-    level = LogLevel.info if verbose else LogLevel.warn
-    return FilteringLogObserver(
-        textFileLogObserver(stream), [LogLevelFilterPredicate(defaultLogLevel=level)]
-    )
+#: How long the script waits at exit for queued log lines to reach stderr.
+LOG_DRAIN_SECONDS = 2.0
+
+
+def log_observer(sink: TextIO | StderrSink, clock: IReactorTime, verbose: bool) -> ILogObserver:
+    """Text lines on ``sink``: warnings and worse, or everything with ``verbose``.
+
+    Repeated lines are rate-limited and each event's text is bounded
+    (``execserver.logsink``).
+    """
+    return stderr_observer(sink, clock, verbose)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,16 +81,34 @@ def main(argv: list[str] | None = None) -> None:
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 
-    globalLogBeginner.beginLoggingTo(
-        [log_observer(sys.stderr, bool(options["verbose"]))], redirectStandardIO=False
-    )
+    # fd 2 is written by a thread through a bounded queue: a stderr pipe
+    # nobody reads never blocks the reactor (docs/operations.md, "Logging").
+    # sys.stderr writes through it too, so prints and log lines keep their order.
+    real_stderr = sys.stderr
+    sink = StderrSink(real_stderr.fileno())
+    sys.stderr = SinkStream(sink, real_stderr.fileno())
+    try:
+        globalLogBeginner.beginLoggingTo(
+            [log_observer(sink, reactor, bool(options["verbose"]))], redirectStandardIO=False
+        )
+        code = _serve(options, reactor)
+    finally:
+        sys.stderr.flush()
+        sink.drain(LOG_DRAIN_SECONDS)
+        # (What Python prints on its way out goes straight to fd 2.)
+        sys.stderr = real_stderr
+    raise SystemExit(code)
+
+
+def _serve(options: ServerOptions, reactor: Any) -> int:
+    """Build and run the service; the exit status."""
     from execserver.service import build_service
 
     try:
         service = build_service(options, reactor)
     except Exception as exc:
         print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+        return 1
     failed: list[int] = []
 
     def start() -> None:
@@ -109,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reactor.callWhenRunning(start)
     reactor.run()
-    raise SystemExit(failed[0] if failed else getattr(service, "exit_code", 0))
+    return failed[0] if failed else int(getattr(service, "exit_code", 0))
 
 
 if __name__ == "__main__":

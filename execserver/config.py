@@ -53,3 +53,7 @@ class ServerConfig:
     max_total_retained_bytes: int = 2048 * MiB
     #: fs operations one connection may have on pool threads at once (of 4).
     max_fs_ops_per_session: int = 2
+    #: PTYs (``tty: true`` processes not yet closed) per session and per
+    #: server; the server's default is sized from the host (``ptys.py``).
+    max_ptys_per_session: int = 64
+    max_server_ptys: int = 1024

@@ -191,6 +191,11 @@ class Stats:
     refused: Counter[str] = attrs.Factory(Counter)
     #: Connections open on WebSocket listeners (upgraded or not), all listeners.
     sockets_open: int = 0
+    #: Detached anonymous sessions ended to make room for a new one
+    #: (--max-sessions-per-identity reached; operations.md, "Limits a peer cannot exceed").
+    sessions_evicted: int = 0
+    #: PTYs held (tty processes started and not yet closed), all sessions.
+    ptys_open: int = 0
 
 
 class Dispatcher:
@@ -516,7 +521,11 @@ class Connection:
 
     def _internal_error(self, req: codec.IncomingRequest, failure: Failure) -> None:
         self._count(req.method, "error")
-        log.failure("unexpected error handling {method}", failure, method=req.method)
+        if isinstance(failure.value, OSError):
+            # An OS error is the host's answer, not a bug of ours: one line.
+            log.warn("{method} failed: {error}", method=req.method, error=failure.getErrorMessage())
+        else:
+            log.failure("unexpected error handling {method}", failure, method=req.method)
         self._send_error(req.id, RpcError.internal(f"internal error: {failure.getErrorMessage()}"))
 
     def _request_done(self) -> None:

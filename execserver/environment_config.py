@@ -39,6 +39,7 @@ from typing import Any, Final
 import attrs
 import msgspec
 
+from execserver import toml_depth
 from execserver.errors import RpcError
 from execserver.fs.paths import absolute_path, path_to_uri
 from execserver.fs.pool import Runner
@@ -226,6 +227,29 @@ def _parse_error(path: str, exc: tomllib.TOMLDecodeError) -> str:
     return f"{path}:{found['line']}:{found['col']}: {found['msg']}"
 
 
+def parse_toml(path: str, text: str) -> dict[str, Any]:
+    """``text``'s table, or ``ValueError("PATH:LINE:COL: MESSAGE")``.
+
+    Nesting deeper than the reference's parser allows (80 levels of tables
+    and arrays) is refused with its message (``toml_depth``), where
+    ``tomllib`` alone would raise ``RecursionError`` (or build what the
+    walks after it cannot follow).
+    """
+    try:
+        config: dict[str, Any] | None = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(_parse_error(path, exc)) from None
+    except RecursionError:
+        config = None
+    if config is not None and not toml_depth.too_deep(config):
+        return config
+    found = toml_depth.first_too_deep(text)
+    if found is None:
+        raise ValueError(f"{path}: {toml_depth.TABLES_TOO_DEEP}")
+    line, column, message = found
+    raise ValueError(f"{path}:{line}:{column}: {message}")
+
+
 def read_regular(path: str, limit: int) -> bytes | None:
     """A regular file's bytes, at most ``limit``; None if it does not exist.
 
@@ -274,9 +298,9 @@ def read_toml(path: str, what: str) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigLoadError(_parse_error(path, exc)) from None
+        return parse_toml(path, text)
+    except ValueError as exc:
+        raise ConfigLoadError(str(exc)) from None
 
 
 def merge(base: dict[str, Any], overlay: Mapping[str, Any]) -> None:
@@ -438,11 +462,9 @@ def project_layers(cwd: str, trust: Trust, codex_home: str) -> list[Layer]:
         config: dict[str, Any] = {}
         if text is not None:
             try:
-                config = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigLoadError(
-                    f"Error parsing project config file {path}: {_parse_error(path, exc)}"
-                ) from None
+                config = parse_toml(path, text)
+            except ValueError as exc:
+                raise ConfigLoadError(f"Error parsing project config file {path}: {exc}") from None
         for key in PROJECT_DENYLIST:
             config.pop(key, None)
         layers.append(Layer(f"project ({dot_codex}/{CONFIG_TOML})", dot_codex, config))

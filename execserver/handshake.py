@@ -3,7 +3,8 @@
 The dispatcher gates every other family on it (``initialize`` requested,
 then ``initialized`` received); this handler decides what the session is:
 a new one owned by the connection's identity (within
-``--max-sessions-per-identity``) or a detached one taken over with
+``--max-sessions-per-identity``; for ``anonymous``, the oldest detached
+session is ended to make room) or a detached one taken over with
 ``resumeSessionId``, and how long it outlives a disconnect
 (docs/protocol.md, "Resumable sessions" and "Dialects").
 """
@@ -18,6 +19,7 @@ from execserver import __version__, environment
 from execserver import protocol as p
 from execserver.dispatcher import Connection
 from execserver.errors import RpcError
+from execserver.registry import ANONYMOUS
 from execserver.session import session_of
 
 #: Session lifetime after a disconnect for current-dialect clients, which
@@ -48,6 +50,16 @@ def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResp
     else:
         limit = config.max_sessions_per_identity
         held = conn.dispatcher.sessions_of(conn.identity)
+        # Every unauthenticated client is `anonymous`: one of them must not
+        # lock the others out by parking sessions. The oldest detached one
+        # makes room (only attached ones are refused).
+        if (
+            held >= limit
+            and conn.identity == ANONYMOUS
+            and registry.evict_oldest_detached(conn.identity) is not None
+        ):
+            conn.dispatcher.stats.sessions_evicted += 1
+            held -= 1
         if held >= limit:
             conn.dispatcher.stats.refused["sessions_per_identity"] += 1
             raise RpcError.invalid_request(

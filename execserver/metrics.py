@@ -88,11 +88,30 @@ def render(dispatcher: Dispatcher) -> bytes:
         "Client connections currently open.",
         [({}, stats.connections_active)],
     )
+    registry = dispatcher.sessions
     lines += _family(
         "exec_server_sessions",
         "gauge",
-        "Sessions alive (including ones still terminating their processes).",
-        [({}, len(dispatcher.connections))],
+        "Sessions alive, attached or detached (including ones still terminating their processes).",
+        [({}, len(dispatcher.connections) + registry.detached_count + registry.ending_count)],
+    )
+    lines += _family(
+        "exec_server_ptys_open",
+        "gauge",
+        "PTYs held (tty processes started and not yet closed), all sessions.",
+        [({}, stats.ptys_open)],
+    )
+    lines += _family(
+        "exec_server_sessions_detached",
+        "gauge",
+        "Sessions waiting to be resumed (their connection is gone, their TTL runs).",
+        [({}, registry.detached_count)],
+    )
+    lines += _family(
+        "exec_server_sessions_evicted_total",
+        "counter",
+        "Detached anonymous sessions ended to make room (--max-sessions-per-identity).",
+        [({}, stats.sessions_evicted)],
     )
     lines += _family(
         "exec_server_processes_running",

@@ -98,12 +98,58 @@ class RetainedTally:
     what it retains and takes it back when acknowledged output is dropped or
     the process is forgotten), so ``--max-total-retained-bytes`` is checked
     without summing every process of every session on each ``process/start``.
+
+    ``cap`` (0: none) is also enforced as output arrives (docs/operations.md,
+    "Limits a peer cannot exceed"): when a chunk takes the total over it,
+    the process that read it drops its own oldest chunks, then, if that is
+    not enough, the process retaining the most does (:meth:`shed`); each
+    keeps at least its newest chunk, and what is dropped is a gap, as for
+    the per-process cap. A process whose session chose ``onDetachedFull:
+    "pause"`` never loses unacknowledged output: it is not read while the
+    total stays over the cap (:meth:`when_room`).
     """
 
-    __slots__ = ("bytes",)
+    __slots__ = ("_waiting", "bytes", "cap", "members")
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = 0) -> None:
         self.bytes = 0
+        self.cap = cap
+        #: Callbacks of paused processes, run once the total is within the cap.
+        self._waiting: dict[object, Callable[[], None]] = {}
+        #: Every process counted here.
+        self.members: set[ManagedProcess] = set()
+
+    def shed(self, reader: ManagedProcess) -> None:
+        """The total is over the cap after ``reader`` retained a chunk: drop the oldest output."""
+        reader.shed_output(self.bytes - self.cap)
+        while self.bytes > self.cap:
+            victim = max(
+                (m for m in self.members if not m.output.protected and len(m.output) > 1),
+                key=lambda m: m.output.retained_bytes,
+                default=None,
+            )
+            if victim is None:
+                return
+            victim.shed_output(self.bytes - self.cap)
+
+    @property
+    def over(self) -> bool:
+        return bool(self.cap) and self.bytes > self.cap
+
+    def when_room(self, key: object, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the total is back within the cap (nothing if it is now)."""
+        if self.over:
+            self._waiting[key] = callback
+
+    def released(self) -> None:
+        """Retained output went down: wake the paused processes if there is room."""
+        if self._waiting and not self.over:
+            waiting, self._waiting = self._waiting, {}
+            for callback in waiting.values():
+                callback()
+
+    def forget(self, key: object) -> None:
+        self._waiting.pop(key, None)
 
 
 #: After the SIGKILL, how long a tree may take to disappear before the
@@ -227,6 +273,8 @@ class ManagedProcess(ProcessProtocol):
         self._last_output = 0.0
         self._child: ChildTransport | None = None
         self._tally = tally
+        if tally is not None:
+            tally.members.add(self)
 
     # --- ProcessProtocol ------------------------------------------------------
 
@@ -293,14 +341,43 @@ class ManagedProcess(ProcessProtocol):
         output = self.output
         before = output.retained_bytes
         output.acknowledge(seq)
-        if self._tally is not None:
-            self._tally.bytes += output.retained_bytes - before
+        tally = self._tally
+        if tally is not None:
+            tally.bytes += output.retained_bytes - before
+            if tally.over:
+                # Acknowledged chunks may go for the server's cap too.
+                self.shed_output(tally.bytes - tally.cap)
+            tally.released()
 
     def leave_tally(self) -> None:
         """Its session forgot it: its output no longer counts (idempotent)."""
-        if self._tally is not None:
-            self._tally.bytes -= self.output.retained_bytes
+        tally = self._tally
+        if tally is not None:
             self._tally = None
+            tally.bytes -= self.output.retained_bytes
+            tally.members.discard(self)
+            tally.forget(self)
+            tally.released()
+
+    @property
+    def retention_full(self) -> bool:
+        """Reading must wait: protected output fills its own cap or the server's."""
+        output = self.output
+        tally = self._tally
+        return output.full or (output.protected and tally is not None and tally.over)
+
+    def when_retention_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the server's total, now over its cap, is within it again."""
+        if self._tally is not None:
+            self._tally.when_room(self, callback)
+
+    def shed_output(self, nbytes: int) -> None:
+        """Drop up to ``nbytes`` of its oldest output for the server's cap (gaps)."""
+        output = self.output
+        before = output.retained_bytes
+        output.shed(nbytes)
+        if self._tally is not None:
+            self._tally.bytes += output.retained_bytes - before
 
     @property
     def tree(self) -> ProcessTree:
@@ -317,6 +394,10 @@ class ManagedProcess(ProcessProtocol):
             before = output.retained_bytes
             seq = output.append(stream, data)
             tally.bytes += output.retained_bytes - before
+            if tally.cap and tally.bytes > tally.cap:
+                tally.shed(self)
+                # (What others dropped may make room for a paused one.)
+                tally.released()
         if self._idle_timer is not None:
             # Only note the time: the idle timer re-arms itself when it fires
             # early, so a chatty process costs no timer churn per chunk.

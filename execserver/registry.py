@@ -104,6 +104,32 @@ class SessionRegistry:
     def detached_owned_by(self, identity: object) -> int:
         return sum(1 for session in self.detached_sessions() if session.owner == identity)
 
+    @property
+    def ending_count(self) -> int:
+        """Expired or evicted sessions still terminating their processes."""
+        return len(self._ending)
+
+    def evict_oldest_detached(self, identity: object) -> ResumableSession | None:
+        """End the session of ``identity`` detached the longest, as if its TTL expired.
+
+        (``_expiry`` keeps detach order: a resume removes a session, a
+        detach appends it.) None when ``identity`` has no detached session.
+        """
+        for sid in self._expiry:
+            session = self._sessions.get(sid)
+            if session is not None and session.owner == identity:
+                self._cancel_expiry(sid)
+                del self._sessions[sid]
+                log.info(
+                    "session {session_id} of {identity} evicted (the oldest detached one: "
+                    "--max-sessions-per-identity reached); terminating its processes",
+                    session_id=sid,
+                    identity=identity,
+                )
+                self._end(session)
+                return session
+        return None
+
     def register(self, session: ResumableSession) -> None:
         self._sessions[session.session_id] = session
 

@@ -140,6 +140,20 @@ class RetainedOutput:
         self._evict()
         return seq
 
+    def shed(self, nbytes: int) -> None:
+        """Drop the oldest chunks (only acknowledged ones if protected) to free ``nbytes``.
+
+        The newest chunk is kept. Dropped chunks are gaps, as for the cap.
+        """
+        chunks = self._chunks
+        acked = self._acked
+        target = self._size - nbytes
+        while self._size > target and len(chunks) > 1 and (acked is None or chunks[0].seq <= acked):
+            evicted = chunks.popleft()
+            self._size -= len(evicted.data) + CHUNK_OVERHEAD_BYTES
+            self.dropped += 1
+        self._first_seq = chunks[0].seq if chunks else self._next_seq
+
     def _evict(self) -> None:
         chunks = self._chunks
         acked = self._acked

@@ -24,7 +24,7 @@ from twisted.internet.interfaces import (
 from twisted.logger import Logger
 from twisted.python import usage
 
-from execserver import __version__, auth, fdlimit, tls, writebuffer
+from execserver import __version__, auth, fdlimit, ptys, tls, writebuffer
 from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
@@ -270,6 +270,22 @@ class Options(usage.Options):
             _positive("max-server-processes"),
         ],
         [
+            "max-ptys-per-session",
+            None,
+            _DEFAULTS.max_ptys_per_session,
+            "PTYs (tty processes not yet closed) one session may hold; a tty start beyond "
+            "it is refused.",
+            _positive("max-ptys-per-session"),
+        ],
+        [
+            "max-server-ptys",
+            None,
+            None,
+            "PTYs the server may hold over all sessions (default: a quarter of the host's "
+            "/proc/sys/kernel/pty/max, 1024 without it).",
+            _positive("max-server-ptys"),
+        ],
+        [
             "max-total-retained-bytes",
             None,
             _DEFAULTS.max_total_retained_bytes,
@@ -369,9 +385,14 @@ class Options(usage.Options):
             "max-sessions-per-identity",
             "max-server-processes",
             "max-fs-ops-per-session",
+            "max-ptys-per-session",
         ):
             if self[name] < 1:
                 raise usage.UsageError(f"--{name} must be at least 1")
+        if self["max-server-ptys"] is None:
+            self["max-server-ptys"] = ptys.default_server_ptys()
+        elif self["max-server-ptys"] < 1:
+            raise usage.UsageError("--max-server-ptys must be at least 1")
         if self["max-request-head-bytes"] < 1024:
             raise usage.UsageError("--max-request-head-bytes must be at least 1024")
         self._check_tls()
@@ -457,6 +478,8 @@ class Options(usage.Options):
             max_server_processes=self["max-server-processes"],
             max_total_retained_bytes=self["max-total-retained-bytes"],
             max_fs_ops_per_session=self["max-fs-ops-per-session"],
+            max_ptys_per_session=self["max-ptys-per-session"],
+            max_server_ptys=self["max-server-ptys"],
         )
 
 

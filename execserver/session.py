@@ -28,7 +28,7 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTim
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from execserver import codec, fdlimit
+from execserver import codec, fdlimit, ptys
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.environment import build_env
@@ -236,6 +236,13 @@ class Session:
                     f"the limit derived from its open-file limit "
                     f"({fdlimit.soft_limit()} descriptors) is {limit}"
                 )
+        if params.tty:
+            ptys.check_start(
+                sum(1 for held in self._holding_fds if held.tty),
+                self.stats,
+                self.config.max_ptys_per_session,
+                self.config.max_server_ptys,
+            )
         cap = self.config.max_total_retained_bytes
         if cap and self._retained is not None:
             retained = self._retained.bytes
@@ -352,12 +359,14 @@ class Session:
             self._holding_fds.add(proc)
             if self.stats is not None:
                 self.stats.processes_open += 1
+                self.stats.ptys_open += proc.tty
 
     def _release_fds(self, proc: ManagedProcess) -> None:
         if proc in self._holding_fds:
             self._holding_fds.discard(proc)
             if self.stats is not None:
                 self.stats.processes_open -= 1
+                self.stats.ptys_open -= proc.tty
 
     def lookup(self, process_id: str) -> ManagedProcess:
         proc = self.processes.get(process_id)
@@ -628,17 +637,20 @@ class Session:
         if encoder is None:
             encoder = proc.output_encoder = codec.OutputEncoder(proc.process_id)
         self._emit(proc, encoder.encode(stream, data, seq))
-        if proc.output.full and not proc.full_paused and proc.readable:
+        if proc.retention_full and not proc.full_paused and proc.readable:
             proc.full_paused = True
             if not self._paused:
                 proc.pause_reading()
+            proc.when_retention_room(lambda: self._refill(proc))
 
     def _refill(self, proc: ManagedProcess) -> None:
-        """Read a child again once acknowledged output made room."""
-        if proc.full_paused and not proc.output.full:
+        """Read a child again once acknowledged output made room (its own or the server's)."""
+        if proc.full_paused and not proc.retention_full:
             proc.full_paused = False
             if not self._paused:
                 proc.resume_reading()
+        elif proc.full_paused:
+            proc.when_retention_room(lambda: self._refill(proc))
 
     def process_exited(self, proc: ManagedProcess) -> None:
         self._running.discard(proc)

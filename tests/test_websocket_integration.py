@@ -523,7 +523,7 @@ async def test_plain_http_endpoints() -> None:
     try:
         host, port = server.host_port
         status, headers, body = await http_get(host, port, get_request("/readyz"))
-        assert (status, body, headers["content-length"]) == (200, b"", "0")
+        assert (status, body, headers["content-length"]) == (200, b"ready\n", "6")
         status, headers, body = await http_get(host, port, get_request("/metrics"))
         assert status == 200
         assert headers["content-type"].startswith("text/plain; version=0.0.4")

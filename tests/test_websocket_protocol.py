@@ -132,11 +132,11 @@ def http(factory: ExecServerFactory, request: bytes) -> tuple[bytes, StringTrans
 # --- plain HTTP on the WebSocket port ------------------------------------------------------
 
 
-def test_readyz_answers_200_with_an_empty_body(clock: Clock) -> None:
+def test_readyz_answers_200_with_a_short_body(clock: Clock) -> None:
     response, transport = http(make_factory(clock), b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert response.startswith(b"HTTP/1.1 200 OK\r\n")
-    assert b"\r\nContent-Length: 0\r\n" in response
-    assert response.endswith(b"\r\n\r\n")
+    assert b"\r\nContent-Length: 6\r\n" in response
+    assert response.endswith(b"\r\n\r\nready\n")
     assert transport.disconnecting
 
 

@@ -11,8 +11,10 @@ class: :mod:`execserver.client.client` imports this one, never the reverse.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import ssl
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -29,7 +31,9 @@ from twisted.internet.endpoints import (
     wrapClientTLS,
 )
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from execserver.client.channels.inprocess import InProcessChannel
 from execserver.client.channels.process import ServerProcessProtocol, spawn_server
@@ -290,11 +294,79 @@ async def open_channel(
         except ConnectFailed:
             if state.get("timed_out"):
                 raise ConnectTimeout(url, timeout) from None
+            if (
+                url.startswith("ws://")
+                and getattr(proto, "http_status_line", None) is None
+                and await speaks_tls(clock, url, min(TLS_PROBE_SECONDS, timeout))
+            ):
+                # Dropped without an HTTP answer: a TLS port says nothing to
+                # a plain request, so the reason alone would mislead.
+                raise ConnectFailed(url, f"{SPEAKS_TLS}{url[len('ws://') :]}") from None
             raise
         return proto
     finally:
         if timer.active():
             timer.cancel()
+
+
+#: What a ``ws://`` connection to a TLS port is told (then ``HOST:PORT``).
+SPEAKS_TLS = "the server speaks TLS here: use wss://"
+#: How long the TLS probe of such a port may take, at most.
+TLS_PROBE_SECONDS = 2.0
+
+
+def tls_client_hello() -> bytes:
+    """The first bytes a TLS client sends (a ClientHello), made without a socket."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    session = context.wrap_bio(incoming, outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        session.do_handshake()
+    return outgoing.read()
+
+
+class _TlsProbe(Protocol):
+    """Sends a ClientHello; ``answered`` fires True if a TLS record comes back."""
+
+    def __init__(self) -> None:
+        self.answered: Deferred[bool] = Deferred()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(tls_client_hello())
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self.answered.called:
+            # 0x16: a TLS handshake record (the ServerHello); 0x15: an alert.
+            self.answered.callback(data[:1] in (b"\x16", b"\x15"))
+        assert self.transport is not None
+        self.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if not self.answered.called:
+            self.answered.callback(False)
+
+
+async def speaks_tls(reactor: Any, url: str, timeout: float) -> bool:
+    """Whether the ``ws://`` URL's port answers a TLS ClientHello within ``timeout``."""
+    probe = _TlsProbe()
+    try:
+        connecting = websocket_endpoint(reactor, url, timeout).connect(
+            Factory.forProtocol(lambda: probe)
+        )
+        if not await wait_at_most(connecting, timeout, reactor):
+            return False
+    except Exception:
+        return False
+    answers: list[bool] = []
+    probe.answered.addCallback(answers.append)
+    if not await wait_at_most(probe.answered, timeout, reactor):
+        if probe.transport is not None:
+            probe.transport.abortConnection()  # type: ignore[attr-defined]
+        return False
+    return answers == [True]
 
 
 def connect_error_text(exc: BaseException) -> str:

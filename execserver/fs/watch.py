@@ -7,12 +7,20 @@ answer; it asks the server to watch those paths and drops its cache on the
 any ``missing`` path exists again or any ``present`` path no longer does,
 and is then gone (its ``watchId`` may be used again).
 
-Each watch has its own inotify instance (``twisted.internet.inotify``),
-watching the nearest existing ancestor directory of each missing path and
-the parent of each present path. Twisted closes an INotify whose watched
-directory is deleted, so after any event the watch is checked afresh and
-re-armed on a new instance; it is checked again after arming, so a change
-between two instances is not missed. A watch ends with its connection.
+All watches of a server share one inotify instance (``_SharedInotify``
+over ``twisted.internet.inotify``), so a client cannot use up the user's
+inotify instances (``fs.inotify.max_user_instances``, 128 by default) and
+leave other programs of that user ``EMFILE``. Each watched directory (the
+nearest existing ancestor of each missing path, the parent of each present
+path) is one kernel watch, shared by every watch that needs it. After any
+event in one of its directories a watch is checked afresh and its set of
+directories updated; it is checked again after that, so a change in
+between is not missed. A watch ends with its connection.
+
+Bounds: :data:`MAX_PATHS` paths per request, :data:`MAX_WATCHES` watches
+per connection, :data:`MAX_SERVER_WATCHES` per server (``-32600`` beyond
+either), and a kernel that refuses a directory (``max_user_watches``
+reached) fails the request with ``data.kind`` ``watchFailed``.
 """
 
 from __future__ import annotations
@@ -31,19 +39,23 @@ from execserver.errors import RpcError
 
 log = Logger()
 
-#: Directory events that can make a missing path appear or a present one vanish.
+#: Directory events that can make a missing path appear or a present one
+#: vanish. Not IN_DELETE_SELF: Twisted closes the whole instance on it. A
+#: deleted directory still says so with IN_IGNORED (always sent when the
+#: kernel drops a watch), and its parent's IN_DELETE.
 _MASK: Final = (
     inotify.IN_CREATE
     | inotify.IN_MOVED_TO
     | inotify.IN_DELETE
     | inotify.IN_MOVED_FROM
-    | inotify.IN_DELETE_SELF
     | inotify.IN_MOVE_SELF
 )
 #: Paths one fs/watchMissing may name (missing and present together).
 MAX_PATHS: Final = 1024
-#: Watches one connection may hold at once (each holds an inotify descriptor).
+#: Watches one connection may hold at once.
 MAX_WATCHES: Final = 64
+#: Watches the whole server may hold at once (all share one inotify instance).
+MAX_SERVER_WATCHES: Final = 1024
 
 WatchId = int | str
 
@@ -64,6 +76,80 @@ def _nearest_existing_dir(path: str) -> str:
     return parent
 
 
+class _SharedInotify:
+    """The server's one inotify instance: a kernel watch per directory, shared by watches."""
+
+    def __init__(self, reactor: IReactorTime) -> None:
+        self._reactor = reactor
+        self._notifier: Any = None
+        #: Directory -> the watches that need it, and the token of its kernel watch.
+        self._users: dict[str, set[_Watch]] = {}
+        self._tokens: dict[str, object] = {}
+
+    def _instance(self) -> Any:
+        notifier = self._notifier
+        if notifier is None or not notifier.connected:
+            notifier = inotify.INotify(IReactorFDSet(self._reactor))
+            notifier.startReading()
+            self._notifier = notifier
+            # (A new instance knows no directory: each is added again.)
+            self._tokens.clear()
+        return notifier
+
+    def directories(self) -> int:
+        return len(self._users)
+
+    def use(self, directory: str, watch: _Watch) -> None:
+        """``watch`` needs ``directory`` watched (raises INotifyError if the kernel refuses)."""
+        notifier = self._instance()
+        if directory not in self._tokens:
+            token = object()
+            notifier.watch(
+                FilePath(directory),
+                mask=_MASK,
+                callbacks=[lambda _i, _p, mask: self._event(directory, token, mask)],
+            )
+            self._tokens[directory] = token
+        self._users.setdefault(directory, set()).add(watch)
+
+    def release(self, directory: str, watch: _Watch) -> None:
+        users = self._users.get(directory)
+        if users is None:
+            return
+        users.discard(watch)
+        if users:
+            return
+        del self._users[directory]
+        if self._tokens.pop(directory, None) is not None:
+            self._unwatch(directory)
+
+    def _unwatch(self, directory: str) -> None:
+        notifier = self._notifier
+        if notifier is not None and notifier.connected:
+            with contextlib.suppress(KeyError):
+                notifier.ignore(FilePath(directory))
+        if not self._users and not self._tokens and notifier is not None:
+            # Nothing watched: the descriptor is not kept open for nothing.
+            self._notifier = None
+            if notifier.connected:
+                notifier.loseConnection()
+
+    def _event(self, directory: str, token: object, mask: int) -> None:
+        if self._tokens.get(directory) is not token:
+            return  # a kernel watch replaced since
+        users = list(self._users.get(directory, ()))
+        if mask & inotify.IN_IGNORED:
+            # The kernel dropped the watch (the directory is gone): forget
+            # it; each of its watches finds its directories again.
+            del self._tokens[directory]
+            self._users.pop(directory, None)
+            for watch in users:
+                watch.lost(directory)
+            self._unwatch(directory)
+        for watch in users:
+            watch.event()
+
+
 class _Watch:
     def __init__(
         self,
@@ -78,40 +164,57 @@ class _Watch:
         self.missing = missing
         self.present = present
         self._fire = fire
-        self._notifier: Any = None
+        #: The directories this watch has registered with the shared instance.
+        self._directories: set[str] = set()
+        self._recheck_pending = False
         self.done = False
 
     def changed(self) -> bool:
         return any(_exists(p) for p in self.missing) or not all(_exists(p) for p in self.present)
 
     def arm(self) -> None:
-        self._close()
-        notifier = inotify.INotify(IReactorFDSet(self.hub.reactor))
-        notifier.startReading()
-        self._notifier = notifier
-        directories = {_nearest_existing_dir(p) for p in self.missing}
-        directories.update(os.path.dirname(p) or "/" for p in self.present)
-        for directory in sorted(directories):
-            # One that vanished since it was found: the check below sees it.
-            with contextlib.suppress(inotify.INotifyError):
-                notifier.watch(FilePath(directory), mask=_MASK, callbacks=[self._event])
+        shared = self.hub.inotify
+        wanted = {_nearest_existing_dir(p) for p in self.missing}
+        wanted.update(os.path.dirname(p) or "/" for p in self.present)
+        for directory in self._directories - wanted:
+            shared.release(directory, self)
+        for directory in sorted(wanted - self._directories):
+            try:
+                shared.use(directory, self)
+            except inotify.INotifyError:
+                if os.path.isdir(directory):
+                    # The kernel refused (e.g. max_user_watches reached).
+                    raise
+                # One that vanished since it was found: the check below sees it.
+                continue
+            self._directories.add(directory)
         if self.changed():
             # Not from here: the notification must follow the request's answer.
-            self.hub.reactor.callLater(0, self._recheck)
+            self.event()
 
-    def _event(self, _ignored: object, _path: FilePath[Any], _mask: int) -> None:
-        if self.done:
+    def lost(self, directory: str) -> None:
+        self._directories.discard(directory)
+
+    def event(self) -> None:
+        if self.done or self._recheck_pending:
             return
         # Called from the notifier's read loop: re-arm after it has returned.
+        self._recheck_pending = True
         self.hub.reactor.callLater(0, self._recheck)
 
     def _recheck(self) -> None:
+        self._recheck_pending = False
         if self.done:
             return
         if self.changed():
             self.finish(notify=True)
-        else:
+            return
+        try:
             self.arm()
+        except inotify.INotifyError as exc:
+            # Nothing to answer any more: the watch ends without a notification.
+            log.warn("fs/watchMissing watch {key} ended: {error}", key=self.key[1], error=exc)
+            self.finish(notify=False)
 
     def finish(self, notify: bool) -> None:
         if self.done:
@@ -123,9 +226,9 @@ class _Watch:
             self._fire()
 
     def _close(self) -> None:
-        notifier, self._notifier = self._notifier, None
-        if notifier is not None and notifier.connected:
-            notifier.loseConnection()
+        for directory in self._directories:
+            self.hub.inotify.release(directory, self)
+        self._directories.clear()
 
 
 class WatchHub:
@@ -134,6 +237,8 @@ class WatchHub:
     def __init__(self, reactor: IReactorTime) -> None:
         #: The reactor's clock, and (a real reactor) what inotify reads through.
         self.reactor = reactor
+        #: The one inotify instance all watches share.
+        self.inotify = _SharedInotify(reactor)
         self._watches: dict[tuple[object, WatchId], _Watch] = {}
         self._per_owner: dict[object, int] = {}
 
@@ -156,6 +261,11 @@ class WatchHub:
         if self._per_owner.get(owner, 0) >= MAX_WATCHES:
             raise RpcError.invalid_request(
                 f"too many fs/watchMissing watches on this connection (limit {MAX_WATCHES})"
+            )
+        if len(self._watches) >= MAX_SERVER_WATCHES:
+            raise RpcError.invalid_request(
+                f"too many fs/watchMissing watches on this server (limit {MAX_SERVER_WATCHES}); "
+                "retry once others have fired or their connections have closed"
             )
         watch = _Watch(self, key, missing, present, fire)
         self._watches[key] = watch

@@ -33,6 +33,7 @@ from twisted.web.server import Request, Site
 
 from execserver import __version__, metrics, tls
 from execserver.dispatcher import SHUTTING_DOWN
+from execserver.logsink import OncePerInterval
 
 if TYPE_CHECKING:
     from execserver.auth import TokenStore
@@ -116,6 +117,15 @@ def host_refused(host: str) -> HttpReply:
         "answers only requests addressed to localhost, 127.0.0.0/8 or [::1] "
         "(DNS rebinding protection)\n",
     )
+
+
+#: Headers a request carries at most once (RFC 9110 section 5.3: neither is a list).
+_SINGLE_HEADERS = (b"host", b"authorization")
+
+
+def duplicate_header_refused(name: bytes) -> HttpReply:
+    title = name.decode().title()
+    return HttpReply(400, f"the request carries more than one {title} header; send one\n")
 
 
 def body_refused() -> HttpReply:
@@ -212,7 +222,7 @@ def _only_get(request: Request, path: str) -> bytes | None:
 
 
 class ReadyResource(Resource):
-    """``GET /readyz``: 200 with an empty body, 503 with the reason while not ready."""
+    """``GET /readyz``: 200 ``ready``, or 503 with the reason while not ready."""
 
     isLeaf = True
 
@@ -226,7 +236,8 @@ class ReadyResource(Resource):
             return refused
         reason = self._dispatcher.not_ready_reason()
         return _send(
-            request, HttpReply(200, "") if reason is None else HttpReply(503, reason + "\n")
+            request,
+            HttpReply(200, "ready\n") if reason is None else HttpReply(503, reason + "\n"),
         )
 
 
@@ -274,6 +285,12 @@ class EdgeResource(Resource):
 
     def render(self, request: Request) -> Any:
         policy = self._policy
+        for name in _SINGLE_HEADERS:
+            values = request.requestHeaders.getRawHeaders(name)
+            if values is not None and len(values) > 1:
+                # Which one a check reads and which one a proxy or the next
+                # hop reads may differ: a request carries one or is refused.
+                return _send(request, duplicate_header_refused(name))
         host = _header(request, b"host")
         if policy.loopback_only and host is not None and not host_is_loopback(host):
             return _send(request, host_refused(host))
@@ -375,12 +392,18 @@ class EdgeChannel(HTTPChannel):
         site.channels.add(self)
         if stats.sockets_open > policy.max_connections:
             stats.refused["connections"] += 1
-            log.warn(
-                "refusing a connection from {peer}: {limit} connections are open "
-                "(--max-connections)",
-                peer=peer_text(self.transport.getPeer()),  # type: ignore[union-attr]
-                limit=policy.max_connections,
-            )
+            refused = site.refusal_log.hit()
+            if refused is not None:
+                # One line per interval, however fast a peer reconnects.
+                log.warn(
+                    "refusing a connection from {peer}: {limit} connections are open "
+                    "(--max-connections); {refused} refused since the last such line "
+                    "(logged at most once per {interval:g} s)",
+                    peer=peer_text(self.transport.getPeer()),  # type: ignore[union-attr]
+                    limit=policy.max_connections,
+                    refused=refused,
+                    interval=site.refusal_log.interval,
+                )
             self._refuse(
                 HttpReply(
                     503,
@@ -511,6 +534,8 @@ class EdgeSite(Site):
         self.clock = clock
         #: Connections not (yet) upgraded, aborted when the listener stops.
         self.channels: set[EdgeChannel] = set()
+        #: The --max-connections refusal warning, at most once per interval.
+        self.refusal_log = OncePerInterval(clock)
 
     def buildProtocol(self, addr: Any) -> EdgeChannel:  # type: ignore[override]
         channel = cast(EdgeChannel, super().buildProtocol(addr))

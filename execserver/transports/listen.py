@@ -79,25 +79,51 @@ class UnixAddress:
     def remove_stale_socket(self) -> None:
         """Remove a socket file nobody listens on (a server that died left it).
 
-        A socket a live server listens on is kept: the bind then fails
-        with "Address already in use". Anything that is not a socket is
-        never removed.
+        Anything else at the path is left alone and stops the start with a
+        :class:`UnixPathInUse` that says what is there: a socket a live
+        server listens on, or a file that is not a socket (a regular file,
+        a symbolic link, a directory...), which is never removed.
         """
         try:
-            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                return
+            mode = os.lstat(self.path).st_mode
         except OSError:
             return
+        if not stat.S_ISSOCK(mode):
+            raise UnixPathInUse(
+                f"cannot listen on {self}: {self.path} is {_file_kind(mode)}, not a socket; "
+                "it is left alone: remove it or choose another path"
+            )
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(self.path)
         except ConnectionRefusedError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+            return
         except OSError:
-            pass
+            return
         finally:
             probe.close()
+        raise UnixPathInUse(
+            f"cannot listen on {self}: Address already in use: another server listens "
+            "on this socket"
+        )
+
+
+class UnixPathInUse(OSError):
+    """Something that is not a stale socket holds a ``unix://`` listener's path."""
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 ListenAddress = StdioAddress | WebSocketAddress | UnixAddress
@@ -130,8 +156,11 @@ def parse_listen_url(url: str) -> ListenAddress:
                 f"invalid secure websocket --listen URL `{url}`; expected `wss://IP:PORT`"
             )
         return attrs.evolve(address, secure=True)
-    # The reference's text (unix:// is our addition, documented in operations.md).
-    raise ListenUrlError(f"unsupported --listen URL `{url}`; expected `stdio://` or `ws://IP:PORT`")
+    # The reference's text, with every form we accept (it knows only the first two).
+    raise ListenUrlError(
+        f"unsupported --listen URL `{url}`; expected `stdio://` or `ws://IP:PORT` "
+        "(or `wss://IP:PORT`, `unix:///ABSOLUTE/PATH`)"
+    )
 
 
 def _parse_socket_address(text: str) -> WebSocketAddress | None:

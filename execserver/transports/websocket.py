@@ -6,7 +6,7 @@ its own dispatcher :class:`~execserver.dispatcher.Connection` and so its own
 session; when the connection ends (close frame, TCP reset, ping timeout) the
 session's processes are terminated, whole groups, as the reference does.
 
-The same port answers, without an upgrade, ``GET /readyz`` (200, empty) and
+The same port answers, without an upgrade, ``GET /readyz`` (200, ``ready``) and
 ``GET /metrics`` (Prometheus text). Every connection starts in a
 ``twisted.web`` site (``transports/http.py``: limits, Host, token and Origin
 checks, the plain resources); an admitted upgrade is handed to this module's

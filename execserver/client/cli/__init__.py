@@ -18,7 +18,7 @@ time or the connection is lost.
 Ctrl-C (SIGINT) while ``run`` waits: the first sends SIGINT to the remote
 process group, the second terminates it (SIGTERM, then SIGKILL after the
 server's grace), the third kills it at once. SIGTERM and SIGHUP start at
-the second step.
+the second step; the client then exits 128 + that signal (143, 129).
 
 Modules: :mod:`~execserver.client.cli.common` (exit statuses, connection
 options, connecting), :mod:`~execserver.client.cli.run` (``run``, ``shell``),

@@ -304,10 +304,16 @@ class _Interrupts:
         self._note = note
         self._can_signal = client.supports(p.PROCESS_SIGNAL)
         self.step = 0
+        #: The first SIGTERM or SIGHUP this client received: it then exits
+        #: 128 + that signal once the remote process is gone, as a local
+        #: command killed by it would (not the remote's 143 from our terminate).
+        self.stopped_by: int | None = None
 
     def on_signal(self, signum: int) -> None:
         if self._proc.has_exited:
             return
+        if signum != signal.SIGINT and self.stopped_by is None:
+            self.stopped_by = signum
         first = 1 if signum == signal.SIGINT and self._can_signal else 2
         self.step = max(self.step + 1, first)
         if self.step == 1:
@@ -409,6 +415,8 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, reactor)
         if output.broken:
             return EXIT_BROKEN_PIPE
+        if interrupts.stopped_by is not None:
+            return 128 + interrupts.stopped_by
         if output.gaps:
             return EXIT_OUTPUT_LOST  # said below, once the terminal is restored
         if proc.timed_out is not None:
