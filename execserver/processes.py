@@ -452,8 +452,11 @@ class ManagedProcess(ProcessProtocol):
         if not self._lingering:
             self._cancel_timeouts()
         self.close_seq = self.output.mark()
-        self._observer.process_closed(self)
+        # Long polls answer before the close is announced: a current-dialect
+        # read that saw the exit waits for the close, and a client that takes
+        # process/closed as the last word must find no read of it pending.
         self._wake()
+        self._observer.process_closed(self)
         self._closed.fire(None)
         if self.finished:
             self._finish()
