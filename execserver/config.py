@@ -6,6 +6,8 @@ from typing import Final
 
 import attrs
 
+from execserver.limits import NO_LIMITS, Limits
+
 MiB: Final = 1024 * 1024
 
 
@@ -53,3 +55,7 @@ class ServerConfig:
     max_total_retained_bytes: int = 2048 * MiB
     #: fs operations one connection may have on pool threads at once (of 4).
     max_fs_ops_per_session: int = 2
+    #: Resource limits of a process that asks for none of a kind, and the
+    #: most any process may have (--default-limits, --limit-ceiling).
+    default_limits: Limits = NO_LIMITS
+    limit_ceiling: Limits = NO_LIMITS

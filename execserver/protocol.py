@@ -188,6 +188,27 @@ class EnvPolicy(_Wire):
     include_only: list[str] = msgspec.field(default_factory=list)
 
 
+class ProcessLimits(_Wire):
+    """``process/start``'s ``limits`` (docs/process-control.md, "Resource limits")."""
+
+    memory_bytes: U64 | None = None
+    max_processes: U64 | None = None
+    cpu_percent: U64 | None = None
+    file_size_bytes: U64 | None = None
+
+
+LimitExceeded = Literal["memory", "processes", "cpu", "fileSize"]
+
+
+class ProcessUsage(_Out):
+    """What a process's tree uses now, from its cgroup (absent: not measured here)."""
+
+    memory_bytes: int | msgspec.UnsetType = msgspec.UNSET
+    memory_peak_bytes: int | msgspec.UnsetType = msgspec.UNSET
+    cpu_time_ms: float | msgspec.UnsetType = msgspec.UNSET
+    processes: int | msgspec.UnsetType = msgspec.UNSET
+
+
 class ExecParams(_Wire):
     process_id: str
     argv: list[str]
@@ -204,12 +225,15 @@ class ExecParams(_Wire):
     idle_timeout_ms: NonNegative | None = None
     # Current dialect: without it, ``env`` is the whole environment.
     env_policy: EnvPolicy | None = None
+    limits: ProcessLimits | None = None
 
 
 class ExecResponse(_Wire):
     process_id: str
     #: Current dialect: the sandbox the process runs in (always "none").
     sandbox_type: str | msgspec.UnsetType = msgspec.UNSET
+    #: Sent when the request had ``limits``: the effective ones.
+    limits: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/read -----------------------------------------------------------
@@ -258,6 +282,9 @@ class ReadResponse(msgspec.Struct, rename="camel"):
     #: error answer here) and whether a sandbox denied the process.
     failure: str | msgspec.UnsetType | None = msgspec.UNSET
     sandbox_denied: bool | msgspec.UnsetType = msgspec.UNSET
+    #: The resource limit that ended or crippled the process, and its figure.
+    limit_exceeded: LimitExceeded | msgspec.UnsetType = msgspec.UNSET
+    limit_value: int | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/write, process/terminate ---------------------------------------
@@ -305,6 +332,8 @@ class ExitedNotification(msgspec.Struct, rename="camel"):
     timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
     #: Current dialect: whether a sandbox denial ended the process (never here).
     sandbox_denied: bool | msgspec.UnsetType = msgspec.UNSET
+    limit_exceeded: LimitExceeded | msgspec.UnsetType = msgspec.UNSET
+    limit_value: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class ClosedNotification(msgspec.Struct, rename="camel"):
@@ -363,6 +392,10 @@ class ListedProcess(msgspec.Struct, rename="camel"):
     tty: bool
     running: bool
     exit_code: int | None
+    #: The process's effective resource limits and its tree's usage.
+    limits: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
+    usage: ProcessUsage | msgspec.UnsetType = msgspec.UNSET
+    limit_exceeded: LimitExceeded | msgspec.UnsetType = msgspec.UNSET
 
 
 class ListResponse(msgspec.Struct, rename="camel"):
