@@ -56,7 +56,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from execserver import cgroups
+from execserver import cgroups, escapees
 from execserver.cgroups import Counters, Usage, V1Hierarchy
 from execserver.errors import RpcError
 from execserver.limits import KINDS, NO_LIMITS, Kind, Limits
@@ -332,6 +332,13 @@ class CgroupTree(_Owned):
         self.path = path
         self.leader = leader
         self.placement = placement
+        #: Boot ticks just before the spawn: no member can be older.
+        self.born = boot_ticks()
+        #: Descendants found outside the cgroup(s) (root can move itself),
+        #: pid -> start time: attributed by lineage while their parent
+        #: lives, by elimination once they are orphans adopted by the server.
+        self.escapees: dict[int, int] = {}
+        self.terminating = False
         self._owner = owner
         self._on_empty: Callable[[], None] | None = None
         self.released = False
@@ -370,12 +377,29 @@ class CgroupTree(_Owned):
             return cgroups.usage(2, dirs, self.path)
         return placement.usage(self.path)
 
+    def live_escapees(self) -> list[int]:
+        """The escapees still running (checked one by one, no scan)."""
+        live = []
+        for pid, start in list(self.escapees.items()):
+            info = read_proc(pid)
+            if info is None or info.start != start or info.zombie:
+                del self.escapees[pid]
+            else:
+                live.append(pid)
+        return live
+
     def signal(self, signum: int) -> None:
         if self.released:
             # The cgroup may already serve another process.
             return
+        # Only a terminate (or a kill) signals a whole tree: look for members
+        # that left the cgroup first.
+        self.terminating = True
+        self._owner._find_escapees()
         _signal_group(self.leader, signum)
         for pid in self.pids():
+            _signal_pid(pid, signum)
+        for pid in self.live_escapees():
             _signal_pid(pid, signum)
 
     def kill(self) -> None:
@@ -389,8 +413,7 @@ class CgroupTree(_Owned):
             # caught by the next check, which repeats the kill).
             self.signal(signal.SIGKILL)
         else:
-            if self.placement is not None and self.placement.v1_dirs:
-                self.signal(signal.SIGKILL)
+            self.signal(signal.SIGKILL)
 
     def alive(self) -> bool:
         try:
@@ -401,7 +424,7 @@ class CgroupTree(_Owned):
         if not populated and self.placement is not None:
             populated = any(_cgroup_pids(d) for d in self.placement.v1_dirs)
         self.seen_empty = not populated
-        return populated
+        return populated or bool(self.escapees and self.live_escapees())
 
 
 class ScanTree(_Owned):
@@ -579,6 +602,10 @@ class Containment:
         #: Empty v1 directory sets kept for reuse, by the hierarchies they span.
         self._v1_free: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
         self._v1_serial = 0
+        #: Where escapees are recorded for a restarted server (None: nowhere).
+        self._escapee_file: str | None = None
+        self._recorded: frozenset[tuple[int, int]] = frozenset()
+        self._escapees_found_at = -1.0
         #: Trees whose v1 memory limit is watched for OOM kills.
         self._oom_watch: set[CgroupTree] = set()
         self._oom_timer: IDelayedCall | None = None
@@ -648,6 +675,7 @@ class Containment:
         self._own_procs = os.path.join(own_dir, "cgroup.procs")
         ns = _pidns()
         self._cleanup_leftovers(own_dir, ns)
+        self._escapee_file = escapees.start(ns)
         parent = os.path.join(own_dir, f"{CGROUP_PREFIX}{os.getpid()}-ns{ns}")
         with contextlib.suppress(FileExistsError):
             os.mkdir(parent)
@@ -825,6 +853,9 @@ class Containment:
             if os.path.exists(f"/proc/{pid_text}"):
                 continue
             leftover = os.path.join(own_dir, name)
+            # Descendants that left the cgroup (root can) but whose parent
+            # stayed are found through it before it dies.
+            _kill_descendants_of_members(leftover)
             with contextlib.suppress(OSError):
                 _write(os.path.join(leftover, "cgroup.kill"), "1")
             removed = _remove_cgroup_tree(leftover, wait=1.0)
@@ -864,6 +895,8 @@ class Containment:
             _remove_cgroup_tree(parent, wait=0.5)
         self._v1_free.clear()
         self._oom_watch.clear()
+        if self._escapee_file is not None:
+            escapees.forget(self._escapee_file)
         self._trees.clear()
         self._lingering.clear()
         return succeed(None)
@@ -938,8 +971,10 @@ class Containment:
                     for directory in placement.v1_dirs:
                         # Exactness or nothing: a limit the child could
                         # escape before it is moved is refused.
+                        # v1 moves one thread (``tasks``): only the one
+                        # that creates the child, which is all it inherits.
                         try:
-                            _write(os.path.join(directory, "cgroup.procs"), "0")
+                            _write(os.path.join(directory, "tasks"), "0")
                         except OSError as exc:
                             raise ContainmentError(
                                 f"cannot enter cgroup {directory}: {exc.strerror}",
@@ -970,6 +1005,9 @@ class Containment:
                 )
         tree = CgroupTree(self, path, pid, placement)
         self._add(tree)
+        exact = limits.max_processes
+        if placement and exact is not None and not self._exact_pids_max(placement, exact):
+            tree.kill()
         if placement is not None and "memory" in placement.v1_controllers:
             self._oom_watch.add(tree)
             self._schedule_oom_check()
@@ -1007,10 +1045,17 @@ class Containment:
         for controller in v1:
             dirs[controller] = by_parent[self._v1[controller][1]]
         placement = LimitPlacement(limits, dirs, frozenset(v1), v1_dirs)
+        written = limits
+        if limits.max_processes is not None:
+            # The server's own tasks count in pids.current while it is
+            # inside (v1: the one thread that moves; v2: all of them): room
+            # for them until it leaves and the exact figure is written.
+            moved = 1 if "pids" in v1 else _thread_count()
+            written = attrs.evolve(limits, max_processes=limits.max_processes + moved + 8)
         try:
             # Each side (v1 directories, the v2 cgroup) by its own rules.
             for version, side in placement.sides():
-                cgroups.apply(version, side, limits)
+                cgroups.apply(version, side, written)
         except OSError as exc:
             self._recycle_v1(placement)
             raise ContainmentError(
@@ -1019,11 +1064,24 @@ class Containment:
         placement.baseline = placement.counters()
         return placement
 
+    def _exact_pids_max(self, placement: LimitPlacement, limit: int) -> bool:
+        try:
+            _write(os.path.join(placement.dirs["pids"], "pids.max"), str(limit))
+        except OSError as exc:
+            log.critical(
+                "cannot set pids.max {limit} in {path}: {error}; the process is killed",
+                limit=limit,
+                path=placement.dirs["pids"],
+                error=exc,
+            )
+            return False
+        return True
+
     def _leave_v1(self, entered: list[str]) -> None:
         for directory in entered:
             own = self._v1_own_of(directory)
             try:
-                _write(os.path.join(own, "cgroup.procs"), "0")
+                _write(os.path.join(own, "tasks"), "0")
             except OSError as exc:
                 log.critical(
                     "cannot leave cgroup {path} after a spawn ({error}); later children share it",
@@ -1092,6 +1150,8 @@ class Containment:
 
     def _add(self, tree: Tree) -> None:
         self._trees.add(tree)
+        if isinstance(tree, CgroupTree):
+            self._schedule()
         if isinstance(tree, ScanTree):
             # A scan from before this tree existed knows none of its members.
             self._scanned_at = -1.0
@@ -1131,8 +1191,12 @@ class Containment:
                     self._lingering.add(tree)
                     self._schedule()
                     return
-            # Escapees whose parent died are our zombies now.
-            reap_unknown_children()
+            # Escapees whose parent died are our zombies now; those still
+            # running whose last possible tree this was are killed.
+            if self._adopted_outside() or tree.escapees:
+                for pid in tree.live_escapees():
+                    _signal_pid(pid, signal.SIGKILL)
+                self._find_escapees(force=True)
         elif self._orphans_seen and self._unattributed_children():
             # Orphans nobody could attribute may have had this tree as their
             # last possible owner.
@@ -1150,13 +1214,89 @@ class Containment:
         self._timer = None
         if any(isinstance(t, ScanTree) for t in self._trees):
             self._rescan(force=True)
-        reap_unknown_children()
+        if self.mode == "cgroup":
+            # Orphans adopted by the server outside every cgroup of ours
+            # are escapees: attributed (and recorded) now, not only at the
+            # next terminate, so a restarted server can find them.
+            if self._adopted_outside():
+                self._find_escapees(force=True)
+        else:
+            reap_unknown_children()
         for tree in list(self._lingering):
             if not tree.alive():
                 self._lingering.discard(tree)
                 tree.emptied()
-        if self._lingering or any(isinstance(t, ScanTree) for t in self._trees):
+        if (
+            self._lingering
+            or any(isinstance(t, ScanTree) for t in self._trees)
+            or (self.mode == "cgroup" and self._trees)
+        ):
             self._schedule()
+
+    # --- escapees (cgroup mode) ----------------------------------------------------------
+
+    def _adopted_outside(self) -> list[int]:
+        """Running children of the server that it did not spawn and no cgroup of ours holds."""
+        running = reap_unknown_children()
+        if not running:
+            return []
+        return [
+            pid for pid in running if not _in_cgroup_below(pid, self._cgroup_root, self._parent)
+        ]
+
+    def _find_escapees(self, force: bool = False) -> None:
+        """Attribute every descendant that left its cgroup to its tree.
+
+        By lineage: a descendant (``/proc`` parent chains) of a member, or of
+        a known escapee, is a member wherever its cgroup is. By elimination:
+        an orphan the server adopted, outside every cgroup of ours, belongs
+        to a tree that existed when it was born; with none left it is
+        killed; while several could own it, it shares their fate once all
+        are terminating. A burst of terminates shares one scan.
+        """
+        trees = [t for t in self._trees if isinstance(t, CgroupTree) and not t.released]
+        now = time.monotonic()
+        if not force and now - self._escapees_found_at < 0.05:
+            return
+        self._escapees_found_at = now
+        table = proc_table()
+        children: dict[int, list[int]] = {}
+        for info in table.values():
+            children.setdefault(info.ppid, []).append(info.pid)
+        for tree in trees:
+            inside = set(tree.pids())
+            roots = [tree.leader, *inside, *tree.live_escapees()]
+            for pid in _lineage(table, children, roots):
+                start = table[pid].start
+                if pid not in inside and pid != tree.leader and start >= tree.born:
+                    tree.escapees[pid] = start
+        known = reaped_by_twisted()
+        attributed = {pid for t in trees for pid in t.escapees}
+        for pid in children.get(os.getpid(), ()):
+            adopted = table[pid]
+            if adopted.zombie or (known is not None and pid in known):
+                continue
+            if pid in attributed or _in_cgroup_below(pid, self._cgroup_root, self._parent):
+                continue
+            candidates = [t for t in trees if t.born <= adopted.start]
+            if not candidates:
+                log.info("killing pid {pid}: it left its cgroup and its tree is gone", pid=pid)
+                for member in [pid, *_descendants(table, pid)]:
+                    _signal_pid(member, signal.SIGKILL)
+                continue
+            if len(candidates) == 1 or all(t.terminating for t in candidates):
+                for owner in candidates:
+                    for member in _lineage(table, children, [pid]):
+                        owner.escapees[member] = table[member].start
+        self._record_escapees(trees)
+
+    def _record_escapees(self, trees: list[CgroupTree]) -> None:
+        if self._escapee_file is None:
+            return
+        current = frozenset((pid, start) for t in trees for pid, start in t.escapees.items())
+        if current != self._recorded:
+            self._recorded = current
+            escapees.record(self._escapee_file, current)
 
     # --- subreaper scans ----------------------------------------------------------------
 
@@ -1303,6 +1443,13 @@ def _with_rlimit(create: Callable[[], int], limits: Limits) -> int:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
 
 
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 64
+
+
 _OOM_SCORE_ADJ: Final = "/proc/self/oom_score_adj"
 
 
@@ -1327,6 +1474,47 @@ def _with_oom_score(create: Callable[[], int], limits: Limits) -> int:
             log.critical(
                 "cannot restore the server's oom_score_adj {own}: {error}", own=own, error=exc
             )
+
+
+def _lineage(
+    table: dict[int, ProcInfo], children: dict[int, list[int]], roots: list[int]
+) -> list[int]:
+    """``roots`` still running and all their descendants."""
+    found: list[int] = []
+    seen: set[int] = set()
+    pending = [pid for pid in roots if pid in table]
+    while pending:
+        pid = pending.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        if not table[pid].zombie:
+            found.append(pid)
+        pending.extend(children.get(pid, ()))
+    return found
+
+
+def _in_cgroup_below(pid: int, root: str, parent: str) -> bool:
+    """Whether ``pid``'s cgroup v2 (hierarchy mounted at ``root``) is ``parent`` or below it."""
+    own = own_cgroup(f"/proc/{pid}/cgroup")
+    if own is None or not parent:
+        return False
+    path = os.path.normpath(root + "/" + own)
+    return path == parent or path.startswith(parent + "/")
+
+
+def _kill_descendants_of_members(directory: str) -> None:
+    members: list[int] = []
+    for dirpath, _dirs, _files in os.walk(directory):
+        members.extend(_cgroup_pids(dirpath))
+    if not members:
+        return
+    table = proc_table()
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    for pid in _lineage(table, children, members):
+        _signal_pid(pid, signal.SIGKILL)
 
 
 def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
