@@ -59,7 +59,7 @@ from twisted.logger import Logger
 from execserver import cgroups, escapees
 from execserver.cgroups import Counters, Usage, V1Hierarchy
 from execserver.errors import RpcError
-from execserver.limits import KINDS, NO_LIMITS, Kind, Limits
+from execserver.limits import FIELDS, KINDS, NO_LIMITS, Kind, Limits
 from execserver.waiters import cancel_call
 
 log = Logger()
@@ -1399,6 +1399,27 @@ def _remove_cgroup_tree(path: str, wait: float) -> bool:
         time.sleep(0.01)
 
 
+def limits_report(requested: str = "auto") -> list[str]:
+    """Which resource limits this host lets a server enforce, one line per limit.
+
+    For ``exec-server --check-sandbox``: starts a containment of mode
+    ``requested`` as a server would (creating and proving its cgroups),
+    reports, and removes them again. Meant for a short-lived check process
+    (it makes the process a child subreaper).
+    """
+    containment = Containment(requested)
+    try:
+        containment.start()
+    except ContainmentError as exc:
+        return [
+            f"{field}: not enforced ({exc})" for field in FIELDS if field != "fileSizeBytes"
+        ] + ["fileSizeBytes: enforced (RLIMIT_FSIZE in the child)"]
+    try:
+        return containment.limits_report()
+    finally:
+        containment.stop()
+
+
 _CONTROLLER_OF: Final = {
     "memoryBytes": "memory",
     "maxProcesses": "pids",
@@ -1572,6 +1593,7 @@ __all__ = [
     "ProcessTree",
     "ScanTree",
     "boot_ticks",
+    "limits_report",
     "proc_table",
     "reap_unknown_children",
 ]

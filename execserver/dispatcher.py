@@ -160,6 +160,8 @@ class Stats:
     refused: Counter[str] = attrs.Factory(Counter)
     #: Connections open on WebSocket listeners (upgraded or not), all listeners.
     sockets_open: int = 0
+    #: Processes a resource limit ended or crippled, by ``limitExceeded``.
+    limits_exceeded: Counter[str] = attrs.Factory(Counter)
 
 
 class Dispatcher:

@@ -599,6 +599,8 @@ class Session:
             params.sandbox_denied = False
         if proc.limit_exceeded is not None:
             params.limit_exceeded, params.limit_value = proc.limit_exceeded
+            if self.stats is not None:
+                self.stats.limits_exceeded[proc.limit_exceeded[0]] += 1
         self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:
