@@ -1016,7 +1016,8 @@ class Containment:
     def _place(self, path: str, limits: Limits, controllers: list[str]) -> LimitPlacement:
         """The controller directories of one limited process, limits written."""
         v1 = [c for c in controllers if c not in self.v2_controllers]
-        if "cpu" in v1 and "cpuacct" in self._v1:
+        if v1 and "cpuacct" in self._v1 and "cpuacct" not in v1:
+            # CPU time is measured on v1 by cpuacct (often its own hierarchy).
             v1.append("cpuacct")
         parents = sorted({self._v1[c][1] for c in v1})
         key = tuple(parents)
