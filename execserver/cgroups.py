@@ -45,7 +45,9 @@ LIMIT_CONTROLLERS: Final = ("memory", "pids", "cpu")
 
 
 def write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    # O_TRUNC means nothing to cgroupfs; it makes ordinary files (the unit
+    # tests' fake hierarchy) read back exactly what was written.
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         os.write(fd, text.encode())
     finally:
