@@ -149,18 +149,24 @@ def v2_enable(directory: str, controllers: frozenset[str]) -> frozenset[str]:
 # --- one process's limits -----------------------------------------------------------
 
 
-def apply(version: Version, dirs: Mapping[str, str], limits: Limits) -> None:
+def apply(
+    version: Version, dirs: Mapping[str, str], limits: Limits, previous: Limits | None = None
+) -> None:
     """Write ``limits`` (None: unlimited) into the controllers of ``dirs``.
 
     ``dirs`` maps each controller to the directory whose files it owns.
-    Raises OSError if the kernel refuses one.
+    ``previous``: what these directories already hold (a reused set), so
+    only what differs is written. Raises OSError if the kernel refuses one.
     """
     if "memory" in dirs:
-        _apply_memory(version, dirs["memory"], limits.memory_bytes)
-    if "pids" in dirs:
+        if previous is None or previous.memory_bytes != limits.memory_bytes:
+            _apply_memory(version, dirs["memory"], limits.memory_bytes)
+        elif version == 1:
+            _reset_v1_memory_peak(dirs["memory"])
+    if "pids" in dirs and (previous is None or previous.max_processes != limits.max_processes):
         value = "max" if limits.max_processes is None else str(limits.max_processes)
         write(os.path.join(dirs["pids"], "pids.max"), value)
-    if "cpu" in dirs:
+    if "cpu" in dirs and (previous is None or previous.cpu_percent != limits.cpu_percent):
         cpu = dirs["cpu"]
         quota = None if limits.cpu_percent is None else limits.cpu_percent * CPU_PERIOD_US // 100
         if version == 2:
@@ -187,7 +193,11 @@ def _apply_memory(version: Version, directory: str, limit: int | None) -> None:
     write(os.path.join(directory, "memory.limit_in_bytes"), "-1" if limit is None else str(limit))
     if has_memsw and limit is not None:
         write(memsw, str(limit))
-    # A reused cgroup's peak and failure count start again.
+    _reset_v1_memory_peak(directory)
+
+
+def _reset_v1_memory_peak(directory: str) -> None:
+    # A reused cgroup's peak starts again.
     with contextlib.suppress(OSError):
         write(os.path.join(directory, "memory.max_usage_in_bytes"), "0")
 
@@ -249,12 +259,13 @@ def usage(version: Version, dirs: Mapping[str, str], procs_dir: str | None) -> U
         else:
             memory = read_int(os.path.join(d, "memory.usage_in_bytes"))
             peak = read_int(os.path.join(d, "memory.max_usage_in_bytes"))
-    if version == 2 and procs_dir is not None:
-        # cpu.stat's usage is core v2 (no controller needed).
-        cpu = read_key(os.path.join(procs_dir, "cpu.stat"), "usage_usec")
-    elif "cpuacct" in dirs:
+    if "cpuacct" in dirs:
         nanoseconds = read_int(os.path.join(dirs["cpuacct"], "cpuacct.usage"))
         cpu = None if nanoseconds is None else nanoseconds // 1000
+    elif procs_dir is not None:
+        # The v2 cgroup's cpu.stat usage is core v2: no controller needed,
+        # also on a hybrid host whose cpu controller is on v1.
+        cpu = read_key(os.path.join(procs_dir, "cpu.stat"), "usage_usec")
     if "pids" in dirs:
         processes = read_int(os.path.join(dirs["pids"], "pids.current"))
     elif procs_dir is not None:

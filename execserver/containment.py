@@ -292,23 +292,36 @@ class LimitPlacement:
     #: The cgroup v1 directories the process entered (none on v2).
     v1_dirs: tuple[str, ...]
     baseline: Counters = attrs.field(factory=Counters)
+    #: What the directories hold now (None: unknown, e.g. a write failed).
+    written: Limits | None = None
+    #: The counters at the last look (the exit): a reused set's next baseline,
+    #: since nothing counts while it is empty.
+    last: Counters | None = None
     #: v1: the OOM kill of one member was seen; the tree was killed.
     oom_killed: bool = False
+    _sides: list[tuple[cgroups.Version, dict[str, str]]] = attrs.field(init=False, factory=list)
 
-    def sides(self) -> list[tuple[cgroups.Version, dict[str, str]]]:
+    def __attrs_post_init__(self) -> None:
         v1 = {c: d for c, d in self.dirs.items() if c in self.v1_controllers}
         v2 = {c: d for c, d in self.dirs.items() if c not in self.v1_controllers}
-        sides: list[tuple[cgroups.Version, dict[str, str]]] = []
         if v1:
-            sides.append((1, v1))
+            self._sides.append((1, v1))
         if v2:
-            sides.append((2, v2))
-        return sides
+            self._sides.append((2, v2))
+
+    def sides(self) -> list[tuple[cgroups.Version, dict[str, str]]]:
+        return self._sides
 
     def counters(self) -> Counters:
         # Each controller is on one side only: the others count 0 there.
-        totals = [cgroups.counters(version, side) for version, side in self.sides()]
-        return Counters(*(sum(values) for values in zip(*map(attrs.astuple, totals), strict=True)))
+        oom = pids = throttled = 0
+        for version, side in self._sides:
+            found = cgroups.counters(version, side)
+            oom += found.oom_kills
+            pids += found.pids_refused
+            throttled += found.throttled
+        self.last = Counters(oom, pids, throttled)
+        return self.last
 
     def usage(self, procs_dir: str) -> Usage:
         found: dict[str, int | None] = {}
@@ -599,8 +612,13 @@ class Containment:
         self._v1: dict[str, tuple[V1Hierarchy, str]] = {}
         #: Controller -> why no limit of it can be enforced here.
         self._missing: dict[str, str] = {}
-        #: Empty v1 directory sets kept for reuse, by the hierarchies they span.
-        self._v1_free: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
+        #: Empty v1 directory sets kept for reuse, by the hierarchies they
+        #: span, with the limits they hold.
+        self._v1_free: dict[
+            tuple[str, ...], list[tuple[tuple[str, ...], Limits | None, Counters | None]]
+        ] = {}
+        #: The per-process v2 cgroups have cpu.stat (CPU time without cpuacct).
+        self._v2_cpu_stat = False
         self._v1_serial = 0
         #: Where escapees are recorded for a restarted server (None: nowhere).
         self._escapee_file: str | None = None
@@ -704,6 +722,9 @@ class Containment:
     def _start_controllers(self) -> None:
         """Find, for each limit controller, where this host lets us enforce it."""
         own_dir = os.path.dirname(self._parent)
+        self._v2_cpu_stat = (
+            cgroups.read_key(os.path.join(self._parent, "cpu.stat"), "usage_usec") is not None
+        )
         available = cgroups.v2_available(own_dir)
         if available:
             try:
@@ -1016,14 +1037,16 @@ class Containment:
     def _place(self, path: str, limits: Limits, controllers: list[str]) -> LimitPlacement:
         """The controller directories of one limited process, limits written."""
         v1 = [c for c in controllers if c not in self.v2_controllers]
-        if v1 and "cpuacct" in self._v1 and "cpuacct" not in v1:
-            # CPU time is measured on v1 by cpuacct (often its own hierarchy).
+        if v1 and not self._v2_cpu_stat and "cpuacct" in self._v1 and "cpuacct" not in v1:
+            # Without the v2 cgroup's cpu.stat, CPU time is cpuacct's.
             v1.append("cpuacct")
         parents = sorted({self._v1[c][1] for c in v1})
         key = tuple(parents)
         free = self._v1_free.get(key)
+        previous: Limits | None = None
+        last: Counters | None = None
         if free:
-            v1_dirs = free.pop()
+            v1_dirs, previous, last = free.pop()
         else:
             self._v1_serial += 1
             made: list[str] = []
@@ -1056,19 +1079,28 @@ class Containment:
         try:
             # Each side (v1 directories, the v2 cgroup) by its own rules.
             for version, side in placement.sides():
-                cgroups.apply(version, side, written)
+                # A reused v1 set holds what its last process left; the v2
+                # cgroup is always fresh when it has controllers.
+                cgroups.apply(version, side, written, previous if version == 1 else None)
         except OSError as exc:
             self._recycle_v1(placement)
             raise ContainmentError(
                 f"cannot write the process's limits: {exc.strerror}", exc.errno or 0
             ) from None
-        placement.baseline = placement.counters()
+        only_v1 = all(version == 1 for version, _side in placement.sides())
+        # A reused v1 set's counters have not moved since its last process's
+        # exit (nothing counts while it is empty): no need to read them again.
+        placement.baseline = last if last is not None and only_v1 else placement.counters()
+        placement.written = written
         return placement
 
     def _exact_pids_max(self, placement: LimitPlacement, limit: int) -> bool:
+        if placement.written is not None:
+            placement.written = attrs.evolve(placement.written, max_processes=limit)
         try:
             _write(os.path.join(placement.dirs["pids"], "pids.max"), str(limit))
         except OSError as exc:
+            placement.written = None
             log.critical(
                 "cannot set pids.max {limit} in {path}: {error}; the process is killed",
                 limit=limit,
@@ -1097,16 +1129,21 @@ class Containment:
                 return hierarchy.own
         raise ContainmentError(f"{directory} is in no known cgroup v1 hierarchy")
 
-    def _recycle_v1(self, placement: LimitPlacement) -> None:
-        """Keep an empty placement's v1 directories for reuse, or remove them."""
+    def _recycle_v1(self, placement: LimitPlacement, known_empty: bool = False) -> None:
+        """Keep an empty placement's v1 directories for reuse, or remove them.
+
+        ``known_empty``: the tree's last check found them empty.
+        """
         if not placement.v1_dirs:
             return
-        if any(_cgroup_pids(d) for d in placement.v1_dirs):
+        if not known_empty and any(_cgroup_pids(d) for d in placement.v1_dirs):
             return
         key = tuple(sorted(os.path.dirname(d) for d in placement.v1_dirs))
         free = self._v1_free.setdefault(key, [])
         if len(free) < CGROUP_POOL:
-            free.append(placement.v1_dirs)
+            # If the limits were never written (a failed write), nothing is
+            # known of what the directories hold.
+            free.append((placement.v1_dirs, placement.written, placement.last))
             return
         for directory in placement.v1_dirs:
             with contextlib.suppress(OSError):
@@ -1171,7 +1208,7 @@ class Containment:
         if isinstance(tree, CgroupTree):
             self._oom_watch.discard(tree)
             if tree.placement is not None and tree.seen_empty:
-                self._recycle_v1(tree.placement)
+                self._recycle_v1(tree.placement, known_empty=True)
             if tree.seen_empty and len(self._free) < CGROUP_POOL and not self.v2_controllers:
                 # Entering a cgroup for the first time costs the kernel
                 # several times a later entry (and mkdir/rmdir on top):

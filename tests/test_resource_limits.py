@@ -61,10 +61,7 @@ def controller_dir(pid: int, controller: str) -> str:
         _hid, names, path = line.split(":", 2)
         if controller in names.split(",") and controller in mounts and path != "/":
             return os.path.normpath(mounts[controller] + path)
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        if line.startswith("0::"):
-            return os.path.normpath(f"{find_cgroup2_mount()}/{line[3:]}")
-    raise AssertionError(f"no cgroup of pid {pid}")
+    return v2_dir(pid)
 
 
 def read_key(path: str, key: str) -> int:
@@ -75,13 +72,24 @@ def read_key(path: str, key: str) -> int:
     raise AssertionError(f"{key} not in {path}")
 
 
+def v2_dir(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return os.path.normpath(f"{find_cgroup2_mount()}/{line[3:]}")
+    raise AssertionError(f"pid {pid} has no cgroup v2")
+
+
 def cpu_usec(pid: int) -> int:
-    """CPU time of the process's cgroup from the kernel's accounting."""
-    directory = controller_dir(pid, "cpuacct")
-    usage = os.path.join(directory, "cpuacct.usage")
+    """CPU time of the process's cgroup from the kernel's accounting.
+
+    The v2 cgroup's ``cpu.stat`` (core v2, no controller needed), as the
+    server reads it; ``cpuacct.usage`` where the process has a v1 cpuacct
+    directory of its own.
+    """
+    usage = os.path.join(controller_dir(pid, "cpuacct"), "cpuacct.usage")
     if os.path.exists(usage):
         return int(Path(usage).read_text()) // 1000
-    return read_key(os.path.join(controller_dir(pid, "cpu"), "cpu.stat"), "usage_usec")
+    return read_key(os.path.join(v2_dir(pid), "cpu.stat"), "usage_usec")
 
 
 def pids_refused(pid: int) -> int:
