@@ -787,6 +787,36 @@ class Containment:
             raise OSError(16, f"cannot enable {missing} in {own_dir} (other processes in it?)")
         return cgroups.v2_enable(self._parent, enabled)
 
+    def _leave_server_leaf(self) -> None:
+        """Back from ``<parent>/server`` to the server's own cgroup, so both can go.
+
+        Only possible once no cgroup below the server's own has controllers
+        enabled (no process may sit beside children with controllers); if
+        another server shares that cgroup, the leaf stays until a later
+        server removes it (its pid is gone by then).
+        """
+        own_dir = os.path.dirname(self._parent)
+        for dirpath, dirs, _files in os.walk(self._parent, topdown=False):
+            for name in dirs:
+                if dirpath == self._parent and name == SERVER_LEAF:
+                    continue
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(dirpath, name))
+        off = " ".join(f"-{c}" for c in sorted(self.v2_controllers))
+        try:
+            if off:
+                cgroups.write(os.path.join(self._parent, "cgroup.subtree_control"), off)
+                cgroups.write(os.path.join(own_dir, "cgroup.subtree_control"), off)
+            _write(os.path.join(own_dir, "cgroup.procs"), "0")
+        except OSError as exc:
+            log.info(
+                "the server stays in {leaf} ({error}); a later server removes it",
+                leaf=os.path.dirname(self._own_procs),
+                error=exc,
+            )
+            return
+        self._own_procs = os.path.join(own_dir, "cgroup.procs")
+
     def _start_v1(self, hierarchy: V1Hierarchy, ns: int) -> str:
         """Our parent directory in one v1 hierarchy, proven usable."""
         for known, parent in self._v1.values():
@@ -905,6 +935,8 @@ class Containment:
                 break
             time.sleep(0.01)
         reap_unknown_children()
+        if self._parent and self._own_procs.startswith(self._parent + "/"):
+            self._leave_server_leaf()
         if self._parent:
             # Sub-cgroups (in use or pooled) go with their parent.
             _remove_cgroup_tree(self._parent, wait=0.5)

@@ -5,15 +5,17 @@ that has no delegated v2 controllers."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from execserver import cgroups
+from execserver import cgroups, containment
 from execserver.cgroups import Counters, Usage
-from execserver.containment import LimitPlacement
+from execserver.containment import Containment, LimitPlacement
 from execserver.errors import RpcError
 from execserver.limits import FIELDS, NO_LIMITS, Limits, check_defaults, parse_spec, resolve
 
@@ -287,3 +289,180 @@ def test_v2_delegation_is_what_subtree_control_accepted(
     Path(d, "cgroup.subtree_control").write_text("")
     refused = {"cpu", "pids", "memory"}
     assert cgroups.v2_enable(d, frozenset({"memory"})) == frozenset()
+
+
+# --- containment on a fake cgroup v2 host with delegated controllers ---------------------------
+
+
+class FakeKernel:
+    """Enough of cgroupfs for :class:`Containment` on a v2 host that delegates.
+
+    A new directory gets the control files a kernel would show (the limit
+    files of the controllers its parent enables for it); ``+x``/``-x``
+    written to ``cgroup.subtree_control`` enable or disable controllers the
+    cgroup has; ``rmdir`` removes a directory with its control files.
+    """
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self._mkdir = os.mkdir
+        self._rmdir = os.rmdir
+        self._write = cgroups.write
+        self.populate(root, "cpu cpuset io memory pids")
+        monkeypatch.setattr(os, "mkdir", self.mkdir)
+        monkeypatch.setattr(os, "rmdir", self.rmdir)
+        monkeypatch.setattr(cgroups, "write", self.write)
+
+    def mine(self, path: str | Path) -> bool:
+        return Path(path).resolve().is_relative_to(self.root)
+
+    def populate(self, directory: Path, controllers: str) -> None:
+        files = {
+            "cgroup.procs": "",
+            "cgroup.events": "populated 0\nfrozen 0\n",
+            "cgroup.kill": "",
+            "cgroup.controllers": controllers + "\n",
+            "cgroup.subtree_control": "\n",
+            "cpu.stat": "usage_usec 0\nuser_usec 0\nsystem_usec 0\n",
+        }
+        names = controllers.split()
+        for name, text in V2_FILES.items():
+            if name.split(".")[0] in names:
+                files.setdefault(name, text)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+
+    def mkdir(self, path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
+        self._mkdir(path, mode, *args, **kwargs)
+        if self.mine(path):
+            parent = Path(path).parent
+            self.populate(Path(path), (parent / "cgroup.subtree_control").read_text().strip())
+
+    def rmdir(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        if self.mine(path) and Path(path).is_dir():
+            if any(p.is_dir() for p in Path(path).iterdir()):
+                raise OSError(16, "Device or resource busy", str(path))
+            for entry in Path(path).iterdir():
+                entry.unlink()
+        self._rmdir(path, *args, **kwargs)
+
+    def write(self, path: str, text: str) -> None:
+        if self.mine(path) and path.endswith("cgroup.subtree_control"):
+            directory = Path(path).parent
+            # A cgroup has what its parent enables for its children (now).
+            source = directory.parent / "cgroup.subtree_control"
+            if directory == self.root or not source.exists():
+                source = directory / "cgroup.controllers"
+            have = set(source.read_text().split())
+            on = set(directory.joinpath("cgroup.subtree_control").read_text().split())
+            for word in text.split():
+                if word[1:] not in have:
+                    raise OSError(2, "No such file or directory", path)
+                (on.add if word[0] == "+" else on.discard)(word[1:])
+            Path(path).write_text(" ".join(sorted(on)) + "\n")
+            return
+        self._write(path, text)
+
+
+def test_containment_delegates_v2_controllers_and_places_limits_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cgroup2"
+    own = root / "svc"
+    root.mkdir()
+    kernel = FakeKernel(root, monkeypatch)
+    os.mkdir(own)
+    # The service's own cgroup offers the controllers its parent enabled.
+    (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (own / "cgroup.controllers").write_text("cpu memory pids\n")
+    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
+    monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
+    box = Containment("cgroup")
+    box.start()
+    try:
+        assert box.mode == "cgroup"
+        assert box.v2_controllers == frozenset({"cpu", "memory", "pids"})
+        parent = Path(box._parent)
+        # The server left its own cgroup for a leaf: it may hold no process
+        # beside children with controllers.
+        assert box._own_procs == str(parent / "server" / "cgroup.procs")
+        assert (own / "cgroup.subtree_control").read_text().split() == ["cpu", "memory", "pids"]
+        assert (parent / "cgroup.subtree_control").read_text().split() == ["cpu", "memory", "pids"]
+        assert box.limits_report()[:3] == [
+            "memoryBytes: enforced (cgroup v2 memory)",
+            "maxProcesses: enforced (cgroup v2 pids)",
+            "cpuPercent: enforced (cgroup v2 cpu)",
+        ]
+        limits = Limits(memory_bytes=64 * MiB, max_processes=50, cpu_percent=25)
+        seen: dict[str, str] = {}
+
+        def create() -> int:
+            # What the child inherits: the server is inside, with room for
+            # its own threads in pids.max.
+            (child,) = [p for p in parent.iterdir() if p.name.isdigit()]
+            seen["procs"] = (child / "cgroup.procs").read_text()
+            seen["pids.max"] = (child / "pids.max").read_text()
+            return 999_999_999
+
+        pid, tree = box.spawn(create, limits)
+        assert pid == 999_999_999
+        assert isinstance(tree, containment.CgroupTree)
+        cg = Path(tree.path)
+        assert seen["procs"] == "0"
+        assert int(seen["pids.max"]) > 50
+        assert (cg / "pids.max").read_text() == "50"
+        assert (cg / "memory.max").read_text() == str(64 * MiB)
+        assert (cg / "memory.swap.max").read_text() == "0"
+        assert (cg / "memory.oom.group").read_text() == "1"
+        assert (cg / "cpu.max").read_text() == "25000 100000"
+        # The server is back in its leaf.
+        assert (parent / "server" / "cgroup.procs").read_text() == "0"
+        assert tree.exceeded() is None
+        (cg / "memory.events").write_text("oom 1\noom_kill 1\noom_group_kill 1\n")
+        assert tree.exceeded() == ("memory", 64 * MiB)
+        assert tree.usage() == Usage(1234, 5678, 0, 3)
+        assert not tree.alive()
+        tree.release()
+        # With controllers, a cgroup is never reused (its peak and events
+        # would be its last user's): it is gone.
+        assert not cg.exists()
+        assert box._free == []
+    finally:
+        box.stop()
+    assert kernel.mine(box._own_procs)
+    assert box._own_procs == str(own / "cgroup.procs")
+    assert not parent.exists()
+    assert (own / "cgroup.subtree_control").read_text().split() == []
+
+
+def test_limits_refused_where_no_controller_is_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cgroup2"
+    root.mkdir()
+    FakeKernel(root, monkeypatch)
+    os.mkdir(root / "svc")
+    (root / "svc" / "cgroup.controllers").write_text("\n")
+    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
+    monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
+    box = Containment("cgroup")
+    box.start()
+    try:
+        assert box.v2_controllers == frozenset()
+        with pytest.raises(RpcError) as refused:
+            box.check_limits(Limits(max_processes=5))
+        assert refused.value.code == -32600
+        assert refused.value.message == (
+            "limits.maxProcesses cannot be enforced on this host: no cgroup v2 pids controller "
+            "is delegated to the server's cgroup and no cgroup v1 pids hierarchy is mounted"
+        )
+        box.check_limits(Limits(file_size_bytes=5))
+        assert box.limits_report()[3] == "fileSizeBytes: enforced (RLIMIT_FSIZE in the child)"
+    finally:
+        box.stop()
