@@ -84,6 +84,8 @@ _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 #: How often the trees with a cgroup v1 memory limit are checked for an OOM
 #: kill (v1 kills one process; the rest of the tree is ours to kill).
 OOM_CHECK_INTERVAL: Final = 0.1
+#: Signals to one tree this close together share one look for escapees.
+ESCAPEE_RECHECK: Final = 0.01
 #: Added to the server's own ``oom_score_adj`` for every child, so the
 #: kernel's OOM killer takes a command before the server.
 CHILD_OOM_SCORE_ADJ: Final = 500
@@ -352,6 +354,7 @@ class CgroupTree(_Owned):
         #: lives, by elimination once they are orphans adopted by the server.
         self.escapees: dict[int, int] = {}
         self.terminating = False
+        self._escapees_found_at = -1.0
         self._owner = owner
         self._on_empty: Callable[[], None] | None = None
         self.released = False
@@ -405,13 +408,18 @@ class CgroupTree(_Owned):
         if self.released:
             # The cgroup may already serve another process.
             return
-        # Only a terminate (or a kill) signals a whole tree: look for members
-        # that left the cgroup first.
+        # Only a terminate (or a kill) signals a whole tree. The members in
+        # the cgroup first; then those that left it (root can), looked for
+        # from the members down.
         self.terminating = True
-        self._owner._find_escapees()
         _signal_group(self.leader, signum)
         for pid in self.pids():
             _signal_pid(pid, signum)
+        now = time.monotonic()
+        if now - self._escapees_found_at > ESCAPEE_RECHECK:
+            # A terminate's SIGTERM, SIGHUP and SIGCONT share one look.
+            self._escapees_found_at = now
+            self._owner._find_escapees(self)
         for pid in self.live_escapees():
             _signal_pid(pid, signum)
 
@@ -623,7 +631,6 @@ class Containment:
         #: Where escapees are recorded for a restarted server (None: nowhere).
         self._escapee_file: str | None = None
         self._recorded: frozenset[tuple[int, int]] = frozenset()
-        self._escapees_found_at = -1.0
         #: Trees whose v1 memory limit is watched for OOM kills.
         self._oom_watch: set[CgroupTree] = set()
         self._oom_timer: IDelayedCall | None = None
@@ -1266,7 +1273,7 @@ class Containment:
             if self._adopted_outside() or tree.escapees:
                 for pid in tree.live_escapees():
                     _signal_pid(pid, signal.SIGKILL)
-                self._find_escapees(force=True)
+                self._find_escapees()
         elif self._orphans_seen and self._unattributed_children():
             # Orphans nobody could attribute may have had this tree as their
             # last possible owner.
@@ -1289,7 +1296,7 @@ class Containment:
             # are escapees: attributed (and recorded) now, not only at the
             # next terminate, so a restarted server can find them.
             if self._adopted_outside():
-                self._find_escapees(force=True)
+                self._find_escapees()
         else:
             reap_unknown_children()
         for tree in list(self._lingering):
@@ -1314,50 +1321,47 @@ class Containment:
             pid for pid in running if not _in_cgroup_below(pid, self._cgroup_root, self._parent)
         ]
 
-    def _find_escapees(self, force: bool = False) -> None:
-        """Attribute every descendant that left its cgroup to its tree.
+    def _find_escapees(self, tree: CgroupTree | None = None) -> None:
+        """Attribute descendants that left their cgroup to their tree.
 
-        By lineage: a descendant (``/proc`` parent chains) of a member, or of
-        a known escapee, is a member wherever its cgroup is. By elimination:
-        an orphan the server adopted, outside every cgroup of ours, belongs
-        to a tree that existed when it was born; with none left it is
-        killed; while several could own it, it shares their fate once all
-        are terminating. A burst of terminates shares one scan.
+        By lineage (``tree``, right before it is signalled): a descendant
+        of a member (the kernel's children lists, from the members down; no
+        scan of ``/proc``), or of a known escapee, is a member wherever its
+        cgroup is. By elimination: an orphan the server adopted, outside
+        every cgroup of ours, belongs to a tree that existed when it was
+        born; with none left it is killed; while several could own it, it
+        shares their fate once all are terminating.
         """
         trees = [t for t in self._trees if isinstance(t, CgroupTree) and not t.released]
-        now = time.monotonic()
-        if not force and now - self._escapees_found_at < 0.05:
-            return
-        self._escapees_found_at = now
-        table = proc_table()
-        children: dict[int, list[int]] = {}
-        for info in table.values():
-            children.setdefault(info.ppid, []).append(info.pid)
-        for tree in trees:
+        if tree is not None and not tree.released:
             inside = set(tree.pids())
             roots = [tree.leader, *inside, *tree.live_escapees()]
-            for pid in _lineage(table, children, roots):
-                start = table[pid].start
-                if pid not in inside and pid != tree.leader and start >= tree.born:
-                    tree.escapees[pid] = start
-        known = reaped_by_twisted()
+            for pid in _walk_children(roots):
+                if pid in inside or pid == tree.leader or pid in tree.escapees:
+                    continue
+                info = read_proc(pid)
+                if info is not None and not info.zombie and info.start >= tree.born:
+                    tree.escapees[pid] = info.start
         attributed = {pid for t in trees for pid in t.escapees}
-        for pid in children.get(os.getpid(), ()):
-            adopted = table[pid]
-            if adopted.zombie or (known is not None and pid in known):
+        for pid in self._adopted_outside():
+            if pid in attributed:
                 continue
-            if pid in attributed or _in_cgroup_below(pid, self._cgroup_root, self._parent):
+            adopted = read_proc(pid)
+            if adopted is None or adopted.zombie:
                 continue
             candidates = [t for t in trees if t.born <= adopted.start]
             if not candidates:
                 log.info("killing pid {pid}: it left its cgroup and its tree is gone", pid=pid)
-                for member in [pid, *_descendants(table, pid)]:
+                for member in _walk_children([pid]):
                     _signal_pid(member, signal.SIGKILL)
                 continue
             if len(candidates) == 1 or all(t.terminating for t in candidates):
-                for owner in candidates:
-                    for member in _lineage(table, children, [pid]):
-                        owner.escapees[member] = table[member].start
+                for member in _walk_children([pid]):
+                    info = read_proc(member)
+                    if info is None or info.zombie:
+                        continue
+                    for owner in candidates:
+                        owner.escapees[member] = info.start
         self._record_escapees(trees)
 
     def _record_escapees(self, trees: list[CgroupTree]) -> None:
@@ -1582,6 +1586,37 @@ def _lineage(
         if not table[pid].zombie:
             found.append(pid)
         pending.extend(children.get(pid, ()))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s children, from the kernel's per-thread children lists."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _walk_children(roots: list[int]) -> list[int]:
+    """``roots`` and all their descendants, walking children lists down."""
+    found: list[int] = []
+    seen: set[int] = set()
+    pending = list(roots)
+    while pending:
+        pid = pending.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        found.append(pid)
+        pending.extend(_children(pid))
     return found
 
 
