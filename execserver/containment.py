@@ -1181,8 +1181,9 @@ class Containment:
         free = self._v1_free.setdefault(key, [])
         if len(free) < CGROUP_POOL:
             # If the limits were never written (a failed write), nothing is
-            # known of what the directories hold.
-            free.append((placement.v1_dirs, placement.written, placement.last))
+            # known of what the directories hold. The counters are read now,
+            # empty: members that outlived the exit may have moved them.
+            free.append((placement.v1_dirs, placement.written, placement.counters()))
             return
         for directory in placement.v1_dirs:
             with contextlib.suppress(OSError):

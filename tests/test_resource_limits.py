@@ -228,6 +228,13 @@ async def test_a_fork_loop_never_exceeds_max_processes_and_terminates_cleanly(
         assert params["limitExceeded"] == "processes"
         await server.wait_closed("forks")
         await assert_gone({"forks": marker}, server.pid)
+        # The next processes reuse the emptied cgroups: the refused forks
+        # counted there are not theirs.
+        for n in range(3):
+            await server.start_process(f"after{n}", ["true"], limits={"maxProcesses": 50})
+            params = await exited(server, f"after{n}")
+            assert params["exitCode"] == 0
+            assert "limitExceeded" not in params
     finally:
         await server.stop()
 
