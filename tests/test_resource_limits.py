@@ -239,6 +239,34 @@ async def test_a_fork_loop_never_exceeds_max_processes_and_terminates_cleanly(
         await server.stop()
 
 
+@pytest.mark.parametrize("tty", [False, True])
+@pytest.mark.parametrize("spawn_path", SPAWN_PATHS)
+@pytest_twisted.ensureDeferred
+async def test_max_processes_1_starts_the_process_but_refuses_its_fork(
+    spawn_path: str, tty: bool
+) -> None:
+    # The server's own thread is in the cgroup while it creates the child:
+    # the limit must still let the child itself start, and be exact after.
+    server = ServerProcess.start("--spawn-path", spawn_path)
+    try:
+        await server.handshake()
+        await server.start_process(
+            "one",
+            ["sh", "-c", "echo started; /bin/true; echo forked $?"],
+            tty=tty,
+            limits={"maxProcesses": 1},
+        )
+        params = await exited(server, "one")
+        await server.wait_closed("one")
+        output = server.output_of("one")
+        assert b"started" in output
+        assert b"forked 0" not in output
+        assert params["limitExceeded"] == "processes"
+        assert params["limitValue"] == 1
+    finally:
+        await server.stop()
+
+
 # --- CPU ---------------------------------------------------------------------------------
 
 
