@@ -34,6 +34,19 @@ The cgroup mode sets the subreaper too: an escapee killed through its cgroup
 whose parent is gone is then the server's zombie to reap, not init's (which
 in some containers never reaps).
 
+In cgroup mode a descendant that left its cgroup (root can write itself
+elsewhere) is still a member: found by lineage when its tree is signalled,
+or, once orphaned and adopted by the server, by elimination as in subreaper
+mode, and recorded (:mod:`execserver.escapees`) for a server restarted
+after a crash.
+
+Resource limits (:mod:`execserver.limits`): a limited process's controllers
+are its v2 cgroup's where the host delegates them, else one directory per
+process in each cgroup v1 hierarchy; the creating thread enters them around
+the spawn as it enters the v2 cgroup, with ``RLIMIT_FSIZE`` and a higher
+``oom_score_adj`` set around the spawn too. The file I/O is
+:mod:`execserver.cgroups`.
+
 Process-wide effects (prctl, cgroups) happen in :meth:`Containment.start`,
 called when the service starts, never at import or construction.
 """
