@@ -507,3 +507,30 @@ async def test_a_host_without_the_controller_refuses_the_limit(field: str, value
         assert (await server.call("process/list", {}))["processes"] == []
     finally:
         await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_current_dialect_takes_limits_too(tmp_path: Path) -> None:
+    server = ServerProcess.start()
+    try:
+        await server.call(
+            "initialize", {"clientName": "codex-environment", "resumeSessionId": None}
+        )
+        server.notify("initialized", {})
+        target = tmp_path / "big"
+        result = await server.start_process(
+            "w",
+            ["sh", "-c", f"exec head -c 100000 /dev/zero > {target}"],
+            limits={"fileSizeBytes": 4096, "maxProcesses": 8},
+        )
+        assert result == {
+            "processId": "w",
+            "sandboxType": "none",
+            "limits": {"maxProcesses": 8, "fileSizeBytes": 4096},
+        }
+        params = await exited(server, "w")
+        assert params["limitExceeded"] == "fileSize"
+        assert params["sandboxDenied"] is False
+        assert target.stat().st_size == 4096
+    finally:
+        await server.stop()
