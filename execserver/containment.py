@@ -713,7 +713,7 @@ class Containment:
         self._own_procs = os.path.join(own_dir, "cgroup.procs")
         ns = _pidns()
         self._cleanup_leftovers(own_dir, ns)
-        self._escapee_file = escapees.start(ns)
+        self._escapee_file = escapees.start(ns, _kill_recorded)
         parent = os.path.join(own_dir, f"{CGROUP_PREFIX}{os.getpid()}-ns{ns}")
         with contextlib.suppress(FileExistsError):
             os.mkdir(parent)
@@ -1655,6 +1655,20 @@ def _kill_descendants_of_members(directory: str) -> None:
         children.setdefault(info.ppid, []).append(info.pid)
     for pid in _lineage(table, children, members):
         _signal_pid(pid, signal.SIGKILL)
+
+
+def _kill_recorded(entries: list[tuple[int, int]]) -> int:
+    """SIGKILL each recorded (pid, start time) still running, with its descendants."""
+    table = proc_table()
+    killed = 0
+    for pid, start in entries:
+        info = table.get(pid)
+        if info is None or info.start != start or info.zombie:
+            continue
+        for member in [pid, *_descendants(table, pid)]:
+            if _signal_pid(member, signal.SIGKILL):
+                killed += 1
+    return killed
 
 
 def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from twisted.logger import Logger
@@ -50,8 +49,12 @@ def state_dir() -> str | None:
     return None
 
 
-def start(ns: int) -> str | None:
-    """Kill what dead servers of pid namespace ``ns`` recorded; return our record's path."""
+def start(ns: int, kill_recorded: Callable[[list[tuple[int, int]]], int]) -> str | None:
+    """Kill what dead servers of pid namespace ``ns`` recorded; return our record's path.
+
+    ``kill_recorded`` SIGKILLs each recorded (pid, start time) still running,
+    with its descendants, and returns how many it signalled.
+    """
     directory = state_dir()
     if directory is None:
         log.warn(
@@ -118,21 +121,4 @@ def forget(path: str) -> None:
             os.unlink(name)
 
 
-def kill_recorded(entries: list[tuple[int, int]]) -> int:
-    """SIGKILL each recorded (pid, start) still running, with its descendants."""
-    from execserver.containment import _descendants, proc_table
-
-    table = proc_table()
-    killed = 0
-    for pid, start in entries:
-        info = table.get(pid)
-        if info is None or info.start != start or info.zombie:
-            continue
-        for member in [pid, *_descendants(table, pid)]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(member, signal.SIGKILL)
-                killed += 1
-    return killed
-
-
-__all__ = ["STATE_DIR_ENV", "forget", "kill_recorded", "read", "record", "start", "state_dir"]
+__all__ = ["STATE_DIR_ENV", "forget", "read", "record", "start", "state_dir"]

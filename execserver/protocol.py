@@ -188,13 +188,19 @@ class EnvPolicy(_Wire):
     include_only: list[str] = msgspec.field(default_factory=list)
 
 
+#: ``limits`` values: below 2**62 (what a cgroup file or an rlimit takes).
+LimitValue = Annotated[int, msgspec.Meta(ge=1, le=(1 << 62) - 1)]
+
+
 class ProcessLimits(_Wire):
     """``process/start``'s ``limits`` (docs/process-control.md, "Resource limits")."""
 
-    memory_bytes: U64 | None = None
-    max_processes: U64 | None = None
-    cpu_percent: U64 | None = None
-    file_size_bytes: U64 | None = None
+    #: At least 1 MiB: below a few pages not even ``exec`` fits.
+    memory_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=(1 << 62) - 1)] | None = None
+    max_processes: LimitValue | None = None
+    #: Percent of one CPU; the CFS quota's floor is 1 ms per 100 ms period.
+    cpu_percent: Annotated[int, msgspec.Meta(ge=1, le=409_600)] | None = None
+    file_size_bytes: LimitValue | None = None
 
 
 LimitExceeded = Literal["memory", "processes", "cpu", "fileSize"]
