@@ -119,6 +119,10 @@ KILL_WAIT_LIMIT = 5.0
 GROUP_SWEEP_INTERVAL = 1.0
 
 
+#: Least interval between two reads of a running process's limit counters.
+LIMIT_CHECK_INTERVAL = 0.1
+
+
 class ProcessGroup:
     """The tree of a process without containment: its process group only.
 
@@ -204,6 +208,7 @@ class ManagedProcess(ProcessProtocol):
         #: (with its figure), known at the exit.
         self.limits: Limits = NO_LIMITS
         self.limit_exceeded: tuple[Kind, int] | None = None
+        self._limit_checked_at = -LIMIT_CHECK_INTERVAL
         #: Renders this process's output notifications (set by the session).
         self.output_encoder: OutputEncoder | None = None
         self._observer = observer
@@ -351,6 +356,21 @@ class ManagedProcess(ProcessProtocol):
         self._observer.process_exited(self)
         self._wake()
         self._exited.fire(None)
+
+    def limit_hit(self) -> tuple[Kind, int] | None:
+        """The limit that ended (after the exit) or, so far, crippled the process.
+
+        While it runs the cgroup's counters are read at most every
+        :data:`LIMIT_CHECK_INTERVAL` (a read of a chatty process costs no
+        file reads per chunk).
+        """
+        if self.exited or not self.limits or self._tree is None:
+            return self.limit_exceeded
+        now = self._clock.seconds()
+        if now - self._limit_checked_at >= LIMIT_CHECK_INTERVAL:
+            self._limit_checked_at = now
+            self.limit_exceeded = self._tree.exceeded()
+        return self.limit_exceeded
 
     def _limit_exceeded(self, signum: int | None) -> tuple[Kind, int] | None:
         found = self._tree.exceeded() if self._tree is not None else None

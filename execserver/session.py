@@ -426,10 +426,8 @@ class Session:
             response.closed_seq = proc.close_seq
         if read.gap is not None:
             response.gap = p.SeqGap(*read.gap)
-        if proc.limits:
-            exceeded = proc.limit_exceeded if proc.exited else proc.tree.exceeded()
-            if exceeded is not None:
-                response.limit_exceeded, response.limit_value = exceeded
+        if proc.limits and (exceeded := proc.limit_hit()) is not None:
+            response.limit_exceeded, response.limit_value = exceeded
         if self.current:
             response.failure = None
             response.sandbox_denied = False
