@@ -97,6 +97,9 @@ _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 #: How often the trees with a cgroup v1 memory limit are checked for an OOM
 #: kill (v1 kills one process; the rest of the tree is ours to kill).
 OOM_CHECK_INTERVAL: Final = 0.1
+#: cgroup v2 moves every thread of the server into the child's cgroup:
+#: room in ``pids.max`` for threads it might start in that window.
+V2_THREAD_ROOM: Final = 8
 #: Signals to one tree this close together share one look for escapees.
 ESCAPEE_RECHECK: Final = 0.01
 #: Added to the server's own ``oom_score_adj`` for every child, so the
@@ -1029,6 +1032,7 @@ class Containment:
         procs = os.path.join(path, "cgroup.procs")
         entered = False
         placement: LimitPlacement | None = None
+        exact = True
         try:
             if controllers:
                 placement = self._place(path, limits, controllers)
@@ -1055,6 +1059,11 @@ class Containment:
                             ) from None
                         v1_entered.append(directory)
                 pid = _with_rlimit(create, limits)
+                if placement is not None and limits.max_processes is not None:
+                    # Lowered while the server's thread still counts, so the
+                    # tree is never above the limit, not even between the
+                    # two writes (pids.max may be below pids.current).
+                    exact = self._exact_pids_max(placement, limits.max_processes)
             finally:
                 self._leave_v1(v1_entered)
                 if entered:
@@ -1078,8 +1087,7 @@ class Containment:
                 )
         tree = CgroupTree(self, path, pid, placement)
         self._add(tree)
-        exact = limits.max_processes
-        if placement and exact is not None and not self._exact_pids_max(placement, exact):
+        if not exact:
             tree.kill()
         if placement is not None and "memory" in placement.v1_controllers:
             self._oom_watch.add(tree)
@@ -1123,11 +1131,12 @@ class Containment:
         placement = LimitPlacement(limits, dirs, frozenset(v1), v1_dirs)
         written = limits
         if limits.max_processes is not None:
-            # The server's own tasks count in pids.current while it is
-            # inside (v1: the one thread that moves; v2: all of them): room
-            # for them until it leaves and the exact figure is written.
-            moved = 1 if "pids" in v1 else _thread_count()
-            written = attrs.evolve(limits, max_processes=limits.max_processes + moved + 8)
+            # The server's own tasks count in pids.current while it creates
+            # the child: room for exactly them (v1: the one thread that
+            # moves; v2: all its threads, plus a few it might start in those
+            # microseconds) until the exact figure is written right after.
+            room = 1 if "pids" in v1 else _thread_count() + V2_THREAD_ROOM
+            written = attrs.evolve(limits, max_processes=limits.max_processes + room)
         try:
             # Each side (v1 directories, the v2 cgroup) by its own rules.
             for version, side in placement.sides():

@@ -215,7 +215,10 @@ async def test_a_fork_loop_never_exceeds_max_processes_and_terminates_cleanly(
             await delay(0.01)
         peak = Path(pids, "pids.peak")
         if peak.exists():
-            assert int(peak.read_text()) <= 50
+            # The kernel's peak also counts the server's thread while it was
+            # creating the child inside the cgroup (docs/process-control.md):
+            # the tree itself never had more than 50.
+            assert int(peak.read_text()) <= 50 + 1
         # Crippled while running: process/read says so already.
         read = await server.call("process/read", {"processId": "forks"})
         assert read["limitExceeded"] == "processes"
@@ -292,10 +295,16 @@ async def test_cpu_percent_holds_a_busy_loop_to_its_share() -> None:
         assert 0 < share <= 0.30, f"{share:.1%} of a CPU over {wall:.2f} s"
         (entry,) = (await server.call("process/list", {}))["processes"]
         assert entry["usage"]["cpuTimeMs"] > 0
+        throttled = read_key(os.path.join(controller_dir(pid, "cpu"), "cpu.stat"), "nr_throttled")
         await server.call("process/terminate", {"processId": "busy"})
         params = await exited(server, "busy")
-        assert params["limitExceeded"] == "cpu"
-        assert params["limitValue"] == 25
+        # "cpu" means the kernel throttled the tree; on a host so busy that
+        # the loop never used its quota in a period, it was not.
+        if throttled > 0:
+            assert params["limitExceeded"] == "cpu"
+            assert params["limitValue"] == 25
+        else:
+            assert "limitExceeded" not in params
     finally:
         await server.stop()
 
