@@ -6,6 +6,8 @@ from typing import Final
 
 import attrs
 
+from execserver.limits import NO_LIMITS, Limits
+
 MiB: Final = 1024 * 1024
 
 
@@ -57,3 +59,7 @@ class ServerConfig:
     #: server; the server's default is sized from the host (``ptys.py``).
     max_ptys_per_session: int = 64
     max_server_ptys: int = 1024
+    #: Resource limits of a process that asks for none of a kind, and the
+    #: most any process may have (--default-limits, --limit-ceiling).
+    default_limits: Limits = NO_LIMITS
+    limit_ceiling: Limits = NO_LIMITS

@@ -196,6 +196,8 @@ class Stats:
     sessions_evicted: int = 0
     #: PTYs held (tty processes started and not yet closed), all sessions.
     ptys_open: int = 0
+    #: Processes a resource limit ended or crippled, by ``limitExceeded``.
+    limits_exceeded: Counter[str] = attrs.Factory(Counter)
 
 
 class Dispatcher:

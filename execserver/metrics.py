@@ -220,4 +220,47 @@ def render(dispatcher: Dispatcher) -> bytes:
         "descriptor limit; a start beyond it is refused with -32600.",
         [({}, fdlimit.process_limit())],
     )
+    lines += _usage_families(dispatcher)
     return ("\n".join(lines) + "\n").encode()
+
+
+def _usage_families(dispatcher: Dispatcher) -> list[str]:
+    """What running processes' trees use (from their cgroups), and the limits they hit."""
+    memory = cpu_usec = tasks = 0
+    for session in process_sessions(dispatcher):
+        for proc in session.processes.values():
+            if proc.pid is None or proc.finished:
+                continue
+            usage = proc.tree.usage()
+            memory += usage.memory_bytes or 0
+            cpu_usec += usage.cpu_usec or 0
+            tasks += usage.processes or 0
+    lines = _family(
+        "exec_server_process_memory_bytes",
+        "gauge",
+        "Memory charged to the cgroups of running processes (where measured: "
+        "processes with a memory controller).",
+        [({}, memory)],
+    )
+    lines += _family(
+        "exec_server_process_cpu_seconds",
+        "gauge",
+        "CPU time used so far by the trees of processes that have not finished.",
+        [({}, round(cpu_usec / 1e6, 6))],
+    )
+    lines += _family(
+        "exec_server_process_tasks",
+        "gauge",
+        "Processes (v1 pids: tasks) in the trees of processes that have not finished.",
+        [({}, tasks)],
+    )
+    lines += _family(
+        "exec_server_limit_exceeded_total",
+        "counter",
+        "Processes a resource limit ended or crippled, by limitExceeded.",
+        [
+            ({"limit": name}, count)
+            for name, count in sorted(dispatcher.stats.limits_exceeded.items())
+        ],
+    )
+    return lines

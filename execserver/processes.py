@@ -29,8 +29,10 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from execserver.cgroups import Usage
 from execserver.containment import ProcessTree, proc_table
 from execserver.exits import exit_status, signal_name
+from execserver.limits import NO_LIMITS, Kind, Limits
 from execserver.protocol import OutputStream, TimedOut
 from execserver.retained import RetainedOutput
 from execserver.spawn import ChildTransport, TerminalTransport, group_alive, kill_group
@@ -163,6 +165,10 @@ KILL_WAIT_LIMIT = 5.0
 GROUP_SWEEP_INTERVAL = 1.0
 
 
+#: Least interval between two reads of a running process's limit counters.
+LIMIT_CHECK_INTERVAL = 0.1
+
+
 class ProcessGroup:
     """The tree of a process without containment: its process group only.
 
@@ -184,6 +190,12 @@ class ProcessGroup:
 
     def alive(self) -> bool:
         return self._proc._group_alive(self._pgid)
+
+    def exceeded(self) -> tuple[Kind, int] | None:
+        return None
+
+    def usage(self) -> Usage:
+        return Usage()
 
     def when_empty(self, callback: Callable[[], None]) -> None:
         self._on_empty = callback
@@ -246,6 +258,11 @@ class ManagedProcess(ProcessProtocol):
         self.stdin_open = False
         #: "wall" or "idle" once a timeout (not the client) ended the process.
         self.timed_out: TimedOut | None = None
+        #: The tree's resource limits, and the one that ended or crippled it
+        #: (with its figure), known at the exit.
+        self.limits: Limits = NO_LIMITS
+        self.limit_exceeded: tuple[Kind, int] | None = None
+        self._limit_checked_at = -LIMIT_CHECK_INTERVAL
         #: Renders this process's output notifications (set by the session).
         self.output_encoder: OutputEncoder | None = None
         self._observer = observer
@@ -418,6 +435,8 @@ class ManagedProcess(ProcessProtocol):
         status = exit_status(reason)
         if status.signal is not None:
             self.signal = signal_name(status.signal)
+        if self.limits:
+            self.limit_exceeded = self._limit_exceeded(status.signal)
         self.exit_code = status.shell_code
         self.exited = True
         # One counter per process (as the reference): exit takes the seq
@@ -426,6 +445,28 @@ class ManagedProcess(ProcessProtocol):
         self._observer.process_exited(self)
         self._wake()
         self._exited.fire(None)
+
+    def limit_hit(self) -> tuple[Kind, int] | None:
+        """The limit that ended (after the exit) or, so far, crippled the process.
+
+        While it runs the cgroup's counters are read at most every
+        :data:`LIMIT_CHECK_INTERVAL` (a read of a chatty process costs no
+        file reads per chunk).
+        """
+        if self.exited or not self.limits or self._tree is None:
+            return self.limit_exceeded
+        now = self._clock.seconds()
+        if now - self._limit_checked_at >= LIMIT_CHECK_INTERVAL:
+            self._limit_checked_at = now
+            self.limit_exceeded = self._tree.exceeded()
+        return self.limit_exceeded
+
+    def _limit_exceeded(self, signum: int | None) -> tuple[Kind, int] | None:
+        found = self._tree.exceeded() if self._tree is not None else None
+        size = self.limits.file_size_bytes
+        if found is None and size is not None and signum == _signal.SIGXFSZ:
+            found = ("fileSize", size)
+        return found
 
     def processEnded(self, reason: Failure) -> None:
         if not self.exited:  # pragma: no cover - Twisted always reports exit first

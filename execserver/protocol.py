@@ -327,6 +327,33 @@ class EnvPolicy(_Wire):
     include_only: list[str] = msgspec.field(default_factory=list)
 
 
+#: ``limits`` values: below 2**62 (what a cgroup file or an rlimit takes).
+LimitValue = Annotated[int, msgspec.Meta(ge=1, le=(1 << 62) - 1)]
+
+
+class ProcessLimits(_Wire):
+    """``process/start``'s ``limits`` (docs/process-control.md, "Resource limits")."""
+
+    #: At least 1 MiB: below a few pages not even ``exec`` fits.
+    memory_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=(1 << 62) - 1)] | None = None
+    max_processes: LimitValue | None = None
+    #: Percent of one CPU; the CFS quota's floor is 1 ms per 100 ms period.
+    cpu_percent: Annotated[int, msgspec.Meta(ge=1, le=409_600)] | None = None
+    file_size_bytes: LimitValue | None = None
+
+
+LimitExceeded = Literal["memory", "processes", "cpu", "fileSize"]
+
+
+class ProcessUsage(_Out):
+    """What a process's tree uses now, from its cgroup (absent: not measured here)."""
+
+    memory_bytes: int | msgspec.UnsetType = msgspec.UNSET
+    memory_peak_bytes: int | msgspec.UnsetType = msgspec.UNSET
+    cpu_time_ms: float | msgspec.UnsetType = msgspec.UNSET
+    processes: int | msgspec.UnsetType = msgspec.UNSET
+
+
 class ExecParams(_Wire):
     process_id: str
     argv: list[str]
@@ -343,12 +370,15 @@ class ExecParams(_Wire):
     idle_timeout_ms: NonNegative | None = None
     # Current dialect: without it, ``env`` is the whole environment.
     env_policy: EnvPolicy | None = None
+    limits: ProcessLimits | None = None
 
 
 class ExecResponse(_Wire):
     process_id: str
     #: Current dialect: the sandbox the process runs in (always "none").
     sandbox_type: str | msgspec.UnsetType = msgspec.UNSET
+    #: Sent when the request had ``limits``: the effective ones.
+    limits: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/read -----------------------------------------------------------
@@ -397,6 +427,9 @@ class ReadResponse(msgspec.Struct, rename="camel"):
     #: error answer here) and whether a sandbox denied the process.
     failure: str | msgspec.UnsetType | None = msgspec.UNSET
     sandbox_denied: bool | msgspec.UnsetType = msgspec.UNSET
+    #: The resource limit that ended or crippled the process, and its figure.
+    limit_exceeded: LimitExceeded | msgspec.UnsetType = msgspec.UNSET
+    limit_value: int | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- process/write, process/terminate ---------------------------------------
@@ -448,6 +481,8 @@ class ExitedNotification(msgspec.Struct, rename="camel"):
     timed_out: TimedOut | msgspec.UnsetType = msgspec.UNSET
     #: Current dialect: whether a sandbox denial ended the process (never here).
     sandbox_denied: bool | msgspec.UnsetType = msgspec.UNSET
+    limit_exceeded: LimitExceeded | msgspec.UnsetType = msgspec.UNSET
+    limit_value: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class ClosedNotification(msgspec.Struct, rename="camel"):
@@ -510,6 +545,10 @@ class ListedProcess(msgspec.Struct, rename="camel", omit_defaults=True):
     #: Pids of the tree still running besides the leader (omitted when none):
     #: background jobs of a process that exited live until the session ends.
     descendants: list[int] = msgspec.field(default_factory=list)
+    #: The process's effective resource limits and its tree's usage.
+    limits: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
+    usage: ProcessUsage | msgspec.UnsetType = msgspec.UNSET
+    limit_exceeded: LimitExceeded | msgspec.UnsetType = msgspec.UNSET
 
 
 class ListResponse(msgspec.Struct, rename="camel"):

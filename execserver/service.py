@@ -29,6 +29,9 @@ from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
 from execserver.dispatcher import Dispatcher
+from execserver.limits import NO_LIMITS
+from execserver.limits import check_defaults as check_limit_defaults
+from execserver.limits import parse_spec as parse_limits
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
@@ -314,6 +317,8 @@ class Options(usage.Options):
         self["listen"] = []
         self["allow-origin"] = []
         self["process-containment"] = "auto"
+        self["default-limits"] = NO_LIMITS
+        self["limit-ceiling"] = NO_LIMITS
         self["socket-mode"] = DEFAULT_SOCKET_MODE
         self["spawn-path"] = os.environ.get(SPAWN_PATH_ENV) or "fast"
 
@@ -331,6 +336,20 @@ class Options(usage.Options):
         if mode not in MODES:
             raise usage.UsageError(f"--process-containment takes {', '.join(MODES)}, got `{mode}`")
         self["process-containment"] = mode
+
+    def opt_default_limits(self, spec: str) -> None:
+        """Resource limits of a process that sets none of a kind, e.g. memoryBytes=2G,maxProcesses=512 (memoryBytes, maxProcesses, cpuPercent, fileSizeBytes; K/M/G/T suffixes) [default: none]."""  # noqa: E501
+        try:
+            self["default-limits"] = parse_limits(spec, "--default-limits")
+        except ValueError as exc:
+            raise usage.UsageError(str(exc)) from None
+
+    def opt_limit_ceiling(self, spec: str) -> None:
+        """Highest resource limits any process may have (same form as --default-limits); a start asking for more is refused, one asking for none gets the ceiling [default: none]."""  # noqa: E501
+        try:
+            self["limit-ceiling"] = parse_limits(spec, "--limit-ceiling")
+        except ValueError as exc:
+            raise usage.UsageError(str(exc)) from None
 
     def opt_spawn_path(self, path: str) -> None:
         """How children are created: fast (posix_spawn through Twisted's private hooks, checked at startup) or stock (public reactor.spawnProcess through setsid) [default: fast, or $EXEC_SERVER_SPAWN_PATH]."""  # noqa: E501
@@ -366,6 +385,10 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"${SPAWN_PATH_ENV} takes {', '.join(SPAWN_PATHS)}, got `{self['spawn-path']}`"
             )
+        try:
+            check_limit_defaults(self["default-limits"], self["limit-ceiling"])
+        except ValueError as exc:
+            raise usage.UsageError(str(exc)) from None
         if not self["listen"]:
             self["listen"] = [StdioAddress()]
         stdio = [a for a in self["listen"] if isinstance(a, StdioAddress)]
@@ -480,6 +503,8 @@ class Options(usage.Options):
             max_fs_ops_per_session=self["max-fs-ops-per-session"],
             max_ptys_per_session=self["max-ptys-per-session"],
             max_server_ptys=self["max-server-ptys"],
+            default_limits=self["default-limits"],
+            limit_ceiling=self["limit-ceiling"],
         )
 
 

@@ -28,8 +28,9 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTim
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from execserver import codec, fdlimit, ptys
+from execserver import codec, fdlimit, limits, ptys
 from execserver import protocol as p
+from execserver.cgroups import Usage
 from execserver.config import ServerConfig
 from execserver.environment import build_env
 from execserver.errors import RpcError
@@ -55,6 +56,36 @@ Send = Callable[[object], None]
 
 def _discard(message: object) -> None:
     """The sender of a released session."""
+
+
+def _wire_limits(wire: p.ProcessLimits | None) -> limits.Limits | None:
+    if wire is None:
+        return None
+    return limits.Limits(
+        wire.memory_bytes, wire.max_processes, wire.cpu_percent, wire.file_size_bytes
+    )
+
+
+def _add_limit_fields(proc: ManagedProcess, entry: p.ListedProcess) -> p.ListedProcess:
+    """``process/list``'s limits, usage and limitExceeded of one process."""
+    if proc.limits:
+        entry.limits = proc.limits.to_wire()
+    if proc.limit_exceeded is not None:
+        entry.limit_exceeded = proc.limit_exceeded[0]
+    if proc.pid is not None and not proc.finished:
+        usage = proc.tree.usage()
+        wire = p.ProcessUsage()
+        if usage.memory_bytes is not None:
+            wire.memory_bytes = usage.memory_bytes
+        if usage.memory_peak_bytes is not None:
+            wire.memory_peak_bytes = usage.memory_peak_bytes
+        if usage.cpu_usec is not None:
+            wire.cpu_time_ms = usage.cpu_usec / 1000.0
+        if usage.processes is not None:
+            wire.processes = usage.processes
+        if usage != Usage():
+            entry.usage = wire
+    return entry
 
 
 def _timed_out(result: object, timeout: float) -> None:
@@ -209,6 +240,9 @@ class Session:
             raise RpcError.invalid_params(
                 "sandbox: this build cannot confine processes; only an unconfined start runs"
             )
+        effective = limits.resolve(
+            _wire_limits(params.limits), self.config.default_limits, self.config.limit_ceiling
+        )
         if self._closing:
             raise RpcError.invalid_request("session is shutting down")
         process_id = params.process_id
@@ -266,6 +300,7 @@ class Session:
             pipe_stdin=params.pipe_stdin and not params.tty,
             rows=size.rows if size is not None else 24,
             cols=size.cols if size is not None else 80,
+            limits=effective,
         )
         try:
             proc = self.spawn(
@@ -278,9 +313,13 @@ class Session:
             if self.current:
                 raise reference_spawn_error(exc) from None
             raise
+        response = p.ExecResponse(proc.process_id)
         if self.current:
-            return p.ExecResponse(proc.process_id, sandbox_type="none")
-        return p.ExecResponse(proc.process_id)
+            response.sandbox_type = "none"
+        if params.limits is not None:
+            # Asked for: the effective limits (with defaults and ceilings).
+            response.limits = effective.to_wire()
+        return response
 
     def spawn(
         self,
@@ -303,6 +342,7 @@ class Session:
             argv=spec.argv,
             tally=self._retained,
         )
+        proc.limits = spec.limits
         if self.on_detached_full == "pause":
             proc.output.protect()
         # Reserve the id before spawning: the spawn may deliver events at once.
@@ -453,6 +493,8 @@ class Session:
             response.closed_seq = proc.close_seq
         if read.gap is not None:
             response.gap = p.SeqGap(*read.gap)
+        if proc.limits and (exceeded := proc.limit_hit()) is not None:
+            response.limit_exceeded, response.limit_value = exceeded
         if self.current:
             response.failure = None
             response.sandbox_denied = False
@@ -616,14 +658,17 @@ class Session:
         return p.ListResponse(listed)
 
     def _listed(self, proc: ManagedProcess) -> p.ListedProcess:
-        return p.ListedProcess(
-            process_id=proc.process_id,
-            pid=proc.pid,
-            argv=list(proc.argv),
-            tty=proc.tty,
-            running=not proc.exited,
-            exit_code=self.exit_code_of(proc),
-            descendants=proc.descendant_pids() if proc.exited else [],
+        return _add_limit_fields(
+            proc,
+            p.ListedProcess(
+                process_id=proc.process_id,
+                pid=proc.pid,
+                argv=list(proc.argv),
+                tty=proc.tty,
+                running=not proc.exited,
+                exit_code=self.exit_code_of(proc),
+                descendants=proc.descendant_pids() if proc.exited else [],
+            ),
         )
 
     # --- notifications from ManagedProcess --------------------------------------
@@ -666,6 +711,10 @@ class Session:
             params.timed_out = proc.timed_out
         if self.current:
             params.sandbox_denied = False
+        if proc.limit_exceeded is not None:
+            params.limit_exceeded, params.limit_value = proc.limit_exceeded
+            if self.stats is not None:
+                self.stats.limits_exceeded[proc.limit_exceeded[0]] += 1
         self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
 
     def process_closed(self, proc: ManagedProcess) -> None:

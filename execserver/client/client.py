@@ -417,6 +417,8 @@ class ExecServerClient(ClientApi, FileTransfers):
 
     def _exited_params(self, ex: ExitedParams) -> None:
         handle = self._processes.get(ex.process_id)
+        if handle is not None and ex.limit_exceeded is not None:
+            handle.limit_exceeded = (ex.limit_exceeded, ex.limit_value)
         if handle is not None and not handle.accept_exit(
             ex.seq, ex.exit_code, ex.signal, ex.timed_out
         ):

@@ -48,6 +48,9 @@ class ExitedParams(msgspec.Struct, rename="camel"):
     signal: str | None = None
     seq: int | None = None
     timed_out: str | None = None
+    #: The resource limit that ended or crippled the process, and its figure.
+    limit_exceeded: str | None = None
+    limit_value: int | None = None
 
 
 class ClosedParams(msgspec.Struct, rename="camel"):

@@ -31,8 +31,9 @@ from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 
-from execserver.containment import Containment
+from execserver.containment import Containment, Placing
 from execserver.errors import RpcError
+from execserver.limits import NO_LIMITS, Limits
 from execserver.spawn import overrides, stock
 from execserver.spawn.groups import group_alive, kill_group, leads_own_group
 from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, os_error_text, resolve_executable
@@ -59,6 +60,8 @@ class ProcessSpec:
     pipe_stdin: bool = False
     rows: int = 24
     cols: int = 80
+    #: Resource limits of the whole tree (execserver.limits).
+    limits: Limits = NO_LIMITS
 
     @property
     def child_args(self) -> list[str]:
@@ -154,8 +157,17 @@ class PosixSpawner:
 
     def spawn(self, proto: IProcessProtocol, spec: ProcessSpec) -> ChildTransport:
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
+        placing: Placing | None = self.containment
+        if spec.limits:
+            if self.containment is None:
+                raise RpcError.invalid_request(
+                    f"limits.{spec.limits.set_fields()[0]} cannot be enforced: this server "
+                    "starts processes without containment",
+                    {"kind": "limitUnsupported", "field": spec.limits.set_fields()[0]},
+                )
+            placing = self.containment.placing(spec.limits)
         try:
-            return self._start(proto, spec, executable, self.containment)
+            return self._start(proto, spec, executable, placing)
         except ValueError as exc:
             # posix_spawn's own validation (e.g. an environment name containing "=").
             raise RpcError.invalid_params(str(exc)) from None
@@ -165,7 +177,7 @@ class PosixSpawner:
         proto: IProcessProtocol,
         spec: ProcessSpec,
         executable: str,
-        containment: Containment | None = None,
+        containment: Placing | None = None,
     ) -> ChildTransport:
         size = (spec.rows, spec.cols)
         if self.path == "fast":

@@ -51,7 +51,7 @@ from typing import Any, Final
 from twisted.internet import process as _twisted_process
 from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 
-from execserver.containment import Containment, ContainmentError, ProcessTree
+from execserver.containment import ContainmentError, Placing, ProcessTree
 from execserver.private_names import parameters
 from execserver.spawn.lookup import SpawnError, cwd_error, exec_error
 from execserver.spawn.reading import (
@@ -180,7 +180,7 @@ class _PosixSpawned:
     """The creation step shared by both transports: ``posix_spawn`` in ``cwd``."""
 
     _cwd: str
-    _containment: Containment | None = None
+    _containment: Placing | None = None
     pid: Any
     status: Any
     #: Every process this child creates (None: only its process group).
@@ -229,7 +229,7 @@ class PipeProcess(_PosixSpawned, _twisted_process.Process):
         env: dict[str, str],
         pipe_stdin: bool,
         proto: IProcessProtocol,
-        containment: Containment | None = None,
+        containment: Placing | None = None,
     ) -> None:
         self._cwd = cwd
         self._containment = containment
@@ -265,7 +265,7 @@ class PtyProcess(_PosixSpawned, _twisted_process.PTYProcess):
         env: dict[str, str],
         size: tuple[int, int],
         proto: IProcessProtocol,
-        containment: Containment | None = None,
+        containment: Placing | None = None,
     ) -> None:
         self._cwd = cwd
         self._containment = containment

@@ -39,7 +39,7 @@ from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from execserver.containment import Containment, ContainmentError, ProcessTree
+from execserver.containment import ContainmentError, Placing, ProcessTree
 from execserver.spawn.groups import wait_until_leader
 from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, check_cwd, exec_error
 from execserver.spawn.reading import PTY_READ_SIZE, READ_SIZE, drain
@@ -161,7 +161,7 @@ def spawn_stock(
     pipe_stdin: bool,
     pty_size: tuple[int, int] | None,
     proto: IProcessProtocol,
-    containment: Containment | None,
+    containment: Placing | None,
     stdin_fd: int,
 ) -> ChildTransport:
     """Start one child through ``reactor.spawnProcess``; see the module doc."""

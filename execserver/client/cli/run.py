@@ -349,6 +349,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
     output: _Output | None = None
     command_code: int | None = None
     timed_out_after: int | None = None
+    limit_hit: str | None = None
     try:
         cwd = args.cwd or (os.getcwd() if args.stdio else "/")
         size = terminal_size(0) if tty_mode else None
@@ -423,6 +424,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             # Said after the terminal is restored (below).
             timed_out_after = args.timeout_ms
             return EXIT_TIMED_OUT
+        limit_hit = limit_line(argv[0], proc.limit_exceeded)
         return code
     finally:
         if forwarder is not None:
@@ -439,6 +441,8 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 f"`{argv[0]}` timed out after {timed_out_after} ms (--timeout-ms) "
                 "and was terminated"
             )
+        if limit_hit is not None:
+            note(limit_hit)
         await client.close()
 
 
@@ -452,6 +456,26 @@ def gap_line(gap: GapEvent, argv0: str, code: int | None) -> str:
     if code is not None:
         line += f"; exiting {EXIT_OUTPUT_LOST}, not with the command's {code}"
     return line
+
+
+_LIMIT_WORDS = {
+    "memory": ("memory limit", "bytes", "memoryBytes"),
+    "processes": ("process limit", "processes", "maxProcesses"),
+    "cpu": ("CPU limit", "% of a CPU", "cpuPercent"),
+    "fileSize": ("file size limit", "bytes", "fileSizeBytes"),
+}
+
+
+def limit_line(program: str, exceeded: tuple[str, int | None] | None) -> str | None:
+    """The one line ``run`` prints when a resource limit ended or crippled the command."""
+    if exceeded is None:
+        return None
+    kind, value = exceeded
+    what, unit, field = _LIMIT_WORDS.get(kind, (f"{kind} limit", "", kind))
+    figure = (
+        "" if value is None else f" ({field} {value}{'' if unit.startswith('%') else ' '}{unit})"
+    )
+    return f"`{program}` hit its {what}{figure}"
 
 
 def _closed_reason(client: Any) -> str | None:
