@@ -29,6 +29,7 @@ from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
 from execserver.fs.watch import WatchHub
 from execserver.processes import RetainedTally
+from execserver.sandbox.policy import SandboxPolicy
 from execserver.session import Session, session_of
 from execserver.spawn import Spawner
 
@@ -67,12 +68,17 @@ PROCESS_CONTROL = (
 
 
 def build_dispatcher(
-    config: ServerConfig, clock: IReactorTime, spawner: Spawner, fs_runner: Runner | None = None
+    config: ServerConfig,
+    clock: IReactorTime,
+    spawner: Spawner,
+    fs_runner: Runner | None = None,
+    sandbox_floor: SandboxPolicy | None = None,
 ) -> Dispatcher:
     """A dispatcher serving exec-server's methods, its sessions starting processes with ``spawner``.
 
     ``fs_runner`` (tests) replaces the fs thread pool; by default a real
     reactor gets the pool and a fake clock runs fs work inline.
+    ``sandbox_floor`` confines every fs call at least that much.
     """
 
     retained = RetainedTally()
@@ -96,7 +102,7 @@ def build_dispatcher(
             family="filesystem",
         )
     _add_process_routes(dispatcher)
-    fs = filesystem.register(dispatcher, fs_runner)
+    fs = filesystem.register(dispatcher, fs_runner, sandbox_floor=sandbox_floor)
     dispatcher.provide(fs)
     dispatcher.closed_hooks.append(fs.connection_closed)
     dispatcher.readiness_checks.append(fs.stall_reason)

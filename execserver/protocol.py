@@ -161,8 +161,147 @@ class EnvironmentInfoParams(msgspec.Struct):
 # --- process/start ----------------------------------------------------------
 
 
+# The ``sandbox`` of process/start and of every fs/* call. Two dialects share
+# the field: the seed's ``{"mode": ...}`` (with our additive ``readOnly`` and
+# ``workspaceWrite`` modes) and the current reference's permission profile
+# ``{"permissions": {...}, "cwd": ..., "workspaceRoots": [...], ...}``. The
+# profile's own field names are snake_case, as the reference spells them.
+# Resolution (what a profile allows) is execserver.sandbox.policy's job.
+
+
+class SpecialRoot(msgspec.Struct, tag_field="kind", tag="root"):
+    pass
+
+
+class SpecialMinimal(msgspec.Struct, tag_field="kind", tag="minimal"):
+    pass
+
+
+class SpecialCurrentWorkingDirectory(
+    msgspec.Struct, tag_field="kind", tag="current_working_directory"
+):
+    pass
+
+
+class SpecialProjectRoots(msgspec.Struct, tag_field="kind", tag="project_roots"):
+    subpath: str | None = None
+
+
+class SpecialTmpdir(msgspec.Struct, tag_field="kind", tag="tmpdir"):
+    pass
+
+
+class SpecialSlashTmp(msgspec.Struct, tag_field="kind", tag="slash_tmp"):
+    pass
+
+
+class SpecialUnknown(msgspec.Struct, tag_field="kind", tag="unknown"):
+    """A special path from a newer client: the reference ignores it, and so do we."""
+
+    path: str
+    subpath: str | None = None
+
+
+SpecialPath = (
+    SpecialRoot
+    | SpecialMinimal
+    | SpecialCurrentWorkingDirectory
+    | SpecialProjectRoots
+    | SpecialTmpdir
+    | SpecialSlashTmp
+    | SpecialUnknown
+)
+
+
+class PathTarget(msgspec.Struct, tag_field="type", tag="path"):
+    #: A ``file://`` URI (the reference's form) or an absolute path.
+    path: str
+
+
+class SpecialTarget(msgspec.Struct, tag_field="type", tag="special"):
+    value: SpecialPath
+
+
+class GlobTarget(msgspec.Struct, tag_field="type", tag="glob_pattern"):
+    pattern: str
+
+
+class FileSystemSandboxEntry(msgspec.Struct):
+    path: PathTarget | SpecialTarget | GlobTarget
+    access: Literal["read", "write", "deny", "none"]
+    missing_path_behavior: Literal["skip"] | None = None
+
+
+class RestrictedFileSystem(msgspec.Struct, tag_field="type", tag="restricted"):
+    entries: list[FileSystemSandboxEntry]
+    #: The reference's usize (glob patterns, which are refused here).
+    glob_scan_max_depth: NonNegative | None = None
+
+
+class UnrestrictedFileSystem(msgspec.Struct, tag_field="type", tag="unrestricted"):
+    pass
+
+
+NetworkSandboxPolicy = Literal["restricted", "enabled"]
+
+
+class ManagedPermissions(msgspec.Struct, tag_field="type", tag="managed"):
+    file_system: RestrictedFileSystem | UnrestrictedFileSystem
+    network: NetworkSandboxPolicy
+
+
+class DisabledPermissions(msgspec.Struct, tag_field="type", tag="disabled"):
+    pass
+
+
+class ExternalPermissions(msgspec.Struct, tag_field="type", tag="external"):
+    network: NetworkSandboxPolicy
+
+
+PermissionProfile = ManagedPermissions | DisabledPermissions | ExternalPermissions
+
+#: The seed's modes and ours (additive): readOnly and workspaceWrite.
+SandboxMode = Literal["none", "hostDefault", "readOnly", "workspaceWrite"]
+
+
 class SandboxConfig(_Wire):
-    mode: Literal["none", "hostDefault"]
+    """``sandbox``: the seed's ``mode`` form or the current dialect's profile.
+
+    A seed client's ``{"mode": "none"}`` decodes exactly as before; an
+    object with neither ``mode`` nor ``permissions`` is the seed's error
+    (``Object missing required field `mode` - at `$.sandbox```).
+    """
+
+    mode: SandboxMode | msgspec.UnsetType = msgspec.UNSET
+    #: workspaceWrite (ours): absolute paths (or file URIs); absent: the cwd.
+    writable_roots: list[str] | msgspec.UnsetType = msgspec.UNSET
+    #: readOnly / workspaceWrite (ours): network allowed (default false).
+    network: bool | msgspec.UnsetType = msgspec.UNSET
+    # Current dialect (the reference's FileSystemSandboxContext).
+    permissions: PermissionProfile | msgspec.UnsetType = msgspec.UNSET
+    cwd: str | None = None
+    workspace_roots: list[str] | None = None
+    windows_sandbox_level: Any = None
+    windows_sandbox_private_desktop: bool = False
+    windows_sandbox_proxy_settings_mode: Any = None
+    use_legacy_landlock: bool = False
+
+    def __post_init__(self) -> None:
+        # msgspec turns these ValueErrors into -32602 "... - at `$.sandbox`".
+        if self.permissions is msgspec.UNSET:
+            if self.mode is msgspec.UNSET:
+                raise ValueError("Object missing required field `mode`")
+            if self.writable_roots is not msgspec.UNSET and self.mode != "workspaceWrite":
+                raise ValueError("`writableRoots` is taken only with mode `workspaceWrite`")
+            if self.network is not msgspec.UNSET and self.mode not in (
+                "readOnly",
+                "workspaceWrite",
+            ):
+                raise ValueError(
+                    "`network` is taken only with modes `readOnly` and `workspaceWrite`"
+                )
+        elif self.mode is not msgspec.UNSET:
+            raise ValueError("sandbox takes either `mode` or `permissions`, not both")
 
 
 class TerminalSize(_Wire):
@@ -410,6 +549,7 @@ class Empty(msgspec.Struct):
 
 class FsReadFileParams(_Wire):
     path: str
+    sandbox: SandboxConfig | None = None
 
 
 class FsReadFileResponse(msgspec.Struct, rename="camel"):
@@ -419,15 +559,18 @@ class FsReadFileResponse(msgspec.Struct, rename="camel"):
 class FsWriteFileParams(_Wire):
     path: str
     data_base64: bytes
+    sandbox: SandboxConfig | None = None
 
 
 class FsCreateDirectoryParams(_Wire):
     path: str
     recursive: bool | None = None
+    sandbox: SandboxConfig | None = None
 
 
 class FsGetMetadataParams(_Wire):
     path: str
+    sandbox: SandboxConfig | None = None
 
 
 class FsGetMetadataResponse(msgspec.Struct, rename="camel"):
@@ -443,6 +586,7 @@ class FsGetMetadataResponse(msgspec.Struct, rename="camel"):
 
 class FsReadDirectoryParams(_Wire):
     path: str
+    sandbox: SandboxConfig | None = None
 
 
 class FsReadDirectoryEntry(msgspec.Struct, rename="camel"):
@@ -461,6 +605,7 @@ class FsRemoveParams(_Wire):
     path: str
     recursive: bool | None = None
     force: bool | None = None
+    sandbox: SandboxConfig | None = None
 
 
 class FsWatchMissingParams(_Wire):
@@ -489,3 +634,4 @@ class FsCopyParams(_Wire):
     source_path: str
     destination_path: str
     recursive: bool = False
+    sandbox: SandboxConfig | None = None

@@ -35,6 +35,7 @@ from execserver.environment import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally
+from execserver.sandbox import policy as sandbox_policy
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.waiters import cancel_call
 
@@ -184,6 +185,15 @@ class Session:
                 raise RpcError.invalid_params(f"invalid environment variable name `{key}`")
         if params.arg0 is not None:
             _validate_text("arg0", params.arg0)
+        if (
+            params.sandbox is not None
+            and sandbox_policy.resolve(params.sandbox, cwd=cwd, env=env).confined
+        ):
+            # Until processes can be confined (issue 21, process side), a
+            # confining sandbox is refused: never run less confined than asked.
+            raise RpcError.invalid_params(
+                "sandbox: this build cannot confine processes; only an unconfined start runs"
+            )
         if self._closing:
             raise RpcError.invalid_request("session is shutting down")
         process_id = params.process_id
