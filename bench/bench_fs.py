@@ -15,6 +15,19 @@ Prints figures and ratios to baselines measured in the same run, never asserts:
   library (``ExecServerClient.download``/``upload``, 8 MiB ranges): MB/s,
   the client's and the server's peak RSS. Not part of the test suite.
 
+- with ``--put-get MIB``: ``exec-server-client fs put`` against ``fs get`` of
+  the same file (``--stdio``), alternating;
+- with ``--write-paths MIB``: ``fs/writeFile`` of a file with one link (the
+  atomic replacement) and of a hard-linked one (the journaled copy-back)
+  against a plain ``write`` + ``fsync`` of the same bytes; ``--before TREE``
+  adds the same rows for the server of an older checkout, in the same run;
+- with ``--reference MIB``: ``fs/writeFile`` of MIB MiB and ``fs/getMetadata``
+  round trips at depth 1 against the Rust reference (``codex exec-server
+  --listen stdio``, the cached Codex CLI), alternating, and against a plain
+  ``write`` + ``fsync`` of the same bytes (targets 2x and 0.5, 1.5x);
+- with ``--write-steps MIB``: each step of one MIB MiB ``fs/writeFile`` timed
+  alone beside its physical limit.
+
 Usage: ``python -m bench.bench_fs [--sizes-mib 16,256] [--rounds 3] [--library-gib 1] [--ws]``
 (``--rss-only``: the peak RSS figures alone.)
 (``--size-mib N --repeat R --seconds S``: one size, R rounds, short runs.)
@@ -252,6 +265,307 @@ def peak_over_idle_ws(work: Path, size: int) -> dict[str, tuple[float, float]]:
 # --- the client library, N GiB -------------------------------------------------------------
 
 
+def _server_command(tree: str | None) -> list[str]:
+    """The server to run: this one, or the tree ``tree`` (a checkout) put first on the path."""
+    if tree is None:
+        return [sys.executable, "-m", "execserver"]
+    return ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "execserver"]
+
+
+def _cli_seconds(*args: str) -> float:
+    client = str(Path(sys.executable).with_name("exec-server-client"))
+    start = time.perf_counter()
+    subprocess.run([client, "fs", "--stdio", *args], check=True, cwd=tempfile.gettempdir())
+    return time.perf_counter() - start
+
+
+def put_get_rates(work: Path, size: int, rounds: int, before: str | None) -> list[Ratio]:
+    """``exec-server-client fs put`` and ``fs get`` of ``size`` bytes (stdio), alternating.
+
+    ``put / get`` with this server; with ``before`` (a checkout of an older
+    version) also this server's put over the older one's, in the same rounds.
+    """
+    source = work / f"put-{size}.bin"
+    with open(source, "wb") as f:
+        f.write(os.urandom(size))
+    remote = work / "put-remote.bin"
+    back = work / "put-back.bin"
+    mib = size / MiB
+    puts: list[float] = []
+    gets: list[float] = []
+    old_puts: list[float] = []
+    for _ in range(rounds):
+        for tree, rates in ((None, puts), *(((before, old_puts),) if before else ())):
+            command = " ".join(_server_command(tree))
+            rates.append(
+                mib / _cli_seconds("--server-command", command, "put", str(source), str(remote))
+            )
+        command = " ".join(_server_command(None))
+        gets.append(mib / _cli_seconds("--server-command", command, "get", str(remote), str(back)))
+    assert back.read_bytes() == source.read_bytes()
+    ratios = [
+        Ratio(
+            f"fs put {mib:.0f} MiB (put / get, exec-server-client --stdio)",
+            Series("fs put", "MiB/s", tuple(puts)),
+            Series("fs get", "MiB/s", tuple(gets)),
+        )
+    ]
+    if before:
+        ratios.append(
+            Ratio(
+                f"fs put {mib:.0f} MiB (this server / the server at {before})",
+                Series("fs put", "MiB/s", tuple(puts)),
+                Series("fs put before", "MiB/s", tuple(old_puts)),
+            )
+        )
+    return ratios
+
+
+def _plain_write_seconds(path: Path, data: bytes) -> float:
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def write_path_costs(work: Path, size: int, rounds: int, before: str | None) -> list[Ratio]:
+    """What each ``fs/writeFile`` path costs: atomic, hard-linked (journaled copy-back).
+
+    Ratios to a plain ``write`` + ``fsync`` of the same bytes in the same
+    round (the physical limit of a durable write here), and the hard-linked
+    write over the atomic one. With ``before`` (a checkout), the same two
+    writes by that server too (its hard-linked write truncated in place).
+    """
+    data = os.urandom(size)
+    text = base64.b64encode(data)
+    mib = size / MiB
+    figures: dict[str, list[float]] = {}
+    servers = [("", None)] + ([(" before", before)] if before else [])
+    plain = work / "plain.bin"
+    for _ in range(rounds):
+        figures.setdefault("plain", []).append(mib / _plain_write_seconds(plain, data))
+        for label, tree in servers:
+            with started_server_at(tree) as client:
+                for kind in ("atomic", "hard-linked"):
+                    target = work / f"paths-{kind}.bin"
+                    target.write_bytes(b"old")
+                    if kind == "hard-linked":
+                        link = work / "paths-link.bin"
+                        link.unlink(missing_ok=True)
+                        os.link(target, link)
+                    request = write_request(client.new_id(), target, text)
+                    start = time.perf_counter()
+                    client.send_bytes(request)
+                    line = read_line(client)
+                    figures.setdefault(kind + label, []).append(mib / (time.perf_counter() - start))
+                    check_ok(line)
+                    assert target.read_bytes() == data
+    plain_series = Series("write+fsync", "MiB/s", tuple(figures["plain"]))
+    ratios = []
+    for label, _tree in servers:
+        atomic = Series(f"atomic{label}", "MiB/s", tuple(figures["atomic" + label]))
+        linked = Series(f"hard-linked{label}", "MiB/s", tuple(figures["hard-linked" + label]))
+        ratios.append(
+            Ratio(f"fs/writeFile {mib:.0f} MiB atomic{label} / write+fsync", atomic, plain_series)
+        )
+        ratios.append(
+            Ratio(
+                f"fs/writeFile {mib:.0f} MiB hard-linked{label} / write+fsync", linked, plain_series
+            )
+        )
+        ratios.append(
+            Ratio(f"fs/writeFile {mib:.0f} MiB hard-linked{label} / atomic{label}", linked, atomic)
+        )
+    return ratios
+
+
+#: The Rust reference (the Codex CLI's ``codex exec-server``), if cached here.
+REFERENCE_BINARY = Path.home() / (
+    ".cache/exec-server-codex/0.171.0/package/vendor/x86_64-unknown-linux-musl/bin/codex"
+)
+
+
+def _started_reference(home: Path) -> StdioClient:
+    env_home = home / "codex-home"
+    env_home.mkdir(exist_ok=True)
+    os.environ.setdefault("CODEX_HOME", str(env_home))
+    client = StdioClient(argv=[str(REFERENCE_BINARY), "exec-server", "--listen", "stdio"])
+    client.initialize()
+    client.request("fs/getMetadata", {"path": "file:///tmp"})
+    return client
+
+
+def _timed_write(client: StdioClient, target: Path, text: bytes) -> float:
+    # Paths as file:// URIs: the reference's current dialect takes nothing else.
+    request = (
+        b'{"id":%d,"method":"fs/writeFile","params":{"path":"file://%s","dataBase64":"%s"}}\n'
+        % (
+            client.new_id(),
+            str(target).encode(),
+            text,
+        )
+    )
+    start = time.perf_counter()
+    client.send_bytes(request)
+    line = read_line(client)
+    seconds = time.perf_counter() - start
+    check_ok(line)
+    return seconds
+
+
+def _metadata_rate(client: StdioClient, count: int) -> float:
+    request = b'{"id":%d,"method":"fs/getMetadata","params":{"path":"file:///tmp"}}\n'
+    start = time.perf_counter()
+    for _ in range(count):
+        client.send_bytes(request % client.new_id())
+        check_ok(read_line(client))
+    return count / (time.perf_counter() - start)
+
+
+def reference_rates(work: Path, size: int, rounds: int, count: int) -> list[Ratio]:
+    """This server against the Rust reference over stdio, alternating, and the physical limit.
+
+    ``fs/writeFile`` of ``size`` bytes (whole file) by each, and a plain
+    ``write`` + ``fsync`` of the same bytes; ``fs/getMetadata`` round trips
+    at depth 1 (one request in flight), ``count`` per round.
+    """
+    data = os.urandom(size)
+    text = base64.b64encode(data)
+    mib = size / MiB
+    ours: list[float] = []
+    theirs: list[float] = []
+    plain: list[float] = []
+    ours_meta: list[float] = []
+    theirs_meta: list[float] = []
+    home = Path(tempfile.mkdtemp(prefix="bench-codex-", dir=Path.home()))
+    try:
+        with started_server() as mine, _started_reference(home) as reference:
+            for _ in range(rounds):
+                plain.append(mib / _plain_write_seconds(work / "plain.bin", data))
+                ours.append(mib / _timed_write(mine, work / "ours.bin", text))
+                theirs.append(mib / _timed_write(reference, work / "theirs.bin", text))
+                ours_meta.append(_metadata_rate(mine, count))
+                theirs_meta.append(_metadata_rate(reference, count))
+        assert (work / "ours.bin").read_bytes() == (work / "theirs.bin").read_bytes() == data
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    ours_series = Series("fs/writeFile", "MiB/s", tuple(ours))
+    return [
+        Ratio(
+            f"fs/writeFile {mib:.0f} MiB stdio (server / reference)",
+            ours_series,
+            Series("reference", "MiB/s", tuple(theirs)),
+            target=2.0,
+        ),
+        Ratio(
+            f"fs/writeFile {mib:.0f} MiB stdio (server / write+fsync)",
+            ours_series,
+            Series("write+fsync", "MiB/s", tuple(plain)),
+            target=0.5,
+        ),
+        Ratio(
+            "fs/getMetadata round trips, depth 1 (server / reference)",
+            Series("server", "req/s", tuple(ours_meta)),
+            Series("reference", "req/s", tuple(theirs_meta)),
+            target=1.5,
+        ),
+    ]
+
+
+def write_steps(work: Path, size: int) -> None:
+    """Where an ``fs/writeFile`` of ``size`` bytes goes: each step of the server, timed alone.
+
+    The server's own functions on one request line, median of 7, each
+    printed beside its physical limit (a copy of the line, ``pybase64``'s
+    decode, a plain ``write`` and ``write`` + ``fsync``, a pipe transfer).
+    """
+    import threading
+
+    import pybase64
+
+    from execserver import codec
+    from execserver.dispatcher import _has_uri_value
+    from execserver.fs import ops
+    from execserver.fs.handlers import WriteFileWire
+
+    data = os.urandom(size)
+    text = base64.b64encode(data)
+    target = work / "steps.bin"
+    line = write_request(1, target, text).rstrip(b"\n")
+
+    def timed(func: Any, repeat: int = 7) -> float:
+        values = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            func()
+            values.append(time.perf_counter() - start)
+        return sorted(values)[len(values) // 2] * 1000
+
+    request: Any = codec.decode_message(line)
+    params: Any = codec.decode_params(request.params, WriteFileWire)
+    fd = os.open(work / "steps-plain.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write_and_sync() -> None:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+
+    def pipe_transfer() -> None:
+        r, w = os.pipe()
+
+        def reader() -> None:
+            got = 0
+            while got < len(line):
+                got += len(os.read(r, 256 * 1024))
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        view = memoryview(line)
+        while view:
+            view = view[os.write(w, view[: 1 << 20]) :]
+        thread.join()
+        os.close(r)
+        os.close(w)
+
+    rows = [
+        ("limit: copy of the line", timed(lambda: bytearray(line))),
+        ("limit: the line through a pipe, 256 KiB reads", timed(pipe_transfer, 3)),
+        ("envelope parse (params kept as Raw)", timed(lambda: codec.decode_message(line))),
+        (
+            "dialect check (a file:// value in params)",
+            timed(lambda: _has_uri_value(request.params)),
+        ),
+        (
+            "params parse (WriteFileWire)",
+            timed(lambda: codec.decode_params(request.params, WriteFileWire)),
+        ),
+        (
+            "limit: pybase64 decode of the whole text",
+            timed(lambda: pybase64.b64decode(text, validate=True)),
+        ),
+        (
+            "fs work: decode into a temporary file, attributes, rename",
+            timed(lambda: ops.write_file(str(target), params.data_base64)),
+        ),
+        ("limit: plain write of the bytes", timed(lambda: os.pwrite(fd, data, 0))),
+        ("limit: plain write + fsync", timed(write_and_sync, 3)),
+    ]
+    os.close(fd)
+    for name, ms in rows:
+        print(f"{ms:8.2f} ms  {len(line) / MiB / (ms / 1000):7.0f} MiB/s of text  {name}")
+
+
+def started_server_at(tree: str | None) -> StdioClient:
+    argv = [*_server_command(tree), "--max-message-bytes", str(1024 * MiB)]
+    client = StdioClient(argv=argv)
+    client.initialize()
+    client.request("fs/getMetadata", {"path": "/tmp"})
+    return client
+
+
 def library_child(direction: str, remote: str, local: str) -> None:
     """Run in a child process: one transfer, then print its figures as JSON."""
     import psutil
@@ -329,9 +643,52 @@ def main() -> None:
         "--rss-only", action="store_true", help="only the peak RSS figures (no rates)"
     )
     parser.add_argument("--library-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--put-get", type=int, metavar="MIB", help="only: fs put vs fs get of MIB MiB (the CLI)"
+    )
+    parser.add_argument(
+        "--write-paths", type=int, metavar="MIB", help="only: the fs/writeFile paths' costs"
+    )
+    parser.add_argument("--before", metavar="TREE", help="with those two: also a checkout's server")
+    parser.add_argument(
+        "--reference",
+        type=int,
+        metavar="MIB",
+        help="only: fs/writeFile of MIB MiB and getMetadata depth 1 against the Rust reference",
+    )
+    parser.add_argument(
+        "--write-steps", type=int, metavar="MIB", help="only: where a MIB MiB write's time goes"
+    )
     args = parser.parse_args()
     if args.library_child:
         library_child(*args.library_child)
+        return
+    if args.write_steps:
+        print_header("filesystem: the steps of one fs/writeFile")
+        work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
+        try:
+            write_steps(work, args.write_steps * MiB)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    if args.put_get or args.write_paths or args.reference:
+        print_header("filesystem write paths")
+        work = Path(tempfile.mkdtemp(prefix="bench-fs-"))
+        try:
+            found = []
+            if args.put_get:
+                found += put_get_rates(work, args.put_get * MiB, args.rounds, args.before)
+            if args.write_paths:
+                found += write_path_costs(work, args.write_paths * MiB, args.rounds, args.before)
+            if args.reference:
+                count = max(1000, args.count // 10)
+                found += reference_rates(work, args.reference * MiB, args.rounds, count)
+            for ratio in found:
+                print(ratio.value.describe())
+                print(ratio.baseline.describe())
+                print(ratio.describe(), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         return
     if args.size_mib:
         args.sizes_mib = args.size_mib

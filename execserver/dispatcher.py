@@ -23,7 +23,6 @@ must hear of closed connections or can make the server not ready.
 
 from __future__ import annotations
 
-import re
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -51,8 +50,36 @@ LARGE_RESULT_BYTES = 64 * 1024
 
 #: The current dialect answers unknown methods with JSON-RPC's "method not found".
 METHOD_NOT_FOUND = -32601
-#: A JSON string value that is a file:// URI (re scans the raw params in place).
-_URI_VALUE = re.compile(rb'"file://')
+#: A JSON string value that is a file:// URI.
+_URI_VALUE = b'"file://'
+#: Bytes of params copied at a time by the search for it.
+_URI_WINDOW = 256 * 1024
+
+
+def _has_uri_value(params: msgspec.Raw) -> bool:
+    """Whether ``params`` hold a string starting ``file://``.
+
+    Looks for its ``:`` (``bytes.find`` of one byte is a ``memchr``; base64
+    text has none), not for the whole needle: in the 11 MiB of an 8 MiB
+    ``fs/writeFile`` range a regex or a substring search took 13-17 ms,
+    this about 1.5 ms. The params are searched in windows of
+    :data:`_URI_WINDOW` bytes (overlapping by the needle's length), so
+    the search never holds a second copy of a long request.
+    """
+    view = memoryview(params)
+    size = len(view)
+    overlap = len(_URI_VALUE) - 1
+    start = 0
+    while start < size:
+        window = bytes(view[max(0, start - overlap) : start + _URI_WINDOW])
+        at = window.find(b":")
+        while at >= 0:
+            if at >= 5 and window.startswith(_URI_VALUE, at - 5):
+                return True
+            at = window.find(b":", at + 1)
+        start += _URI_WINDOW
+    return False
+
 
 #: Seconds between checks of whether a charged reply (fs/readFile) has been
 #: sent, while one is queued: its reply budget is released within this.
@@ -348,7 +375,7 @@ class Connection:
                 if route is not None
                 else self.dispatcher.dialect.announced_by(req.method)
             )
-            and _URI_VALUE.search(req.params) is not None
+            and _has_uri_value(req.params)
         ):
             # Only the current dialect sends paths as URIs: from now on this
             # client gets its error codes and fields.

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from twisted.internet.defer import Deferred
 
 from execserver.app import build_dispatcher, file_system
 from execserver.client import ConnectOptions, ExecServerClient
+from execserver.client.cli.fs import ProgressBar
 from execserver.client.errors import RangesNotSupported
 from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
@@ -208,6 +211,27 @@ async def test_cli_get_shows_progress_on_a_terminal(tmp_path: Path) -> None:
     assert await cli.finish() == 0
     assert f"get {remote}: 9.0 / 9.0 MiB (100%)".encode() in cli.out
     assert _digest(back) == _digest(remote)
+    cli = Cli.start("fs", "--stdio", "put", str(back), str(remote), pty=True, show_terminal=False)
+    assert await cli.finish() == 0
+    # The average rate since the transfer began follows the share.
+    assert re.search(rb"put \S+: 9\.0 / 9\.0 MiB \(100%\), [0-9]+\.[0-9] MiB/s", cli.out), cli.out
+    assert _digest(back) == _digest(remote)
+
+
+def test_the_progress_line_shows_the_average_rate() -> None:
+    """Unit: the rate is the bytes so far over the time since the bar was made."""
+    now = [100.0]
+    out = io.StringIO()
+    bar = ProgressBar("put /x", out, clock=lambda: now[0])
+    now[0] = 102.0
+    bar(64 * MiB, 128 * MiB)
+    now[0] = 104.0
+    bar(128 * MiB, 128 * MiB)
+    bar.finish()
+    assert out.getvalue() == (
+        "\rput /x: 64.0 / 128.0 MiB (50%), 32.0 MiB/s\x1b[K"
+        "\rput /x: 128.0 / 128.0 MiB (100%), 32.0 MiB/s\x1b[K\n"
+    )
 
 
 # --- a slow file system never blocks the event loop -----------------------------------------

@@ -19,7 +19,7 @@ from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
-from execserver.fs import local, ops
+from execserver.fs import journal, local, ops
 from execserver.fs.budget import Charge, Charged, ReplyBudget
 from execserver.fs.local import Locality
 from execserver.fs.paths import FAMILY, absolute_path, invalid
@@ -361,6 +361,8 @@ def register(
     # Inline calls only beside a real pool (with a fake clock everything
     # already runs at once).
     locality = Locality() if pool is not None else None
+    if pool is not None:
+        journal.start()  # replay and clean up after a killed server, before serving
     fs = FileSystem(
         config.max_read_file_bytes, run, budget, pool, locality, fsguard.Guard(floor=sandbox_floor)
     )

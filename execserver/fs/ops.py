@@ -16,7 +16,6 @@ import contextlib
 import errno
 import mmap
 import os
-import secrets
 import stat
 from collections.abc import Callable
 from typing import Final, NoReturn
@@ -29,6 +28,7 @@ from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.errors import RpcError
 from execserver.fs import b64
+from execserver.fs.journal import copy_back, journal
 from execserver.fs.paths import (
     ROOT_MESSAGE,
     created_at_ms,
@@ -41,6 +41,7 @@ from execserver.fs.paths import (
     too_large,
     unix_ms,
 )
+from execserver.fs.pool import check_cancelled
 
 #: fs/readFile of a file up to this size takes one pool trip: its reply's
 #: budget for this size is reserved up front, and the file read at once.
@@ -124,6 +125,17 @@ def _open_regular_for_reading(path: str, extra: int = 0) -> tuple[int, os.stat_r
     return fd, st
 
 
+def _seek(fd: int, offset: int) -> bool:
+    """Move ``fd`` to ``offset``; False if the file system allows no file that long."""
+    try:
+        os.lseek(fd, offset, os.SEEK_SET)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOVERFLOW, errno.EFBIG):
+            return False
+        raise
+    return True
+
+
 @oserrors
 def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
     """``fs/readFile``: the result rendered as pieces, the file read a slice at a time.
@@ -136,8 +148,11 @@ def read_file(path: str, limit: int, span: ReadRange = WHOLE) -> RenderedParts:
     try:
         if not span.ranged and st.st_size > limit:
             raise too_large(limit)
-        if span.offset:
-            os.lseek(fd, span.offset, os.SEEK_SET)
+        if span.offset and not _seek(fd, span.offset):
+            # Past what the file system allows a file to reach (2^63-1 on
+            # ext4 is EINVAL): nothing there, as past the end.
+            tail = b'","size":%d}' % os.fstat(fd).st_size
+            return RenderedParts((_READ_PREFIX, tail))
         # Files whose size lies (/proc) or that grow or shrink while read
         # are read to their end (or the range's), up to the limit.
         want = limit + 1 if span.length is None else min(span.length, limit + 1)
@@ -243,7 +258,7 @@ def _write_pieces(fd: int, raw: msgspec.Raw, slow: bytes | None, offset: int | N
 
 
 def _open_regular_for_writing(
-    path: str, mode: int, refusal: Callable[[], RpcError], extra: int = 0
+    path: str, mode: int, refusal: Callable[[], RpcError], extra: int = 0, dir_fd: int | None = None
 ) -> int:
     """Open ``path`` for writing (creating it), only if it is a regular file.
 
@@ -253,7 +268,17 @@ def _open_regular_for_writing(
     effect).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | extra
-    fd = os.open(path, flags, mode)
+    try:
+        if dir_fd is None:
+            fd = os.open(path, flags, mode)
+        else:
+            fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            # A FIFO without a reader (or a device node without a device)
+            # refuses a non-blocking writer: it is not a regular file.
+            raise refusal() from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise refusal()
@@ -304,58 +329,167 @@ def write_file(path: str, raw: msgspec.Raw) -> None:
         raise
 
 
-def _write_file(path: str, raw: msgspec.Raw) -> None:
-    path = resolve_path(path)
-    st = _check_write_target(path)
-    if st is not None and st.st_nlink > 1:
-        # Hard links: renaming would detach this name from the others;
-        # write through, as the reference.
-        _write_in_place(path, raw)
-        return
-    # A symlink at the path is followed: its final target is replaced.
-    target = os.path.realpath(path)
-    directory = os.path.dirname(target)
-    temp = os.path.join(directory, f".exec-server-{secrets.token_hex(8)}.tmp")
+def _fill(fd: int, raw: msgspec.Raw) -> int:
+    """Decode ``raw`` into the empty file ``fd``; bytes written."""
+    try:
+        return _write_pieces(fd, raw, None)
+    except b64.NotFast:
+        # JSON escapes or invalid base64: start over with the exact decoder.
+        slow = b64.decode_slow(raw)
+        os.ftruncate(fd, 0)
+        return _write_all(fd, slow, 0)
+
+
+def _create_temp(directory: str) -> tuple[str, int] | None:
+    """A new temporary file in ``directory`` (None if the directory refuses one)."""
+    temp = journal().temp_path(directory)
     try:
         # Mode 0o666 lets the kernel apply the umask (and default ACLs) to a
         # new file exactly as for the reference's File::create.
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            _write_in_place(path, raw)  # directory not writable
-            return
+            return None
         raise
-    try:
-        try:
-            if st is not None:
-                own = os.fstat(fd)
-                if (own.st_uid, own.st_gid) != (st.st_uid, st.st_gid):
-                    os.fchown(fd, st.st_uid, st.st_gid)
-                os.fchmod(fd, stat.S_IMODE(st.st_mode))
-        except PermissionError:
-            # The owner cannot be kept (someone else's file we may write to):
-            # replacing it would change who owns it; write through instead.
-            os.close(fd)
-            fd = -1
-            os.unlink(temp)
+    return temp, fd
+
+
+def _write_file(path: str, raw: msgspec.Raw) -> None:
+    path = resolve_path(path)
+    st = _check_write_target(path)
+    # A symlink at the path is followed: its final target is replaced.
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    # Hard links: renaming would detach this name from the others, so the
+    # new bytes are copied back into the same inode (under the journal).
+    replace = st is None or st.st_nlink == 1
+    created = _create_temp(directory)
+    if created is None:
+        # The directory is not writable: the temporary file goes to the
+        # state directory, and the target is written in place from it.
+        replace = False
+        if not journal().enabled:
             _write_in_place(path, raw)
             return
-        try:
-            _write_pieces(fd, raw, None)
-        except b64.NotFast:
-            # JSON escapes or invalid base64: start over with the exact decoder.
-            slow = b64.decode_slow(raw)
-            os.ftruncate(fd, 0)
-            _write_all(fd, slow, 0)
-        os.close(fd)
-        fd = -1
-        os.rename(temp, target)
+        created = _create_temp(journal().directory)
+        if created is None:
+            _write_in_place(path, raw)
+            return
+    temp, fd = created
+    try:
+        if replace and st is not None:
+            # Owner and mode before any byte is written: the temporary
+            # file is never readable by more people than the target.
+            replace = _keep_owner_and_mode(fd, st)
+        if not replace:
+            os.fchmod(fd, 0o600)  # only a copy of bytes for the target's own inode
+        size = _fill(fd, raw)
+        if replace and st is not None:
+            replace = _keep_attributes(fd, target, st)
+        if replace:
+            os.close(fd)
+            fd = -1
+            os.rename(temp, target)
+            return
+        _copy_into(path, temp, fd, size)
     except BaseException:
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(temp)
+
+
+def _copy_into(path: str, temp: str, temp_fd: int, size: int) -> None:
+    """Copy the complete temporary file into ``path``'s own inode, under a journal record.
+
+    The temporary file is synced, then a record naming it and the target's
+    inode is written and synced, then the target is overwritten, ended and
+    synced, and only then is the record removed: a server killed at any
+    point leaves the old contents (before the record) or a record that the
+    next server replays (:meth:`Journal.recover`) to the new contents.
+    """
+    os.fsync(temp_fd)
+    fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"))
+    try:
+        record = journal().begin_copy(temp, os.path.realpath(path), os.fstat(fd), size)
+        try:
+            copy_back(temp_fd, fd, size)
+        finally:
+            journal().end_copy(record)
+    finally:
+        os.close(fd)
+
+
+def _keep_owner_and_mode(fd: int, st: os.stat_result) -> bool:
+    """Give the temporary file ``st``'s owner, group and mode; False if the owner cannot be kept."""
+    own = os.fstat(fd)
+    try:
+        if (own.st_uid, own.st_gid) != (st.st_uid, st.st_gid):
+            os.fchown(fd, st.st_uid, st.st_gid)
+    except PermissionError:
+        # Someone else's file we may write to: replacing it would change
+        # who owns it; it is written in place instead.
+        return False
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    return True
+
+
+#: Set after every other attribute: a change of owner or a write clears it.
+_CAPABILITY: Final = "security.capability"
+
+
+def _keep_attributes(fd: int, target: str, st: os.stat_result) -> bool:
+    """Copy every extended attribute of ``target`` onto ``fd``; False if one cannot be.
+
+    User attributes, the POSIX ACL (``system.posix_acl_access``), the
+    SELinux label and the rest; the file capabilities
+    (``security.capability``) last, because a write or a ``chown`` clears
+    them. The setuid and setgid bits a write may have cleared are set
+    again. If an attribute cannot be set here (not permitted, not
+    supported), the target is written in place instead, so it keeps all.
+    """
+    try:
+        names = os.listxattr(target)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.ENODATA):
+            raise
+        names = []
+    special = stat.S_IMODE(st.st_mode) & (stat.S_ISUID | stat.S_ISGID)
+    if special and (os.fstat(fd).st_mode & special) != special:
+        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | special)
+    try:
+        extra = [name for name in os.listxattr(fd) if name not in names]
+    except OSError:
+        extra = []
+    for name in extra:
+        # Given to the new file by the directory (a default ACL): the
+        # target does not have it.
+        try:
+            os.removexattr(fd, name)
+        except OSError:
+            return False
+    for name in sorted(names, key=lambda n: n == _CAPABILITY):
+        try:
+            value = os.getxattr(target, name)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                continue  # removed meanwhile
+            return False
+        try:
+            os.setxattr(fd, name, value)
+        except OSError:
+            return False
+    return True
+
+
+#: A ranged ``fs/writeFile`` whose text is at most this long is decoded at
+#: once (its bytes held beside the text) instead of checked and then decoded
+#: again (the client library's 8 MiB ranges are 11 MiB of text).
+DECODE_WHOLE_TEXT_BYTES: Final = 16 * 1024 * 1024
 
 
 @oserrors
@@ -371,8 +505,11 @@ def write_range(
     there. The file is created if missing; only a regular file is opened.
     """
     path = resolve_path(path)
-    slow = b64.validate(raw)
-    _check_write_target(path)
+    # Checked before anything is written: a range small enough to hold
+    # decoded is decoded once; a larger one is checked, then decoded again
+    # a slice at a time while written.
+    slow = b64.decode_whole(raw) if len(raw) <= DECODE_WHOLE_TEXT_BYTES else b64.validate(raw)
+    existed = _check_write_target(path) is not None
     extra = os.O_APPEND if append else 0
     fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"), extra)
     try:
@@ -382,8 +519,20 @@ def write_range(
         # any case (an empty write past the end extends the file too).
         if not append and (truncate or os.fstat(fd).st_size < end):
             os.ftruncate(fd, end)
+    except BaseException:
+        if not existed:
+            _remove_created(path, fd)
+        raise
     finally:
         os.close(fd)
+
+
+def _remove_created(path: str, fd: int) -> None:
+    """Unlink the file this failed write created at ``path``, if it is still that file."""
+    with contextlib.suppress(OSError):
+        target = os.path.realpath(path)  # a dangling symlink's new target, not the link
+        if _same_inode(os.fstat(fd), os.lstat(target)):
+            os.unlink(target)
 
 
 @oserrors
@@ -490,55 +639,122 @@ def _same_inode(st: os.stat_result, other: os.stat_result) -> bool:
     return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
 
 
-def _remove_tree(path: str, expected: os.stat_result) -> None:
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+class _Walk:
+    """A position in a directory tree, walked without recursion and with one descriptor.
+
+    :meth:`down` opens a subdirectory (``O_NOFOLLOW``: never through a
+    symlink) and closes the parent; :meth:`up` reopens the parent through
+    ``..`` and checks that it is the same directory it left (dev, inode),
+    so a directory moved meanwhile stops the walk (``ENOENT``) instead of
+    letting it continue somewhere else. Any depth the kernel lets a tree
+    have works: no path longer than one name is ever given to the kernel,
+    and no more than one descriptor per walk is open.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._parents: list[tuple[int, int]] = []
+
+    @property
+    def depth(self) -> int:
+        return len(self._parents)
+
+    def down(self, name: str) -> os.stat_result:
+        child = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+        try:
+            st = os.fstat(child)
+            self._parents.append(_identity(os.fstat(self.fd)))
+        except BaseException:
+            os.close(child)
+            raise
+        os.close(self.fd)
+        self.fd = child
+        return st
+
+    def up(self) -> None:
+        parent = os.open("..", _DIR_FLAGS, dir_fd=self.fd)
+        try:
+            if _identity(os.fstat(parent)) != self._parents.pop():
+                raise_errno(errno.ENOENT)  # moved while walked
+        except BaseException:
+            os.close(parent)
+            raise
+        os.close(self.fd)
+        self.fd = parent
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _entries(dir_fd: int) -> list[tuple[str, bool]]:
+    """Names in ``dir_fd`` (the last one first), and whether each is a directory (not followed)."""
+    with os.scandir(dir_fd) as it:
+        found = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in it]
+    found.reverse()
+    return found
+
+
+def _remove_tree(path: str, expected: os.stat_result, cancellable: bool = True) -> None:
     """Remove a directory tree, like Rust's ``remove_dir_all`` / ``shutil.rmtree``.
 
-    Walks with directory descriptors (``O_NOFOLLOW``, ``*at`` calls), so a
-    symlink is unlinked, never followed, even if swapped in meanwhile; and
-    entries that vanish meanwhile are fine. Unlike them, it never enters the
-    root directory: a bind mount of ``/`` inside the tree stops the removal
-    with the ``rootDirectory`` error (what was removed before it stays
-    removed; the root's contents are untouched).
+    Walks with one directory descriptor at a time (:class:`_Walk`:
+    ``O_NOFOLLOW``, ``*at`` calls, no recursion), so a symlink is unlinked,
+    never followed, even if swapped in meanwhile; entries that vanish
+    meanwhile are fine; and any depth works. Unlike them, it never enters
+    the root directory: a bind mount of ``/`` inside the tree stops the
+    removal with the ``rootDirectory`` error (what was removed before it
+    stays removed; the root's contents are untouched).
     """
     root = os.stat("/")
     fd = os.open(path, _DIR_FLAGS)
+    walk = _Walk(fd)
     try:
         if not _same_inode(os.fstat(fd), expected):
             raise_errno(errno.ENOENT)  # replaced since it was looked at
-        _remove_contents(fd, root)
+        # One list of the entries still to remove per directory on the way.
+        pending: list[list[tuple[str, bool]]] = [_entries(fd)]
+        names: list[str] = []
+        while pending:
+            if not pending[-1]:
+                pending.pop()
+                if not names:
+                    break
+                walk.up()
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(names.pop(), dir_fd=walk.fd)
+                continue
+            if cancellable:
+                check_cancelled()
+            name, is_dir = pending[-1].pop()
+            if is_dir and _enter(walk, name, root):
+                names.append(name)
+                pending.append(_entries(walk.fd))
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=walk.fd)
     finally:
-        os.close(fd)
+        walk.close()
     os.rmdir(path)
 
 
-def _remove_contents(dir_fd: int, root: os.stat_result) -> None:
-    with os.scandir(dir_fd) as it:
-        entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in it]
-    for name, is_dir in entries:
-        if is_dir and _remove_subtree(dir_fd, name, root):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=dir_fd)
-
-
-def _remove_subtree(dir_fd: int, name: str, root: os.stat_result) -> bool:
-    """Remove the directory ``name``; False if it is no longer a directory."""
+def _enter(walk: _Walk, name: str, root: os.stat_result) -> bool:
+    """Go into the directory ``name``; False if it is no longer a directory (or is gone)."""
     try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        st = walk.down(name)
     except FileNotFoundError:
-        return True
+        return False  # the unlink that follows finds nothing either
     except OSError as exc:
         if exc.errno in (errno.ENOTDIR, errno.ELOOP):
             return False  # replaced by a file or a symlink meanwhile: unlink that
         raise
-    try:
-        if _same_inode(os.fstat(child), root):
-            _refuse_root()
-        _remove_contents(child, root)
-    finally:
-        os.close(child)
-    with contextlib.suppress(FileNotFoundError):
-        os.rmdir(name, dir_fd=dir_fd)
+    if _same_inode(st, root):
+        _refuse_root()
     return True
 
 
@@ -581,21 +797,103 @@ def _is_same_or_descendant(source: str, destination: str) -> bool:
 
 
 def _copy_tree(source: str, target: str, mode: int) -> None:
+    """Copy the directory ``source`` to ``target``, without recursion, at any depth.
+
+    Both trees are walked with one descriptor each (:class:`_Walk`). A new
+    directory gets its mode once its contents are in (so a read-only source
+    directory can still be filled). If the copy fails or is cancelled and
+    ``target`` did not exist before, what was created is removed again:
+    the error leaves no partial tree (into an existing directory, what was
+    copied stays).
+    """
     created = not os.path.isdir(target)
     os.makedirs(target, exist_ok=True)
-    with os.scandir(source) as it:
-        for entry in it:
-            child = os.path.join(target, entry.name)
-            if entry.is_dir(follow_symlinks=False):
-                _copy_tree(entry.path, child, entry.stat(follow_symlinks=False).st_mode)
-            elif entry.is_file(follow_symlinks=False):
-                _copy_file(entry.path, child)
-            elif entry.is_symlink():
-                os.symlink(os.readlink(entry.path), child)
-            # Other types (FIFOs, sockets, devices) are skipped, as the reference does.
-    if created:
-        # Applied last so a read-only source directory can still be filled.
-        os.chmod(target, stat.S_IMODE(mode))
+    try:
+        _copy_tree_into(source, target, mode, created)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError, RpcError):
+                _remove_tree(target, os.lstat(target), cancellable=False)
+        raise
+
+
+def _copy_tree_into(source: str, target: str, mode: int, created: bool) -> None:
+    src = _Walk(os.open(source, _DIR_FLAGS))
+    try:
+        # The destination itself may be a symlink to a directory (merged
+        # into, as before); below it nothing is followed.
+        dst = _Walk(os.open(target, _DIR_FLAGS & ~os.O_NOFOLLOW))
+        try:
+            # Per level: the entries still to copy, and the mode to give the
+            # destination directory when it is done (None: it existed).
+            pending: list[list[tuple[str, bool]]] = [_entries(src.fd)]
+            modes: list[int | None] = [stat.S_IMODE(mode) if created else None]
+            while pending:
+                if not pending[-1]:
+                    pending.pop()
+                    done = modes.pop()
+                    if done is not None:
+                        os.fchmod(dst.fd, done)
+                    if pending:
+                        src.up()
+                        dst.up()
+                    continue
+                check_cancelled()
+                name, is_dir = pending[-1].pop()
+                if is_dir:
+                    child_mode = _copy_directory_entry(src, dst, name)
+                    if child_mode is not False:
+                        pending.append(_entries(src.fd))
+                        modes.append(child_mode)
+                    continue
+                _copy_entry(src.fd, dst.fd, name)
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def _copy_directory_entry(src: _Walk, dst: _Walk, name: str) -> int | bool | None:
+    """Enter the source directory ``name`` and its copy (created if missing).
+
+    The mode to give the copy when done (None if it existed), or False if
+    ``name`` is no longer a directory (then nothing was entered).
+    """
+    try:
+        st = src.down(name)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return False  # gone or replaced meanwhile: skipped
+        raise
+    try:
+        try:
+            os.mkdir(name, 0o700, dir_fd=dst.fd)
+            new = True
+        except FileExistsError:
+            new = False
+        try:
+            dst.down(name)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                raise_errno(errno.EEXIST)  # a file or a symlink in the way
+            raise
+    except BaseException:
+        src.up()
+        raise
+    return stat.S_IMODE(st.st_mode) if new else None
+
+
+def _copy_entry(src_dir: int, dst_dir: int, name: str) -> None:
+    """Copy the non-directory ``name``: a file's contents, a symlink's text; skip the rest."""
+    try:
+        st = os.lstat(name, dir_fd=src_dir)
+    except FileNotFoundError:
+        return  # removed meanwhile
+    if stat.S_ISREG(st.st_mode):
+        _copy_file(name, name, src_dir, dst_dir)
+    elif stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(name, dir_fd=src_dir), name, dir_fd=dst_dir)
+    # Other types (FIFOs, sockets, devices) are skipped, as the reference does.
 
 
 _UNSUPPORTED_COPY: Final = "fs/copy only supports regular files, directories, and symlinks"
@@ -605,26 +903,33 @@ def _unsupported_copy() -> RpcError:
     return invalid(_UNSUPPORTED_COPY, "unsupportedFileType")
 
 
-def _copy_file(source: str, target: str) -> None:
+def _copy_file(
+    source: str, target: str, src_dir: int | None = None, dst_dir: int | None = None
+) -> None:
     """Rust's ``std::fs::copy``: contents and permission bits; follows a symlink at target.
 
     Source and destination are opened ``O_NONBLOCK`` and must be regular
     files (checked with ``fstat`` before anything is read, truncated or
     written): a FIFO or a device at either end is refused, never waited on.
+    Holes stay holes (:func:`_copy_contents`). ``src_dir``/``dst_dir``: the
+    directories the names are in (None: the names are absolute paths).
     """
-    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    src = os.open(source, flags, dir_fd=src_dir)
     try:
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode):
             raise _unsupported_copy()
-        dst = _open_regular_for_writing(target, stat.S_IMODE(st.st_mode), _unsupported_copy)
+        dst = _open_regular_for_writing(
+            target, stat.S_IMODE(st.st_mode), _unsupported_copy, dir_fd=dst_dir
+        )
         try:
             existing = os.fstat(dst)
             if (existing.st_dev, existing.st_ino) == (st.st_dev, st.st_ino):
                 # The reference would truncate the file to nothing.
                 raise invalid("fs/copy cannot copy a file to itself", "sameFile")
             os.ftruncate(dst, 0)
-            _copy_contents(src, dst)
+            _copy_contents(src, dst, st.st_size)
             os.fchmod(dst, stat.S_IMODE(st.st_mode))
         finally:
             os.close(dst)
@@ -632,20 +937,73 @@ def _copy_file(source: str, target: str) -> None:
         os.close(src)
 
 
-def _copy_contents(src: int, dst: int) -> None:
-    try:
-        while os.copy_file_range(src, dst, 1 << 30):
-            pass
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    offset = os.lseek(src, 0, os.SEEK_CUR)
-    os.lseek(dst, offset, os.SEEK_SET)
+#: Bytes copied between two checks for cancellation.
+COPY_STEP_BYTES: Final = 16 * 1024 * 1024
+_NO_COPY_RANGE: Final = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def _copy_contents(src: int, dst: int, size: int) -> None:
+    """Copy the file ``src`` (``size`` bytes when opened) into the empty ``dst``, keeping holes.
+
+    Only the data regions that ``SEEK_DATA``/``SEEK_HOLE`` report are
+    copied, at their offsets; the file is then extended to its size, so a
+    sparse file stays sparse (a 1 TiB file with 4 KiB of data takes 4 KiB).
+    Bytes move with ``copy_file_range`` (``pread``/``pwrite`` where the file
+    systems cannot), :data:`COPY_STEP_BYTES` at a time, and the copy stops
+    between two steps once its connection has closed. Whatever the file
+    holds past ``size`` (it grew, or its size is not known, as in ``/proc``)
+    is copied to its end.
+    """
+    offset = 0
+    while offset < size:
+        try:
+            data = os.lseek(src, offset, os.SEEK_DATA)
+            hole = min(size, os.lseek(src, data, os.SEEK_HOLE))
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break  # only a hole (or nothing) after offset
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            data, hole = offset, size  # no hole information: all data
+        if data >= size:
+            break
+        _copy_range(src, dst, data, hole)
+        offset = hole
+    if os.fstat(dst).st_size < size:
+        os.ftruncate(dst, size)
+    # The rest, if the file is longer than it said.
+    end = size
     while True:
-        chunk = os.read(src, 1024 * 1024)
-        if not chunk:
+        copied = _copy_range(src, dst, end, None)
+        if not copied:
             return
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(dst, view) :]
+        end += copied
+
+
+def _copy_range(src: int, dst: int, start: int, stop: int | None) -> int:
+    """Copy ``src[start:stop]`` (``stop`` None: to the end) to the same offsets; bytes copied."""
+    at = start
+    while stop is None or at < stop:
+        check_cancelled()
+        want = COPY_STEP_BYTES if stop is None else min(COPY_STEP_BYTES, stop - at)
+        try:
+            count = os.copy_file_range(src, dst, want, at, at)
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+            count = _copy_slowly(src, dst, at, want)
+        if not count:
+            break
+        at += count
+    return at - start
+
+
+def _copy_slowly(src: int, dst: int, offset: int, length: int) -> int:
+    done = 0
+    while done < length:
+        chunk = os.pread(src, min(length - done, 1024 * 1024), offset + done)
+        if not chunk:
+            break
+        _write_all(dst, chunk, offset + done)
+        done += len(chunk)
+    return done

@@ -35,6 +35,25 @@ class _Job:
     deferred: Deferred[Any]
     started_at: float | None = None
     timer: IDelayedCall | None = None
+    #: Set (from the reactor thread) when the job's answer is no longer
+    #: wanted: its connection closed or its Deferred was cancelled. A long
+    #: operation polls it through :func:`cancelled` and stops.
+    cancelled: bool = False
+
+
+_current = threading.local()
+
+
+def cancelled() -> bool:
+    """Whether the pool job running on this thread is no longer wanted (False off the pool)."""
+    job: _Job | None = getattr(_current, "job", None)
+    return job is not None and job.cancelled
+
+
+def check_cancelled() -> None:
+    """Stop a long operation whose answer is no longer wanted (see :func:`cancelled`)."""
+    if cancelled():
+        raise closed_error()
 
 
 class PoolReactor(Protocol):
@@ -195,12 +214,15 @@ class PoolRunner:
                     else:
                         self._idle += 1
                         self._wake.wait()
+            _current.job = job
             try:
                 result: Any = job.func(*job.args)
                 success = True
             except BaseException:
                 result = Failure()
                 success = False
+            finally:
+                _current.job = None
             with self._lock:
                 self._end(job)
                 following = None
@@ -245,6 +267,7 @@ class PoolRunner:
             return False
 
     def _cancel(self, job: _Job) -> None:
+        job.cancelled = True
         if self._unqueue(job):
             self._stop_timer(job)
         job.deferred.errback(closed_error())
@@ -272,9 +295,12 @@ class PoolRunner:
         )
 
     def cancel_owner(self, owner: object) -> None:
-        """Drop the queued (not yet running) jobs of ``owner``."""
+        """Drop the queued jobs of ``owner``; tell its running ones to stop (:func:`cancelled`)."""
         # Taken off the queue in one pass (not a scan of it per job).
         with self._lock:
+            for job in self._running:
+                if job.owner is owner:
+                    job.cancelled = True
             mine = [job for job in self._queue if job.owner is owner]
             if mine:
                 self._queue = deque(job for job in self._queue if job.owner is not owner)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -10,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Final
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore, IReactorTime
-from twisted.internet.process import ProcessWriter
+from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
+from twisted.internet.process import ProcessReader, ProcessWriter
 from twisted.internet.protocol import Protocol
 from twisted.internet.stdio import StandardIO
 from twisted.logger import Logger
@@ -67,6 +70,9 @@ class LineProtocol(Protocol):
 
     def connectionMade(self) -> None:
         self.connection = self._dispatcher.connect(self, self._label)
+        reader = getattr(self.transport, "_reader", None)
+        if isinstance(reader, ProcessReader):
+            read_large(reader)
         writer = getattr(self.transport, "_writer", None)
         if isinstance(writer, ProcessWriter):
             self._pipe_writer = writer
@@ -247,6 +253,49 @@ class LineProtocol(Protocol):
     def when_closed(self) -> Deferred[None]:
         """Fires once the connection is closed and its session has ended."""
         return self._closed.wait()
+
+
+#: What one wakeup reads from stdin once a read has filled the smaller
+#: size, and the capacity asked for the stdin pipe. Twisted's reader takes
+#: 8 KiB per wakeup: an 8 MiB ``fs/writeFile`` range (11 MiB of text) took
+#: 1,400 reactor turns, and ``fs put`` ran at about half ``fs get``'s speed
+#: (the client reads the server's stdout 1 MiB at a time). 256 KiB (a
+#: child's pipe reads too) cost as little CPU as 1 MiB here.
+STDIN_READ_BYTES: Final = 256 * 1024
+#: What a wakeup reads while requests are small: below malloc's mmap
+#: threshold, so a small request does not cost a 1 MiB mapping per read.
+STDIN_SMALL_READ_BYTES: Final = 64 * 1024
+
+
+def read_large(reader: ProcessReader) -> None:
+    """Make StandardIO's stdin reader read up to :data:`STDIN_READ_BYTES` per wakeup.
+
+    Replaces the reader's ``doRead`` on this instance (the reactor calls
+    it): reads of :data:`STDIN_SMALL_READ_BYTES`, and of
+    :data:`STDIN_READ_BYTES` after a read that filled that, until one
+    comes back smaller again. End of input and errors are reported as Twisted's
+    reader reports them. The stdin pipe (if it is one) is grown to match.
+    """
+    fd = reader.fd
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, STDIN_READ_BYTES)
+    size = STDIN_SMALL_READ_BYTES
+
+    def do_read() -> object:
+        nonlocal size
+        try:
+            data = os.read(fd, size)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return CONNECTION_LOST
+        if not data:
+            return CONNECTION_DONE
+        size = STDIN_READ_BYTES if len(data) >= STDIN_SMALL_READ_BYTES else STDIN_SMALL_READ_BYTES
+        reader.dataReceived(data)
+        return None
+
+    setattr(reader, "doRead", do_read)  # noqa: B010 (an instance attribute over the method)
 
 
 _protocol_out: int | None = None

@@ -1,0 +1,179 @@
+"""A server SIGKILLed in the middle of ``fs/writeFile`` loses no data, and leaves nothing behind.
+
+Each test starts the real installed server (stdio, raw pipes), sends a
+64 MiB write, watches the file system until the write is visibly under way
+(its temporary file has grown, or its journal record exists), SIGKILLs the
+server there, and checks what a user would see: the target holds exactly
+its old or its new bytes once a server has started again on the same state
+directory, and that server has removed the temporary file.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import select
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.raw_server import RawServer
+
+SIZE = 64 * 1024 * 1024
+#: How long the write may take to become visible (two busy cores: generous).
+VISIBLE_WITHIN = 60.0
+
+
+def _payload(seed: int) -> bytes:
+    block = bytes((seed + i) % 251 for i in range(4096))
+    return block * (SIZE // len(block))
+
+
+OLD = _payload(1)
+NEW = _payload(2)
+NEW_TEXT = base64.b64encode(NEW).decode()
+
+
+def _temps(directory: Path) -> list[Path]:
+    return sorted(directory.glob(".exec-server-*.tmp"))
+
+
+def _wait_until(condition: Callable[[], bool], server: RawServer, what: str) -> bool:
+    """Poll ``condition`` until true (True) or the server has answered the write (False)."""
+    deadline = time.monotonic() + VISIBLE_WITHIN
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if server.proc.poll() is not None:
+            raise AssertionError(f"the server ended before {what}")
+    raise AssertionError(f"{what} did not happen within {VISIBLE_WITHIN} s")
+
+
+def _start(state: Path, monkeypatch: pytest.MonkeyPatch) -> RawServer:
+    monkeypatch.setenv("EXECSERVER_STATE_DIR", str(state))
+    server = RawServer()
+    server.handshake()
+    return server
+
+
+def _kill(server: RawServer) -> None:
+    server._signalled_by_test("KILL")
+    server.proc.kill()
+    server.proc.wait(10)
+    server.stop()
+
+
+def _restart_and_check(
+    state: Path, monkeypatch: pytest.MonkeyPatch, directory: Path, target: Path
+) -> bytes:
+    """Start a server on ``state``: what the target holds once it serves; no temporary left."""
+    server = _start(state, monkeypatch)
+    try:
+        assert _temps(directory) == []
+        assert list((state / "writes").glob("*.copy")) == []
+        data = target.read_bytes()
+        # The restarted server writes the same file normally afterwards.
+        server.call("fs/writeFile", {"path": str(target), "dataBase64": "b2s="})
+        assert target.read_bytes() == b"ok"
+    finally:
+        assert server.stop() == 0
+    return data
+
+
+def test_sigkill_during_an_atomic_write_keeps_the_old_file_and_the_next_server_removes_the_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir()
+    target = directory / "big.bin"
+    target.write_bytes(OLD)
+    state = tmp_path / "state"
+    server = _start(state, monkeypatch)
+    server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
+
+    def grown() -> bool:
+        return any(t.stat().st_size > 0 for t in _temps(directory) if t.exists())
+
+    _wait_until(grown, server, "the temporary file grew")
+    _kill(server)
+    assert target.read_bytes() == OLD  # untouched until the rename
+    assert _temps(directory) != []  # what the killed server left
+    assert _restart_and_check(state, monkeypatch, directory, target) == OLD
+
+
+def _hard_linked(tmp_path: Path) -> tuple[Path, Path, Path]:
+    directory = tmp_path / "d"
+    directory.mkdir()
+    target = directory / "big.bin"
+    target.write_bytes(OLD)
+    os.link(target, tmp_path / "other-name")
+    return directory, target, tmp_path / "other-name"
+
+
+def test_sigkill_while_a_hard_linked_file_is_written_leaves_the_old_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the copy-back starts, the target has its old bytes (it once became 0 bytes)."""
+    directory, target, other = _hard_linked(tmp_path)
+    state = tmp_path / "state"
+    server = _start(state, monkeypatch)
+    server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
+
+    def under_way() -> bool:
+        # The new bytes going into a temporary file, or the target itself changing.
+        temps = [t for t in _temps(directory) if t.exists()]
+        return any(t.stat().st_size > 0 for t in temps) or target.stat().st_size != SIZE
+
+    _wait_until(under_way, server, "the write began")
+    _kill(server)
+    data = _restart_and_check(state, monkeypatch, directory, target)
+    assert data in (OLD, NEW), f"{len(data)} bytes, neither the old nor the new contents"
+    assert os.path.samefile(target, other)
+
+
+def test_sigkill_during_the_copy_back_of_a_hard_linked_file_is_completed_by_the_next_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while the target's own inode is overwritten: the restarted server finishes it."""
+    directory, target, other = _hard_linked(tmp_path)
+    state = tmp_path / "state"
+    records = state / "writes"
+    # The record exists for the copy and its fsync; should a busy machine
+    # let a whole copy pass between two looks, the write is tried again.
+    for _attempt in range(5):
+        server = _start(state, monkeypatch)
+        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
+
+        def copying() -> bool:
+            return any(records.glob("*.copy"))
+
+        deadline = time.monotonic() + VISIBLE_WITHIN
+        seen = False
+        while time.monotonic() < deadline and not seen:
+            seen = copying()
+            if not seen and server.proc.poll() is not None:
+                raise AssertionError("the server ended before the copy-back")
+            if not seen and _answered(server, request):
+                break
+        if seen:
+            _kill(server)
+            break
+        assert server.stop() == 0
+        target.write_bytes(OLD)
+    else:
+        raise AssertionError("never saw the copy-back's journal record in 5 writes")
+    data = _restart_and_check(state, monkeypatch, directory, target)
+    assert data == NEW, f"{len(data)} bytes, not the new contents"
+    assert os.path.samefile(target, other)
+
+
+def _answered(server: RawServer, request: int) -> bool:
+    ready, _, _ = select.select([server.stdout_fd], [], [], 0)
+    if not ready:
+        return False
+    message = server.read_message(timeout=10)
+    assert message.get("id") == request, message
+    assert message.get("result") == {}, message
+    return True
