@@ -40,15 +40,23 @@ def _temps(directory: Path) -> list[Path]:
     return sorted(directory.glob(".exec-server-*.tmp"))
 
 
-def _wait_until(condition: Callable[[], bool], server: RawServer, what: str) -> bool:
-    """Poll ``condition`` until true (True) or the server has answered the write (False)."""
+#: Writes tried before giving up on seeing one under way (a busy machine may
+#: let a whole write pass between two looks; then it is tried again).
+ATTEMPTS = 5
+
+
+def _kill_when(server: RawServer, request: int, condition: Callable[[], bool]) -> bool:
+    """SIGKILL the server once ``condition`` holds (True); False if the write was answered first."""
     deadline = time.monotonic() + VISIBLE_WITHIN
     while time.monotonic() < deadline:
         if condition():
+            _kill(server)
             return True
         if server.proc.poll() is not None:
-            raise AssertionError(f"the server ended before {what}")
-    raise AssertionError(f"{what} did not happen within {VISIBLE_WITHIN} s")
+            raise AssertionError("the server ended before the write was seen")
+        if _answered(server, request):
+            return False
+    raise AssertionError(f"the write was neither seen nor answered within {VISIBLE_WITHIN} s")
 
 
 def _start(state: Path, monkeypatch: pytest.MonkeyPatch) -> RawServer:
@@ -90,14 +98,19 @@ def test_sigkill_during_an_atomic_write_keeps_the_old_file_and_the_next_server_r
     target = directory / "big.bin"
     target.write_bytes(OLD)
     state = tmp_path / "state"
-    server = _start(state, monkeypatch)
-    server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
 
     def grown() -> bool:
-        return any(t.stat().st_size > 0 for t in _temps(directory) if t.exists())
+        return any(_size(t) > 0 for t in _temps(directory))
 
-    _wait_until(grown, server, "the temporary file grew")
-    _kill(server)
+    for _attempt in range(ATTEMPTS):
+        server = _start(state, monkeypatch)
+        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
+        if _kill_when(server, request, grown):
+            break
+        assert server.stop() == 0
+        target.write_bytes(OLD)
+    else:
+        raise AssertionError(f"never saw the temporary file grow in {ATTEMPTS} writes")
     assert target.read_bytes() == OLD  # untouched until the rename
     assert _temps(directory) != []  # what the killed server left
     assert _restart_and_check(state, monkeypatch, directory, target) == OLD
@@ -118,16 +131,20 @@ def test_sigkill_while_a_hard_linked_file_is_written_leaves_the_old_bytes(
     """Before the copy-back starts, the target has its old bytes (it once became 0 bytes)."""
     directory, target, other = _hard_linked(tmp_path)
     state = tmp_path / "state"
-    server = _start(state, monkeypatch)
-    server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
 
     def under_way() -> bool:
         # The new bytes going into a temporary file, or the target itself changing.
-        temps = [t for t in _temps(directory) if t.exists()]
-        return any(t.stat().st_size > 0 for t in temps) or target.stat().st_size != SIZE
+        return any(_size(t) > 0 for t in _temps(directory)) or target.stat().st_size != SIZE
 
-    _wait_until(under_way, server, "the write began")
-    _kill(server)
+    for _attempt in range(ATTEMPTS):
+        server = _start(state, monkeypatch)
+        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
+        if _kill_when(server, request, under_way):
+            break
+        assert server.stop() == 0
+        target.write_bytes(OLD)
+    else:
+        raise AssertionError(f"never saw the write under way in {ATTEMPTS} writes")
     data = _restart_and_check(state, monkeypatch, directory, target)
     assert data in (OLD, NEW), f"{len(data)} bytes, neither the old nor the new contents"
     assert os.path.samefile(target, other)
@@ -140,33 +157,30 @@ def test_sigkill_during_the_copy_back_of_a_hard_linked_file_is_completed_by_the_
     directory, target, other = _hard_linked(tmp_path)
     state = tmp_path / "state"
     records = state / "writes"
-    # The record exists for the copy and its fsync; should a busy machine
-    # let a whole copy pass between two looks, the write is tried again.
-    for _attempt in range(5):
+
+    # The record exists for the copy and its fsync.
+    def copying() -> bool:
+        return any(records.glob("*.copy"))
+
+    for _attempt in range(ATTEMPTS):
         server = _start(state, monkeypatch)
         request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
-
-        def copying() -> bool:
-            return any(records.glob("*.copy"))
-
-        deadline = time.monotonic() + VISIBLE_WITHIN
-        seen = False
-        while time.monotonic() < deadline and not seen:
-            seen = copying()
-            if not seen and server.proc.poll() is not None:
-                raise AssertionError("the server ended before the copy-back")
-            if not seen and _answered(server, request):
-                break
-        if seen:
-            _kill(server)
+        if _kill_when(server, request, copying):
             break
         assert server.stop() == 0
         target.write_bytes(OLD)
     else:
-        raise AssertionError("never saw the copy-back's journal record in 5 writes")
+        raise AssertionError(f"never saw the copy-back's journal record in {ATTEMPTS} writes")
     data = _restart_and_check(state, monkeypatch, directory, target)
     assert data == NEW, f"{len(data)} bytes, not the new contents"
     assert os.path.samefile(target, other)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0  # renamed or removed since it was listed
 
 
 def _answered(server: RawServer, request: int) -> bool:
