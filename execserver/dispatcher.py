@@ -353,7 +353,7 @@ class Connection:
             self._send_error(None, RpcError.internal("internal error: cannot decode message"))
             return
         if isinstance(incoming, codec.IncomingRequest):
-            self._handle_request(incoming)
+            self._handle_request(incoming, data)
         elif isinstance(incoming, codec.IncomingNotification):
             self._handle_notification(incoming)
         else:
@@ -382,7 +382,9 @@ class Connection:
             return
         self.initialized = True
 
-    def _handle_request(self, req: codec.IncomingRequest) -> None:
+    def _handle_request(
+        self, req: codec.IncomingRequest, line: bytes | bytearray | memoryview | str = b""
+    ) -> None:
         route = self.dispatcher.routes.get(req.method)
         if (
             not self.current
@@ -407,7 +409,12 @@ class Connection:
                 self._send_error(req.id, RpcError.invalid_request(message))
             return
         try:
-            params = codec.decode_params(req.params, route.params_type)
+            long_string = getattr(route.params_type, "long_string", None)
+            if long_string is not None and not isinstance(line, str):
+                # (fs/writeFile: its data is not parsed a second time.)
+                params = codec.decode_long_params(line, req.params, route.params_type, *long_string)
+            else:
+                params = codec.decode_params(req.params, route.params_type)
             # (initialized implies initialize_requested: one test per request.)
             if route.family is not None and not self.initialized:
                 self._require_handshake(route.family)

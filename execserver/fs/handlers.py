@@ -7,7 +7,7 @@ the fs package without an import cycle.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import msgspec
@@ -44,6 +44,10 @@ class WriteFileWire(msgspec.Struct, rename="camel"):
 
     ``offset``, ``append`` and ``truncate`` are extensions (in-place writes).
     """
+
+    #: (key, field) of the long string the dispatcher does not parse twice
+    #: (codec.decode_long_params).
+    long_string: ClassVar[tuple[str, str]] = ("dataBase64", "data_base64")
 
     path: str
     data_base64: msgspec.Raw

@@ -128,6 +128,8 @@ def uri_to_path(value: str, field: str = "path") -> str:
     host = rest if slash < 0 else rest[:slash]
     if slash < 0 or host.lower() not in ("", "localhost") or "?" in rest or "#" in rest:
         raise _relative(value, field)
+    if rest.isascii() and "%" not in rest:
+        return rest[slash:]  # nothing to unescape or re-encode (the common case)
     raw = urllib.parse.unquote_to_bytes(rest[slash:])
     return raw.decode("utf-8", "surrogateescape")
 
