@@ -29,6 +29,7 @@ from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
 from execserver.fs.watch import WatchHub
 from execserver.processes import RetainedTally
+from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.session import Session, session_of
 from execserver.spawn import Spawner
 
@@ -67,7 +68,12 @@ PROCESS_CONTROL = (
 
 
 def build_dispatcher(
-    config: ServerConfig, clock: IReactorTime, spawner: Spawner, fs_runner: Runner | None = None
+    config: ServerConfig,
+    clock: IReactorTime,
+    spawner: Spawner,
+    fs_runner: Runner | None = None,
+    *,
+    sandbox: SandboxEngine | None = None,
 ) -> Dispatcher:
     """A dispatcher serving exec-server's methods, its sessions starting processes with ``spawner``.
 
@@ -78,14 +84,24 @@ def build_dispatcher(
     retained = RetainedTally()
 
     def new_session(conn: Connection) -> Session:
-        return Session(config, clock, spawner, conn.send, stats=dispatcher.stats, retained=retained)
+        return Session(
+            config,
+            clock,
+            spawner,
+            conn.send,
+            stats=dispatcher.stats,
+            retained=retained,
+            sandbox=sandbox,
+        )
 
     dispatcher = Dispatcher(config, clock, new_session, dialect=CURRENT_DIALECT)
     dispatcher.add_route(p.INITIALIZE, p.InitializeParams, handshake.initialize, family=None)
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
     dispatcher.add_route(
-        ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
+        ENVIRONMENT_INFO, object, lambda c, a: _environment_info(sandbox), family=None
     )
+    if sandbox is not None:
+        dispatcher.provide(sandbox)
     watches = WatchHub(clock)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
@@ -103,6 +119,10 @@ def build_dispatcher(
     environment_config.register(dispatcher, fs.run)
     capability_discovery.register(dispatcher, fs.run)
     return dispatcher
+
+
+def _environment_info(sandbox: SandboxEngine | None) -> p.EnvironmentInfo:
+    return describe_sandbox(environment.environment_info(), sandbox)
 
 
 def _add_process_routes(dispatcher: Dispatcher) -> None:

@@ -192,6 +192,10 @@ class ManagedProcess(ProcessProtocol):
         self.stdin_open = False
         #: "wall" or "idle" once a timeout (not the client) ended the process.
         self.timed_out: TimedOut | None = None
+        #: Started under a sandbox; whether the sandbox probably stopped it
+        #: (decided once, at exit: docs/protocol.md, "sandboxDenied").
+        self.confined = False
+        self.sandbox_denied: bool | None = None
         #: Renders this process's output notifications (set by the session).
         self.output_encoder: OutputEncoder | None = None
         self._observer = observer

@@ -35,7 +35,7 @@ from execserver.environment import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally
-from execserver.sandbox import policy as sandbox_policy
+from execserver.sandbox import confine
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.waiters import cancel_call
 
@@ -110,8 +110,11 @@ class Session:
         stats: Stats | None = None,
         process_limit: Callable[[], int] = fdlimit.process_limit,
         retained: RetainedTally | None = None,
+        sandbox: confine.SandboxEngine | None = None,
     ) -> None:
         self.config = config
+        #: The server's sandbox (None: confined starts are refused).
+        self.sandbox = sandbox
         #: Output retained by every session of the server (for
         #: ``--max-total-retained-bytes``), or None where unbounded.
         self._retained = retained
@@ -185,15 +188,6 @@ class Session:
                 raise RpcError.invalid_params(f"invalid environment variable name `{key}`")
         if params.arg0 is not None:
             _validate_text("arg0", params.arg0)
-        if (
-            params.sandbox is not None
-            and sandbox_policy.resolve(params.sandbox, cwd=cwd, env=env).confined
-        ):
-            # Until processes can be confined (issue 21, process side), a
-            # confining sandbox is refused: never run less confined than asked.
-            raise RpcError.invalid_params(
-                "sandbox: this build cannot confine processes; only an unconfined start runs"
-            )
         if self._closing:
             raise RpcError.invalid_request("session is shutting down")
         process_id = params.process_id
@@ -245,14 +239,18 @@ class Session:
             rows=size.rows if size is not None else 24,
             cols=size.cols if size is not None else 80,
         )
+        spec, confined = confine.confine(self.sandbox, params.sandbox, spec)
         proc = self.spawn(
             process_id,
             spec,
             timeout_ms=params.timeout_ms or None,
             idle_timeout_ms=params.idle_timeout_ms or None,
         )
+        proc.confined = confined
         if self.current:
-            return p.ExecResponse(proc.process_id, sandbox_type="none")
+            return p.ExecResponse(
+                proc.process_id, sandbox_type=confine.SANDBOX_TYPE if confined else "none"
+            )
         return p.ExecResponse(proc.process_id)
 
     def spawn(
@@ -398,7 +396,7 @@ class Session:
             response.gap = p.SeqGap(*read.gap)
         if self.current:
             response.failure = None
-            response.sandbox_denied = False
+            response.sandbox_denied = proc.exited and self._denied(proc)
         return response
 
     # --- process/write ----------------------------------------------------------
@@ -559,8 +557,15 @@ class Session:
         if proc.timed_out is not None:
             params.timed_out = proc.timed_out
         if self.current:
-            params.sandbox_denied = False
+            params.sandbox_denied = self._denied(proc)
         self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
+
+    def _denied(self, proc: ManagedProcess) -> bool:
+        if not proc.confined:
+            return False
+        if proc.sandbox_denied is None:
+            proc.sandbox_denied = confine.likely_denied(proc)
+        return proc.sandbox_denied
 
     def process_closed(self, proc: ManagedProcess) -> None:
         self._release_fds(proc)
