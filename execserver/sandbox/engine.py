@@ -20,11 +20,13 @@ Both are argv transformations of a :class:`~execserver.spawn.ProcessSpec`
 path both start the wrapped command unchanged, inside the process's cgroup).
 The bwrap command line is::
 
-    /bin/sh -c 'trap "" HUP INT ...; exec 3<"$0" && exec "$@"' /proc/PID/fd/N \\
+    /bin/sh -c 'trap "" HUP INT ...; exec 3<"$0" && exec "$@"' FILTER \\
       BWRAP --die-with-parent --unshare-user --unshare-pid [--unshare-net] ... \\
       --seccomp 3 -- ENV --default-signal -- EXECUTABLE ARGS...
 
-``sh`` opens the server's sealed memfd holding the filter as fd 3 and makes
+``sh`` opens the filter (a file the server wrote at startup in a private
+directory of ``/dev/shm``, which no sandboxed process sees or can write) as
+fd 3 and makes
 bwrap and its pid-1 reaper ignore the signals a client sends (and a
 terminal's ^C), so they reach the command only (``env --default-signal``
 restores them for it) and its exit status is what bwrap reports; bwrap is
@@ -35,11 +37,10 @@ refuses ``TIOCSTI``/``TIOCLINUX``, what ``--new-session`` guards against.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -180,15 +181,34 @@ def probe(bwrap: str | None = None) -> HostSupport:
     return HostSupport(bwrap_path, bwrap_problem, abi, landlock_problem, seccomp_problem)
 
 
-def _sealed_memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.write(fd, data)
-    fcntl.fcntl(
-        fd,
-        fcntl.F_ADD_SEALS,
-        fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE,
-    )
-    return fd
+#: Where the filters are kept: a sandboxed process never sees the host's
+#: /dev/shm (bwrap mounts a fresh /dev; Landlock grants no write there).
+FILTER_PARENT: Final = "/dev/shm"
+
+
+def _write_filters(directory: str) -> dict[bool, str]:
+    paths = {}
+    for network in (False, True):
+        path = os.path.join(directory, "network" if network else "no-network")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+        try:
+            os.write(fd, seccomp.build(network))
+        finally:
+            os.close(fd)
+        paths[network] = path
+    return paths
+
+
+def _set_not_dumpable() -> None:
+    """Keep /proc/<server>/environ, maps, mem... from same-user processes without CAP_SYS_PTRACE.
+
+    Landlock does not scope those reads (bwrap's pid namespace hides the
+    server instead); a Landlock-confined process has no capabilities.
+    """
+    import ctypes
+
+    pr_set_dumpable = 4
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)
 
 
 def _existing(paths: Iterable[str]) -> list[str]:
@@ -209,8 +229,9 @@ class SandboxEngine:
     support: HostSupport | None = attrs.field(init=False, default=None)
     #: The mechanism a confined start uses (None: confined starts are refused).
     mechanism: Mechanism | None = attrs.field(init=False, default=None)
+    #: The seccomp programs (network allowed or not), as files only the server writes.
     _filters: dict[bool, str] = attrs.field(init=False, factory=dict)
-    _fds: list[int] = attrs.field(init=False, factory=list)
+    _dir: str | None = attrs.field(init=False, default=None)
     _helper: str = attrs.field(init=False, default="")
 
     def start(self) -> None:
@@ -222,13 +243,12 @@ class SandboxEngine:
             self.mechanism = "bwrap"
         elif self.requested in ("auto", "landlock") and landlock_ok:
             self.mechanism = "landlock"
-        if support.seccomp_problem is None:
-            for network in (False, True):
-                fd = _sealed_memfd(
-                    f"exec-server-seccomp-{'net' if network else 'nonet'}", seccomp.build(network)
-                )
-                self._fds.append(fd)
-                self._filters[network] = f"/proc/{os.getpid()}/fd/{fd}"
+        if self.mechanism is not None:
+            parent = FILTER_PARENT if os.access(FILTER_PARENT, os.W_OK) else None
+            self._dir = tempfile.mkdtemp(prefix="exec-server-seccomp-", dir=parent)
+            self._filters = _write_filters(self._dir)
+            if support.landlock_problem is None and self.requested != "bwrap":
+                _set_not_dumpable()
         with open(os.path.join(os.path.dirname(__file__), "landlock_exec.py")) as f:
             self._helper = f.read()
         if self.mechanism is None:
@@ -242,9 +262,9 @@ class SandboxEngine:
             )
 
     def stop(self) -> None:
-        while self._fds:
-            with contextlib.suppress(OSError):
-                os.close(self._fds.pop())
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def describe(self) -> str:
         """``bwrap``, ``landlock`` or ``none`` (environment/info, /metrics)."""
@@ -290,6 +310,11 @@ class SandboxEngine:
             mechanism = "landlock"
         if mechanism is None:
             raise RpcError.invalid_params(self.unavailable())
+        if self._dir is not None and policy.access(self._dir) == "write":
+            raise RpcError.invalid_params(
+                f"{CANNOT_ENFORCE}: the profile makes {self._dir}, where the server keeps its "
+                "seccomp filters, writable"
+            )
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
         if mechanism == "landlock":
             return self._landlock(spec, policy, executable)

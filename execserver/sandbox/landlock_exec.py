@@ -7,9 +7,11 @@ later). It imports only the standard library: ``ctypes`` for the three
 Landlock syscalls and ``prctl``. Steps: a ruleset handling every file
 access of the kernel's ABI, read (and execute) beneath each ``READ`` path,
 everything beneath each ``WRITE`` path, ``no_new_privs``,
-``landlock_restrict_self``, then the seccomp program read from ``BPF`` (a
-sealed memfd of the server, opened through ``/proc``), the default signal
-dispositions, and ``execv``. Any failure exits 126 before the command runs
+``landlock_restrict_self``, every capability dropped (bounding, ambient,
+effective, permitted, inheritable: root keeps no privilege either, as under
+bwrap), then the seccomp program read from ``BPF`` (a file the server wrote
+where no sandboxed process can write), the default signal dispositions,
+and ``execv``. Any failure exits 126 before the command runs
 (nothing runs less confined than asked).
 """
 
@@ -27,6 +29,10 @@ _CREATE_RULESET_VERSION = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_CAPABILITY_VERSION_3 = 0x20080522
 
 _READ = (1 << 0) | (1 << 2) | (1 << 3)  # EXECUTE, READ_FILE, READ_DIR
 #: Rights that apply to a file (the others are only for directories).
@@ -38,6 +44,17 @@ def _fail(what: str) -> None:
     sys.stderr.write(f"exec-server sandbox (landlock): {what}: {os.strerror(err)}\n")
     sys.stderr.flush()
     os._exit(126)
+
+
+def _drop_capabilities(libc: ctypes.CDLL) -> None:
+    for cap in range(64):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            _fail("prctl(PR_CAPBSET_DROP)")  # EINVAL: past the kernel's last capability
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = ctypes.create_string_buffer(struct.pack("=Ii", _CAPABILITY_VERSION_3, 0), 8)
+    data = ctypes.create_string_buffer(bytes(24), 24)
+    if libc.capset(header, data) != 0:
+        _fail("capset")
 
 
 def main(argv: list[str]) -> None:
@@ -85,6 +102,7 @@ def main(argv: list[str]) -> None:
             os.close(fd)
     with open(bpf_path, "rb") as f:
         program = f.read()
+    _drop_capabilities(libc)
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         _fail("prctl(PR_SET_NO_NEW_PRIVS)")
     if syscall(_SYS_RESTRICT_SELF, ruleset, 0) != 0:
