@@ -28,7 +28,15 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.sandbox.denied import likely_denied
-from tests.harness import RpcFailure, RpcTestClient, ServerProcess, b64, reactor, run_script
+from tests.harness import (
+    BIN,
+    RpcFailure,
+    RpcTestClient,
+    ServerProcess,
+    b64,
+    reactor,
+    run_script,
+)
 from tests.ws_harness import WsServerProcess, connect
 
 CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -572,3 +580,45 @@ def test_check_sandbox_command() -> None:
     assert done.returncode == 1
     assert "bubblewrap:       NO: --bwrap /nope is not an executable file" in done.stdout
     assert "mechanism:        none (sandbox intent cannot be enforced" in done.stdout
+
+
+# --- our clients --------------------------------------------------------------------------------
+
+
+def test_cli_sandbox_options(dirs: Dirs) -> None:
+    script = f"echo a > {dirs.work}/x && cat {dirs.work}/x; echo b > {dirs.outside}/y"
+    done = run_script(
+        "exec-server-client", "run", "--stdio", "--sandbox", "workspace-write",
+        "--writable-root", str(dirs.work), "--no-network", "--", "sh", "-c", script,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == b"a\n"
+    assert b"Read-only file system" in done.stderr
+    assert (dirs.work / "x").exists() and not (dirs.outside / "y").exists()
+    done = run_script(
+        "exec-server-client", "run", "--stdio", "--sandbox", "read-only", "--",
+        "sh", "-c", f"touch {dirs.work}/z",
+    )  # fmt: skip
+    assert done.returncode == 1 and not (dirs.work / "z").exists(), done.stderr
+    done = run_script("exec-server-client", "run", "--stdio", "--no-network", "--", "true")
+    assert done.returncode == 2
+    assert b"--writable-root and --no-network need --sandbox" in done.stderr
+
+
+def test_sync_client_sandbox_parameter(dirs: Dirs) -> None:
+    from execserver.clientcore.start import sandbox_config
+    from execserver.sync import connect as sync_connect
+
+    with sync_connect(server_command=[str(BIN / "exec-server")]) as client:
+        confined = sandbox_config("workspace-write", [str(dirs.work)], network=False)
+        result = client.run(
+            ["sh", "-c", f"echo in > {dirs.work}/a; echo out > {dirs.outside}/b"],
+            cwd=str(dirs.work),
+            sandbox=confined,
+        )
+        assert result.exit_code == 2
+        assert b"Read-only file system" in result.stderr
+        free = client.run(["sh", "-c", f"echo out > {dirs.outside}/c"], cwd=str(dirs.work))
+        assert free.exit_code == 0
+    assert (dirs.work / "a").exists() and not (dirs.outside / "b").exists()
+    assert (dirs.outside / "c").exists()
