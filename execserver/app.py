@@ -30,6 +30,7 @@ from execserver.fs.pool import Runner
 from execserver.fs.watch import WatchHub
 from execserver.processes import RetainedTally
 from execserver.sandbox.engine import SandboxEngine, describe_sandbox
+from execserver.sandbox.policy import SandboxPolicy
 from execserver.session import Session, session_of
 from execserver.spawn import Spawner
 
@@ -72,6 +73,7 @@ def build_dispatcher(
     clock: IReactorTime,
     spawner: Spawner,
     fs_runner: Runner | None = None,
+    sandbox_floor: SandboxPolicy | None = None,
     *,
     sandbox: SandboxEngine | None = None,
 ) -> Dispatcher:
@@ -79,7 +81,12 @@ def build_dispatcher(
 
     ``fs_runner`` (tests) replaces the fs thread pool; by default a real
     reactor gets the pool and a fake clock runs fs work inline.
+    ``sandbox_floor`` confines every fs call at least that much (default:
+    the floor of ``sandbox``, the server's process sandbox, which also
+    confines every process at least to it).
     """
+    if sandbox_floor is None and sandbox is not None:
+        sandbox_floor = sandbox.floor
 
     retained = RetainedTally()
 
@@ -112,7 +119,7 @@ def build_dispatcher(
             family="filesystem",
         )
     _add_process_routes(dispatcher)
-    fs = filesystem.register(dispatcher, fs_runner)
+    fs = filesystem.register(dispatcher, fs_runner, sandbox_floor=sandbox_floor)
     dispatcher.provide(fs)
     dispatcher.closed_hooks.append(fs.connection_closed)
     dispatcher.readiness_checks.append(fs.stall_reason)

@@ -24,6 +24,8 @@ from execserver.fs.budget import Charge, Charged, ReplyBudget
 from execserver.fs.local import Locality
 from execserver.fs.paths import FAMILY, absolute_path, invalid
 from execserver.fs.pool import PoolRunner, Runner, inline_runner, runs_threads, thread_pool_runner
+from execserver.sandbox import fsguard
+from execserver.sandbox.policy import SandboxPolicy
 
 # --- wire types -------------------------------------------------------------------
 
@@ -34,6 +36,7 @@ class ReadFileWire(msgspec.Struct, rename="camel"):
     path: str
     offset: p.NonNegative | None = None
     length: p.NonNegative | None = None
+    sandbox: p.SandboxConfig | None = None
 
 
 class WriteFileWire(msgspec.Struct, rename="camel"):
@@ -47,6 +50,7 @@ class WriteFileWire(msgspec.Struct, rename="camel"):
     offset: p.NonNegative | None = None
     append: bool | None = None
     truncate: bool | None = None
+    sandbox: p.SandboxConfig | None = None
 
 
 #: Listed in ``initialize``'s ``capabilities``: fs/readFile and fs/writeFile
@@ -94,6 +98,21 @@ class FileSystem:
     budget: ReplyBudget
     pool: PoolRunner | None = None
     locality: Locality | None = None
+    #: Confines calls that carry a ``sandbox`` (or all, under a floor).
+    # (A lambda: fsguard may still be importing when this class is defined.)
+    guard: fsguard.Guard = attrs.field(factory=lambda: fsguard.Guard())  # noqa: PLW0108
+
+    def _guarded(
+        self,
+        conn: object,
+        sandbox: p.SandboxConfig | None,
+        reads: tuple[str, ...],
+        writes: tuple[tuple[str, bool], ...],
+        func: Any,
+        *args: Any,
+    ) -> Deferred[Any]:
+        """``func(*args)`` on the pool, on a thread confined to ``sandbox``'s policy."""
+        return self.run(self.guard.run, sandbox, reads, writes, func, *args, owner=conn)
 
     def read_file(self, conn: object, params: ReadFileWire) -> Deferred[Any] | Charged:
         path = absolute_path(params.path)
@@ -109,8 +128,10 @@ class FileSystem:
         )
         small = ops.SMALL_READ_BYTES if early is not None else 0
         directory = local.parent_of(path)
+        guarded = self.guard.applies(params.sandbox)
         if (
             early is not None
+            and not guarded
             and not ranged
             and self.locality is not None
             and local.inline_eligible(self.locality, path, directory)
@@ -148,12 +169,24 @@ class FileSystem:
                 charge.release()
                 return failure
 
-            built_d: Deferred[Any] = self.run(ops.read_file, resolved, limit, span, owner=conn)
+            built_d: Deferred[Any]
+            if guarded:
+                built_d = self._guarded(
+                    conn, params.sandbox, (resolved,), (), ops.read_file, resolved, limit, span
+                )
+            else:
+                built_d = self.run(ops.read_file, resolved, limit, span, owner=conn)
             return built_d.addCallbacks(built, failed)
 
-        first: Deferred[Any] = self._run_verified(
-            directory, ops.stat_for_read, path, limit, small, span, owner=conn
-        )
+        first: Deferred[Any]
+        if guarded:
+            first = self._guarded(
+                conn, params.sandbox, (path,), (), ops.stat_for_read, path, limit, small, span
+            )
+        else:
+            first = self._run_verified(
+                directory, ops.stat_for_read, path, limit, small, span, owner=conn
+            )
         return first.addCallbacks(sized, unsized)
 
     def _run_verified(self, directory: str, func: Any, *args: Any, owner: object) -> Deferred[Any]:
@@ -175,24 +208,39 @@ class FileSystem:
             raise invalid(
                 "fs/writeFile takes either offset or append: true, not both", "invalidRange"
             )
+        writes = ((path, True),)
+        guarded = self.guard.applies(params.sandbox)
         if params.offset is None and not append:
-            done = self.run(ops.write_file, path, raw, owner=conn)
+            if guarded:
+                done = self._guarded(conn, params.sandbox, (), writes, ops.write_file, path, raw)
+            else:
+                done = self.run(ops.write_file, path, raw, owner=conn)
         else:
             truncate = params.truncate is True
-            done = self.run(ops.write_range, path, raw, params.offset, append, truncate, owner=conn)
+            args = (path, raw, params.offset, append, truncate)
+            if guarded:
+                done = self._guarded(conn, params.sandbox, (), writes, ops.write_range, *args)
+            else:
+                done = self.run(ops.write_range, *args, owner=conn)
         return done.addCallback(lambda _: p.Empty())
 
     def create_directory(self, conn: object, params: p.FsCreateDirectoryParams) -> Deferred[Any]:
         recursive = True if params.recursive is None else params.recursive
         path = absolute_path(params.path)
-        return self.run(ops.create_directory, path, recursive, owner=conn).addCallback(
-            lambda _: p.Empty()
-        )
+        if self.guard.applies(params.sandbox):
+            done = self._guarded(
+                conn, params.sandbox, (), ((path, True),), ops.create_directory, path, recursive
+            )
+        else:
+            done = self.run(ops.create_directory, path, recursive, owner=conn)
+        return done.addCallback(lambda _: p.Empty())
 
     def get_metadata(
         self, conn: object, params: p.FsGetMetadataParams
     ) -> Deferred[Any] | p.FsGetMetadataResponse:
         path = absolute_path(params.path)
+        if self.guard.applies(params.sandbox):
+            return self._guarded(conn, params.sandbox, (path,), (), ops.get_metadata, path)
         directory = local.parent_of(path)
         if self.locality is not None and local.inline_eligible(self.locality, path, directory):
             try:
@@ -205,6 +253,8 @@ class FileSystem:
         self, conn: object, params: p.FsReadDirectoryParams
     ) -> Deferred[Any] | p.FsReadDirectoryResponse:
         path = absolute_path(params.path)
+        if self.guard.applies(params.sandbox):
+            return self._guarded(conn, params.sandbox, (path,), (), ops.read_directory, path)
         if self.locality is not None and local.inline_eligible(self.locality, path, path):
             try:
                 return local.read_directory(self.locality, path)
@@ -216,16 +266,25 @@ class FileSystem:
         recursive = True if params.recursive is None else params.recursive
         force = True if params.force is None else params.force
         path = absolute_path(params.path)
-        return self.run(ops.remove, path, recursive, force, owner=conn).addCallback(
-            lambda _: p.Empty()
-        )
+        if self.guard.applies(params.sandbox):
+            done = self._guarded(
+                conn, params.sandbox, (), ((path, False),), ops.remove, path, recursive, force
+            )
+        else:
+            done = self.run(ops.remove, path, recursive, force, owner=conn)
+        return done.addCallback(lambda _: p.Empty())
 
     def copy(self, conn: object, params: p.FsCopyParams) -> Deferred[Any]:
         source = absolute_path(params.source_path, "sourcePath")
         destination = absolute_path(params.destination_path, "destinationPath")
-        return self.run(ops.copy, source, destination, params.recursive, owner=conn).addCallback(
-            lambda _: p.Empty()
-        )
+        args = (source, destination, params.recursive)
+        if self.guard.applies(params.sandbox):
+            done = self._guarded(
+                conn, params.sandbox, (source,), ((destination, True),), ops.copy, *args
+            )
+        else:
+            done = self.run(ops.copy, *args, owner=conn)
+        return done.addCallback(lambda _: p.Empty())
 
     # --- state for the dispatcher, /readyz and /metrics ----------------------------
 
@@ -247,8 +306,14 @@ class FileSystem:
         return self.pool.queued if self.pool is not None else 0
 
 
-def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
-    """Add the seven fs/* routes to ``dispatcher``."""
+def register(
+    dispatcher: Router, run: Runner | None = None, sandbox_floor: SandboxPolicy | None = None
+) -> FileSystem:
+    """Add the seven fs/* routes to ``dispatcher``.
+
+    ``sandbox_floor`` (the operator's ``--sandbox-floor``) confines every fs
+    call at least that much, whatever its ``sandbox`` asks.
+    """
     clock = dispatcher.clock
     config = dispatcher.config
     pool: PoolRunner | None = None
@@ -274,7 +339,9 @@ def register(dispatcher: Router, run: Runner | None = None) -> FileSystem:
     # Inline calls only beside a real pool (with a fake clock everything
     # already runs at once).
     locality = Locality() if pool is not None else None
-    fs = FileSystem(config.max_read_file_bytes, run, budget, pool, locality)
+    fs = FileSystem(
+        config.max_read_file_bytes, run, budget, pool, locality, fsguard.Guard(floor=sandbox_floor)
+    )
     dispatcher.add_route(p.FS_READ_FILE, ReadFileWire, fs.read_file, FAMILY)
     dispatcher.add_route(p.FS_WRITE_FILE, WriteFileWire, fs.write_file, FAMILY)
     dispatcher.add_route(

@@ -1,0 +1,237 @@
+"""execserver.sandbox.fsguard on real threads and the real kernel (no server).
+
+The race: a thread flips a symlink inside the workspace between a directory
+inside and one outside while confined writes go through it; not one byte may
+land outside, whichever mechanism enforces the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from execserver import protocol as p
+from execserver.errors import RpcError
+from execserver.fs import ops
+from execserver.sandbox import fsguard
+from execserver.sandbox.fsguard import Guard, Mechanism
+from execserver.sandbox.policy import SandboxPolicy, resolve
+
+MECHANISMS: tuple[Mechanism, ...] = ("mount-namespace", "landlock")
+
+
+def _workspace_write(root: Path) -> p.SandboxConfig:
+    return msgspec.convert(
+        {"mode": "workspaceWrite", "writableRoots": [str(root)]}, p.SandboxConfig
+    )
+
+
+def _raw(data: bytes) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.json.encode(data))
+
+
+def test_both_mechanisms_work_here() -> None:
+    # CI runs as root on a kernel with Landlock: both must be there (no skip).
+    assert fsguard.mechanism() == "mount-namespace"
+    assert fsguard.landlock_abi() >= 1
+    for how in MECHANISMS:
+        assert fsguard._probe(how)
+
+
+@pytest.mark.parametrize("how", MECHANISMS)
+def test_confinement_stays_on_its_thread(tmp_path: Path, how: Mechanism) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    guard = Guard(how=how)
+    sandbox = _workspace_write(work)
+    guard.run(
+        sandbox, (), ((str(work / "in"), True),), ops.write_file, str(work / "in"), _raw(b"x")
+    )
+    assert (work / "in").read_bytes() == b"x"
+    # The kernel refuses what the check did not see (no writes declared).
+    with pytest.raises(RpcError) as info:
+        guard.run(sandbox, (), (), ops.write_file, str(outside / "f"), _raw(b"x"))
+    assert "os error 30" in info.value.message or "os error 13" in info.value.message
+    assert not (outside / "f").exists()
+    # This thread (the pool's, the server's) is not confined.
+    (outside / "g").write_bytes(b"free")
+
+
+@pytest.mark.parametrize("how", MECHANISMS)
+def test_carveouts_and_hidden_paths_are_refused_by_the_check(
+    tmp_path: Path, how: Mechanism
+) -> None:
+    work = tmp_path / "work"
+    (work / ".git").mkdir(parents=True)
+    guard = Guard(how=how)
+    sandbox = _workspace_write(work)
+    target = str(work / ".git" / "config")
+    with pytest.raises(RpcError) as info:
+        guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert (info.value.code, info.value.message) == (-32603, "Read-only file system (os error 30)")
+    assert not os.path.exists(target)
+
+
+def test_the_mount_namespace_refuses_a_carveout_write_the_check_missed(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    (work / ".git").mkdir(parents=True)
+    target = str(work / ".git" / "config")
+    with pytest.raises(RpcError) as info:
+        Guard(how="mount-namespace").run(
+            _workspace_write(work), (), (), ops.write_file, target, _raw(b"x")
+        )
+    assert info.value.message == "Read-only file system (os error 30)"
+    assert not os.path.exists(target)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    how=st.sampled_from(MECHANISMS),
+    writes=st.lists(st.binary(min_size=1, max_size=64), min_size=5, max_size=40),
+    ranged=st.booleans(),
+)
+def test_a_racing_symlink_swap_never_lets_a_byte_out(
+    tmp_path_factory: pytest.TempPathFactory, how: Mechanism, writes: list[bytes], ranged: bool
+) -> None:
+    base = tmp_path_factory.mktemp("race")
+    work, inside, outside = base / "work", base / "work" / "inside", base / "outside"
+    inside.mkdir(parents=True)
+    outside.mkdir()
+    flip = work / "flip"
+    os.symlink(inside, flip)
+    stop = threading.Event()
+
+    def flipper() -> None:
+        to_in, to_out = str(work / ".to-in"), str(work / ".to-out")
+        while not stop.is_set():
+            for target, link in ((outside, to_out), (inside, to_in)):
+                with contextlib.suppress(FileExistsError):
+                    os.symlink(target, link)
+                os.replace(link, flip)
+
+    thread = threading.Thread(target=flipper)
+    thread.start()
+    guard = Guard(how=how)
+    sandbox = _workspace_write(work)
+    landed = 0
+    try:
+        for i, data in enumerate(writes):
+            path = f"{flip}/f{i}"
+            try:
+                if ranged:
+                    guard.run(
+                        sandbox,
+                        (),
+                        ((path, True),),
+                        ops.write_range,
+                        path,
+                        _raw(data),
+                        0,
+                        False,
+                        False,
+                    )
+                else:
+                    guard.run(sandbox, (), ((path, True),), ops.write_file, path, _raw(data))
+                landed += 1
+            except RpcError as exc:
+                assert exc.message in (
+                    "Read-only file system (os error 30)",
+                    "Permission denied (os error 13)",
+                    "No such file or directory (os error 2)",
+                ), exc.message
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert os.listdir(outside) == []
+    assert len(os.listdir(inside)) == landed
+
+
+def _floor(root: Path) -> SandboxPolicy:
+    return resolve(_workspace_write(root), cwd="/", env={})
+
+
+def test_a_floor_confines_calls_that_ask_for_nothing(tmp_path: Path) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    guard = Guard(floor=_floor(work))
+    for sandbox in (None, msgspec.convert({"mode": "none"}, p.SandboxConfig)):
+        assert guard.applies(sandbox)
+        target = str(outside / "f")
+        with pytest.raises(RpcError) as info:
+            guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+        assert info.value.message == "Read-only file system (os error 30)"
+        inside = str(work / "f")
+        guard.run(sandbox, (), ((inside, True),), ops.write_file, inside, _raw(b"x"))
+    assert os.listdir(outside) == []
+
+
+def test_a_floor_narrows_a_wider_request(tmp_path: Path) -> None:
+    work, other = tmp_path / "work", tmp_path / "other"
+    work.mkdir()
+    other.mkdir()
+    guard = Guard(floor=_floor(work))
+    wider = msgspec.convert(
+        {"mode": "workspaceWrite", "writableRoots": [str(work), str(other)]}, p.SandboxConfig
+    )
+    target = str(other / "f")
+    with pytest.raises(RpcError) as info:
+        guard.run(wider, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert info.value.message == "Read-only file system (os error 30)"
+    assert guard.policy(wider).writable_roots() == (str(work),)
+
+
+def test_full_access_under_a_floor_is_refused(tmp_path: Path) -> None:
+    guard = Guard(floor=_floor(tmp_path))
+    for wire in (
+        {"permissions": {"type": "disabled"}},
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {"type": "unrestricted"},
+                "network": "enabled",
+            }
+        },
+    ):
+        sandbox = msgspec.convert(wire, p.SandboxConfig)
+        with pytest.raises(RpcError) as info:
+            guard.run(sandbox, (), (), os.getcwd)
+        assert info.value.code == -32602
+        assert info.value.message.startswith(
+            "sandbox: full access (`danger-full-access`) is refused: this server confines every"
+        )
+        assert info.value.data == {"kind": "sandboxFloor", "floor": guard.floor.describe()}  # type: ignore[union-attr]
+
+
+def test_confinement_failure_is_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(policy: SandboxPolicy) -> None:
+        raise fsguard.ConfinementFailed(
+            "unshare(CLONE_NEWNS): Operation not permitted (os error 1)"
+        )
+
+    monkeypatch.setattr(fsguard, "_confine_mounts", broken)
+    target = str(tmp_path / "f")
+    with pytest.raises(RpcError) as info:
+        Guard(how="mount-namespace").run(
+            _workspace_write(tmp_path), (), ((target, True),), ops.write_file, target, _raw(b"x")
+        )
+    assert info.value.code == -32603
+    assert info.value.message == (
+        "sandbox: the fs call could not be confined: "
+        "unshare(CLONE_NEWNS): Operation not permitted (os error 1)"
+    )
+    assert not os.path.exists(target)
+    with pytest.raises(RpcError) as info:
+        Guard(how="none").run(_workspace_write(tmp_path), (), (), os.getcwd)
+    assert info.value.data == {"kind": "sandboxUnavailable"}
