@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.internet import task
 
 from tests.harness import reactor, with_timeout
 from tests.test_codex_cli import (
@@ -32,7 +34,7 @@ from tests.test_codex_cli import (
     fake_model,
     our_server,
 )
-from tests.ws_harness import get_request, http_get
+from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["codex_binary"]
 
@@ -131,3 +133,93 @@ async def test_workspace_write_apply_patch_through_a_symlink_is_refused(
     changes = run.items("file_change")
     assert all(change["status"] != "completed" for change in changes), changes
     assert list(outside.iterdir()) == []
+
+
+# --- sandboxDenied and exit codes, command by command, against the reference ------------------
+
+DENIAL_SCRIPTS = {
+    "write outside": "echo x > {outside}/f",
+    "write into .git": "echo x > .git/config",
+    "write inside": "echo x > in.txt",
+    "an ordinary failure": "exit 3",
+    "not found": "nosuchcommand-xyz",
+    "a socket": "python3 -c 'import socket; socket.socket().connect((\"127.0.0.1\", 9))'",
+    "rename .git": "mv .git g",
+    "mount": "mount -t tmpfs none /mnt",
+    "touch outside": "touch {outside}/t",
+}
+
+
+async def _denials(url: str, work: Path, outside: Path) -> dict[str, tuple[int, bool]]:
+    from tests.test_sandbox_process import codex_profile, uri
+
+    client = await connect(url)
+    try:
+        await client.call("initialize", {"clientName": "denials"})
+        client.notify("initialized", {})
+        seen = {}
+        for i, (name, script) in enumerate(DENIAL_SCRIPTS.items()):
+            pid = f"d{i}"
+            await client.start_process(
+                pid, ["/bin/sh", "-c", script.format(outside=outside)], cwd=uri(work),
+                env={"PATH": "/usr/bin:/bin"}, sandbox=codex_profile(work),
+            )  # fmt: skip
+            exited = await client.wait_notification("process/exited", pid, timeout=30)
+            seen[name] = (exited["exitCode"], exited["sandboxDenied"])
+        return seen
+    finally:
+        await client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_exit_codes_and_sandbox_denied_match_the_reference(
+    codex_binary: Path, tmp_path: Path, outside: Path
+) -> None:
+    base = Path(tempfile.mkdtemp(prefix="exec-server-denials-", dir="/var/tmp"))
+    try:
+        work = base / "work"
+        (work / ".git").mkdir(parents=True)
+        (work / ".git" / "config").write_text("[core]\n")
+        home = base / "codex-home"
+        home.mkdir()
+        port = _free_port()
+        # The reference's sandbox helper refuses a CODEX_HOME under TMPDIR.
+        env = {"CODEX_HOME": str(home), "TMPDIR": str(tmp_path), "PATH": os.environ["PATH"]}
+        reference = _Collect()
+        argv = [str(codex_binary), "exec-server", "--listen", f"ws://127.0.0.1:{port}"]
+        reactor.spawnProcess(reference, argv[0], argv, env=env, path=str(base))
+        try:
+            await _wait_port(port)
+            theirs = await _denials(f"ws://127.0.0.1:{port}", work, outside)
+        finally:
+            reference.kill()
+            await with_timeout(reference.ended, 30, "the reference's exit")
+        server = await WsServerProcess.start()
+        try:
+            ours = await _denials(server.url, work, outside)
+        finally:
+            await server.stop()
+        assert ours == theirs
+        # And the cases mean what they say.
+        assert theirs["write outside"] == (2, True)
+        assert theirs["an ordinary failure"] == (3, False)
+        assert list(outside.iterdir()) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def _wait_port(port: int) -> None:
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            await task.deferLater(reactor, 0.05, lambda: None)
+    raise AssertionError(f"the reference never listened on {port}")
