@@ -423,11 +423,14 @@ async def test_pty_stdin_signal_terminate(dirs: Dirs, mechanism: str, spawn_path
         assert _marked_processes(marker) == []
 
 
+@pytest.mark.parametrize("containment", ["cgroup", "subreaper"])
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest_twisted.ensureDeferred
-async def test_disconnect_kills_the_sandbox(dirs: Dirs, mechanism: str) -> None:
+async def test_disconnect_kills_the_sandbox(dirs: Dirs, mechanism: str, containment: str) -> None:
     marker = f"87654{os.getpid() % 1000}"
-    server = await WsServerProcess.start("--sandbox-mechanism", mechanism)
+    server = await WsServerProcess.start(
+        "--sandbox-mechanism", mechanism, "--process-containment", containment
+    )
     try:
         client = await connect(server.url)
         await client.call("initialize", {"clientName": "sandbox-disconnect"})
@@ -565,6 +568,17 @@ async def test_floor_confines_and_refuses_full_access(dirs: Dirs) -> None:
             )  # fmt: skip
         assert refused.value.code == -32602
         assert "full access (`danger-full-access`) is refused" in refused.value.message
+        # The same floor reaches fs/* (--sandbox-floor is handed to the fs guard).
+        with pytest.raises(RpcFailure) as refused:
+            await server.call(
+                "fs/writeFile", {"path": str(dirs.outside / "c"), "dataBase64": b64(b"x")}
+            )
+        assert (refused.value.code, refused.value.message) == (
+            -32603,
+            "Read-only file system (os error 30)",
+        )
+        await server.call("fs/writeFile", {"path": str(dirs.work / "c"), "dataBase64": b64(b"x")})
+        assert (dirs.work / "c").read_bytes() == b"x" and not (dirs.outside / "c").exists()
 
 
 def test_check_sandbox_command() -> None:
