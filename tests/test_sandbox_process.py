@@ -472,6 +472,13 @@ async def test_unconfined_and_seed_forms(dirs: Dirs) -> None:
         assert (dirs.work / "a").exists() and not (dirs.outside / "b").exists()
         ran = await run(server, f"echo a > {dirs.work}/c", dirs.work, {"mode": "readOnly"})
         assert ran.exit_code != 0 and ran.denied and not (dirs.work / "c").exists()
+        # arg0 (through bash's exec -a inside the sandbox), confined.
+        await server.start_process(
+            "arg0", ["sh", "-c", "tr '\\0' ' ' < /proc/$$/cmdline"], cwd=uri(dirs.work),
+            env={"PATH": CHILD_PATH}, sandbox={"mode": "readOnly"}, arg0="renamed-sh",
+        )  # fmt: skip
+        await server.wait_closed("arg0")
+        assert server.output_of("arg0").startswith(b"renamed-sh -c ")
 
 
 @pytest.mark.parametrize(

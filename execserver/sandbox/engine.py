@@ -331,8 +331,10 @@ class SandboxEngine:
         # bash's exec -a sets another argv[0] (env would read NAME=VALUE as a setting).
         bash = shutil.which("bash", path=DEFAULT_PATH) or "/bin/bash"
         arg0 = spec.arg0 if spec.arg0 is not None else program
-        return [env, "--default-signal", "--", bash, "-c", 'exec -a "$0" "$@"', arg0,
-                executable, *spec.argv[1:]]  # fmt: skip
+        # --norc: bash reads ~/.bashrc even non-interactive when it takes
+        # its stdin for a network connection.
+        return [env, "--default-signal", "--", bash, "--noprofile", "--norc", "-c",
+                'exec -a "$0" "$@"', arg0, executable, *spec.argv[1:]]  # fmt: skip
 
     def bwrap_args(self, policy: SandboxPolicy, cwd: str) -> list[str]:
         """bwrap's options for ``policy`` (before ``--``)."""
