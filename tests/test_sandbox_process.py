@@ -16,6 +16,8 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -34,8 +36,10 @@ from tests.harness import (
     RpcTestClient,
     ServerProcess,
     b64,
+    console_script,
     reactor,
     run_script,
+    server_env,
 )
 from tests.ws_harness import WsServerProcess, connect
 
@@ -643,3 +647,63 @@ def test_sync_client_sandbox_parameter(dirs: Dirs) -> None:
         assert free.exit_code == 0
     assert (dirs.work / "a").exists() and not (dirs.outside / "b").exists()
     assert (dirs.outside / "c").exists()
+
+
+#: Runs a command with landlock_create_ruleset answering ENOSYS, as on a
+#: kernel without Landlock (a seccomp filter of its own, then execv).
+WITHOUT_LANDLOCK = """
+import ctypes, errno, os, struct, sys
+from execserver.sandbox import seccomp
+f = seccomp._Filter(seccomp._load())
+f.deny("landlock_create_ruleset", code=errno.ENOSYS)
+program = f.export()
+f.close()
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0
+filters = ctypes.create_string_buffer(program, len(program))
+fprog = struct.pack("@HP", len(program) // 8, ctypes.addressof(filters))
+fprog = ctypes.create_string_buffer(fprog, len(fprog))
+assert libc.prctl(22, 2, fprog, 0, 0) == 0
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+@pytest_twisted.ensureDeferred
+async def test_neither_bwrap_nor_landlock_is_a_refusal(dirs: Dirs) -> None:
+    empty = dirs.base / "empty-path"
+    empty.mkdir()
+    env = {"PATH": str(empty)}
+    script = console_script("exec-server")
+    checked = subprocess.run(
+        [sys.executable, "-c", WITHOUT_LANDLOCK, script, "--check-sandbox"],
+        env=server_env(env), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 1, checked.stderr
+    assert "landlock:         NO: the kernel has no Landlock (ENOSYS)" in checked.stdout
+    assert "bubblewrap:       NO: bwrap not found on PATH" in checked.stdout
+    server = ServerProcess()
+    argv = [sys.executable, "-c", WITHOUT_LANDLOCK, script]
+    transport = reactor.spawnProcess(
+        server, argv[0], argv, env=server_env(env), path=str(dirs.base)
+    )
+    server.pid = transport.pid
+    server._init_checks(f"exec-server without bwrap or Landlock (pid {server.pid})")
+    try:
+        await server.call("initialize", {"clientName": "sandbox-none"})
+        server.notify("initialized", {})
+        with pytest.raises(RpcFailure) as refused:
+            await server.start_process(
+                "p", ["sh", "-c", f"echo pwn > {dirs.outside}/x"], cwd=uri(dirs.work),
+                env={"PATH": CHILD_PATH}, sandbox=codex_profile(dirs.work),
+            )  # fmt: skip
+        assert refused.value.code == -32602
+        assert refused.value.message == (
+            "sandbox intent cannot be enforced on this executor: bubblewrap: bwrap not found "
+            "on PATH (install the `bubblewrap` package, or pass --bwrap PATH); Landlock: the "
+            "kernel has no Landlock (ENOSYS) (exec-server --check-sandbox shows what works here)"
+        )
+        assert not (dirs.outside / "x").exists()
+        ran = await run(server, "echo still-runs", dirs.work, None, env={"PATH": CHILD_PATH})
+        assert (ran.exit_code, ran.output) == (0, b"still-runs\n")
+    finally:
+        await server.stop()
