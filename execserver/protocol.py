@@ -237,7 +237,8 @@ class FileSystemSandboxEntry(msgspec.Struct):
 
 class RestrictedFileSystem(msgspec.Struct, tag_field="type", tag="restricted"):
     entries: list[FileSystemSandboxEntry]
-    glob_scan_max_depth: int | None = None
+    #: The reference's usize (glob patterns, which are refused here).
+    glob_scan_max_depth: NonNegative | None = None
 
 
 class UnrestrictedFileSystem(msgspec.Struct, tag_field="type", tag="unrestricted"):

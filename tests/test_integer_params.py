@@ -44,7 +44,14 @@ def _base(method: str, scratch: Path | None = None) -> dict[str, Any]:
         target = (scratch or Path("/nonexistent-dir")) / "file"
         if scratch is not None and not target.exists():
             target.write_bytes(b"content")
-        return {"path": str(target), "dataBase64": "", "missing": [], "watchId": 1}
+        return {
+            "path": str(target),
+            "dataBase64": "",
+            "missing": [],
+            "watchId": 1,
+            "sourcePath": str(target),
+            "destinationPath": f"{target}.copy",
+        }
     copy: dict[str, Any] = json.loads(json.dumps(_BASE.get(method, {"processId": "proc-1"})))
     return copy
 
@@ -88,7 +95,25 @@ INT_FIELDS = _all_int_fields()
 FIELD_IDS = [f"{method}:{'.'.join(path)}" for method, path, _, _ in INT_FIELDS]
 
 
+#: A profile that decodes and confines nothing (every path writable, the
+#: network on), for the integer fields inside a sandbox.
+_SANDBOX: dict[str, Any] = {
+    "permissions": {
+        "type": "managed",
+        "file_system": {
+            "type": "restricted",
+            "entries": [
+                {"path": {"type": "special", "value": {"kind": "root"}}, "access": "write"}
+            ],
+        },
+        "network": "enabled",
+    }
+}
+
+
 def _with(params: dict[str, Any], path: tuple[str, ...], value: int) -> dict[str, Any]:
+    if path[0] == "sandbox" and "sandbox" not in params:
+        params["sandbox"] = json.loads(json.dumps(_SANDBOX))
     target = params
     for key in path[:-1]:
         target = target.setdefault(key, {})

@@ -496,7 +496,10 @@ async def test_our_mode_forms(tmp_path: Path) -> None:
     lay = Layout(tmp_path)
     lay.build()
     write_mode = {"mode": "workspaceWrite", "writableRoots": [str(lay.work)], "network": False}
-    async with serving("stdio", tmp_path / "home") as server:
+    # A seed-era client (no resumeSessionId, plain paths) uses our mode forms.
+    server = ServerProcess.start()
+    try:
+        await server.handshake()
         inside = {"path": str(lay.work / "m.txt"), "dataBase64": b64(b"m"), "sandbox": write_mode}
         assert await server.call("fs/writeFile", inside) == {}
         for path, sandbox in (
@@ -515,6 +518,33 @@ async def test_our_mode_forms(tmp_path: Path) -> None:
             "fs/readFile", {"path": str(lay.outside / "target"), "sandbox": {"mode": "readOnly"}}
         )
         assert unb64(read["dataBase64"]) == b"original"
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_large_and_ranged_reads_under_a_sandbox(tmp_path: Path) -> None:
+    lay = Layout(tmp_path)
+    lay.build()
+    big = os.urandom(3 * 1024 * 1024 + 5)
+    (lay.work / "big.bin").write_bytes(big)
+    # The hidden path makes reads confined too (the thread, both phases of a large read).
+    sandbox = codex_workspace_write(lay.work, lay.work / "secret")
+    async with serving("ws", tmp_path / "home") as client:
+        whole = await client.call(
+            "fs/readFile", {"path": _u(lay.work / "big.bin"), "sandbox": sandbox}
+        )
+        assert unb64(whole["dataBase64"]) == big
+        part = await client.call(
+            "fs/readFile",
+            {"path": _u(lay.work / "big.bin"), "offset": 1000, "length": 70000, "sandbox": sandbox},
+        )
+        assert unb64(part["dataBase64"]) == big[1000:71000]
+        response = await client.request(
+            "fs/readFile",
+            {"path": _u(lay.work / "secret" / "key"), "offset": 0, "sandbox": sandbox},
+        )
+        assert (response["error"]["code"], response["error"]["message"]) == EACCES
 
 
 @pytest_twisted.ensureDeferred

@@ -45,8 +45,16 @@ def test_both_mechanisms_work_here() -> None:
         assert fsguard._probe(how)
 
 
+def _no_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leave the check out: what is refused then, the kernel refused."""
+    monkeypatch.setattr(fsguard, "check_write", lambda policy, path, follows=True: None)
+    monkeypatch.setattr(fsguard, "check_read", lambda policy, path: None)
+
+
 @pytest.mark.parametrize("how", MECHANISMS)
-def test_confinement_stays_on_its_thread(tmp_path: Path, how: Mechanism) -> None:
+def test_confinement_stays_on_its_thread(
+    tmp_path: Path, how: Mechanism, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work, outside = tmp_path / "work", tmp_path / "outside"
     work.mkdir()
     outside.mkdir()
@@ -56,9 +64,10 @@ def test_confinement_stays_on_its_thread(tmp_path: Path, how: Mechanism) -> None
         sandbox, (), ((str(work / "in"), True),), ops.write_file, str(work / "in"), _raw(b"x")
     )
     assert (work / "in").read_bytes() == b"x"
-    # The kernel refuses what the check did not see (no writes declared).
+    _no_check(monkeypatch)
     with pytest.raises(RpcError) as info:
-        guard.run(sandbox, (), (), ops.write_file, str(outside / "f"), _raw(b"x"))
+        target = str(outside / "f")
+        guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
     assert "os error 30" in info.value.message or "os error 13" in info.value.message
     assert not (outside / "f").exists()
     # This thread (the pool's, the server's) is not confined.
@@ -80,16 +89,103 @@ def test_carveouts_and_hidden_paths_are_refused_by_the_check(
     assert not os.path.exists(target)
 
 
-def test_the_mount_namespace_refuses_a_carveout_write_the_check_missed(tmp_path: Path) -> None:
+def test_the_mount_namespace_refuses_a_carveout_write_the_check_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = tmp_path / "work"
     (work / ".git").mkdir(parents=True)
     target = str(work / ".git" / "config")
+    _no_check(monkeypatch)
     with pytest.raises(RpcError) as info:
         Guard(how="mount-namespace").run(
-            _workspace_write(work), (), (), ops.write_file, target, _raw(b"x")
+            _workspace_write(work), (), ((target, True),), ops.write_file, target, _raw(b"x")
         )
     assert info.value.message == "Read-only file system (os error 30)"
     assert not os.path.exists(target)
+
+
+@pytest.mark.parametrize("how", MECHANISMS)
+def test_without_a_root_entry_nothing_outside_is_writable(
+    tmp_path: Path, how: Mechanism, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    sandbox = msgspec.convert(
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {
+                    "type": "restricted",
+                    "entries": [
+                        {
+                            "path": {"type": "special", "value": {"kind": "minimal"}},
+                            "access": "read",
+                        },
+                        {"path": {"type": "path", "path": str(work)}, "access": "write"},
+                    ],
+                },
+                "network": "restricted",
+            }
+        },
+        p.SandboxConfig,
+    )
+    guard = Guard(how=how)
+    inside = str(work / "f")
+    guard.run(sandbox, (), ((inside, True),), ops.write_file, inside, _raw(b"x"))
+    target = str(outside / "f")
+    with pytest.raises(RpcError) as info:
+        guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert info.value.message == "No such file or directory (os error 2)"  # as the reference
+    _no_check(monkeypatch)
+    with pytest.raises(RpcError):
+        guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    with pytest.raises(RpcError):  # reads outside the readable roots too
+        guard.run(sandbox, (), (), ops.read_directory, str(outside))
+    assert os.listdir(outside) == []
+
+
+def test_the_mount_namespace_hides_what_the_check_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    (work / "hidden").mkdir(parents=True)
+    (work / "hidden" / "key").write_text("s3cret")
+    (work / "hidden.txt").write_text("s3cret")
+    sandbox = msgspec.convert(
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {
+                    "type": "restricted",
+                    "entries": [
+                        {"path": {"type": "special", "value": {"kind": "root"}}, "access": "read"},
+                        {"path": {"type": "path", "path": str(work)}, "access": "write"},
+                        {"path": {"type": "path", "path": str(work / "hidden")}, "access": "none"},
+                        {
+                            "path": {"type": "path", "path": str(work / "hidden.txt")},
+                            "access": "none",
+                        },
+                    ],
+                },
+                "network": "restricted",
+            }
+        },
+        p.SandboxConfig,
+    )
+    _no_check(monkeypatch)
+    guard = Guard(how="mount-namespace")
+    key = str(work / "hidden" / "key")
+    with pytest.raises(RpcError) as info:
+        guard.run(sandbox, (key,), (), ops.get_metadata, key)
+    assert info.value.data["kind"] == "notFound"  # an empty tmpfs covers the directory
+    listing = guard.run(sandbox, (str(work),), (), ops.read_directory, str(work / "hidden"))
+    assert listing.entries == []
+    # /dev/null covers the file: nothing of it can be read.
+    with pytest.raises(RpcError) as info:
+        guard.run(sandbox, (), (), ops.read_file, str(work / "hidden.txt"), 1 << 20)
+    assert info.value.message == "fs/readFile only supports regular files"
+    assert (work / "hidden.txt").read_text() == "s3cret"  # untouched, outside the thread
 
 
 @settings(

@@ -196,6 +196,11 @@ def test_other_permission_types() -> None:
         assert policy.confined and not policy.network
         assert policy.writable_roots() == ("/",) and policy.access("/etc") == "write"
     assert not _resolve(_context({"type": "external", "network": "enabled"}, "/")).confined
+    # A restricted profile that writes everything with the network on is full access too.
+    everything = _resolve(_context(_managed([_special("root", "write")], "enabled"), "/"))
+    assert not everything.confined and everything.explicit_full_access
+    narrowed = _managed([_special("root", "write"), _path("/zz-absent/ro", "read")], "enabled")
+    assert _resolve(_context(narrowed, "/")).confined
 
 
 def test_special_paths_and_absolute_paths(tmp_path: Path) -> None:
@@ -344,3 +349,19 @@ def test_normalise() -> None:
     assert pol.normalise("/a/./b//c/../d/") == "/a/b/d"
     assert pol.normalise("/../..") == "/"
     assert os.path.isabs(pol.normalise("/x"))
+
+
+def test_effective_rules_follow_symlinked_roots(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / ".git").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    policy = _resolve({"mode": "workspaceWrite", "writableRoots": [str(link)]})
+    seen = pol.effective(policy)
+    # The literal rules stay; the real paths get the same access.
+    assert seen.access(str(link / "x")) == "write"
+    assert seen.access(str(real / "x")) == "write"
+    assert seen.access(str(real / ".git" / "config")) == "read"
+    assert pol.effective(pol.UNCONFINED) is pol.UNCONFINED
+    assert pol.realpath(str(link / ".git")) == str(real / ".git")
+    assert pol.realpath(str(link / "missing" / "x")) == str(real / "missing" / "x")

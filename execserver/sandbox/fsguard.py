@@ -35,6 +35,7 @@ read outside the readable roots is ``No such file or directory (os error
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import errno
 import os
@@ -52,6 +53,8 @@ from execserver.sandbox.policy import (
     PathRule,
     SandboxPolicy,
     apply_floor,
+    effective,
+    realpath,
     resolve,
 )
 
@@ -186,32 +189,6 @@ def landlock_abi() -> int:
     return max(result, 0)
 
 
-# --- the effective policy (what the kernel sees) --------------------------------------
-
-
-def effective(policy: SandboxPolicy) -> SandboxPolicy:
-    """``policy`` with each rule also on the path its existing prefix resolves to.
-
-    A rule on ``/work/link`` (a symlink to ``/data/w``) also covers
-    ``/data/w``, where a resolved target lands; the literal path stays, so
-    a rule on a symlink still covers the link itself. Disk access.
-    """
-    if not policy.confined:
-        return policy
-    rules: list[PathRule] = list(policy.rules)
-    for rule in policy.rules:
-        real = os.path.realpath(rule.path)
-        if real != rule.path:
-            rules.append(PathRule(real, rule.access))
-    merged: dict[str, PathRule] = {}
-    precedence = {"read": 0, "write": 1, "none": 2}
-    for rule in rules:
-        held = merged.get(rule.path)
-        if held is None or precedence[rule.access] > precedence[held.access]:
-            merged[rule.path] = rule
-    return attrs.evolve(policy, rules=tuple(merged[path] for path in sorted(merged)))
-
-
 # --- refusals with the reference's texts ----------------------------------------------
 
 
@@ -235,7 +212,7 @@ def unreadable_error() -> RpcError:
 
 def _physical(path: str) -> str:
     """``path`` with every symlink (the last component too) and ``..`` resolved."""
-    return os.path.realpath(resolve_path(path))
+    return realpath(resolve_path(path))
 
 
 def _entry(path: str) -> str:
@@ -244,7 +221,7 @@ def _entry(path: str) -> str:
     if path == "/":
         return path
     parent, name = os.path.split(path)
-    return os.path.join(os.path.realpath(parent), name)
+    return os.path.join(realpath(parent), name)
 
 
 def check_read(policy: SandboxPolicy, path: str) -> None:
@@ -292,23 +269,22 @@ def _confine_mounts(policy: SandboxPolicy) -> None:
     _check(unshare_thread(), "unshare(CLONE_NEWNS)")
     _check(_mount(None, "/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
     rules = sorted(policy.rules, key=lambda r: (r.path.count("/") if r.path != "/" else 0, r.path))
-    state: dict[str, str] = {}
+    # The root first: read-only unless writable (with or without a rule of
+    # its own: a profile without `root` reads only its roots, and writes none).
+    state: dict[str, str] = {"/": "write"}
+    if policy.access("/") != "write":
+        _check(_set_readonly("/", True), "read-only /")
+        state["/"] = "read"
 
     def mounted_access(path: str) -> str:
         # The access the mounts give ``path`` so far (the nearest rule applied).
         probe = path
-        while True:
-            if probe in state:
-                return state[probe]
-            if probe == "/":
-                return "write"
+        while probe not in state:
             probe = os.path.dirname(probe)
+        return state[probe]
 
     for rule in rules:
         if rule.path == "/":
-            if rule.access != "write":
-                _check(_set_readonly("/", True), "read-only /")
-                state["/"] = "read"
             continue
         if not os.path.lexists(rule.path):
             continue
@@ -416,17 +392,23 @@ def _landlock(policy: SandboxPolicy, *, writes: bool, reads: bool) -> None:
 
 
 def _run_on_fresh_thread(body: Callable[[], _T]) -> _T:
+    """``body()`` on a new OS thread, which ends with it; its result or exception here."""
     outcome: list[Any] = []
+    done = _thread.allocate_lock()
+    done.acquire()
 
     def main() -> None:
         try:
             outcome.append((True, body()))
         except BaseException as exc:  # handed to the caller's thread
             outcome.append((False, exc))
+        finally:
+            done.release()
 
-    thread = threading.Thread(target=main, name="exec-server-fs-confined", daemon=True)
-    thread.start()
-    thread.join()
+    # The low-level thread: threading.Thread's bookkeeping costs more than
+    # the confinement itself, and this thread is never seen by anyone else.
+    _thread.start_new_thread(main, ())
+    done.acquire()
     ok, value = outcome[0]
     if not ok:
         raise value
@@ -531,6 +513,10 @@ class Guard:
         if how == "none":
             raise unavailable_error()
         reads, writes = tuple(reads), tuple(writes)
+        if not writes and policy.full_read and not policy.hidden():
+            # A read where everything is readable: nothing to confine (the
+            # process side still confines the network; fs calls use none).
+            return func(*args)
 
         def body() -> _T:
             seen = effective(policy)

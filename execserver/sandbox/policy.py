@@ -375,7 +375,12 @@ def _resolve_profile(sandbox: p.SandboxConfig, cwd: str, env: Mapping[str, str])
             if entry.missing_path_behavior == "skip" and not _exists(path):
                 continue
             rules.append(PathRule(path, access))
-    return _build(_with_carveouts(rules), network)
+    policy = _build(_with_carveouts(rules), network)
+    if network and policy.rules == (PathRule("/", "write"),):
+        # Every path writable and the network on: full access, as the
+        # reference reads it (its DangerFullAccess).
+        return attrs.evolve(UNCONFINED, explicit_full_access=True)
+    return policy
 
 
 def resolve(sandbox: p.SandboxConfig | None, *, cwd: str, env: Mapping[str, str]) -> SandboxPolicy:
@@ -393,6 +398,43 @@ def resolve(sandbox: p.SandboxConfig | None, *, cwd: str, env: Mapping[str, str]
     if isinstance(sandbox.permissions, msgspec.UnsetType):
         return _resolve_mode(sandbox, cwd)
     return _resolve_profile(sandbox, cwd, env)
+
+
+# --- what the kernel sees ------------------------------------------------------------
+
+
+def realpath(path: str) -> str:
+    """``os.path.realpath``, by the kernel where the path exists (one open, one readlink)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return os.path.realpath(path)
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+    return (
+        real if real.startswith("/") and not real.endswith(" (deleted)") else os.path.realpath(path)
+    )
+
+
+def effective(policy: SandboxPolicy) -> SandboxPolicy:
+    """``policy`` with each rule also on the path its existing prefix resolves to.
+
+    A rule on ``/work/link`` (a symlink to ``/data/w``) also covers
+    ``/data/w``, where a resolved target lands; the literal path stays, so
+    a rule on a symlink still covers the link itself. Disk access.
+    """
+    if not policy.confined:
+        return policy
+    rules: list[PathRule] = list(policy.rules)
+    for rule in policy.rules:
+        real = realpath(rule.path)
+        if real != rule.path:
+            rules.append(PathRule(real, rule.access))
+    return _build(rules, policy.network, explicit_full_access=policy.explicit_full_access)
 
 
 def floor_refusal(floor: SandboxPolicy) -> RpcError:
