@@ -45,8 +45,13 @@ CODEX = Path(
 )
 
 
-def profile(work: Path) -> dict[str, Any]:
-    """Codex 0.171.0's workspace-write profile for ``work``."""
+def profile(work: Path, slash_tmp: bool = True) -> dict[str, Any]:
+    """Codex 0.171.0's workspace-write profile for ``work``.
+
+    ``slash_tmp=False`` (the Landlock rows) leaves /tmp out: Landlock refuses
+    a profile whose carve-outs exist, and on a shared machine other programs
+    leave /tmp/.agents or /tmp/.git behind.
+    """
 
     def special(kind: str, sub: str | None = None) -> dict[str, Any]:
         value: dict[str, Any] = {"kind": kind}
@@ -57,7 +62,7 @@ def profile(work: Path) -> dict[str, Any]:
     entries: list[dict[str, Any]] = [
         {"path": special("root"), "access": "read"},
         {"path": special("project_roots"), "access": "write"},
-        {"path": special("slash_tmp"), "access": "write"},
+        *([{"path": special("slash_tmp"), "access": "write"}] if slash_tmp else []),
         {"path": special("tmpdir"), "access": "write"},
     ] + [
         {"path": special("project_roots", s), "access": "read", "missing_path_behavior": "skip"}
@@ -77,7 +82,9 @@ def profile(work: Path) -> dict[str, Any]:
     }
 
 
-def start_params(pid: str, argv: list[str], work: Path, sandboxed: bool) -> dict[str, Any]:
+def start_params(
+    pid: str, argv: list[str], work: Path, sandboxed: bool, slash_tmp: bool = True
+) -> dict[str, Any]:
     params: dict[str, Any] = {
         "processId": pid,
         "argv": argv,
@@ -87,7 +94,7 @@ def start_params(pid: str, argv: list[str], work: Path, sandboxed: bool) -> dict
         "arg0": None,
     }
     if sandboxed:
-        params["sandbox"] = profile(work)
+        params["sandbox"] = profile(work, slash_tmp)
     return params
 
 
@@ -104,7 +111,7 @@ def ours_start_ms(work: Path, count: int, sandboxed: bool, mechanism: str = "aut
             request = {
                 "id": client.new_id(),
                 "method": "process/start",
-                "params": start_params(pid, ["true"], work, sandboxed),
+                "params": start_params(pid, ["true"], work, sandboxed, mechanism != "landlock"),
             }
             began = time.perf_counter()
             client.send(request)

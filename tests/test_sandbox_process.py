@@ -52,15 +52,28 @@ def uri(path: Path | str) -> str:
     return f"file://{path}"
 
 
-def codex_profile(work: Path, *, write: bool = True, network: str = "restricted") -> Any:
-    """What Codex 0.171 sends for workspace-write (read-only: only the root entry)."""
+def codex_profile(
+    work: Path, *, write: bool = True, network: str = "restricted", slash_tmp: bool = True
+) -> Any:
+    """What Codex 0.171 sends for workspace-write (read-only: only the root entry).
+
+    ``slash_tmp=False`` leaves /tmp out (Landlock refuses a profile whose
+    carve-outs exist, and other programs may leave a /tmp/.agents or
+    /tmp/.git behind on a shared machine): the ``tmpdir`` entry then stands
+    for it, with ``TMPDIR`` in the child's environment.
+    """
     entries: list[dict[str, Any]] = [
         {"path": {"type": "special", "value": {"kind": "root"}}, "access": "read"}
     ]
     if write:
         entries += [
             {"path": {"type": "special", "value": {"kind": "project_roots"}}, "access": "write"},
-            {"path": {"type": "special", "value": {"kind": "slash_tmp"}}, "access": "write"},
+        ]
+        if slash_tmp:
+            entries.append(
+                {"path": {"type": "special", "value": {"kind": "slash_tmp"}}, "access": "write"}
+            )
+        entries += [
             {"path": {"type": "special", "value": {"kind": "tmpdir"}}, "access": "write"},
         ] + [
             {
@@ -172,11 +185,15 @@ class Case:
 
 def matrix(d: Dirs, server_pid: int, mechanism: str) -> list[Case]:
     w, o = d.work, d.outside
-    tmp_name = f"/tmp/exec-server-sbx-{os.getpid()}-{mechanism}"
+    tmp_name = f"{temp_dir(d, mechanism)}/exec-server-sbx-{os.getpid()}-{mechanism}"
     py = "python3 -c"
     cases = [
         Case("write inside the workspace", f"echo in > {w}/inside.txt && cat {w}/inside.txt", True),
-        Case("write in /tmp", f"echo t > {tmp_name} && cat {tmp_name} && rm {tmp_name}", True),
+        Case(
+            "write in the temporary directory",
+            f"echo t > {tmp_name} && cat {tmp_name} && rm {tmp_name}",
+            True,
+        ),
         Case("read outside", f"cat {o}/target", True),
         Case("write outside", f"echo pwn > {o}/new.txt", False),
         Case("overwrite outside", f"echo pwn > {o}/target", False),
@@ -222,6 +239,23 @@ def matrix(d: Dirs, server_pid: int, mechanism: str) -> list[Case]:
     return cases
 
 
+def temp_dir(d: Dirs, mechanism: str) -> str:
+    """/tmp under bwrap (Codex's slash_tmp); under Landlock, a TMPDIR of the test's."""
+    if mechanism == "bwrap":
+        return "/tmp"
+    path = d.base / "tmp"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+def profile_for(d: Dirs, mechanism: str, **kwargs: Any) -> Any:
+    return codex_profile(d.work, slash_tmp=mechanism == "bwrap", **kwargs)
+
+
+def env_for(d: Dirs, mechanism: str, **extra: str) -> dict[str, str]:
+    return {"PATH": CHILD_PATH, "LANG": "C.UTF-8", "TMPDIR": temp_dir(d, mechanism), **extra}
+
+
 def prepare(d: Dirs, mechanism: str) -> None:
     (d.outside / "target").write_text("original\n")
     (d.outside / "dir").mkdir()
@@ -253,10 +287,10 @@ async def test_escape_matrix_workspace_write(dirs: Dirs, mechanism: str) -> None
     prepare(dirs, mechanism)
     async with stdio_server("--sandbox-mechanism", mechanism) as server:
         assert server.pid is not None
-        profile = codex_profile(dirs.work)
+        profile = profile_for(dirs, mechanism)
         problems = []
         for case in matrix(dirs, server.pid, mechanism):
-            ran = await run(server, case.script, dirs.work, profile)
+            ran = await run(server, case.script, dirs.work, profile, env_for(dirs, mechanism))
             expected_denied = (
                 case.denied
                 if case.denied is not None
@@ -332,7 +366,7 @@ async def test_network_restricted_reaches_nothing(dirs: Dirs, mechanism: str) ->
         try:
             await client.call("initialize", {"clientName": "sandbox-net"})
             client.notify("initialized", {})
-            profile = codex_profile(dirs.work)
+            profile = profile_for(dirs, mechanism)
             attempts = {
                 "the test's listener": CONNECT + f"inet 127.0.0.1 {listener.getsockname()[1]}",
                 "the server's port": CONNECT + f"inet {host} {port}",
@@ -345,7 +379,7 @@ async def test_network_restricted_reaches_nothing(dirs: Dirs, mechanism: str) ->
                 assert b"SENT" not in ran.output, (name, ran.output)
                 assert ran.denied, (name, ran.output)
             # With the network enabled the same connection works.
-            enabled = codex_profile(dirs.work, network="enabled")
+            enabled = profile_for(dirs, mechanism, network="enabled")
             ran = await run(client, attempts["the test's listener"], dirs.work, enabled)
             assert (ran.exit_code, ran.output, ran.denied) == (0, b"CONNECTED\n", False)
             conn, _ = listener.accept()
@@ -380,8 +414,8 @@ def _marked_processes(marker: str) -> list[int]:
 @pytest_twisted.ensureDeferred
 async def test_pty_stdin_signal_terminate(dirs: Dirs, mechanism: str, spawn_path: str) -> None:
     async with stdio_server("--sandbox-mechanism", mechanism, "--spawn-path", spawn_path) as s:
-        profile = codex_profile(dirs.work)
-        env = {"PATH": CHILD_PATH, "LANG": "C.UTF-8", "TERM": "dumb"}
+        profile = profile_for(dirs, mechanism)
+        env = env_for(dirs, mechanism, TERM="dumb")
         # A PTY of the requested size, its input, its exit code.
         await s.start_process(
             "tty", ["sh", "-c", "stty size; read x; echo got-$x; exit 4"], tty=True,
@@ -441,7 +475,8 @@ async def test_disconnect_kills_the_sandbox(dirs: Dirs, mechanism: str, containm
         client.notify("initialized", {})
         await client.start_process(
             "bg", ["sh", "-c", f"sleep {marker}1 & echo up; sleep {marker}2"],
-            cwd=uri(dirs.work), env={"PATH": CHILD_PATH}, sandbox=codex_profile(dirs.work),
+            cwd=uri(dirs.work), env=env_for(dirs, mechanism),
+            sandbox=profile_for(dirs, mechanism),
         )  # fmt: skip
         await client.wait_for(lambda m: b"up" in client.output_of("bg"), 20, "up")
         assert len(_marked_processes(marker)) >= 2
@@ -533,8 +568,8 @@ async def test_landlock_refuses_what_it_cannot_re_protect(dirs: Dirs) -> None:
     async with stdio_server("--sandbox-mechanism", "landlock") as server:
         with pytest.raises(RpcFailure) as refused:
             await server.start_process(
-                "p", ["true"], cwd=uri(dirs.work), env={"PATH": CHILD_PATH},
-                sandbox=codex_profile(dirs.work),
+                "p", ["true"], cwd=uri(dirs.work), env=env_for(dirs, "landlock"),
+                sandbox=profile_for(dirs, "landlock"),
             )  # fmt: skip
         assert refused.value.message == (
             "sandbox intent cannot be enforced on this executor: Landlock cannot re-protect "
@@ -546,7 +581,7 @@ async def test_landlock_refuses_what_it_cannot_re_protect(dirs: Dirs) -> None:
 @pytest_twisted.ensureDeferred
 async def test_use_legacy_landlock_runs_under_landlock(dirs: Dirs) -> None:
     async with stdio_server() as server:
-        profile = codex_profile(dirs.work)
+        profile = profile_for(dirs, "landlock")
         profile["useLegacyLandlock"] = True
         # No pid namespace under Landlock: the command sees the host's pids.
         ran = await run(server, "ls /proc | grep -c '^[0-9]'", dirs.work, profile)

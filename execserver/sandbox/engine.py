@@ -117,6 +117,9 @@ class HostSupport:
     landlock_abi: int
     landlock_problem: str | None
     seccomp_problem: str | None
+    #: bwrap takes ``--disable-userns`` (0.8 and later; older ones rely on the
+    #: seccomp filter alone to refuse new user namespaces).
+    bwrap_disable_userns: bool = True
 
     def lines(self) -> list[str]:
         def state(problem: str | None, good: str) -> str:
@@ -161,6 +164,14 @@ def _probe_bwrap(path: str | None, explicit: bool) -> tuple[str | None, str | No
     return path, None
 
 
+def _takes_disable_userns(path: str) -> bool:
+    argv = [path, "--unshare-user", "--disable-userns", "--ro-bind", "/", "/", "--", "/bin/true"]
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def probe(bwrap: str | None = None) -> HostSupport:
     """Try each mechanism on this host (runs bwrap once: call at startup)."""
     path = (
@@ -178,7 +189,13 @@ def probe(bwrap: str | None = None) -> HostSupport:
             seccomp.build(False)
         except seccomp.SeccompError as exc:
             seccomp_problem = str(exc)
-    return HostSupport(bwrap_path, bwrap_problem, abi, landlock_problem, seccomp_problem)
+    disable_userns = bwrap_problem is None and bwrap_path is not None
+    if disable_userns:
+        assert bwrap_path is not None
+        disable_userns = _takes_disable_userns(bwrap_path)
+    return HostSupport(
+        bwrap_path, bwrap_problem, abi, landlock_problem, seccomp_problem, disable_userns
+    )
 
 
 #: Where the filters are kept: a sandboxed process never sees the host's
@@ -339,8 +356,10 @@ class SandboxEngine:
     def bwrap_args(self, policy: SandboxPolicy, cwd: str) -> list[str]:
         """bwrap's options for ``policy`` (before ``--``)."""
         assert self.support is not None and self.support.bwrap is not None
-        args = [self.support.bwrap, "--die-with-parent", "--unshare-user", "--disable-userns",
-                "--unshare-pid"]  # fmt: skip
+        args = [self.support.bwrap, "--die-with-parent", "--unshare-user"]
+        if self.support.bwrap_disable_userns:
+            args.append("--disable-userns")
+        args.append("--unshare-pid")
         if not policy.network:
             args.append("--unshare-net")
         if policy.full_read:
