@@ -140,9 +140,14 @@ class Layout:
         (self.work / "secret" / "key").write_text("s3cret")
         (self.work / "a.txt").write_text("inside")
         (self.work / "sub").mkdir()
+        (self.work / "sub" / "inner").mkdir()
+        (self.work / "sub" / "inner" / "key").write_text("s3cret")
+        (self.work / "tree").mkdir()
+        (self.work / "tree" / "t.txt").write_text("t")
         self.outside.mkdir()
         (self.outside / "target").write_text("original")
         os.symlink(self.outside, self.work / "link")
+        os.symlink(self.work / "secret", self.work / "alias")
         os.link(self.outside / "target", self.work / "hard")
 
 
@@ -150,8 +155,8 @@ def _special(kind: str, access: str, **extra: Any) -> dict[str, Any]:
     return {"path": {"type": "special", "value": {"kind": kind, **extra}}, "access": access}
 
 
-def codex_workspace_write(work: Path, hidden: Path | None = None) -> dict[str, Any]:
-    """What Codex 0.171.0 sends in workspace-write (issue 21), plus a hidden path."""
+def codex_workspace_write(work: Path, *hidden: Path) -> dict[str, Any]:
+    """What Codex 0.171.0 sends in workspace-write (issue 21), plus hidden paths."""
     skip = {"missing_path_behavior": "skip"}
     entries = [
         _special("root", "read"),
@@ -162,10 +167,8 @@ def codex_workspace_write(work: Path, hidden: Path | None = None) -> dict[str, A
         {**_special("project_roots", "read", subpath=".agents"), **skip},
         {**_special("project_roots", "read", subpath=".codex"), **skip},
     ]
-    if hidden is not None:
-        entries.append(
-            {"path": {"type": "path", "path": path_to_uri(str(hidden))}, "access": "none"}
-        )
+    for path in hidden:
+        entries.append({"path": {"type": "path", "path": path_to_uri(str(path))}, "access": "none"})
     return {
         "permissions": {
             "type": "managed",
@@ -331,8 +334,8 @@ CASES = [
         "copy a tree out through a symlink",
         "fs/copy",
         lambda lay: {
-            "sourcePath": _u(lay.work / "sub"),
-            "destinationPath": _u(lay.work / "link" / "sub"),
+            "sourcePath": _u(lay.work / "tree"),
+            "destinationPath": _u(lay.work / "link" / "tree"),
             "recursive": True,
         },
         EROFS,
@@ -375,6 +378,26 @@ CASES = [
         None,
         lambda lay: not (lay.work / "a.txt").exists(),
     ),
+    # A tree that holds a protected path is refused whole: nothing is removed
+    # or copied (the reference refuses both too).
+    Case(
+        "remove the workspace's tree with .git and a hidden path in it",
+        "fs/remove",
+        lambda lay: {"path": _u(lay.work), "recursive": True},
+        EACCES,
+        lambda lay: (lay.work / ".git").is_dir() and (lay.work / "a.txt").exists(),
+    ),
+    Case(
+        "copy a tree holding a hidden path",
+        "fs/copy",
+        lambda lay: {
+            "sourcePath": _u(lay.work / "sub"),
+            "destinationPath": _u(lay.work / "copy"),
+            "recursive": True,
+        },
+        EACCES,
+        lambda lay: not (lay.work / "copy").exists(),
+    ),
     Case(
         "read outside (the root is readable)",
         "fs/readFile",
@@ -383,6 +406,18 @@ CASES = [
     ),
     Case(
         "read hidden", "fs/readFile", lambda lay: {"path": _u(lay.work / "secret" / "key")}, EACCES
+    ),
+    Case(
+        "read hidden through a symlink",
+        "fs/readFile",
+        lambda lay: {"path": _u(lay.work / "alias" / "key")},
+        EACCES,
+    ),
+    Case(
+        "read hidden through ..",
+        "fs/readFile",
+        lambda lay: {"path": _u(lay.work / "sub") + "/../secret/key"},
+        EACCES,
     ),
     Case(
         "metadata hidden",
@@ -413,7 +448,8 @@ CASES = [
 
 
 async def _answer(client: Any, case: Case, lay: Layout) -> tuple[int, str] | None:
-    params = {**case.params(lay), "sandbox": codex_workspace_write(lay.work, lay.work / "secret")}
+    sandbox = codex_workspace_write(lay.work, lay.work / "secret", lay.work / "sub" / "inner")
+    params = {**case.params(lay), "sandbox": sandbox}
     response = await client.request(case.method, params)
     if "error" in response:
         return (response["error"]["code"], response["error"]["message"])
@@ -560,7 +596,8 @@ async def test_a_renamed_directory_is_judged_where_it_is_now(tmp_path: Path) -> 
         with pytest.raises(RpcFailure) as info:
             await server.call("fs/writeFile", moved)
         assert (info.value.code, info.value.message) == EROFS
-        assert sorted(os.listdir(lay.outside / "sub")) == ["f"]
+        assert not (lay.outside / "sub" / "g").exists()
+        assert (lay.outside / "sub" / "f").read_bytes() == b"1"
         os.rename(lay.outside / "sub", lay.work / "back")
         back = {"path": _u(lay.work / "back" / "g"), "dataBase64": b64(b"3"), "sandbox": sandbox}
         assert await server.call("fs/writeFile", back) == {}

@@ -22,7 +22,7 @@ from execserver.errors import RpcError
 from execserver.fs import ops
 from execserver.sandbox import fsguard
 from execserver.sandbox.fsguard import Guard, Mechanism
-from execserver.sandbox.policy import SandboxPolicy, resolve
+from execserver.sandbox.policy import SandboxPolicy, effective, resolve
 
 MECHANISMS: tuple[Mechanism, ...] = ("mount-namespace", "landlock")
 
@@ -48,7 +48,7 @@ def test_both_mechanisms_work_here() -> None:
 def _no_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Leave the check out: what is refused then, the kernel refused."""
     monkeypatch.setattr(fsguard, "check_write", lambda policy, path, follows=True: None)
-    monkeypatch.setattr(fsguard, "check_read", lambda policy, path: None)
+    monkeypatch.setattr(fsguard, "check_read", lambda policy, path, deep=False: None)
 
 
 @pytest.mark.parametrize("how", MECHANISMS)
@@ -87,6 +87,23 @@ def test_carveouts_and_hidden_paths_are_refused_by_the_check(
         guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
     assert (info.value.code, info.value.message) == (-32603, "Read-only file system (os error 30)")
     assert not os.path.exists(target)
+
+
+@pytest.mark.parametrize("how", MECHANISMS)
+def test_a_tree_holding_a_carveout_is_not_removed(tmp_path: Path, how: Mechanism) -> None:
+    work = tmp_path / "work"
+    (work / "proj" / ".git").mkdir(parents=True)
+    (work / "proj" / "f").write_text("kept")
+    sandbox = msgspec.convert(
+        {"mode": "workspaceWrite", "writableRoots": [str(work), str(work / "proj")]},
+        p.SandboxConfig,
+    )
+    target = str(work / "proj")
+    with pytest.raises(RpcError) as info:
+        Guard(how=how).run(sandbox, (), ((target, False),), ops.remove, target, True, True)
+    assert info.value.message == "Read-only file system (os error 30)"
+    assert (work / "proj" / "f").read_text() == "kept"
+    assert (work / "proj" / ".git").is_dir()
 
 
 def test_the_mount_namespace_refuses_a_carveout_write_the_check_missed(
@@ -177,9 +194,11 @@ def test_the_mount_namespace_hides_what_the_check_missed(
     guard = Guard(how="mount-namespace")
     key = str(work / "hidden" / "key")
     with pytest.raises(RpcError) as info:
-        guard.run(sandbox, (key,), (), ops.get_metadata, key)
+        guard.run(sandbox, ((key, False),), (), ops.get_metadata, key)
     assert info.value.data["kind"] == "notFound"  # an empty tmpfs covers the directory
-    listing = guard.run(sandbox, (str(work),), (), ops.read_directory, str(work / "hidden"))
+    listing = guard.run(
+        sandbox, ((str(work), False),), (), ops.read_directory, str(work / "hidden")
+    )
     assert listing.entries == []
     # /dev/null covers the file: nothing of it can be read.
     with pytest.raises(RpcError) as info:
@@ -331,3 +350,60 @@ def test_confinement_failure_is_a_refusal(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(RpcError) as info:
         Guard(how="none").run(_workspace_write(tmp_path), (), (), os.getcwd)
     assert info.value.data == {"kind": "sandboxUnavailable"}
+
+
+def test_only_writable_rules_without_the_root_still_confine(tmp_path: Path) -> None:
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    entry = {"path": {"type": "path", "path": str(work)}, "access": "write"}
+    sandbox = msgspec.convert(
+        {
+            "permissions": {
+                "type": "managed",
+                "file_system": {"type": "restricted", "entries": [entry]},
+                "network": "restricted",
+            }
+        },
+        p.SandboxConfig,
+    )
+    target = str(outside / "f")
+    with pytest.raises(RpcError):
+        Guard().run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert os.listdir(outside) == []
+    # `external` confines only the network: the file system is the caller's.
+    external = msgspec.convert(
+        {"permissions": {"type": "external", "network": "restricted"}}, p.SandboxConfig
+    )
+    Guard().run(external, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert os.listdir(outside) == ["f"]
+
+
+def test_landlock_grants_only_the_directory_written_in_when_it_is_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    (work / ".git").mkdir(parents=True)
+    (work / "sub").mkdir()
+    sandbox = _workspace_write(work)
+    guard = Guard(how="landlock")
+    declared = str(work / "sub" / "x")
+    guard.run(sandbox, (), ((declared, True),), ops.write_file, declared, _raw(b"x"))
+    assert (work / "sub" / "x").read_bytes() == b"x"
+    # The operation lands elsewhere than checked (what a swapped symlink
+    # would do): beneath a clean directory, the kernel refuses .git and the
+    # rest of the workspace alike.
+    _no_check(monkeypatch)
+    for elsewhere in (work / ".git" / "config", work / "other"):
+        with pytest.raises(RpcError) as info:
+            guard.run(sandbox, (), ((declared, True),), ops.write_file, str(elsewhere), _raw(b"x"))
+        assert info.value.message == "Permission denied (os error 13)"
+        assert not elsewhere.exists()
+    # Where the directory written in holds a carve-out, the grant is the
+    # writable root (the check alone guards .git there, documented).
+    assert (
+        fsguard.narrow_write_grants(
+            effective(resolve(sandbox, cwd="/", env={})), [(str(work / "y"), True)]
+        )
+        is None
+    )

@@ -106,7 +106,7 @@ class FileSystem:
         self,
         conn: object,
         sandbox: p.SandboxConfig | None,
-        reads: tuple[str, ...],
+        reads: tuple[tuple[str, bool], ...],
         writes: tuple[tuple[str, bool], ...],
         func: Any,
         *args: Any,
@@ -172,7 +172,14 @@ class FileSystem:
             built_d: Deferred[Any]
             if guarded:
                 built_d = self._guarded(
-                    conn, params.sandbox, (resolved,), (), ops.read_file, resolved, limit, span
+                    conn,
+                    params.sandbox,
+                    ((resolved, False),),
+                    (),
+                    ops.read_file,
+                    resolved,
+                    limit,
+                    span,
                 )
             else:
                 built_d = self.run(ops.read_file, resolved, limit, span, owner=conn)
@@ -181,7 +188,15 @@ class FileSystem:
         first: Deferred[Any]
         if guarded:
             first = self._guarded(
-                conn, params.sandbox, (path,), (), ops.stat_for_read, path, limit, small, span
+                conn,
+                params.sandbox,
+                ((path, False),),
+                (),
+                ops.stat_for_read,
+                path,
+                limit,
+                small,
+                span,
             )
         else:
             first = self._run_verified(
@@ -240,7 +255,7 @@ class FileSystem:
     ) -> Deferred[Any] | p.FsGetMetadataResponse:
         path = absolute_path(params.path)
         if self.guard.applies(params.sandbox):
-            return self._guarded(conn, params.sandbox, (path,), (), ops.get_metadata, path)
+            return self._guarded(conn, params.sandbox, ((path, False),), (), ops.get_metadata, path)
         directory = local.parent_of(path)
         if self.locality is not None and local.inline_eligible(self.locality, path, directory):
             try:
@@ -254,7 +269,9 @@ class FileSystem:
     ) -> Deferred[Any] | p.FsReadDirectoryResponse:
         path = absolute_path(params.path)
         if self.guard.applies(params.sandbox):
-            return self._guarded(conn, params.sandbox, (path,), (), ops.read_directory, path)
+            return self._guarded(
+                conn, params.sandbox, ((path, False),), (), ops.read_directory, path
+            )
         if self.locality is not None and local.inline_eligible(self.locality, path, path):
             try:
                 return local.read_directory(self.locality, path)
@@ -280,7 +297,12 @@ class FileSystem:
         args = (source, destination, params.recursive)
         if self.guard.applies(params.sandbox):
             done = self._guarded(
-                conn, params.sandbox, (source,), ((destination, True),), ops.copy, *args
+                conn,
+                params.sandbox,
+                ((source, params.recursive),),
+                ((destination, True),),
+                ops.copy,
+                *args,
             )
         else:
             done = self.run(ops.copy, *args, owner=conn)

@@ -41,7 +41,7 @@ import errno
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Literal, TypeVar
 
 import attrs
@@ -224,10 +224,19 @@ def _entry(path: str) -> str:
     return os.path.join(realpath(parent), name)
 
 
-def check_read(policy: SandboxPolicy, path: str) -> None:
-    for target in {_physical(path), _entry(path)}:
+def _within(path: str, root: str) -> bool:
+    return path != root and (root == "/" or path.startswith(root + "/"))
+
+
+def check_read(policy: SandboxPolicy, path: str, *, deep: bool = False) -> None:
+    """Refuse a read of ``path`` the policy does not allow (``deep``: its whole tree is read)."""
+    targets = {_physical(path), _entry(path)}
+    for target in targets:
         if policy.access(target) == "none":
             raise hidden_error() if policy.is_hidden(target) else unreadable_error()
+    if deep and any(_within(hidden, target) for hidden in policy.hidden() for target in targets):
+        # A recursive fs/copy would copy what is hidden inside the tree.
+        raise hidden_error()
 
 
 def check_write(policy: SandboxPolicy, path: str, *, follows: bool = True) -> None:
@@ -250,6 +259,13 @@ def check_write(policy: SandboxPolicy, path: str, *, follows: bool = True) -> No
             raise unreadable_error()
         if access != "write":
             raise read_only_error()
+        if not follows:
+            # A removal reaches the whole tree: nothing in it may be protected.
+            inner = [r for r in policy.rules if r.access != "write" and _within(r.path, target)]
+            if any(policy.is_hidden(r.path) for r in inner):
+                raise hidden_error()
+            if inner:
+                raise read_only_error()
     if policy.access("/") == "write":
         return
     try:
@@ -323,7 +339,34 @@ def unshare_thread() -> int:
     return int(_libc.unshare(ctypes.c_int(_CLONE_NEWNS | _CLONE_FS)))
 
 
-def _landlock(policy: SandboxPolicy, *, writes: bool, reads: bool) -> None:
+def _add_rule(ruleset: int, fd: int, allowed: int, what: str) -> None:
+    if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        # Rights that only make sense on directories are refused on files.
+        allowed &= _LL_WRITE_FILE | _LL_READ_FILE | _LL_EXECUTE | _LL_TRUNCATE
+    if not allowed:
+        return
+    beneath = _PathBeneathAttr(allowed, fd)
+    result = int(
+        _libc.syscall(
+            ctypes.c_long(_SYS_LANDLOCK_ADD_RULE),
+            ctypes.c_int(ruleset),
+            ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+            ctypes.byref(beneath),
+            ctypes.c_uint32(0),
+        )
+    )
+    _check(result, f"landlock_add_rule {what}")
+
+
+def _landlock(
+    policy: SandboxPolicy,
+    *,
+    writes: bool,
+    reads: bool,
+    write_fds: Sequence[int] | None = None,
+) -> None:
+    """Restrict this thread: writes (if ``writes``) to the policy's writable roots, or
+    only beneath the directories ``write_fds`` hold; reads (if ``reads``) to its roots."""
     abi = landlock_abi()
     if abi < 1:
         raise ConfinementFailed("Landlock is not available on this kernel")
@@ -352,7 +395,7 @@ def _landlock(policy: SandboxPolicy, *, writes: bool, reads: bool) -> None:
             if rule.access == "none":
                 continue
             allowed = _LL_READ if reads else 0
-            if rule.access == "write" and writes:
+            if rule.access == "write" and writes and write_fds is None:
                 allowed |= write_rights
             allowed &= handled
             if not allowed:
@@ -362,22 +405,11 @@ def _landlock(policy: SandboxPolicy, *, writes: bool, reads: bool) -> None:
             except OSError:
                 continue  # a missing path grants nothing
             try:
-                if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                    # Rights that only make sense on directories are refused on files.
-                    allowed &= _LL_WRITE_FILE | _LL_READ_FILE | _LL_EXECUTE | _LL_TRUNCATE
-                beneath = _PathBeneathAttr(allowed, fd)
-                result = int(
-                    _libc.syscall(
-                        ctypes.c_long(_SYS_LANDLOCK_ADD_RULE),
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
-                        ctypes.byref(beneath),
-                        ctypes.c_uint32(0),
-                    )
-                )
-                _check(result, f"landlock_add_rule {rule.path}")
+                _add_rule(ruleset, fd, allowed, rule.path)
             finally:
                 os.close(fd)
+        for fd in write_fds or ():
+            _add_rule(ruleset, fd, (write_rights | _LL_READ) & handled, f"fd {fd}")
         _check(int(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)), "no_new_privs")
         result = int(
             _libc.syscall(
@@ -389,6 +421,48 @@ def _landlock(policy: SandboxPolicy, *, writes: bool, reads: bool) -> None:
         _check(result, "landlock_restrict_self")
     finally:
         os.close(ruleset)
+
+
+def _open_directory_at_or_above(path: str) -> int:
+    """An ``O_PATH`` descriptor of ``path``, or of its nearest existing ancestor directory."""
+    while True:
+        try:
+            return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            if path == "/":
+                raise
+            path = os.path.dirname(path)
+
+
+def narrow_write_grants(
+    policy: SandboxPolicy, writes: Iterable[tuple[str, bool]]
+) -> list[int] | None:
+    """Descriptors of the directories the writes happen in, if each is safe to grant whole.
+
+    A directory is held first, then judged on the path the kernel gives for
+    the held descriptor, and the grant is made on that same descriptor, so no
+    swap between the judgement and the grant can move it. Safe: writable, with
+    no carve-out or hidden path at or beneath it. None (the caller grants the
+    writable roots instead) if any is not.
+    """
+    fds: list[int] = []
+    try:
+        for path, follows in writes:
+            targets = {_entry(path)} | ({_physical(path)} if follows else set())
+            for target in targets:
+                fd = _open_directory_at_or_above(os.path.dirname(target) or "/")
+                fds.append(fd)
+                real = os.readlink(f"/proc/self/fd/{fd}")
+                if policy.access(real) != "write" or any(
+                    r.access != "write" and (r.path == real or _within(r.path, real))
+                    for r in policy.rules
+                ):
+                    raise LookupError(real)
+    except (OSError, LookupError):
+        for fd in fds:
+            os.close(fd)
+        return None
+    return fds
 
 
 def _run_on_fresh_thread(body: Callable[[], _T]) -> _T:
@@ -496,18 +570,24 @@ class Guard:
     def run(
         self,
         sandbox: p.SandboxConfig | None,
-        reads: Iterable[str],
+        reads: Iterable[tuple[str, bool]],
         writes: Iterable[tuple[str, bool]],
         func: Callable[..., _T],
         *args: Any,
     ) -> _T:
         """Run ``func(*args)`` confined to ``sandbox``'s policy (blocking: on the pool).
 
-        ``reads`` are the paths read, ``writes`` the paths written (with
-        whether the operation follows a final symlink there).
+        ``reads`` are the paths read (with whether their whole tree is: a
+        recursive fs/copy), ``writes`` the paths written (with whether the
+        operation follows a final symlink there; one that does not, fs/remove,
+        reaches the whole tree).
         """
         policy = self.policy(sandbox)
-        if not policy.confined:
+        if not policy.confined or (
+            policy.access("/") == "write" and all(r.access == "write" for r in policy.rules)
+        ):
+            # Nothing to confine for the file system: everything writable
+            # (`external`, or an unrestricted file system without the network).
             return func(*args)
         how = self.how or mechanism()
         if how == "none":
@@ -520,8 +600,8 @@ class Guard:
 
         def body() -> _T:
             seen = effective(policy)
-            for path in reads:
-                check_read(seen, path)
+            for path, deep in reads:
+                check_read(seen, path, deep=deep)
             for path, follows in writes:
                 check_write(seen, path, follows=follows)
             try:
@@ -530,7 +610,20 @@ class Guard:
                     if not seen.full_read:
                         _landlock(seen, writes=False, reads=True)
                 else:
-                    _landlock(seen, writes=seen.access("/") != "write", reads=not seen.full_read)
+                    # Writes beneath the directories they happen in when those
+                    # hold nothing protected (carve-outs and hidden paths are then
+                    # out of reach for the kernel too), else the writable roots.
+                    narrowed = narrow_write_grants(seen, writes)
+                    try:
+                        _landlock(
+                            seen,
+                            writes=seen.access("/") != "write" or narrowed is not None,
+                            reads=not seen.full_read,
+                            write_fds=narrowed,
+                        )
+                    finally:
+                        for fd in narrowed or ():
+                            os.close(fd)
             except ConfinementFailed as exc:
                 raise RpcError.internal(
                     f"sandbox: the fs call could not be confined: {exc}",
