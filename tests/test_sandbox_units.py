@@ -100,8 +100,8 @@ def test_mounts_go_shallow_to_deep(tmp_path: Path) -> None:
     ]  # fmt: skip
     joined = " ".join(args)
     assert "--ro-bind / / --dev /dev" in joined
-    bind = joined.index(f"--bind {work} {work}")
-    assert joined.index(f"--ro-bind {work}/.git {work}/.git") > bind
+    bind = joined.index(f"--bind-try {work} {work}")
+    assert joined.index(f"--ro-bind-try {work}/.git {work}/.git") > bind
     assert joined.index(f"--perms 000 --tmpfs {work}/secret --remount-ro {work}/secret") > bind
     assert joined.index(f"--ro-bind /dev/null {work}/key.pem") > bind
     assert str(tmp_path / "missing") not in joined  # a missing writable root binds nothing

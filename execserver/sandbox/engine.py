@@ -378,17 +378,21 @@ class SandboxEngine:
                 continue
             if not os.path.exists(path) or path == "/":
                 continue
+            # "-try": a path that vanished since the policy was resolved binds
+            # nothing (a writable root stays read-only; a carve-out that no
+            # longer exists has nothing to protect, as when it was missing).
+            # A hidden path that vanished fails the start instead (above).
             if rule.access == "write":
-                args += ["--bind", path, path]
+                args += ["--bind-try", path, path]
             elif (
                 not policy.full_read
                 or policy.access(os.path.dirname(path) or "/") == "write"
                 or path.startswith("/dev")
             ):
-                args += ["--ro-bind", path, path]
+                args += ["--ro-bind-try", path, path]
         for path in self.masked:
             if os.path.lexists(path):
-                args += ["--ro-bind", "/dev/null", path]
+                args += ["--ro-bind-try", "/dev/null", path]
         args += ["--proc", "/proc", "--chdir", cwd, "--seccomp", "3"]
         return args
 
