@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,19 @@ def test_unavailable_names_every_piece(requested: str) -> None:
     assert text.startswith("sandbox intent cannot be enforced on this executor: ")
     assert ("bwrap not found on PATH" in text) == (requested != "landlock")
     assert ("no Landlock" in text) == (requested != "bwrap")
+
+
+def test_stale_filter_directories_are_removed(tmp_path: Path) -> None:
+    import subprocess
+
+    from execserver.sandbox.engine import _remove_stale_filters
+
+    child = subprocess.Popen(["true"])  # a pid that has exited and been reaped
+    child.wait()
+    stale = tmp_path / f"exec-server-seccomp-{child.pid}-abc"
+    live = tmp_path / f"exec-server-seccomp-{os.getpid()}-def"
+    other = tmp_path / "exec-server-seccomp-notapid"
+    for path in (stale, live, other):
+        path.mkdir()
+    _remove_stale_filters(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists()

@@ -203,6 +203,32 @@ def probe(bwrap: str | None = None) -> HostSupport:
 FILTER_PARENT: Final = "/dev/shm"
 
 
+_FILTER_PREFIX: Final = "exec-server-seccomp-"
+
+
+def _remove_stale_filters(parent: str) -> None:
+    """Remove the filter directories of servers that died without stopping (SIGKILL)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_FILTER_PREFIX):
+            continue
+        pid_text = name[len(_FILTER_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
 def _write_filters(directory: str) -> dict[bool, str]:
     paths = {}
     for network in (False, True):
@@ -262,7 +288,8 @@ class SandboxEngine:
             self.mechanism = "landlock"
         if self.mechanism is not None:
             parent = FILTER_PARENT if os.access(FILTER_PARENT, os.W_OK) else None
-            self._dir = tempfile.mkdtemp(prefix="exec-server-seccomp-", dir=parent)
+            _remove_stale_filters(parent or tempfile.gettempdir())
+            self._dir = tempfile.mkdtemp(prefix=f"{_FILTER_PREFIX}{os.getpid()}-", dir=parent)
             self._filters = _write_filters(self._dir)
             if support.landlock_problem is None and self.requested != "bwrap":
                 _set_not_dumpable()
