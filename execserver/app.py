@@ -31,6 +31,7 @@ from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
 from execserver.fs.watch import WatchHub
 from execserver.processes import RetainedTally
+from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.sandbox.policy import SandboxPolicy
 from execserver.session import Session, session_of
 from execserver.spawn import Spawner
@@ -75,25 +76,41 @@ def build_dispatcher(
     spawner: Spawner,
     fs_runner: Runner | None = None,
     sandbox_floor: SandboxPolicy | None = None,
+    *,
+    sandbox: SandboxEngine | None = None,
 ) -> Dispatcher:
     """A dispatcher serving exec-server's methods, its sessions starting processes with ``spawner``.
 
     ``fs_runner`` (tests) replaces the fs thread pool; by default a real
     reactor gets the pool and a fake clock runs fs work inline.
-    ``sandbox_floor`` confines every fs call at least that much.
+    ``sandbox_floor`` confines every fs call at least that much (default:
+    the floor of ``sandbox``, the server's process sandbox, which also
+    confines every process at least to it).
     """
+    if sandbox_floor is None and sandbox is not None:
+        sandbox_floor = sandbox.floor
 
     retained = RetainedTally(config.max_total_retained_bytes)
 
     def new_session(conn: Connection) -> Session:
-        return Session(config, clock, spawner, conn.send, stats=dispatcher.stats, retained=retained)
+        return Session(
+            config,
+            clock,
+            spawner,
+            conn.send,
+            stats=dispatcher.stats,
+            retained=retained,
+            sandbox=sandbox,
+        )
 
     dispatcher = Dispatcher(config, clock, new_session, dialect=CURRENT_DIALECT)
     dispatcher.add_route(p.INITIALIZE, p.InitializeParams, handshake.initialize, family=None)
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
     dispatcher.add_route(
-        ENVIRONMENT_INFO, object, lambda c, a: environment.environment_info(), family=None
+        ENVIRONMENT_INFO, object, lambda c, a: _environment_info(sandbox), family=None
     )
+    if sandbox is not None:
+        dispatcher.provide(sandbox)
     watches = WatchHub(clock)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
@@ -112,6 +129,10 @@ def build_dispatcher(
     capability_discovery.register(dispatcher, fs.run)
     fs_walk.register(dispatcher, fs.run)
     return dispatcher
+
+
+def _environment_info(sandbox: SandboxEngine | None) -> p.EnvironmentInfo:
+    return describe_sandbox(environment.environment_info(), sandbox)
 
 
 def _add_process_routes(dispatcher: Dispatcher) -> None:

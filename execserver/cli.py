@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Try `{PROG} --help` for usage.", file=sys.stderr)
         raise SystemExit(2) from None
 
+    if options["check-sandbox"]:
+        from execserver.sandbox.check import check_sandbox
+
+        raise SystemExit(check_sandbox(options))
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 

@@ -20,6 +20,7 @@ from execserver import protocol as p
 from execserver.dispatcher import Connection
 from execserver.errors import RpcError
 from execserver.registry import ANONYMOUS
+from execserver.sandbox.engine import describe_sandbox, sandbox_of
 from execserver.session import session_of
 
 #: Session lifetime after a disconnect for current-dialect clients, which
@@ -99,7 +100,9 @@ def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResp
         or params.on_detached_full is not None
     )
     if current:
-        response.environment_info = environment.environment_info()
+        response.environment_info = describe_sandbox(
+            environment.environment_info(), sandbox_of(conn.dispatcher)
+        )
     if described or session.ttl_ms > 0:
         response.session_ttl_ms = session.ttl_ms
         response.on_detached_full = session.on_detached_full

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from execserver import __version__, fdlimit
 from execserver.app import file_system, process_sessions
+from execserver.sandbox.engine import sandbox_of
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
@@ -57,6 +58,13 @@ def render(dispatcher: Dispatcher) -> bytes:
         "gauge",
         "Server version.",
         [({"version": __version__}, 1)],
+    )
+    engine = sandbox_of(dispatcher)
+    lines += _family(
+        "exec_server_sandbox_mechanism",
+        "gauge",
+        "How confined processes are confined (bwrap, landlock, none: confined starts refused).",
+        [({"mechanism": engine.describe() if engine is not None else "none"}, 1)],
     )
     lines += _family(
         "exec_server_auth_refused_total",

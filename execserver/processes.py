@@ -263,6 +263,10 @@ class ManagedProcess(ProcessProtocol):
         self.limits: Limits = NO_LIMITS
         self.limit_exceeded: tuple[Kind, int] | None = None
         self._limit_checked_at = -LIMIT_CHECK_INTERVAL
+        #: Started under a sandbox; whether the sandbox probably stopped it
+        #: (decided once, at exit: docs/protocol.md, "sandboxDenied").
+        self.confined = False
+        self.sandbox_denied: bool | None = None
         #: Renders this process's output notifications (set by the session).
         self.output_encoder: OutputEncoder | None = None
         self._observer = observer

@@ -152,6 +152,9 @@ class EnvironmentInfo(msgspec.Struct, rename="camel"):
     temporary_directories: list[str]
     temp_dir: str
     capabilities: dict[str, bool]
+    #: Additive: how confined processes are confined here ("bwrap",
+    #: "landlock", or "none": confined starts are refused).
+    sandbox: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class EnvironmentInfoParams(msgspec.Struct):

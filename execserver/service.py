@@ -32,12 +32,15 @@ from execserver.dispatcher import Dispatcher
 from execserver.limits import NO_LIMITS
 from execserver.limits import check_defaults as check_limit_defaults
 from execserver.limits import parse_spec as parse_limits
+from execserver.sandbox.engine import MECHANISM_CHOICES, SandboxEngine
+from execserver.sandbox.floor import FLOOR_MODES, floor_policy
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
     STDIO_URL,
     ListenUrlError,
     StdioAddress,
+    UnixAddress,
     WebSocketAddress,
     parse_listen_url,
 )
@@ -104,6 +107,17 @@ class Options(usage.Options):
             "stdio://: leave fd 1 and sys.stdout as they are (by default stray writes "
             "to stdout are sent to stderr, away from the protocol stream).",
         ],
+        [
+            "floor-no-network",
+            None,
+            "--sandbox-floor: no network for any process, whatever the client asks.",
+        ],
+        [
+            "check-sandbox",
+            None,
+            "Print which sandbox mechanisms work on this host (bubblewrap, user namespaces, "
+            "Landlock, seccomp) and exit: 0 if confined processes can run, 1 if not.",
+        ],
     ]
     longdesc = (
         "Serve the exec-server JSON-RPC protocol: start and steer processes and "
@@ -124,6 +138,12 @@ class Options(usage.Options):
             "wss:// listeners: PEM certificate (then any intermediates) the server presents.",
         ],
         ["tls-key", None, None, "wss:// listeners: PEM private key of --tls-cert."],
+        [
+            "bwrap",
+            None,
+            None,
+            "The bubblewrap executable confined processes run under [default: bwrap on PATH].",
+        ],
         [
             "tls-client-ca",
             None,
@@ -321,6 +341,9 @@ class Options(usage.Options):
         self["limit-ceiling"] = NO_LIMITS
         self["socket-mode"] = DEFAULT_SOCKET_MODE
         self["spawn-path"] = os.environ.get(SPAWN_PATH_ENV) or "fast"
+        self["sandbox-mechanism"] = "auto"
+        self["sandbox-floor"] = None
+        self["floor-writable-root"] = []
 
     def opt_allow_origin(self, origin: str) -> None:
         """WebSocket: admit pages from this browser Origin, e.g. http://localhost:3000 (repeatable; any other Origin gets 403)."""  # noqa: E501
@@ -367,6 +390,26 @@ class Options(usage.Options):
             raise usage.UsageError(f"--socket-mode takes octal permissions like 0660, got `{mode}`")
         self["socket-mode"] = value
 
+    def opt_sandbox_mechanism(self, mechanism: str) -> None:
+        """How confined processes are confined: auto (bubblewrap, else Landlock), bwrap or landlock; a confined start that the chosen mechanism cannot serve is refused [default: auto]."""  # noqa: E501
+        if mechanism not in MECHANISM_CHOICES:
+            raise usage.UsageError(
+                f"--sandbox-mechanism takes {', '.join(MECHANISM_CHOICES)}, got `{mechanism}`"
+            )
+        self["sandbox-mechanism"] = mechanism
+
+    def opt_sandbox_floor(self, mode: str) -> None:
+        """Confine every process and fs call at least to this: read-only or workspace-write (with --floor-writable-root); full-access requests are then refused."""  # noqa: E501
+        if mode not in FLOOR_MODES:
+            raise usage.UsageError(f"--sandbox-floor takes {', '.join(FLOOR_MODES)}, got `{mode}`")
+        self["sandbox-floor"] = mode
+
+    def opt_floor_writable_root(self, path: str) -> None:
+        """--sandbox-floor workspace-write: a directory writable under the floor (repeatable; absolute)."""  # noqa: E501
+        if not os.path.isabs(path):
+            raise usage.UsageError(f"--floor-writable-root takes an absolute path, got `{path}`")
+        self["floor-writable-root"].append(path)
+
     def opt_listen(self, url: str) -> None:
         """Listen on URL: stdio://, ws://IP:PORT, wss://IP:PORT or unix:///PATH (repeatable)."""
         try:
@@ -381,6 +424,10 @@ class Options(usage.Options):
         raise SystemExit(0)
 
     def postOptions(self) -> None:
+        if self["floor-writable-root"] and self["sandbox-floor"] != "workspace-write":
+            raise usage.UsageError("--floor-writable-root needs --sandbox-floor workspace-write")
+        if self["floor-no-network"] and self["sandbox-floor"] is None:
+            raise usage.UsageError("--floor-no-network needs --sandbox-floor")
         if self["spawn-path"] not in SPAWN_PATHS:
             raise usage.UsageError(
                 f"${SPAWN_PATH_ENV} takes {', '.join(SPAWN_PATHS)}, got `{self['spawn-path']}`"
@@ -482,6 +529,16 @@ class Options(usage.Options):
             max_request_head_bytes=self["max-request-head-bytes"],
         )
 
+    def sandbox(self) -> SandboxEngine:
+        """The server's sandbox (probed when the service starts), with the operator's floor."""
+        floor = None
+        if self["sandbox-floor"] is not None:
+            floor = floor_policy(
+                self["sandbox-floor"], self["floor-writable-root"], not self["floor-no-network"]
+            )
+        masked = tuple(a.path for a in self["listen"] if isinstance(a, UnixAddress))
+        return SandboxEngine(self["sandbox-mechanism"], self["bwrap"], floor, masked)
+
     def config(self) -> ServerConfig:
         return ServerConfig(
             retained_output_bytes=self["retained-output-bytes"],
@@ -534,9 +591,12 @@ class ExecServerService(MultiService):
         containment: Containment | None = None,
         spawner: PosixSpawner | None = None,
         process_wide: ProcessWide | None = None,
+        sandbox: SandboxEngine | None = None,
     ) -> None:
         super().__init__()
         self.dispatcher = dispatcher
+        #: Probed (and its choice logged) when the service starts.
+        self.sandbox = sandbox
         self.containment = containment
         self.spawner = spawner
         self.process_wide = process_wide if process_wide is not None else ProcessWide()
@@ -581,6 +641,8 @@ class ExecServerService(MultiService):
             # terminated with its tree: fall back, or refuse to start.
             self.spawner.check()
             log.info("spawn path: {path}", path=self.spawner.path)
+        if self.sandbox is not None:
+            self.sandbox.start()
         super().startService()
 
     def stopService(self) -> Deferred[None]:
@@ -597,6 +659,8 @@ class ExecServerService(MultiService):
         await self.dispatcher.shutdown()
         if self.containment is not None:
             await self.containment.stop()
+        if self.sandbox is not None:
+            self.sandbox.stop()
 
 
 def tune_allocator() -> None:
@@ -651,12 +715,13 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
     containment = Containment(config.process_containment, clock)
     spawn_path: SpawnPath = options["spawn-path"]
     spawner = PosixSpawner(processes, containment, spawn_path)
-    dispatcher = build_dispatcher(config, clock, spawner)
+    sandbox = options.sandbox()
+    dispatcher = build_dispatcher(config, clock, spawner, sandbox=sandbox)
     process_wide = ProcessWide(
         tune_malloc=not options["no-tune-malloc"],
         raise_fd_limit=not options["no-raise-fd-limit"],
     )
-    root = ExecServerService(dispatcher, containment, spawner, process_wide)
+    root = ExecServerService(dispatcher, containment, spawner, process_wide, sandbox)
     for address in options["listen"]:
         child: Service
         if isinstance(address, StdioAddress):

@@ -38,7 +38,7 @@ from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally
 from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.retained import RetainedChunk
-from execserver.sandbox import policy as sandbox_policy
+from execserver.sandbox import confine
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.waiters import cancel_call
 
@@ -143,8 +143,11 @@ class Session:
         stats: Stats | None = None,
         process_limit: Callable[[], int] = fdlimit.process_limit,
         retained: RetainedTally | None = None,
+        sandbox: confine.SandboxEngine | None = None,
     ) -> None:
         self.config = config
+        #: The server's sandbox (None: confined starts are refused).
+        self.sandbox = sandbox
         #: Output retained by every session of the server (for
         #: ``--max-total-retained-bytes``), or None where unbounded.
         self._retained = retained
@@ -231,15 +234,6 @@ class Session:
                 raise RpcError.invalid_params(f"invalid environment variable name `{key}`")
         if params.arg0 is not None:
             _validate_text("arg0", params.arg0)
-        if (
-            params.sandbox is not None
-            and sandbox_policy.resolve(params.sandbox, cwd=cwd, env=env).confined
-        ):
-            # Until processes can be confined (issue 21, process side), a
-            # confining sandbox is refused: never run less confined than asked.
-            raise RpcError.invalid_params(
-                "sandbox: this build cannot confine processes; only an unconfined start runs"
-            )
         effective = limits.resolve(
             _wire_limits(params.limits), self.config.default_limits, self.config.limit_ceiling
         )
@@ -302,6 +296,7 @@ class Session:
             cols=size.cols if size is not None else 80,
             limits=effective,
         )
+        spec, confined = confine.confine(self.sandbox, params.sandbox, spec)
         try:
             proc = self.spawn(
                 process_id,
@@ -313,9 +308,10 @@ class Session:
             if self.current:
                 raise reference_spawn_error(exc) from None
             raise
+        proc.confined = confined
         response = p.ExecResponse(proc.process_id)
         if self.current:
-            response.sandbox_type = "none"
+            response.sandbox_type = confine.SANDBOX_TYPE if confined else "none"
         if params.limits is not None:
             # Asked for: the effective limits (with defaults and ceilings).
             response.limits = effective.to_wire()
@@ -497,7 +493,7 @@ class Session:
             response.limit_exceeded, response.limit_value = exceeded
         if self.current:
             response.failure = None
-            response.sandbox_denied = False
+            response.sandbox_denied = proc.exited and self._denied(proc)
         return response
 
     # --- process/write ----------------------------------------------------------
@@ -710,12 +706,19 @@ class Session:
         if proc.timed_out is not None:
             params.timed_out = proc.timed_out
         if self.current:
-            params.sandbox_denied = False
+            params.sandbox_denied = self._denied(proc)
         if proc.limit_exceeded is not None:
             params.limit_exceeded, params.limit_value = proc.limit_exceeded
             if self.stats is not None:
                 self.stats.limits_exceeded[proc.limit_exceeded[0]] += 1
         self._emit(proc, p.Notification(p.PROCESS_EXITED, params))
+
+    def _denied(self, proc: ManagedProcess) -> bool:
+        if not proc.confined:
+            return False
+        if proc.sandbox_denied is None:
+            proc.sandbox_denied = confine.likely_denied(proc)
+        return proc.sandbox_denied
 
     def process_closed(self, proc: ManagedProcess) -> None:
         self._release_fds(proc)

@@ -633,6 +633,7 @@ class Client:
         size: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        sandbox: p.SandboxConfig | None = None,
         detach: bool = False,
     ) -> Process:
         """``process/start`` and a :class:`Process` handle following it.
@@ -656,6 +657,7 @@ class Client:
             size=size,
             timeout_ms=timeout_ms,
             idle_timeout_ms=idle_timeout_ms,
+            sandbox=sandbox,
         )
         requested = params.process_id
         existing = self._processes.get(requested)

@@ -346,6 +346,7 @@ class ExecServerClient(ClientApi, FileTransfers):
         size: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        sandbox: p.SandboxConfig | None = None,
         detach: bool = False,
     ) -> Deferred[RemoteProcess]:
         """``process/start`` and a :class:`RemoteProcess` handle following it.
@@ -367,6 +368,7 @@ class ExecServerClient(ClientApi, FileTransfers):
             size=size,
             timeout_ms=timeout_ms,
             idle_timeout_ms=idle_timeout_ms,
+            sandbox=sandbox,
         )
         return Deferred.fromCoroutine(self._start(params, detach))
 

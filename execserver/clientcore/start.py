@@ -31,10 +31,12 @@ def exec_params(
     size: tuple[int, int] | None = None,
     timeout_ms: int | None = None,
     idle_timeout_ms: int | None = None,
+    sandbox: p.SandboxConfig | None = None,
 ) -> p.ExecParams:
     """``argv`` as given when it is complete ``ExecParams``; otherwise the defaults:
     a generated ``process_id`` (``new_process_id()``), this process's working
-    directory, ``env={"PATH": DEFAULT_PATH}``; ``size`` is ``(rows, cols)``."""
+    directory, ``env={"PATH": DEFAULT_PATH}``; ``size`` is ``(rows, cols)``;
+    ``sandbox`` (see :func:`sandbox_config`) confines the process."""
     if isinstance(argv, p.ExecParams):
         return argv
     return p.ExecParams(
@@ -48,4 +50,31 @@ def exec_params(
         size=p.TerminalSize(*size) if size is not None else None,
         timeout_ms=timeout_ms,
         idle_timeout_ms=idle_timeout_ms,
+        sandbox=sandbox,
     )
+
+
+#: ``--sandbox`` of ``exec-server-client run/shell`` (Codex's names).
+SANDBOX_MODES = ("read-only", "workspace-write", "danger-full-access")
+
+
+def sandbox_config(
+    mode: str, writable_roots: Sequence[str] = (), network: bool = True
+) -> p.SandboxConfig:
+    """The ``sandbox`` of a start for ``mode`` (one of :data:`SANDBOX_MODES`).
+
+    ``read-only`` and ``workspace-write`` are exec-server's additive mode
+    form (``writable_roots`` empty: the process's cwd); ``danger-full-access``
+    is the reference's ``disabled`` profile, refused by a server with a floor.
+    """
+    if mode == "read-only":
+        return p.SandboxConfig(mode="readOnly", network=network)
+    if mode == "workspace-write":
+        if writable_roots:
+            return p.SandboxConfig(
+                mode="workspaceWrite", writable_roots=list(writable_roots), network=network
+            )
+        return p.SandboxConfig(mode="workspaceWrite", network=network)
+    if mode == "danger-full-access":
+        return p.SandboxConfig(permissions=p.DisabledPermissions())
+    raise ValueError(f"sandbox mode must be one of {', '.join(SANDBOX_MODES)}, got `{mode}`")

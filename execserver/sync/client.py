@@ -146,6 +146,7 @@ class Client:
         size: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        sandbox: p.SandboxConfig | None = None,
         detach: bool = False,
     ) -> Process:
         """``process/start``; the handle follows the process (see :class:`Process`).
@@ -168,6 +169,7 @@ class Client:
                     size=size,
                     timeout_ms=timeout_ms,
                     idle_timeout_ms=idle_timeout_ms,
+                    sandbox=sandbox,
                     detach=detach,
                 )
             )
@@ -204,6 +206,7 @@ class Client:
         size: tuple[int, int] | None = None,
         timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        sandbox: p.SandboxConfig | None = None,
     ) -> RunResult:
         """Run ``argv`` to its end: stdout, stderr, exit code (a :class:`RunResult`).
 
@@ -228,6 +231,7 @@ class Client:
                     size=size,
                     timeout_ms=timeout_ms,
                     idle_timeout_ms=idle_timeout_ms,
+                    sandbox=sandbox,
                 )
             )
 

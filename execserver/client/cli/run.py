@@ -45,6 +45,7 @@ from execserver.client.errors import ExecServerError, ServerError
 from execserver.client.process import RemoteProcess
 from execserver.client.reconnect import ResumingClient
 from execserver.client.types import GapEvent, OutputEvent
+from execserver.clientcore.start import SANDBOX_MODES, sandbox_config
 
 #: ``run``/``shell`` over --url: the session outlives a drop this long (ms).
 RESUME_TTL_MS = 60_000
@@ -80,6 +81,26 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _process_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sandbox",
+        choices=SANDBOX_MODES,
+        help="run the command confined: read-only (no writes), workspace-write (writes only "
+        "in the --writable-root directories, default the cwd, and not in their .git, .codex, "
+        ".agents) or danger-full-access (none; refused by a server with a --sandbox-floor)",
+    )
+    parser.add_argument(
+        "--writable-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --sandbox workspace-write: a remote directory the command may write "
+        "(repeatable)",
+    )
+    parser.add_argument(
+        "--no-network",
+        action="store_true",
+        help="with --sandbox read-only or workspace-write: no network for the command",
+    )
     parser.add_argument("--cwd", help="remote working directory (default: . with --stdio, else /)")
     parser.add_argument(
         "-e",
@@ -326,8 +347,21 @@ class _Interrupts:
             self._proc.terminate(grace_ms=0).addErrback(_ignore)
 
 
+def _sandbox(args: argparse.Namespace) -> p.SandboxConfig | None:
+    if args.sandbox is None:
+        if args.writable_root or args.no_network:
+            raise CliError("--writable-root and --no-network need --sandbox", EXIT_USAGE)
+        return None
+    if args.writable_root and args.sandbox != "workspace-write":
+        raise CliError("--writable-root needs --sandbox workspace-write", EXIT_USAGE)
+    if args.no_network and args.sandbox == "danger-full-access":
+        raise CliError("--no-network needs --sandbox read-only or workspace-write", EXIT_USAGE)
+    return sandbox_config(args.sandbox, args.writable_root, not args.no_network)
+
+
 async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) -> int:
     argv = _argv(args, DEFAULT_SHELL if tty_mode else None)
+    sandbox = _sandbox(args)
     forward_stdin = tty_mode or getattr(args, "stdin", False)
     env = _env(args, tty_mode)
     first = await connect(reactor, args)
@@ -362,6 +396,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 pipe_stdin=forward_stdin and not tty_mode,
                 size=size,
                 timeout_ms=args.timeout_ms or None,
+                sandbox=sandbox,
             )
         except ServerError as exc:
             raise _spawn_error(exc, argv) from None

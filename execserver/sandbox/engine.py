@@ -1,0 +1,467 @@
+"""Which confinement this host can give a process, and the command line that gives it.
+
+Two mechanisms, both finishing with the seccomp filter of
+:mod:`execserver.sandbox.seccomp` under ``no_new_privs``:
+
+- ``bwrap`` (preferred, as the reference): bubblewrap with a new user, pid
+  and (network restricted) network namespace, ``/`` read-only, each
+  writable root bound writable, each read-only carve-out bound read-only
+  again inside it, each hidden path masked, a fresh ``/proc`` and ``/dev``,
+  ``--die-with-parent``; the filter is loaded by bwrap (``--seccomp 3``).
+- ``landlock`` (where bwrap cannot run, or for ``useLegacyLandlock``):
+  :mod:`execserver.sandbox.landlock_exec` run by the interpreter, in the
+  child, before the command. Landlock only grants, so it cannot re-protect
+  a path inside a writable root nor hide one beneath a readable one: a
+  profile that needs either (an existing carve-out or hidden path) is
+  refused here rather than run less confined.
+
+Both are argv transformations of a :class:`~execserver.spawn.ProcessSpec`
+(no hook in the spawn paths: the fast ``posix_spawn`` path and the stock
+path both start the wrapped command unchanged, inside the process's cgroup).
+The bwrap command line is::
+
+    /bin/sh -c 'trap "" HUP INT ...; exec 3<"$0" && exec "$@"' FILTER \\
+      BWRAP --die-with-parent --unshare-user --unshare-pid [--unshare-net] ... \\
+      --seccomp 3 -- ENV --default-signal -- EXECUTABLE ARGS...
+
+``sh`` opens the filter (a file the server wrote at startup in a private
+directory of ``/dev/shm``, which no sandboxed process sees or can write) as
+fd 3 and makes
+bwrap and its pid-1 reaper ignore the signals a client sends (and a
+terminal's ^C), so they reach the command only (``env --default-signal``
+restores them for it) and its exit status is what bwrap reports; bwrap is
+not given ``--new-session`` so the command keeps the process group (and
+the controlling terminal of a PTY) the server signals, while the filter
+refuses ``TIOCSTI``/``TIOCLINUX``, what ``--new-session`` guards against.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final, Literal
+
+import attrs
+from twisted.logger import Logger
+
+from execserver.errors import RpcError
+from execserver.sandbox import seccomp
+from execserver.spawn import ProcessSpec
+from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
+
+if TYPE_CHECKING:
+    from execserver import protocol as p
+    from execserver.dispatcher import Dispatcher
+    from execserver.sandbox.policy import SandboxPolicy
+
+log = Logger()
+
+Mechanism = Literal["bwrap", "landlock"]
+MechanismChoice = Literal["auto", "bwrap", "landlock"]
+MECHANISM_CHOICES: Final[tuple[MechanismChoice, ...]] = ("auto", "bwrap", "landlock")
+
+#: What ``process/start`` answers current-dialect clients for a confined process.
+SANDBOX_TYPE: Final = "linuxSeccomp"
+
+#: The reference's text for a profile this executor cannot enforce.
+CANNOT_ENFORCE: Final = "sandbox intent cannot be enforced on this executor"
+
+#: The signals bwrap and its reaper ignore (the command gets them back).
+_SHIELDED: Final = "HUP INT QUIT TERM USR1 USR2 ALRM TSTP TTIN TTOU PIPE XFSZ"
+_SH_SCRIPT: Final = f'trap \'\' {_SHIELDED}; exec 3<"$0" && exec "$@"'
+#: Devices a Landlock-confined process may still open for writing.
+_LANDLOCK_DEVICES: Final = (
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/tty",
+    "/dev/pts",
+    "/dev/ptmx",
+)
+#: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
+_LANDLOCK_SCOPES: Final = 0b11
+
+
+_LANDLOCK_ERRORS: Final = {
+    38: "the kernel has no Landlock (ENOSYS)",
+    95: "Landlock is disabled (EOPNOTSUPP: add `landlock` to the kernel's lsm= list)",
+}
+
+
+def _landlock_abi() -> tuple[int, str | None]:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+        syscall.restype = ctypes.c_long
+        abi = int(syscall(444, None, ctypes.c_size_t(0), 1))
+    except (OSError, AttributeError) as exc:
+        return 0, f"cannot call landlock_create_ruleset: {exc}"
+    if abi < 1:
+        err = ctypes.get_errno()
+        why = _LANDLOCK_ERRORS.get(err, os.strerror(err))
+        return 0, why
+    return abi, None
+
+
+@attrs.frozen
+class HostSupport:
+    """What confinement works here (``exec-server --check-sandbox`` prints it)."""
+
+    bwrap: str | None
+    bwrap_problem: str | None
+    landlock_abi: int
+    landlock_problem: str | None
+    seccomp_problem: str | None
+    #: bwrap takes ``--disable-userns`` (0.8 and later; older ones rely on the
+    #: seccomp filter alone to refuse new user namespaces).
+    bwrap_disable_userns: bool = True
+
+    def lines(self) -> list[str]:
+        def state(problem: str | None, good: str) -> str:
+            return f"ok ({good})" if problem is None else f"NO: {problem}"
+
+        if self.bwrap is None:
+            userns = "untested (no bwrap)"
+        else:
+            userns = state(self.bwrap_problem, "bwrap created its namespaces")
+        return [
+            f"bubblewrap:       {state(self.bwrap_problem, str(self.bwrap))}",
+            f"user namespaces:  {userns}",
+            f"landlock:         {state(self.landlock_problem, f'ABI {self.landlock_abi}')}",
+            f"seccomp:          {state(self.seccomp_problem, 'libseccomp, kernel filters')}",
+        ]
+
+
+def _probe_bwrap(path: str | None, explicit: bool) -> tuple[str | None, str | None]:
+    if path is None:
+        return None, (
+            "bwrap not found on PATH (install the `bubblewrap` package, or pass --bwrap PATH)"
+        )
+    if explicit and not os.access(path, os.X_OK):
+        return path, f"--bwrap {path} is not an executable file"
+    argv = [path, "--die-with-parent", "--unshare-user", "--unshare-pid", "--unshare-net",
+            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+            "--", "/bin/true"]  # fmt: skip
+    try:
+        result = subprocess.run(argv, capture_output=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return path, f"{path} cannot run: {exc}"
+    if result.returncode != 0:
+        said = result.stderr.decode(errors="replace").strip().splitlines()
+        return path, (
+            f"{path} cannot create its namespaces here "
+            f"({said[-1] if said else result.returncode}); "
+            "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 "
+            "or user.max_user_namespaces > 0; on Ubuntu "
+            "kernel.apparmor_restrict_unprivileged_userns=0) "
+            "or give the container CAP_SYS_ADMIN"
+        )
+    return path, None
+
+
+def _takes_disable_userns(path: str) -> bool:
+    argv = [path, "--unshare-user", "--disable-userns", "--ro-bind", "/", "/", "--", "/bin/true"]
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def probe(bwrap: str | None = None) -> HostSupport:
+    """Try each mechanism on this host (runs bwrap once: call at startup)."""
+    path = (
+        bwrap
+        if bwrap is not None
+        else shutil.which("bwrap", path=os.environ.get("PATH", DEFAULT_PATH))
+    )
+    bwrap_path, bwrap_problem = _probe_bwrap(path, bwrap is not None)
+    abi, landlock_problem = _landlock_abi()
+    seccomp_problem: str | None = None
+    if not seccomp.kernel_supports_filters():
+        seccomp_problem = "the kernel has no seccomp filters (CONFIG_SECCOMP_FILTER)"
+    else:
+        try:
+            seccomp.build(False)
+        except seccomp.SeccompError as exc:
+            seccomp_problem = str(exc)
+    disable_userns = bwrap_problem is None and bwrap_path is not None
+    if disable_userns:
+        assert bwrap_path is not None
+        disable_userns = _takes_disable_userns(bwrap_path)
+    return HostSupport(
+        bwrap_path, bwrap_problem, abi, landlock_problem, seccomp_problem, disable_userns
+    )
+
+
+#: Where the filters are kept: a sandboxed process never sees the host's
+#: /dev/shm (bwrap mounts a fresh /dev; Landlock grants no write there).
+FILTER_PARENT: Final = "/dev/shm"
+
+
+_FILTER_PREFIX: Final = "exec-server-seccomp-"
+
+
+def _remove_stale_filters(parent: str) -> None:
+    """Remove the filter directories of servers that died without stopping (SIGKILL)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_FILTER_PREFIX):
+            continue
+        pid_text = name[len(_FILTER_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _write_filters(directory: str) -> dict[bool, str]:
+    paths = {}
+    for network in (False, True):
+        path = os.path.join(directory, "network" if network else "no-network")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+        try:
+            os.write(fd, seccomp.build(network))
+        finally:
+            os.close(fd)
+        paths[network] = path
+    return paths
+
+
+def _set_not_dumpable() -> None:
+    """Keep /proc/<server>/environ, maps, mem... from same-user processes without CAP_SYS_PTRACE.
+
+    Landlock does not scope those reads (bwrap's pid namespace hides the
+    server instead); a Landlock-confined process has no capabilities.
+    """
+    import ctypes
+
+    pr_set_dumpable = 4
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)
+
+
+def _existing(paths: Iterable[str]) -> list[str]:
+    return [p for p in paths if os.path.lexists(p)]
+
+
+@attrs.define
+class SandboxEngine:
+    """The server's sandbox: the mechanism in use, its filters, the operator's floor."""
+
+    requested: MechanismChoice = "auto"
+    #: ``--bwrap PATH`` (None: ``bwrap`` on PATH).
+    bwrap_flag: str | None = None
+    #: ``--sandbox-floor``: every process and fs call is confined at least this much.
+    floor: SandboxPolicy | None = None
+    #: Paths masked in every bwrap sandbox: the server's own Unix sockets.
+    masked: tuple[str, ...] = ()
+    support: HostSupport | None = attrs.field(init=False, default=None)
+    #: The mechanism a confined start uses (None: confined starts are refused).
+    mechanism: Mechanism | None = attrs.field(init=False, default=None)
+    #: The seccomp programs (network allowed or not), as files only the server writes.
+    _filters: dict[bool, str] = attrs.field(init=False, factory=dict)
+    _dir: str | None = attrs.field(init=False, default=None)
+    _helper: str = attrs.field(init=False, default="")
+
+    def start(self) -> None:
+        """Probe the host, choose the mechanism, build the filters; log the choice."""
+        support = self.support = probe(self.bwrap_flag)
+        bwrap_ok = support.bwrap_problem is None and support.seccomp_problem is None
+        landlock_ok = support.landlock_problem is None and support.seccomp_problem is None
+        if self.requested in ("auto", "bwrap") and bwrap_ok:
+            self.mechanism = "bwrap"
+        elif self.requested in ("auto", "landlock") and landlock_ok:
+            self.mechanism = "landlock"
+        if self.mechanism is not None:
+            parent = FILTER_PARENT if os.access(FILTER_PARENT, os.W_OK) else None
+            _remove_stale_filters(parent or tempfile.gettempdir())
+            self._dir = tempfile.mkdtemp(prefix=f"{_FILTER_PREFIX}{os.getpid()}-", dir=parent)
+            self._filters = _write_filters(self._dir)
+            if support.landlock_problem is None and self.requested != "bwrap":
+                _set_not_dumpable()
+        with open(os.path.join(os.path.dirname(__file__), "landlock_exec.py")) as f:
+            self._helper = f.read()
+        if self.mechanism is None:
+            log.warn(
+                "sandbox: confined process starts will be refused: {why}", why=self.unavailable()
+            )
+        else:
+            log.info(
+                "sandbox: confined processes run under {mechanism} + seccomp",
+                mechanism=self.describe(),
+            )
+
+    def stop(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def describe(self) -> str:
+        """``bwrap``, ``landlock`` or ``none`` (environment/info, /metrics)."""
+        return self.mechanism or "none"
+
+    def unavailable(self, landlock_wanted: bool = False) -> str:
+        """Why no confined process can start here, and how to fix it."""
+        support = self.support
+        if support is None:
+            return f"{CANNOT_ENFORCE}: the sandbox was not started"
+        problems = []
+        if support.seccomp_problem is not None:
+            problems.append(f"seccomp: {support.seccomp_problem}")
+        if self.requested != "landlock":
+            problems.append(f"bubblewrap: {support.bwrap_problem or 'not chosen'}")
+        else:
+            problems.append("bubblewrap: not used (--sandbox-mechanism landlock)")
+        if self.requested != "bwrap" or landlock_wanted:
+            problems.append(f"Landlock: {support.landlock_problem or 'not chosen'}")
+        else:
+            problems.append("Landlock: not used (--sandbox-mechanism bwrap)")
+        return (
+            f"{CANNOT_ENFORCE}: "
+            + "; ".join(problems)
+            + " (exec-server --check-sandbox shows what works here)"
+        )
+
+    # --- wrapping a start ----------------------------------------------------
+
+    def wrap(
+        self, spec: ProcessSpec, policy: SandboxPolicy, legacy_landlock: bool = False
+    ) -> ProcessSpec:
+        """``spec`` run confined by ``policy`` (raises RpcError when it cannot be)."""
+        mechanism = self.mechanism
+        support = self.support
+        if (
+            legacy_landlock
+            and support is not None
+            and support.landlock_problem is None
+            and support.seccomp_problem is None
+            and self.requested != "bwrap"
+        ):
+            mechanism = "landlock"
+        if mechanism is None:
+            raise RpcError.invalid_params(self.unavailable())
+        if self._dir is not None and policy.access(self._dir) == "write":
+            raise RpcError.invalid_params(
+                f"{CANNOT_ENFORCE}: the profile makes {self._dir}, where the server keeps its "
+                "seccomp filters, writable"
+            )
+        executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
+        if mechanism == "landlock":
+            return self._landlock(spec, policy, executable)
+        return self._bwrap(spec, policy, executable)
+
+    def _command(self, spec: ProcessSpec, executable: str) -> list[str]:
+        """What bwrap runs: the command, its signals back to their defaults."""
+        env = shutil.which("env", path=DEFAULT_PATH) or "/usr/bin/env"
+        program = spec.argv[0]
+        if (spec.arg0 is None or spec.arg0 == program) and "=" not in program:
+            # env finds it along the child's PATH from the cwd, as
+            # resolve_executable did, and keeps argv[0] as given.
+            return [env, "--default-signal", "--", *spec.argv]
+        # bash's exec -a sets another argv[0] (env would read NAME=VALUE as a setting).
+        bash = shutil.which("bash", path=DEFAULT_PATH) or "/bin/bash"
+        arg0 = spec.arg0 if spec.arg0 is not None else program
+        # --norc: bash reads ~/.bashrc even non-interactive when it takes
+        # its stdin for a network connection.
+        return [env, "--default-signal", "--", bash, "--noprofile", "--norc", "-c",
+                'exec -a "$0" "$@"', arg0, executable, *spec.argv[1:]]  # fmt: skip
+
+    def bwrap_args(self, policy: SandboxPolicy, cwd: str) -> list[str]:
+        """bwrap's options for ``policy`` (before ``--``)."""
+        assert self.support is not None and self.support.bwrap is not None
+        args = [self.support.bwrap, "--die-with-parent", "--unshare-user"]
+        if self.support.bwrap_disable_userns:
+            args.append("--disable-userns")
+        args.append("--unshare-pid")
+        if not policy.network:
+            args.append("--unshare-net")
+        if policy.full_read:
+            args += ["--ro-bind", "/", "/"]
+        else:
+            args += ["--tmpfs", "/"]
+        args += ["--dev", "/dev"]
+        # Deeper rules after shallower ones: a mount covers what is beneath it.
+        for rule in sorted(policy.rules, key=lambda r: (r.path.rstrip("/").count("/"), r.path)):
+            path = rule.path
+            if rule.access == "none":
+                if os.path.isdir(path):
+                    args += ["--perms", "000", "--tmpfs", path, "--remount-ro", path]
+                elif os.path.lexists(path):
+                    args += ["--ro-bind", "/dev/null", path]
+                continue
+            if not os.path.exists(path) or path == "/":
+                continue
+            # "-try": a path that vanished since the policy was resolved binds
+            # nothing (a writable root stays read-only; a carve-out that no
+            # longer exists has nothing to protect, as when it was missing).
+            # A hidden path that vanished fails the start instead (above).
+            if rule.access == "write":
+                args += ["--bind-try", path, path]
+            elif (
+                not policy.full_read
+                or policy.access(os.path.dirname(path) or "/") == "write"
+                or path.startswith("/dev")
+            ):
+                args += ["--ro-bind-try", path, path]
+        for path in self.masked:
+            if os.path.lexists(path):
+                args += ["--ro-bind-try", "/dev/null", path]
+        args += ["--proc", "/proc", "--chdir", cwd, "--seccomp", "3"]
+        return args
+
+    def _bwrap(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
+        argv = ["/bin/sh", "-c", _SH_SCRIPT, self._filters[policy.network],
+                *self.bwrap_args(policy, spec.cwd),
+                "--", *self._command(spec, executable)]  # fmt: skip
+        return attrs.evolve(spec, argv=tuple(argv), arg0=None)
+
+    def _landlock(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
+        if not policy.full_read:
+            raise RpcError.invalid_params(
+                f"{CANNOT_ENFORCE}: Landlock cannot restrict reads to part of the filesystem "
+                "here; install the `bubblewrap` package (or pass --bwrap PATH)"
+            )
+        blocked = _existing(policy.read_only_carveouts()) + _existing(policy.hidden())
+        if blocked:
+            raise RpcError.invalid_params(
+                f"{CANNOT_ENFORCE}: Landlock cannot re-protect {blocked[0]} inside a writable "
+                "root; install the `bubblewrap` package (or pass --bwrap PATH) "
+                "and enable user namespaces"
+            )
+        import sys
+
+        reads = ["/"]
+        writes = [*policy.writable_roots(), *_LANDLOCK_DEVICES]
+        program = [executable, spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]]
+        argv = [sys.executable, "-I", "-S", "-c", self._helper, self._filters[policy.network],
+                str(len(reads)), *reads, str(len(writes)), *writes,
+                str(_LANDLOCK_SCOPES), *program]  # fmt: skip
+        return attrs.evolve(spec, argv=tuple(argv), arg0=None)
+
+
+def sandbox_of(dispatcher: Dispatcher) -> SandboxEngine | None:
+    """The sandbox the composition root gave ``dispatcher`` (None: built without one)."""
+    try:
+        return dispatcher.part(SandboxEngine)
+    except LookupError:
+        return None
+
+
+def describe_sandbox(info: p.EnvironmentInfo, engine: SandboxEngine | None) -> p.EnvironmentInfo:
+    """``info`` with our additive ``sandbox`` field: the mechanism, or ``none``."""
+    info.sandbox = engine.describe() if engine is not None else "none"
+    return info

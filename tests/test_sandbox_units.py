@@ -1,0 +1,143 @@
+"""Pure parts of the process sandbox: the sandboxDenied guess, the filter, bwrap's mounts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from execserver.sandbox import seccomp
+from execserver.sandbox.denied import KEYWORDS, likely_denied
+from execserver.sandbox.engine import HostSupport, SandboxEngine
+from execserver.sandbox.policy import PathRule, SandboxPolicy
+
+# --- sandboxDenied, as the reference's is_likely_sandbox_denied ---------------------------------
+
+
+def test_the_reference_cases() -> None:
+    assert not likely_denied(1, False, [b""])  # requires a keyword
+    assert likely_denied(1, False, [b"", b"Operation not permitted"])
+    assert not likely_denied(127, False, [b"command not found"])  # quick reject
+    assert likely_denied(101, False, [b"cargo failed: Read-only file system when writing"])
+    assert likely_denied(128 + 31, False, [])  # SIGSYS
+    assert not likely_denied(0, False, [b"Permission denied"])
+    assert not likely_denied(1, True, [b"Permission denied"])  # timed out
+    assert not likely_denied(None, False, [b"Permission denied"])
+    # A keyword wins over a quick-reject code.
+    assert likely_denied(2, False, [b"sh: 1: cannot create /x: Read-only file system\n"])
+
+
+@given(
+    code=st.integers(min_value=1, max_value=255),
+    keyword=st.sampled_from(KEYWORDS),
+    cut=st.integers(min_value=0, max_value=30),
+    upper=st.booleans(),
+)
+def test_a_keyword_in_any_case_across_chunks(
+    code: int, keyword: bytes, cut: int, upper: bool
+) -> None:
+    text = b"before " + (keyword.upper() if upper else keyword) + b" after"
+    cut = min(cut, len(text))
+    assert likely_denied(code, False, [text[:cut], text[cut:]])
+
+
+@given(code=st.integers(min_value=1, max_value=255), noise=st.binary(max_size=64))
+def test_without_a_keyword_only_sigsys(code: int, noise: bytes) -> None:
+    if any(word in noise.lower() for word in KEYWORDS):
+        return
+    assert likely_denied(code, False, [noise]) == (code == 159)
+
+
+# --- the filter ---------------------------------------------------------------------------------
+
+
+def test_filters_are_classic_bpf_and_differ_by_network() -> None:
+    restricted, open_network = seccomp.build(False), seccomp.build(True)
+    for program in (restricted, open_network):
+        assert program and len(program) % 8 == 0  # struct sock_filter
+    assert restricted != open_network
+
+
+# --- bwrap's command line -----------------------------------------------------------------------
+
+
+def _engine() -> SandboxEngine:
+    engine = SandboxEngine(masked=("/nonexistent/exec.sock",))
+    engine.support = HostSupport("/usr/bin/bwrap", None, 7, None, None, True)
+    engine.mechanism = "bwrap"
+    return engine
+
+
+def test_mounts_go_shallow_to_deep(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    (work / ".git").mkdir(parents=True)
+    (work / "secret").mkdir()
+    (work / "key.pem").write_text("k")
+    policy = SandboxPolicy(
+        confined=True,
+        rules=tuple(
+            sorted(
+                [
+                    PathRule("/", "read"),
+                    PathRule(str(work), "write"),
+                    PathRule(str(work / ".git"), "read"),
+                    PathRule(str(work / "secret"), "none"),
+                    PathRule(str(work / "key.pem"), "none"),
+                    PathRule(str(tmp_path / "missing"), "write"),
+                ],
+                key=lambda r: r.path,
+            )
+        ),
+        network=False,
+        full_read=True,
+    )
+    args = _engine().bwrap_args(policy, str(work))
+    assert args[:6] == [
+        "/usr/bin/bwrap", "--die-with-parent", "--unshare-user", "--disable-userns",
+        "--unshare-pid", "--unshare-net",
+    ]  # fmt: skip
+    joined = " ".join(args)
+    assert "--ro-bind / / --dev /dev" in joined
+    bind = joined.index(f"--bind-try {work} {work}")
+    assert joined.index(f"--ro-bind-try {work}/.git {work}/.git") > bind
+    assert joined.index(f"--perms 000 --tmpfs {work}/secret --remount-ro {work}/secret") > bind
+    assert joined.index(f"--ro-bind /dev/null {work}/key.pem") > bind
+    assert str(tmp_path / "missing") not in joined  # a missing writable root binds nothing
+    assert "/nonexistent/exec.sock" not in joined  # masked only where it exists
+    assert args[-6:] == ["--proc", "/proc", "--chdir", str(work), "--seccomp", "3"]
+
+
+def test_network_allowed_keeps_the_host_network(tmp_path: Path) -> None:
+    policy = SandboxPolicy(
+        confined=True, rules=(PathRule("/", "read"),), network=True, full_read=True
+    )
+    assert "--unshare-net" not in _engine().bwrap_args(policy, str(tmp_path))
+
+
+@pytest.mark.parametrize("requested", ["auto", "bwrap", "landlock"])
+def test_unavailable_names_every_piece(requested: str) -> None:
+    engine = SandboxEngine(requested)  # type: ignore[arg-type]
+    engine.support = HostSupport(None, "bwrap not found on PATH", 0, "no Landlock", None)
+    text = engine.unavailable()
+    assert text.startswith("sandbox intent cannot be enforced on this executor: ")
+    assert ("bwrap not found on PATH" in text) == (requested != "landlock")
+    assert ("no Landlock" in text) == (requested != "bwrap")
+
+
+def test_stale_filter_directories_are_removed(tmp_path: Path) -> None:
+    import subprocess
+
+    from execserver.sandbox.engine import _remove_stale_filters
+
+    child = subprocess.Popen(["true"])  # a pid that has exited and been reaped
+    child.wait()
+    stale = tmp_path / f"exec-server-seccomp-{child.pid}-abc"
+    live = tmp_path / f"exec-server-seccomp-{os.getpid()}-def"
+    other = tmp_path / "exec-server-seccomp-notapid"
+    for path in (stale, live, other):
+        path.mkdir()
+    _remove_stale_filters(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists()
