@@ -633,6 +633,15 @@ def test_check_sandbox_command() -> None:
     assert "bubblewrap:       ok (" in done.stdout
     assert "landlock:         ok (ABI " in done.stdout
     assert "mechanism:        bwrap + seccomp" in done.stdout
+    # Which resource limits this host can enforce (issue 24): all four here.
+    for field in ("memoryBytes", "maxProcesses", "cpuPercent", "fileSizeBytes"):
+        assert f"limits:           {field}: enforced (" in done.stdout, done.stdout
+    subreaper = run_script(
+        "exec-server", "--check-sandbox", "--process-containment", "subreaper", text=True
+    )
+    assert "limits:           memoryBytes: not enforced (process containment is `subreaper`" in (
+        subreaper.stdout
+    ), subreaper.stdout
     done = run_script(
         "exec-server", "--check-sandbox", "--sandbox-mechanism", "bwrap", "--bwrap", "/nope",
         text=True,
