@@ -44,7 +44,7 @@ def _base(method: str, scratch: Path | None = None) -> dict[str, Any]:
         target = (scratch or Path("/nonexistent-dir")) / "file"
         if scratch is not None and not target.exists():
             target.write_bytes(b"content")
-        return {
+        params: dict[str, Any] = {
             "path": str(target),
             "dataBase64": "",
             "missing": [],
@@ -52,6 +52,14 @@ def _base(method: str, scratch: Path | None = None) -> dict[str, Any]:
             "sourcePath": str(target),
             "destinationPath": f"{target}.copy",
         }
+        if method == "fs/walk":
+            params["options"] = {
+                "maxDepth": 1,
+                "maxDirectories": 1,
+                "maxEntries": 1,
+                "followDirectorySymlinks": False,
+            }
+        return params
     copy: dict[str, Any] = json.loads(json.dumps(_BASE.get(method, {"processId": "proc-1"})))
     return copy
 

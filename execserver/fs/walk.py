@@ -39,6 +39,7 @@ import msgspec
 
 from execserver.errors import RpcError
 from execserver.fs.paths import FAMILY, absolute_path, oserrors, path_to_uri
+from execserver.protocol import NonNegative
 from execserver.spawn import os_error_text
 
 FS_CANONICALIZE: Final = "fs/canonicalize"
@@ -63,9 +64,11 @@ class FsCanonicalizeResponse(msgspec.Struct, rename="camel"):
 
 
 class WalkOptions(msgspec.Struct, rename="camel"):
-    max_depth: int
-    max_directories: int
-    max_entries: int
+    # The reference's usize: a negative value is -32602 naming the field
+    # (values past the maxima below are the reference's -32600).
+    max_depth: NonNegative
+    max_directories: NonNegative
+    max_entries: NonNegative
     follow_directory_symlinks: bool
 
 
@@ -92,8 +95,6 @@ class FsWalkResponse(msgspec.Struct, rename="camel"):
 
 def check_options(options: WalkOptions) -> None:
     """The reference's limits (``-32600``, its texts); negatives do not decode (``-32602``)."""
-    if min(options.max_depth, options.max_directories, options.max_entries) < 0:
-        raise RpcError.invalid_params("invalid number")
     if options.max_directories == 0 or options.max_entries == 0:
         raise RpcError.invalid_request("filesystem walk limits must be greater than zero")
     if (
