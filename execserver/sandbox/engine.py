@@ -22,7 +22,13 @@ The bwrap command line is::
 
     /bin/sh -c 'trap "" HUP INT ...; exec 3<"$0" && exec "$@"' FILTER \\
       BWRAP --die-with-parent --unshare-user --unshare-pid [--unshare-net] ... \\
-      --seccomp 3 -- ENV --default-signal -- EXECUTABLE ARGS...
+      --seccomp 3 --setenv KEY VALUE... -- ENV --default-signal -- EXECUTABLE ARGS...
+
+run with an empty environment: the client's variables are set by bwrap for
+the command only (``--setenv``), so no ``LD_PRELOAD``/``LD_AUDIT``/
+``LD_DEBUG_OUTPUT`` of the client's reaches a program that runs unconfined
+(the Landlock helper likewise gets them as arguments and ``execve``s the
+command with them).
 
 ``sh`` opens the filter (a file the server wrote at startup in a private
 directory of ``/dev/shm``, which no sandboxed process sees or can write) as
@@ -393,10 +399,14 @@ class SandboxEngine:
         return args
 
     def _bwrap(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
+        # The client's environment reaches the command only (bwrap sets it
+        # last): sh and bwrap run unconfined, and their dynamic loader would
+        # honour LD_PRELOAD, LD_AUDIT, LD_DEBUG_OUTPUT... from it.
+        setenv = [arg for key, value in spec.env.items() for arg in ("--setenv", key, value)]
         argv = ["/bin/sh", "-c", _SH_SCRIPT, self._filters[policy.network],
-                *self.bwrap_args(policy, spec.cwd),
+                *self.bwrap_args(policy, spec.cwd), *setenv,
                 "--", *self._command(spec, executable)]  # fmt: skip
-        return attrs.evolve(spec, argv=tuple(argv), arg0=None)
+        return attrs.evolve(spec, argv=tuple(argv), arg0=None, env={})
 
     def _landlock(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
         if not policy.full_read:
@@ -416,10 +426,14 @@ class SandboxEngine:
         reads = ["/"]
         writes = [*policy.writable_roots(), *_LANDLOCK_DEVICES]
         program = [executable, spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]]
+        # The client's environment is the command's only (the helper execs
+        # it with it): the interpreter runs unconfined until the helper has
+        # confined it, and its dynamic loader would honour LD_PRELOAD...
+        env = [f"{key}={value}" for key, value in spec.env.items()]
         argv = [sys.executable, "-I", "-S", "-c", self._helper, self._filters[policy.network],
                 str(len(reads)), *reads, str(len(writes)), *writes,
-                str(_LANDLOCK_SCOPES), *program]  # fmt: skip
-        return attrs.evolve(spec, argv=tuple(argv), arg0=None)
+                str(_LANDLOCK_SCOPES), str(len(env)), *env, *program]  # fmt: skip
+        return attrs.evolve(spec, argv=tuple(argv), arg0=None, env={})
 
 
 def sandbox_of(dispatcher: Dispatcher) -> SandboxEngine | None:

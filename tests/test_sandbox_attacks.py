@@ -1,0 +1,44 @@
+"""Attacks on the sandbox (issue 21 review): each one an escape found and fixed.
+
+A hostile command inside the sandbox and a hostile client crafting the
+start, through the real installed server, both mechanisms where they
+apply. Each test failed before its fix (see the commit that adds it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+
+from tests.test_sandbox_process import (
+    MECHANISMS,
+    Dirs,
+    dirs,
+    env_for,
+    profile_for,
+    run,
+    stdio_server,
+)
+
+__all__ = ["dirs"]
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_loader_variables_do_not_reach_the_unconfined_wrapper(
+    dirs: Dirs, mechanism: str
+) -> None:
+    # LD_DEBUG_OUTPUT makes the dynamic loader of every program that starts
+    # with it write a file: the wrapper that runs before confinement (sh and
+    # bwrap, or the Landlock helper's interpreter) must not see the client's
+    # environment, only the command inside does.
+    target = dirs.outside / "pwn"
+    env = env_for(dirs, mechanism, LD_DEBUG="files", LD_DEBUG_OUTPUT=str(target))
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        ran = await run(
+            server, 'echo "$LD_DEBUG_OUTPUT"', dirs.work, profile_for(dirs, mechanism), env
+        )
+    assert ran.exit_code == 0, ran.output
+    # The command itself still gets the variable the client set.
+    assert ran.output.splitlines()[-1] == str(target).encode()
+    assert sorted(p.name for p in dirs.outside.iterdir()) == []
