@@ -7,10 +7,14 @@ apply. Each test failed before its fix (see the commit that adds it).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import pytest_twisted
 
+from tests.harness import RpcFailure, b64
 from tests.test_sandbox_process import (
+    CHILD_PATH,
     MECHANISMS,
     Dirs,
     dirs,
@@ -41,4 +45,38 @@ async def test_loader_variables_do_not_reach_the_unconfined_wrapper(
     assert ran.exit_code == 0, ran.output
     # The command itself still gets the variable the client set.
     assert ran.output.splitlines()[-1] == str(target).encode()
+    assert sorted(p.name for p in dirs.outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("target", ["absolute", "relative"])
+@pytest_twisted.ensureDeferred
+async def test_floor_holds_against_a_writable_root_that_is_a_symlink(
+    dirs: Dirs, target: str
+) -> None:
+    # A symlink inside the floor's writable root, pointing outside it, asked
+    # for as a writable root: lexically within the floor, really outside.
+    link = dirs.work / "link"
+    link.symlink_to(dirs.outside if target == "absolute" else Path("..") / "outside")
+    sandbox = {"mode": "workspaceWrite", "writableRoots": [str(link)], "network": False}
+    async with stdio_server(
+        "--sandbox-floor", "workspace-write", "--floor-writable-root", str(dirs.work),
+        "--floor-no-network",
+    ) as server:  # fmt: skip
+        ran = await run(
+            server,
+            f"echo pwn > {dirs.outside}/p; echo pwn > {link}/q; echo pwn > {dirs.work}/in",
+            dirs.work,
+            sandbox,
+            {"PATH": CHILD_PATH},
+        )
+        with pytest.raises(RpcFailure) as refused:
+            await server.call(
+                "fs/writeFile",
+                {"path": str(link / "r"), "dataBase64": b64(b"pwn"), "sandbox": sandbox},
+            )
+        assert (refused.value.code, refused.value.message) == (
+            -32603,
+            "Read-only file system (os error 30)",
+        )
+    assert ran.exit_code != 0
     assert sorted(p.name for p in dirs.outside.iterdir()) == []

@@ -520,6 +520,10 @@ class Guard:
 
         def body() -> _T:
             seen = effective(policy)
+            if self.floor is not None:
+                # Again on the real paths as they are now (a symlink swapped
+                # in since the floor was applied must not widen it).
+                seen = apply_floor(seen, self.floor)
             for path in reads:
                 check_read(seen, path)
             for path, follows in writes:
