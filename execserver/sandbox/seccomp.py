@@ -8,7 +8,8 @@ for socketpairs between a tool's own processes); ``ptrace``,
 network allowed, only ``AF_VSOCK`` sockets are refused. On top of the
 reference: mounting, keyrings, new namespaces (``unshare``, ``setns``,
 ``clone`` with a ``CLONE_NEW*`` flag; ``clone3`` answers ``ENOSYS`` so libc
-falls back to ``clone``), ``bpf``, ``perf_event_open``, kernel modules,
+falls back to ``clone``; ``openat2`` answers ``ENOSYS`` too, its mode being out
+of the filter's reach), ``bpf``, ``perf_event_open``, kernel modules,
 ``kexec``, ``reboot``, swap, ``open_by_handle_at``, terminal injection
 (``TIOCSTI``, ``TIOCLINUX``) and setting a setuid or setgid bit (``chmod``
 family, ``mknod``, ``open``/``openat``/``creat`` with ``O_CREAT``).
@@ -158,6 +159,10 @@ def build(network: bool) -> bytes:
         for name in ALWAYS_DENIED:
             f.deny(name)
         f.deny("clone3", code=errno.ENOSYS)
+        # openat2 takes its flags and mode in a struct the filter cannot
+        # read (a setuid file would get through): ENOSYS, callers fall back
+        # to openat, which the filter checks.
+        f.deny("openat2", code=errno.ENOSYS)
         for flag in _CLONE_NEW_FLAGS:
             f.deny("clone", (0, _CMP_MASKED_EQ, flag, flag))
         for request in (_TIOCSTI, _TIOCLINUX):
