@@ -17,11 +17,13 @@ from tests.test_sandbox_process import (
     CHILD_PATH,
     MECHANISMS,
     Dirs,
+    codex_profile,
     dirs,
     env_for,
     profile_for,
     run,
     stdio_server,
+    uri,
 )
 
 __all__ = ["dirs"]
@@ -108,3 +110,31 @@ async def test_no_setuid_file_through_openat2(dirs: Dirs, mechanism: str) -> Non
         )
     assert ran.exit_code == 0, ran.output
     assert not target.exists() or not target.stat().st_mode & 0o6000, oct(target.stat().st_mode)
+
+
+@pytest_twisted.ensureDeferred
+async def test_fs_path_through_a_missing_directory_and_dotdot(dirs: Dirs) -> None:
+    # A hostile client's path: `..` after a directory that does not exist.
+    # The guard's own resolution meets the kernel's error first: it must be
+    # the same answer as without a sandbox (not an internal error with a
+    # traceback in the server's log), and nothing is written.
+    (dirs.work / ".git").mkdir()
+    path = f"{uri(dirs.work)}/missing/../.git/config"
+    async with stdio_server() as server:
+        answers = []
+        for sandbox in (None, codex_profile(dirs.work)):
+            for method, params in (
+                ("fs/writeFile", {"path": path, "dataBase64": b64(b"pwn")}),
+                ("fs/createDirectory", {"path": path, "recursive": True}),
+                ("fs/remove", {"path": path}),
+                ("fs/readFile", {"path": path}),
+            ):
+                response = await server.request(method, {**params, "sandbox": sandbox})
+                answers.append((sandbox is None, method, response.get("error")))
+    plain = [(m, e) for unconfined, m, e in answers if unconfined]
+    confined = [(m, e) for unconfined, m, e in answers if not unconfined]
+    assert all(e is not None and "internal" not in e["message"] for _, e in confined), confined
+    assert [(m, e["code"], e["message"]) for m, e in confined] == [
+        (m, e["code"], e["message"]) for m, e in plain
+    ]
+    assert list((dirs.work / ".git").iterdir()) == []
