@@ -130,10 +130,11 @@ async def test_fs_path_through_a_missing_directory_and_dotdot(dirs: Dirs) -> Non
                 ("fs/readFile", {"path": path}),
             ):
                 response = await server.request(method, {**params, "sandbox": sandbox})
-                answers.append((sandbox is None, method, response.get("error")))
+                assert "error" in response, (method, sandbox, response)
+                answers.append((sandbox is None, method, response["error"]))
     plain = [(m, e) for unconfined, m, e in answers if unconfined]
     confined = [(m, e) for unconfined, m, e in answers if not unconfined]
-    assert all(e is not None and "internal" not in e["message"] for _, e in confined), confined
+    assert all("internal" not in e["message"] for _, e in confined), confined
     assert [(m, e["code"], e["message"]) for m, e in confined] == [
         (m, e["code"], e["message"]) for m, e in plain
     ]
