@@ -139,3 +139,28 @@ async def test_fs_path_through_a_missing_directory_and_dotdot(dirs: Dirs) -> Non
         (m, e["code"], e["message"]) for m, e in plain
     ]
     assert list((dirs.work / ".git").iterdir()) == []
+
+
+# ioctl's request is an `unsigned int` for the kernel, a 64-bit register for
+# seccomp: TIOCSTI with high bits set is still TIOCSTI.
+TIOCSTI_HIGH_BITS = (
+    "python3 -c 'import ctypes, os; c = ctypes.CDLL(None, use_errno=True); "
+    'c.syscall.restype = ctypes.c_long; ch = ctypes.c_char(b"x"); '
+    "r = c.syscall(16, 0, ctypes.c_ulong(0x5412 | 1 << 32), ctypes.byref(ch)); "
+    'print("TIOCSTI", r, os.strerror(ctypes.get_errno()))\''
+)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_tiocsti_with_high_bits_is_refused(dirs: Dirs, mechanism: str) -> None:
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        ran = await run(
+            server,
+            TIOCSTI_HIGH_BITS,
+            dirs.work,
+            profile_for(dirs, mechanism),
+            env_for(dirs, mechanism, TERM="dumb"),
+            tty=True,
+        )
+    assert b"TIOCSTI -1 Operation not permitted" in ran.output, ran.output
