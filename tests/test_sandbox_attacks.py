@@ -164,3 +164,21 @@ async def test_tiocsti_with_high_bits_is_refused(dirs: Dirs, mechanism: str) -> 
             tty=True,
         )
     assert b"TIOCSTI -1 Operation not permitted" in ran.output, ran.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_explicit_none_on_the_root_with_readable_and_writable_children(
+    dirs: Dirs,
+) -> None:
+    # `none` on `/` is the default of a restricted profile; said explicitly,
+    # it must not make the sandbox's own root read-only before the binds.
+    (dirs.outside / "target").write_text("secret\n")
+    sandbox = codex_profile(dirs.work)
+    entries = sandbox["permissions"]["file_system"]["entries"]
+    entries[0] = {"path": {"type": "special", "value": {"kind": "root"}}, "access": "none"}
+    entries.insert(1, {"path": {"type": "special", "value": {"kind": "minimal"}}, "access": "read"})
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ok = await run(server, f"echo in > {dirs.work}/f && cat {dirs.work}/f", dirs.work, sandbox)
+        hidden = await run(server, f"cat {dirs.outside}/target", dirs.work, sandbox)
+    assert (ok.exit_code, ok.output) == (0, b"in\n"), ok.output
+    assert hidden.exit_code != 0 and b"secret" not in hidden.output, hidden.output

@@ -377,6 +377,8 @@ class SandboxEngine:
         for rule in sorted(policy.rules, key=lambda r: (r.path.rstrip("/").count("/"), r.path)):
             path = rule.path
             if rule.access == "none":
+                if path == "/":
+                    continue  # the default (--tmpfs / above): binds still go on it
                 if os.path.isdir(path):
                     args += ["--perms", "000", "--tmpfs", path, "--remount-ro", path]
                 elif os.path.lexists(path):
