@@ -182,3 +182,39 @@ async def test_an_explicit_none_on_the_root_with_readable_and_writable_children(
         hidden = await run(server, f"cat {dirs.outside}/target", dirs.work, sandbox)
     assert (ok.exit_code, ok.output) == (0, b"in\n"), ok.output
     assert hidden.exit_code != 0 and b"secret" not in hidden.output, hidden.output
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "shape"),
+    [("bwrap", "missing"), ("landlock", "missing"), ("bwrap", "symlink")],
+)
+@pytest_twisted.ensureDeferred
+async def test_a_carve_out_the_command_could_create_or_replace_is_a_refusal(
+    dirs: Dirs, mechanism: str, shape: str
+) -> None:
+    # A read-only path inside a writable root that does not exist (an entry
+    # without missing_path_behavior skip), or is a symlink there: a mount
+    # (or a Landlock rule) cannot keep the command from creating it or
+    # replacing the link by a directory of its own (a .git with hooks).
+    w = dirs.work
+    sandbox = profile_for(dirs, mechanism)
+    if shape == "missing":
+        protected = w / "protected"
+        sandbox["permissions"]["file_system"]["entries"].append(
+            {"path": {"type": "path", "path": str(protected)}, "access": "read"}
+        )
+    else:
+        (w / "realgit").mkdir()
+        (w / "realgit" / "config").write_text("[core]\n")
+        protected = w / ".git"
+        protected.symlink_to("realgit")
+    script = (
+        f"rm -f {protected}; mkdir {protected} && echo pwn > {protected}/config && echo ESCAPED"
+    )
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        with pytest.raises(RpcFailure) as refused:
+            await run(server, script, w, sandbox, env_for(dirs, mechanism))
+    assert refused.value.code == -32602
+    assert refused.value.message.startswith("sandbox intent cannot be enforced on this executor")
+    assert str(protected) in refused.value.message
+    assert protected.is_symlink() if shape == "symlink" else not protected.exists()

@@ -238,6 +238,35 @@ def _existing(paths: Iterable[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
+def _unprotectable(policy: SandboxPolicy, path: str) -> str | None:
+    """Why read-only ``path`` (inside a writable root) cannot be kept so, if it cannot.
+
+    A mount protects what exists: a missing component the command may
+    create (its parent writable) or a symlink it may replace (same) would
+    let it make the path its own (a ``.git`` of its own, with hooks).
+    """
+    current = ""
+    for part in path.strip("/").split("/"):
+        parent, current = current or "/", f"{current}/{part}"
+        if policy.access(parent) != "write":
+            if not os.path.lexists(current):
+                return None  # cannot be created from inside either
+            continue
+        if not os.path.lexists(current):
+            return (
+                f"{path} is read-only inside a writable root but {current} does not exist: "
+                "a confined process could create it (create it before the start, or send "
+                'the entry with "missing_path_behavior": "skip")'
+            )
+        if os.path.islink(current):
+            return (
+                f"{path} is read-only inside a writable root but {current} is a symlink "
+                "a confined process could replace (make it a directory, or leave the path "
+                "out of the profile)"
+            )
+    return None
+
+
 @attrs.define
 class SandboxEngine:
     """The server's sandbox: the mechanism in use, its filters, the operator's floor."""
@@ -338,6 +367,10 @@ class SandboxEngine:
                 f"{CANNOT_ENFORCE}: the profile makes {self._dir}, where the server keeps its "
                 "seccomp filters, writable"
             )
+        for path in policy.read_only_carveouts():
+            problem = _unprotectable(policy, path)
+            if problem is not None:
+                raise RpcError.invalid_params(f"{CANNOT_ENFORCE}: {problem}")
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
         if mechanism == "landlock":
             return self._landlock(spec, policy, executable)
