@@ -218,3 +218,23 @@ async def test_a_carve_out_the_command_could_create_or_replace_is_a_refusal(
     assert refused.value.message.startswith("sandbox intent cannot be enforced on this executor")
     assert str(protected) in refused.value.message
     assert protected.is_symlink() if shape == "symlink" else not protected.exists()
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_the_filters_stay_out_of_reach_through_a_symlinked_root(
+    dirs: Dirs, mechanism: str
+) -> None:
+    # /dev/shm (where the server keeps its seccomp programs) asked for as a
+    # writable root through a symlink: refused as /dev/shm itself is, or
+    # the command could rewrite the filter every later sandbox loads.
+    link = dirs.work / "shm"
+    link.symlink_to("/dev/shm")
+    sandbox = {"mode": "workspaceWrite", "writableRoots": [str(link)], "network": False}
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        for root in ("/dev/shm", str(link)):
+            sandbox["writableRoots"] = [root]
+            with pytest.raises(RpcFailure) as refused:
+                await run(server, "ls /dev/shm", dirs.work, sandbox, env_for(dirs, mechanism))
+            assert refused.value.code == -32602, root
+            assert "where the server keeps its seccomp filters" in refused.value.message, root

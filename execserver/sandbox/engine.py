@@ -55,6 +55,7 @@ from twisted.logger import Logger
 
 from execserver.errors import RpcError
 from execserver.sandbox import seccomp
+from execserver.sandbox.policy import effective
 from execserver.spawn import ProcessSpec
 from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
 
@@ -362,7 +363,11 @@ class SandboxEngine:
             mechanism = "landlock"
         if mechanism is None:
             raise RpcError.invalid_params(self.unavailable())
-        if self._dir is not None and policy.access(self._dir) == "write":
+        # On the real paths too: a writable root that is a symlink to /dev/shm.
+        if self._dir is not None and "write" in (
+            policy.access(self._dir),
+            effective(policy).access(self._dir),
+        ):
             raise RpcError.invalid_params(
                 f"{CANNOT_ENFORCE}: the profile makes {self._dir}, where the server keeps its "
                 "seccomp filters, writable"
