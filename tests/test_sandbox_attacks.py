@@ -8,6 +8,7 @@ apply. Each test failed before its fix (see the commit that adds it).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_twisted
@@ -238,3 +239,45 @@ async def test_the_filters_stay_out_of_reach_through_a_symlinked_root(
                 await run(server, "ls /dev/shm", dirs.work, sandbox, env_for(dirs, mechanism))
             assert refused.value.code == -32602, root
             assert "where the server keeps its seccomp filters" in refused.value.message, root
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_another_sessions_terminal_is_out_of_reach(dirs: Dirs, mechanism: str) -> None:
+    # A PTY process of another (unconfined) client; a read-only confined
+    # command opens its terminal by name: it must neither read the input
+    # meant for it (a password typed there) nor write into its output.
+    steal = (
+        "python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_NOCTTY); "
+        'os.write(fd, b"SPOOFED\\n"); print("OPENED", flush=True); os.read(fd, 100)\' '
+    )
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+
+        def output_has(pid: str, data: bytes, count: int = 1) -> Any:
+            return lambda _: server.output_of(pid).count(data) >= count
+
+        def exited(pid: str) -> Any:
+            return lambda m: m.get("method") == "process/exited" and m["params"]["processId"] == pid
+
+        await server.start_process(
+            "victim", ["sh", "-c", "tty; exec cat"], cwd=uri(dirs.outside),
+            env={"PATH": CHILD_PATH}, tty=True,
+        )  # fmt: skip
+        await server.wait_for(output_has("victim", b"\n"), 30, "the victim's tty")
+        tty = server.output_of("victim").split(b"\r\n")[0].decode()
+        assert tty.startswith("/dev/pts/"), tty
+        started = await server.start_process(
+            "attacker", ["sh", "-c", steal + tty], cwd=uri(dirs.work),
+            env={"PATH": CHILD_PATH}, sandbox=codex_profile(dirs.work, write=False),
+        )  # fmt: skip
+        assert started["sandboxType"] == "linuxSeccomp"
+        opened, gone = output_has("attacker", b"OPENED"), exited("attacker")
+        last = await server.wait_for(lambda m: opened(m) or gone(m), 30, "the attacker's try")
+        if not gone(last):
+            # It holds the terminal (it would read the victim's next input).
+            await server.call("process/terminate", {"processId": "attacker"})
+        exit_params = (await server.wait_for(gone, 30, "the attacker's exit"))["params"]
+        await server.call("process/terminate", {"processId": "victim"})
+    attacker_output = server.output_of("attacker")
+    assert exit_params["exitCode"] != 0 and b"OPENED" not in attacker_output, attacker_output
+    assert b"SPOOFED" not in server.output_of("victim")

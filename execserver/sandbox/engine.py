@@ -79,15 +79,32 @@ CANNOT_ENFORCE: Final = "sandbox intent cannot be enforced on this executor"
 #: The signals bwrap and its reaper ignore (the command gets them back).
 _SHIELDED: Final = "HUP INT QUIT TERM USR1 USR2 ALRM TSTP TTIN TTOU PIPE XFSZ"
 _SH_SCRIPT: Final = f'trap \'\' {_SHIELDED}; exec 3<"$0" && exec "$@"'
-#: Devices a Landlock-confined process may still open for writing.
+#: Devices a Landlock-confined process may still open for writing (its
+#: own terminal is /dev/tty; a new one comes from /dev/ptmx).
 _LANDLOCK_DEVICES: Final = (
     "/dev/null",
     "/dev/zero",
     "/dev/full",
     "/dev/tty",
-    "/dev/pts",
     "/dev/ptmx",
 )
+#: All of /dev a Landlock-confined process may open, as bwrap's fresh /dev:
+#: not /dev/pts (every terminal of the host: another session's input could
+#: be read there), the consoles, the disks, the host's /dev/shm.
+#: (/dev/stdin, /dev/stdout... lead to the process's own descriptors: a pipe
+#: is not Landlock's, its own terminal the helper grants.)
+_LANDLOCK_DEVICE_READS: Final = (*_LANDLOCK_DEVICES, "/dev/random", "/dev/urandom")
+
+
+def _landlock_reads() -> list[str]:
+    """What a "read /" grants under Landlock: everything but /dev, and its safe devices."""
+    try:
+        top = sorted(os.listdir("/"))
+    except OSError:
+        top = []
+    return [f"/{name}" for name in top if name != "dev"] + list(_LANDLOCK_DEVICE_READS)
+
+
 #: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
 _LANDLOCK_SCOPES: Final = 0b11
 
@@ -463,7 +480,7 @@ class SandboxEngine:
             )
         import sys
 
-        reads = ["/"]
+        reads = _landlock_reads()
         writes = [*policy.writable_roots(), *_LANDLOCK_DEVICES]
         program = [executable, spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]]
         # The client's environment is the command's only (the helper execs

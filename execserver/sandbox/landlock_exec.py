@@ -106,6 +106,18 @@ def main(argv: list[str]) -> None:
             if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
                 _fail(f"landlock_add_rule({path})")
             os.close(fd)
+    for std in (0, 1, 2):
+        # Its own terminal, reopened by name (/dev/stdout, /dev/pts/N): the
+        # server grants no other terminal of the host.
+        try:
+            tty = os.ttyname(std)
+        except OSError:
+            continue
+        fd = os.open(tty, os.O_PATH | os.O_CLOEXEC)
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", handled & _FILE_RIGHTS, fd), 12)
+        if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
+            _fail(f"landlock_add_rule({tty})")
+        os.close(fd)
     with open(bpf_path, "rb") as f:
         program = f.read()
     _drop_capabilities(libc)
