@@ -26,6 +26,7 @@ from tests.test_sandbox_process import (
     stdio_server,
     uri,
 )
+from tests.ws_harness import WsServerProcess, connect
 
 __all__ = ["dirs"]
 
@@ -281,3 +282,36 @@ async def test_another_sessions_terminal_is_out_of_reach(dirs: Dirs, mechanism: 
     attacker_output = server.output_of("attacker")
     assert exit_params["exitCode"] != 0 and b"OPENED" not in attacker_output, attacker_output
     assert b"SPOOFED" not in server.output_of("victim")
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_the_servers_token_file_is_hidden_from_the_sandbox(
+    dirs: Dirs, mechanism: str
+) -> None:
+    # Everything is readable under Codex's profiles, the file of bearer
+    # tokens that guards the server's listeners too: with it a command that
+    # reaches a listener (network enabled) starts processes unconfined.
+    tokens = dirs.outside / "tokens"
+    tokens.write_text("tok-4f1c9e0123456789abcdef\n")
+    tokens.chmod(0o600)
+    server = await WsServerProcess.start(
+        "--listen", "ws://127.0.0.1:0", "--auth-token-file", str(tokens),
+        "--sandbox-mechanism", mechanism,
+    )  # fmt: skip
+    try:
+        client = await connect(
+            server.url, headers={"Authorization": "Bearer tok-4f1c9e0123456789abcdef"}
+        )
+        try:
+            await client.call("initialize", {"clientName": "sandbox-tokens"})
+            client.notify("initialized", {})
+            ran = await run(
+                client, f"cat {tokens}", dirs.work, profile_for(dirs, mechanism),
+                env_for(dirs, mechanism),
+            )  # fmt: skip
+        finally:
+            await client.close()
+    finally:
+        assert await server.stop() == 0
+    assert ran.exit_code != 0 and b"tok-4f1c9e" not in ran.output, ran.output

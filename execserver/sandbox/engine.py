@@ -96,13 +96,35 @@ _LANDLOCK_DEVICES: Final = (
 _LANDLOCK_DEVICE_READS: Final = (*_LANDLOCK_DEVICES, "/dev/random", "/dev/urandom")
 
 
-def _landlock_reads() -> list[str]:
-    """What a "read /" grants under Landlock: everything but /dev, and its safe devices."""
+def _cover(directory: str, excluded: frozenset[str]) -> list[str]:
+    """The entries of ``directory`` that together grant all of it but ``excluded``.
+
+    Landlock only grants (each rule follows its symlink): an entry leading
+    to an excluded path is left out, one leading to an ancestor of one is
+    replaced by its own entries.
+    """
     try:
-        top = sorted(os.listdir("/"))
+        names = sorted(os.listdir(directory))
     except OSError:
-        top = []
-    return [f"/{name}" for name in top if name != "dev"] + list(_LANDLOCK_DEVICE_READS)
+        return []
+    found: list[str] = []
+    for name in names:
+        path = f"{directory.rstrip('/')}/{name}"
+        real = os.path.realpath(path)
+        if real in excluded or path in excluded:
+            continue
+        if any(e.startswith(real.rstrip("/") + "/") for e in excluded):
+            if os.path.isdir(real):
+                found += _cover(real, excluded)
+            continue
+        found.append(path)
+    return found
+
+
+def _landlock_reads(masked: Iterable[str]) -> list[str]:
+    """What a "read /" grants under Landlock: all but /dev and ``masked``, and safe devices."""
+    excluded = frozenset({"/dev", *(os.path.realpath(path) for path in masked)})
+    return _cover("/", excluded) + list(_LANDLOCK_DEVICE_READS)
 
 
 #: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
@@ -294,7 +316,9 @@ class SandboxEngine:
     bwrap_flag: str | None = None
     #: ``--sandbox-floor``: every process and fs call is confined at least this much.
     floor: SandboxPolicy | None = None
-    #: Paths masked in every bwrap sandbox: the server's own Unix sockets.
+    #: Paths masked in every sandbox: the server's own Unix sockets, its
+    #: bearer tokens file (Landlock cannot refuse connecting to a socket:
+    #: only the file is left out of its reads there).
     masked: tuple[str, ...] = ()
     support: HostSupport | None = attrs.field(init=False, default=None)
     #: The mechanism a confined start uses (None: confined starts are refused).
@@ -480,7 +504,7 @@ class SandboxEngine:
             )
         import sys
 
-        reads = _landlock_reads()
+        reads = _landlock_reads(_existing(self.masked))
         writes = [*policy.writable_roots(), *_LANDLOCK_DEVICES]
         program = [executable, spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]]
         # The client's environment is the command's only (the helper execs
