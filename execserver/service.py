@@ -537,6 +537,9 @@ class Options(usage.Options):
                 self["sandbox-floor"], self["floor-writable-root"], not self["floor-no-network"]
             )
         masked = tuple(a.path for a in self["listen"] if isinstance(a, UnixAddress))
+        if self["auth-token-file"] is not None:
+            # The tokens that guard the listeners: no sandboxed command reads them.
+            masked += (os.path.abspath(self["auth-token-file"]),)
         return SandboxEngine(self["sandbox-mechanism"], self["bwrap"], floor, masked)
 
     def config(self) -> ServerConfig:

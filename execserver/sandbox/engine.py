@@ -22,7 +22,13 @@ The bwrap command line is::
 
     /bin/sh -c 'trap "" HUP INT ...; exec 3<"$0" && exec "$@"' FILTER \\
       BWRAP --die-with-parent --unshare-user --unshare-pid [--unshare-net] ... \\
-      --seccomp 3 -- ENV --default-signal -- EXECUTABLE ARGS...
+      --seccomp 3 --setenv KEY VALUE... -- ENV --default-signal -- EXECUTABLE ARGS...
+
+run with an empty environment: the client's variables are set by bwrap for
+the command only (``--setenv``), so no ``LD_PRELOAD``/``LD_AUDIT``/
+``LD_DEBUG_OUTPUT`` of the client's reaches a program that runs unconfined
+(the Landlock helper likewise gets them as arguments and ``execve``s the
+command with them).
 
 ``sh`` opens the filter (a file the server wrote at startup in a private
 directory of ``/dev/shm``, which no sandboxed process sees or can write) as
@@ -49,6 +55,7 @@ from twisted.logger import Logger
 
 from execserver.errors import RpcError
 from execserver.sandbox import seccomp
+from execserver.sandbox.policy import effective
 from execserver.spawn import ProcessSpec
 from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
 
@@ -72,15 +79,54 @@ CANNOT_ENFORCE: Final = "sandbox intent cannot be enforced on this executor"
 #: The signals bwrap and its reaper ignore (the command gets them back).
 _SHIELDED: Final = "HUP INT QUIT TERM USR1 USR2 ALRM TSTP TTIN TTOU PIPE XFSZ"
 _SH_SCRIPT: Final = f'trap \'\' {_SHIELDED}; exec 3<"$0" && exec "$@"'
-#: Devices a Landlock-confined process may still open for writing.
+#: Devices a Landlock-confined process may still open for writing (its
+#: own terminal is /dev/tty; a new one comes from /dev/ptmx).
 _LANDLOCK_DEVICES: Final = (
     "/dev/null",
     "/dev/zero",
     "/dev/full",
     "/dev/tty",
-    "/dev/pts",
     "/dev/ptmx",
 )
+#: All of /dev a Landlock-confined process may open, as bwrap's fresh /dev:
+#: not /dev/pts (every terminal of the host: another session's input could
+#: be read there), the consoles, the disks, the host's /dev/shm.
+#: (/dev/stdin, /dev/stdout... lead to the process's own descriptors: a pipe
+#: is not Landlock's, its own terminal the helper grants.)
+_LANDLOCK_DEVICE_READS: Final = (*_LANDLOCK_DEVICES, "/dev/random", "/dev/urandom")
+
+
+def _cover(directory: str, excluded: frozenset[str]) -> list[str]:
+    """The entries of ``directory`` that together grant all of it but ``excluded``.
+
+    Landlock only grants (each rule follows its symlink): an entry leading
+    to an excluded path is left out, one leading to an ancestor of one is
+    replaced by its own entries.
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found: list[str] = []
+    for name in names:
+        path = f"{directory.rstrip('/')}/{name}"
+        real = os.path.realpath(path)
+        if real in excluded or path in excluded:
+            continue
+        if any(e.startswith(real.rstrip("/") + "/") for e in excluded):
+            if os.path.isdir(real):
+                found += _cover(real, excluded)
+            continue
+        found.append(path)
+    return found
+
+
+def _landlock_reads(masked: Iterable[str]) -> list[str]:
+    """What a "read /" grants under Landlock: all but /dev and ``masked``, and safe devices."""
+    excluded = frozenset({"/dev", *(os.path.realpath(path) for path in masked)})
+    return _cover("/", excluded) + list(_LANDLOCK_DEVICE_READS)
+
+
 #: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
 _LANDLOCK_SCOPES: Final = 0b11
 
@@ -258,6 +304,35 @@ def _existing(paths: Iterable[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
+def _unprotectable(policy: SandboxPolicy, path: str) -> str | None:
+    """Why read-only ``path`` (inside a writable root) cannot be kept so, if it cannot.
+
+    A mount protects what exists: a missing component the command may
+    create (its parent writable) or a symlink it may replace (same) would
+    let it make the path its own (a ``.git`` of its own, with hooks).
+    """
+    current = ""
+    for part in path.strip("/").split("/"):
+        parent, current = current or "/", f"{current}/{part}"
+        if policy.access(parent) != "write":
+            if not os.path.lexists(current):
+                return None  # cannot be created from inside either
+            continue
+        if not os.path.lexists(current):
+            return (
+                f"{path} is read-only inside a writable root but {current} does not exist: "
+                "a confined process could create it (create it before the start, or send "
+                'the entry with "missing_path_behavior": "skip")'
+            )
+        if os.path.islink(current):
+            return (
+                f"{path} is read-only inside a writable root but {current} is a symlink "
+                "a confined process could replace (make it a directory, or leave the path "
+                "out of the profile)"
+            )
+    return None
+
+
 @attrs.define
 class SandboxEngine:
     """The server's sandbox: the mechanism in use, its filters, the operator's floor."""
@@ -267,7 +342,9 @@ class SandboxEngine:
     bwrap_flag: str | None = None
     #: ``--sandbox-floor``: every process and fs call is confined at least this much.
     floor: SandboxPolicy | None = None
-    #: Paths masked in every bwrap sandbox: the server's own Unix sockets.
+    #: Paths masked in every sandbox: the server's own Unix sockets, its
+    #: bearer tokens file (Landlock cannot refuse connecting to a socket:
+    #: only the file is left out of its reads there).
     masked: tuple[str, ...] = ()
     support: HostSupport | None = attrs.field(init=False, default=None)
     #: The mechanism a confined start uses (None: confined starts are refused).
@@ -354,11 +431,19 @@ class SandboxEngine:
             mechanism = "landlock"
         if mechanism is None:
             raise RpcError.invalid_params(self.unavailable())
-        if self._dir is not None and policy.access(self._dir) == "write":
+        # On the real paths too: a writable root that is a symlink to /dev/shm.
+        if self._dir is not None and "write" in (
+            policy.access(self._dir),
+            effective(policy).access(self._dir),
+        ):
             raise RpcError.invalid_params(
                 f"{CANNOT_ENFORCE}: the profile makes {self._dir}, where the server keeps its "
                 "seccomp filters, writable"
             )
+        for path in policy.read_only_carveouts():
+            problem = _unprotectable(policy, path)
+            if problem is not None:
+                raise RpcError.invalid_params(f"{CANNOT_ENFORCE}: {problem}")
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
         if mechanism == "landlock":
             return self._landlock(spec, policy, executable)
@@ -398,6 +483,8 @@ class SandboxEngine:
         for rule in sorted(policy.rules, key=lambda r: (r.path.rstrip("/").count("/"), r.path)):
             path = rule.path
             if rule.access == "none":
+                if path == "/":
+                    continue  # the default (--tmpfs / above): binds still go on it
                 if os.path.isdir(path):
                     args += ["--perms", "000", "--tmpfs", path, "--remount-ro", path]
                 elif os.path.lexists(path):
@@ -424,10 +511,14 @@ class SandboxEngine:
         return args
 
     def _bwrap(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
+        # The client's environment reaches the command only (bwrap sets it
+        # last): sh and bwrap run unconfined, and their dynamic loader would
+        # honour LD_PRELOAD, LD_AUDIT, LD_DEBUG_OUTPUT... from it.
+        setenv = [arg for key, value in spec.env.items() for arg in ("--setenv", key, value)]
         argv = ["/bin/sh", "-c", _SH_SCRIPT, self._filters[policy.network],
-                *self.bwrap_args(policy, spec.cwd),
+                *self.bwrap_args(policy, spec.cwd), *setenv,
                 "--", *self._command(spec, executable)]  # fmt: skip
-        return attrs.evolve(spec, argv=tuple(argv), arg0=None)
+        return attrs.evolve(spec, argv=tuple(argv), arg0=None, env={})
 
     def _landlock(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
         if not policy.full_read:
@@ -444,13 +535,17 @@ class SandboxEngine:
             )
         import sys
 
-        reads = ["/"]
+        reads = _landlock_reads(_existing(self.masked))
         writes = [*policy.writable_roots(), *_LANDLOCK_DEVICES]
         program = [executable, spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]]
+        # The client's environment is the command's only (the helper execs
+        # it with it): the interpreter runs unconfined until the helper has
+        # confined it, and its dynamic loader would honour LD_PRELOAD...
+        env = [f"{key}={value}" for key, value in spec.env.items()]
         argv = [sys.executable, "-I", "-S", "-c", self._helper, self._filters[policy.network],
                 str(len(reads)), *reads, str(len(writes)), *writes,
-                str(_LANDLOCK_SCOPES), *program]  # fmt: skip
-        return attrs.evolve(spec, argv=tuple(argv), arg0=None)
+                str(_LANDLOCK_SCOPES), str(len(env)), *env, *program]  # fmt: skip
+        return attrs.evolve(spec, argv=tuple(argv), arg0=None, env={})
 
 
 def sandbox_of(dispatcher: Dispatcher) -> SandboxEngine | None:

@@ -600,10 +600,19 @@ class Guard:
 
         def body() -> _T:
             seen = effective(policy)
-            for path, deep in reads:
-                check_read(seen, path, deep=deep)
-            for path, follows in writes:
-                check_write(seen, path, follows=follows)
+            if self.floor is not None:
+                # Again on the real paths as they are now (a symlink swapped
+                # in since the floor was applied must not widen it).
+                seen = apply_floor(seen, self.floor)
+            try:
+                for path, deep in reads:
+                    check_read(seen, path, deep=deep)
+                for path, follows in writes:
+                    check_write(seen, path, follows=follows)
+            except OSError as exc:
+                # The kernel's error for an unreachable prefix (``..`` after
+                # a missing directory): the operation's own answer.
+                raise os_error(exc) from None
             try:
                 if how == "mount-namespace":
                     _confine_mounts(seen)

@@ -1,9 +1,12 @@
 """The Landlock helper: confine this process, then exec the command (a standalone script).
 
 The server runs it as ``python -I -S -c SOURCE BPF N_READ READ... N_WRITE
-WRITE... SCOPE EXE ARG0 ARGS...`` with this file's text as ``SOURCE`` (read
-once at startup, so no file a sandboxed process could write is executed
-later). It imports only the standard library: ``ctypes`` for the three
+WRITE... SCOPE N_ENV KEY=VALUE... EXE ARG0 ARGS...`` in an empty environment
+(the command's is given as arguments, so nothing of the client's such as
+``LD_PRELOAD`` reaches the interpreter before it is confined) with this
+file's text as ``SOURCE`` (read once at startup, so no file a sandboxed
+process could write is executed later). It imports only the standard
+library: ``ctypes`` for the three
 Landlock syscalls and ``prctl``. Steps: a ruleset handling every file
 access of the kernel's ABI, read (and execute) beneath each ``READ`` path,
 everything beneath each ``WRITE`` path, ``no_new_privs``,
@@ -11,7 +14,7 @@ everything beneath each ``WRITE`` path, ``no_new_privs``,
 effective, permitted, inheritable: root keeps no privilege either, as under
 bwrap), then the seccomp program read from ``BPF`` (a file the server wrote
 where no sandboxed process can write), the default signal dispositions,
-and ``execv``. Any failure exits 126 before the command runs
+and ``execve`` with the command's environment. Any failure exits 126 before the command runs
 (nothing runs less confined than asked).
 """
 
@@ -78,8 +81,11 @@ def main(argv: list[str]) -> None:
     n_write = int(rest[0])
     writes = rest[1 : 1 + n_write]
     scope_wanted = int(rest[1 + n_write])
-    exe = rest[2 + n_write]
-    args = rest[3 + n_write :]
+    rest = rest[2 + n_write :]
+    n_env = int(rest[0])
+    env = dict(item.split("=", 1) for item in rest[1 : 1 + n_env])
+    exe = rest[1 + n_env]
+    args = rest[2 + n_env :]
     scoped = scope_wanted if abi >= 6 else 0
     # The struct grew with the ABI: handled_access_fs, _net (4), scoped (6).
     attr = struct.pack("=QQQ", handled, 0, scoped) if abi >= 6 else struct.pack("=Q", handled)
@@ -100,6 +106,18 @@ def main(argv: list[str]) -> None:
             if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
                 _fail(f"landlock_add_rule({path})")
             os.close(fd)
+    for std in (0, 1, 2):
+        # Its own terminal, reopened by name (/dev/stdout, /dev/pts/N): the
+        # server grants no other terminal of the host.
+        try:
+            tty = os.ttyname(std)
+        except OSError:
+            continue
+        fd = os.open(tty, os.O_PATH | os.O_CLOEXEC)
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", handled & _FILE_RIGHTS, fd), 12)
+        if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
+            _fail(f"landlock_add_rule({tty})")
+        os.close(fd)
     with open(bpf_path, "rb") as f:
         program = f.read()
     _drop_capabilities(libc)
@@ -116,7 +134,7 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     try:
-        os.execv(exe, args)
+        os.execve(exe, args, env)
     except OSError as exc:
         sys.stderr.write(f"exec-server sandbox (landlock): {exe}: {exc.strerror}\n")
         sys.stderr.flush()

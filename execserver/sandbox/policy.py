@@ -461,8 +461,16 @@ def apply_floor(policy: SandboxPolicy, floor: SandboxPolicy | None) -> SandboxPo
             raise floor_refusal(floor)
         return floor
     paths = {r.path for r in policy.rules} | {r.path for r in floor.rules}
+    # The floor judges each path also where it really leads: a symlink
+    # lexically inside the floor's writable root that points outside it
+    # gets the floor's access of its target (the floor's own rules also on
+    # their real paths, so a floor root that is a symlink still works).
+    real_floor = effective(floor)
     rules = []
     for path in paths:
-        mine, theirs = policy.access(path), floor.access(path)
+        mine = policy.access(path)
+        theirs = min(
+            floor.access(path), real_floor.access(realpath(path)), key=_CAPABILITY.__getitem__
+        )
         rules.append(PathRule(path, mine if _CAPABILITY[mine] <= _CAPABILITY[theirs] else theirs))
     return _build(rules, policy.network and floor.network)

@@ -8,7 +8,8 @@ for socketpairs between a tool's own processes); ``ptrace``,
 network allowed, only ``AF_VSOCK`` sockets are refused. On top of the
 reference: mounting, keyrings, new namespaces (``unshare``, ``setns``,
 ``clone`` with a ``CLONE_NEW*`` flag; ``clone3`` answers ``ENOSYS`` so libc
-falls back to ``clone``), ``bpf``, ``perf_event_open``, kernel modules,
+falls back to ``clone``; ``openat2`` answers ``ENOSYS`` too, its mode being out
+of the filter's reach), ``bpf``, ``perf_event_open``, kernel modules,
 ``kexec``, ``reboot``, swap, ``open_by_handle_at``, terminal injection
 (``TIOCSTI``, ``TIOCLINUX``) and setting a setuid or setgid bit (``chmod``
 family, ``mknod``, ``open``/``openat``/``creat`` with ``O_CREAT``).
@@ -33,7 +34,6 @@ LIBRARY: Final = "libseccomp.so.2"
 _ACT_ALLOW: Final = 0x7FFF0000
 _FLTATR_CTL_OPTIMIZE: Final = 8
 _CMP_NE: Final = 1
-_CMP_EQ: Final = 4
 _CMP_MASKED_EQ: Final = 7
 
 _AF_UNIX: Final = 1
@@ -158,10 +158,16 @@ def build(network: bool) -> bytes:
         for name in ALWAYS_DENIED:
             f.deny(name)
         f.deny("clone3", code=errno.ENOSYS)
+        # openat2 takes its flags and mode in a struct the filter cannot
+        # read (a setuid file would get through): ENOSYS, callers fall back
+        # to openat, which the filter checks.
+        f.deny("openat2", code=errno.ENOSYS)
         for flag in _CLONE_NEW_FLAGS:
             f.deny("clone", (0, _CMP_MASKED_EQ, flag, flag))
         for request in (_TIOCSTI, _TIOCLINUX):
-            f.deny("ioctl", (1, _CMP_EQ, request, 0))
+            # The kernel reads the request as an unsigned int: compare the
+            # low 32 bits only (TIOCSTI | 1 << 32 is TIOCSTI).
+            f.deny("ioctl", (1, _CMP_MASKED_EQ, 0xFFFFFFFF, request))
         for name, mode_arg in (("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2),
                                ("mknod", 1), ("mknodat", 2), ("creat", 1)):  # fmt: skip
             for cond in _setid_bit(mode_arg):
@@ -170,8 +176,9 @@ def build(network: bool) -> bytes:
             for cond in _setid_bit(mode_arg):
                 f.deny(name, (flags_arg, _CMP_MASKED_EQ, _O_CREAT, _O_CREAT), *cond)
         if network:
-            f.deny("socket", (0, _CMP_EQ, _AF_VSOCK, 0))
-            f.deny("socketpair", (0, _CMP_EQ, _AF_VSOCK, 0))
+            # An int for the kernel: the low 32 bits only, as for ioctl.
+            f.deny("socket", (0, _CMP_MASKED_EQ, 0xFFFFFFFF, _AF_VSOCK))
+            f.deny("socketpair", (0, _CMP_MASKED_EQ, 0xFFFFFFFF, _AF_VSOCK))
         else:
             for name in NETWORK_DENIED:
                 f.deny(name)
