@@ -303,12 +303,12 @@ class Session:
                 spec,
                 timeout_ms=params.timeout_ms or None,
                 idle_timeout_ms=params.idle_timeout_ms or None,
+                confined=confined,
             )
         except SpawnError as exc:
             if self.current:
                 raise reference_spawn_error(exc) from None
             raise
-        proc.confined = confined
         response = p.ExecResponse(proc.process_id)
         if self.current:
             response.sandbox_type = confine.SANDBOX_TYPE if confined else "none"
@@ -323,11 +323,14 @@ class Session:
         spec: ProcessSpec,
         timeout_ms: int | None = None,
         idle_timeout_ms: int | None = None,
+        confined: bool = False,
     ) -> ManagedProcess:
         """Start a validated spec under ``process_id`` (raises SpawnError).
 
         ``timeout_ms``/``idle_timeout_ms`` (None: no limit) terminate the
-        group with the server's grace when they expire.
+        group with the server's grace when they expire. ``confined``: the
+        spec runs under a sandbox (known before the spawn, which may already
+        report the exit and its ``sandboxDenied``).
         """
         proc = ManagedProcess(
             process_id,
@@ -339,6 +342,7 @@ class Session:
             tally=self._retained,
         )
         proc.limits = spec.limits
+        proc.confined = confined
         if self.on_detached_full == "pause":
             proc.output.protect()
         # Reserve the id before spawning: the spawn may deliver events at once.
