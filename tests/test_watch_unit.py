@@ -16,8 +16,11 @@ the instance.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
+import pytest
 from twisted.internet.testing import MemoryReactorClock
 
 from execserver.fs.watch import WatchHub
@@ -89,3 +92,70 @@ def test_other_directories_stay_watched_after_one_is_deleted(tmp_path: Path) -> 
     # Nothing watched any more: the instance is closed.
     assert hub.inotify.directories() == 0
     assert list(reactor.getReaders()) == []
+
+
+def test_a_directory_made_before_its_parent_is_watched_is_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reactor, hub, fired = _hub()
+    deep = tmp_path / "a" / "b" / "AGENTS.md"
+    hub.add("conn", 1, [str(deep)], [], lambda: fired.append(1))
+    use = hub.inotify.use
+
+    def late(directory: str, watch: Any) -> None:
+        # a/b is made after the re-check found a, before a's kernel watch.
+        if directory == str(tmp_path / "a"):
+            (tmp_path / "a" / "b").mkdir(exist_ok=True)
+        use(directory, watch)
+
+    monkeypatch.setattr(hub.inotify, "use", late)
+    (tmp_path / "a").mkdir()
+    _drain(reactor)
+    assert fired == []
+    deep.write_text("rules\n")
+    _drain(reactor)
+    assert fired == [1]
+
+
+def test_a_directory_gone_before_it_is_watched_is_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reactor, hub, fired = _hub()
+    deep = tmp_path / "a" / "AGENTS.md"
+    hub.add("conn", 1, [str(deep)], [], lambda: fired.append(1))
+    use = hub.inotify.use
+
+    def late(directory: str, watch: Any) -> None:
+        # a is deleted after the re-check found it, before its kernel watch.
+        if directory == str(tmp_path / "a"):
+            with contextlib.suppress(FileNotFoundError):
+                (tmp_path / "a").rmdir()
+        use(directory, watch)
+
+    monkeypatch.setattr(hub.inotify, "use", late)
+    (tmp_path / "a").mkdir()
+    _drain(reactor)
+    assert fired == []
+    monkeypatch.setattr(hub.inotify, "use", use)
+    (tmp_path / "a").mkdir()
+    _drain(reactor)
+    deep.write_text("rules\n")
+    _drain(reactor)
+    assert fired == [1]
+
+
+def test_a_watch_moved_deeper_falls_back_when_the_deeper_directory_goes(tmp_path: Path) -> None:
+    reactor, hub, fired = _hub()
+    deep = tmp_path / "a" / "AGENTS.md"
+    hub.add("conn", 1, [str(deep)], [], lambda: fired.append(1))
+    (tmp_path / "a").mkdir()
+    _drain(reactor)
+    (tmp_path / "a").rmdir()
+    _drain(reactor)
+    # Back on tmp_path: a made again is seen, then the path in it.
+    (tmp_path / "a").mkdir()
+    _drain(reactor)
+    assert fired == []
+    deep.write_text("rules\n")
+    _drain(reactor)
+    assert fired == [1]

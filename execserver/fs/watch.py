@@ -225,12 +225,17 @@ class _Watch:
     def changed(self) -> bool:
         return any(_exists(p) for p in self.missing) or not all(_exists(p) for p in self.present)
 
-    def arm(self) -> None:
-        shared = self.hub.inotify
+    def _wanted(self) -> set[str]:
         wanted = {_nearest_existing_dir(p) for p in self.missing}
         wanted.update(os.path.dirname(p) or "/" for p in self.present)
-        for directory in self._directories - wanted:
-            shared.release(directory, self)
+        return wanted
+
+    def arm(self) -> None:
+        shared = self.hub.inotify
+        wanted = self._wanted()
+        unneeded = self._directories - wanted
+        # The new directories first: the instance is not closed in between
+        # for want of a directory.
         for directory in sorted(wanted - self._directories):
             try:
                 shared.use(directory, self)
@@ -238,11 +243,18 @@ class _Watch:
                 if os.path.isdir(directory):
                     # The kernel refused (e.g. max_user_watches reached).
                     raise
-                # One that vanished since it was found: the check below sees it.
+                # One that vanished since it was found: the checks below see it.
                 continue
             self._directories.add(directory)
+        for directory in unneeded:
+            shared.release(directory, self)
+            self._directories.discard(directory)
+        # Not from here: the notification must follow the request's answer.
         if self.changed():
-            # Not from here: the notification must follow the request's answer.
+            self.event()
+        elif self._wanted() != wanted:
+            # A directory appeared or vanished before its parent's kernel
+            # watch was in place (no event will tell): armed again.
             self.event()
 
     def lost(self, directory: str) -> None:
