@@ -84,6 +84,10 @@ async def test_watches_share_one_inotify_instance_and_each_fires_alone(tmp_path:
         (tmp_path / "d0" / "sub").mkdir()
         deep.write_text("rules\n")
         await _changed(clients[0], "deep")
+        # The deletion did not cost the other directories their kernel watch
+        # (Twisted's INotify closes its whole instance on IN_DELETE_SELF).
+        (tmp_path / "d2" / "file3").write_text("x")
+        await _changed(clients[2], 3)
         for client in clients:
             await client.close()
     finally:

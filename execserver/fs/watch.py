@@ -15,7 +15,11 @@ nearest existing ancestor of each missing path, the parent of each present
 path) is one kernel watch, shared by every watch that needs it. After any
 event in one of its directories a watch is checked afresh and its set of
 directories updated; it is checked again after that, so a change in
-between is not missed. A watch ends with its connection.
+between is not missed. When the kernel drops a directory's watch (the
+directory deleted, its filesystem unmounted) the instance is replaced, every
+directory still needed is watched again and every watch is checked afresh
+(see :data:`_GONE` for why the instance cannot be kept). A watch ends with
+its connection.
 
 Bounds: :data:`MAX_PATHS` paths per request, :data:`MAX_WATCHES` watches
 per connection, :data:`MAX_SERVER_WATCHES` per server (``-32600`` beyond
@@ -40,9 +44,7 @@ from execserver.errors import RpcError
 log = Logger()
 
 #: Directory events that can make a missing path appear or a present one
-#: vanish. Not IN_DELETE_SELF: Twisted closes the whole instance on it. A
-#: deleted directory still says so with IN_IGNORED (always sent when the
-#: kernel drops a watch), and its parent's IN_DELETE.
+#: vanish. (Twisted adds IN_DELETE_SELF to every watch: see :data:`_GONE`.)
 _MASK: Final = (
     inotify.IN_CREATE
     | inotify.IN_MOVED_TO
@@ -50,6 +52,13 @@ _MASK: Final = (
     | inotify.IN_MOVED_FROM
     | inotify.IN_MOVE_SELF
 )
+#: A directory's kernel watch is gone. On IN_DELETE_SELF Twisted's INotify
+#: forgets that watch and closes the whole instance (so IN_IGNORED never
+#: follows, and every other directory's kernel watch goes with it); an
+#: IN_IGNORED that does arrive (IN_UNMOUNT) leaves Twisted mapping the path to
+#: the dead watch, which it would hand back for the path. Either way the
+#: instance is replaced (:meth:`_SharedInotify._renew`).
+_GONE: Final = inotify.IN_DELETE_SELF | inotify.IN_IGNORED | inotify.IN_UNMOUNT
 #: Paths one fs/watchMissing may name (missing and present together).
 MAX_PATHS: Final = 1024
 #: Watches one connection may hold at once.
@@ -85,6 +94,8 @@ class _SharedInotify:
         #: Directory -> the watches that need it, and the token of its kernel watch.
         self._users: dict[str, set[_Watch]] = {}
         self._tokens: dict[str, object] = {}
+        #: The instance a replacement is scheduled for.
+        self._renewing: Any = None
 
     def _instance(self) -> Any:
         notifier = self._notifier
@@ -94,23 +105,46 @@ class _SharedInotify:
             self._notifier = notifier
             # (A new instance knows no directory: each is added again.)
             self._tokens.clear()
+            self._restore()
         return notifier
+
+    def _restore(self) -> None:
+        """Watch again, on a new instance, every directory still needed.
+
+        The old instance closed under them, so what happened since is not
+        known: each of their watches is checked afresh.
+        """
+        watches: set[_Watch] = set()
+        for directory, users in list(self._users.items()):
+            watches.update(users)
+            try:
+                self._add(directory)
+            except inotify.INotifyError:
+                # Gone (or refused): its watches find their directories again.
+                del self._users[directory]
+                for watch in users:
+                    watch.lost(directory)
+        for watch in watches:
+            watch.event()
 
     def directories(self) -> int:
         return len(self._users)
 
     def use(self, directory: str, watch: _Watch) -> None:
         """``watch`` needs ``directory`` watched (raises INotifyError if the kernel refuses)."""
-        notifier = self._instance()
+        self._instance()
         if directory not in self._tokens:
-            token = object()
-            notifier.watch(
-                FilePath(directory),
-                mask=_MASK,
-                callbacks=[lambda _i, _p, mask: self._event(directory, token, mask)],
-            )
-            self._tokens[directory] = token
+            self._add(directory)
         self._users.setdefault(directory, set()).add(watch)
+
+    def _add(self, directory: str) -> None:
+        token = object()
+        self._notifier.watch(
+            FilePath(directory),
+            mask=_MASK,
+            callbacks=[lambda _i, _p, mask: self._event(directory, token, mask)],
+        )
+        self._tokens[directory] = token
 
     def release(self, directory: str, watch: _Watch) -> None:
         users = self._users.get(directory)
@@ -138,16 +172,35 @@ class _SharedInotify:
         if self._tokens.get(directory) is not token:
             return  # a kernel watch replaced since
         users = list(self._users.get(directory, ()))
-        if mask & inotify.IN_IGNORED:
+        if mask & _GONE:
             # The kernel dropped the watch (the directory is gone): forget
             # it; each of its watches finds its directories again.
             del self._tokens[directory]
             self._users.pop(directory, None)
             for watch in users:
                 watch.lost(directory)
-            self._unwatch(directory)
+            self._renew()
         for watch in users:
             watch.event()
+
+    def _renew(self) -> None:
+        """Replace the instance once its read loop has returned (see :data:`_GONE`)."""
+        notifier = self._notifier
+        if notifier is None or self._renewing is notifier:
+            return
+        self._renewing = notifier
+        self._reactor.callLater(0, self._renewed, notifier)
+
+    def _renewed(self, notifier: Any) -> None:
+        if self._renewing is notifier:
+            self._renewing = None
+        if self._notifier is not notifier:
+            return  # replaced already (a watch needed a directory since)
+        self._notifier = None
+        if notifier.connected:
+            notifier.loseConnection()
+        if self._users:
+            self._instance()
 
 
 class _Watch:
@@ -172,12 +225,17 @@ class _Watch:
     def changed(self) -> bool:
         return any(_exists(p) for p in self.missing) or not all(_exists(p) for p in self.present)
 
-    def arm(self) -> None:
-        shared = self.hub.inotify
+    def _wanted(self) -> set[str]:
         wanted = {_nearest_existing_dir(p) for p in self.missing}
         wanted.update(os.path.dirname(p) or "/" for p in self.present)
-        for directory in self._directories - wanted:
-            shared.release(directory, self)
+        return wanted
+
+    def arm(self) -> None:
+        shared = self.hub.inotify
+        wanted = self._wanted()
+        unneeded = self._directories - wanted
+        # The new directories first: the instance is not closed in between
+        # for want of a directory.
         for directory in sorted(wanted - self._directories):
             try:
                 shared.use(directory, self)
@@ -185,11 +243,18 @@ class _Watch:
                 if os.path.isdir(directory):
                     # The kernel refused (e.g. max_user_watches reached).
                     raise
-                # One that vanished since it was found: the check below sees it.
+                # One that vanished since it was found: the checks below see it.
                 continue
             self._directories.add(directory)
+        for directory in unneeded:
+            shared.release(directory, self)
+            self._directories.discard(directory)
+        # Not from here: the notification must follow the request's answer.
         if self.changed():
-            # Not from here: the notification must follow the request's answer.
+            self.event()
+        elif self._wanted() != wanted:
+            # A directory appeared or vanished before its parent's kernel
+            # watch was in place (no event will tell): armed again.
             self.event()
 
     def lost(self, directory: str) -> None:
