@@ -33,7 +33,7 @@ from typing import Any, Final
 import attrs
 import msgspec
 
-from execserver import yaml_subset
+from execserver import skill_yaml
 from execserver.environment_config import ancestors, read_regular, request_codex_home, user_home
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
@@ -595,8 +595,8 @@ def _repair(frontmatter: str) -> str | None:
         flow_like = False
         if scalar[0] in "[{@`":
             try:
-                yaml_subset.loads(scalar)
-            except yaml_subset.YamlError:
+                skill_yaml.loads(scalar)
+            except skill_yaml.YamlError:
                 flow_like = True
         if not separator and not flow_like:
             out.append(line)
@@ -620,12 +620,12 @@ def _fields(frontmatter: str) -> tuple[str | None, str | None, str | None]:
     Raises YamlError for text that is not YAML or fields of the wrong type
     (both are the reference's deserialisation errors).
     """
-    table = yaml_subset.loads(frontmatter)
+    table = skill_yaml.loads(frontmatter)
     if not isinstance(table, dict):
-        raise yaml_subset.YamlError("expected a mapping")
+        raise skill_yaml.YamlError("expected a mapping")
     metadata = table.get("metadata") or {}
     if not isinstance(metadata, dict):
-        raise yaml_subset.YamlError("invalid type for `metadata`")
+        raise skill_yaml.YamlError("invalid type for `metadata`")
     try:
         return (
             _text_field(table, "name"),
@@ -633,7 +633,7 @@ def _fields(frontmatter: str) -> tuple[str | None, str | None, str | None]:
             _text_field(metadata, "short-description"),
         )
     except SkillParseError as exc:
-        raise yaml_subset.YamlError(str(exc)) from None
+        raise skill_yaml.YamlError(str(exc)) from None
 
 
 def parse_skill(contents: str, directory_name: str) -> tuple[str, str, str | None]:
@@ -643,13 +643,13 @@ def parse_skill(contents: str, directory_name: str) -> tuple[str, str, str | Non
         raise SkillParseError("missing YAML frontmatter delimited by ---")
     try:
         raw_name, raw_description, raw_short = _fields(frontmatter)
-    except yaml_subset.YamlError as original:
+    except skill_yaml.YamlError as original:
         repaired = _repair(frontmatter)
         if repaired is None:
             raise SkillParseError(f"invalid YAML: {original}") from None
         try:
             raw_name, raw_description, raw_short = _fields(repaired)
-        except yaml_subset.YamlError:
+        except skill_yaml.YamlError:
             raise SkillParseError(f"invalid YAML: {original}") from None
     name = _one_line(raw_name or "") or _one_line(directory_name) or "skill"
     description = _one_line(raw_description or "")
@@ -711,9 +711,9 @@ def _policy(raw: Any) -> SkillPolicy | None:
     allowed: bool | None = None
     if allow is not None:
         # YAML 1.2 booleans, unquoted.
-        if isinstance(allow, yaml_subset.Quoted) or allow not in yaml_subset.BOOLEANS:
+        if isinstance(allow, skill_yaml.Quoted) or allow not in skill_yaml.BOOLEANS:
             raise _InvalidMetadata("allow_implicit_invocation")
-        allowed = yaml_subset.BOOLEANS[allow]
+        allowed = skill_yaml.BOOLEANS[allow]
     products = raw.get("products")
     if products is None:
         products = []
@@ -740,13 +740,13 @@ def skill_extras(text: str | None) -> tuple[SkillDependencies | None, SkillPolic
     if text is None:
         return None, None
     try:
-        table = yaml_subset.loads(text)
+        table = skill_yaml.loads(text)
         if table is None:
             return None, None
         if not isinstance(table, dict) or not isinstance(table.get("interface", {}), dict | None):
             raise _InvalidMetadata("interface")
         return _dependencies(table.get("dependencies")), _policy(table.get("policy"))
-    except (yaml_subset.YamlError, _InvalidMetadata):
+    except (skill_yaml.YamlError, _InvalidMetadata):
         return None, None
 
 
