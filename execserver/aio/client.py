@@ -68,6 +68,7 @@ from execserver.clientcore.errors import (
     SessionLost,
     SpawnFailed,
 )
+from execserver.clientcore.follow import ProcessTable, acknowledge
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
 from execserver.clientcore.start import exec_params, next_process_id
@@ -212,6 +213,11 @@ class _Dialer:
         return result
 
 
+def _schedule(seconds: float, fn: Callable[[], None]) -> Callable[[], None]:
+    """``loop.call_later`` as :class:`~execserver.clientcore.follow.ProcessTable` wants it."""
+    return asyncio.get_running_loop().call_later(seconds, fn).cancel
+
+
 class Client:
     """A connected, initialized exec-server client on asyncio.
 
@@ -239,8 +245,7 @@ class Client:
         self._resume_enabled = resume and dialer.url is not None
         self._backlog_bytes = backlog_bytes
         self.initialize_result = result
-        self._processes: dict[str, Process] = {}
-        self._linger: dict[str, asyncio.TimerHandle] = {}
+        self._table: ProcessTable[Process] = ProcessTable(_schedule)
         self._next_process = 1
         self._closing = False
         self._closed = asyncio.Event()
@@ -293,11 +298,11 @@ class Client:
 
     def process(self, process_id: str) -> Process | None:
         """The handle of a process this client started, while it is tracked."""
-        return self._processes.get(process_id)
+        return self._table.get(process_id)
 
     @property
     def tracked_process_count(self) -> int:
-        return len(self._processes)
+        return len(self._table)
 
     @property
     def terminating_count(self) -> int:
@@ -316,16 +321,15 @@ class Client:
     def _on_lost(self, rpc: AsyncRpc, reason: str) -> None:
         if rpc is not self._rpc:
             return
-        self._cancel_lingers()
+        self._table.cancel_lingers()
         if self._closing or not (self._resume_enabled and self.resumable):
-            handles, self._processes = self._processes, {}
-            for handle in handles.values():
+            for handle in self._table.take_all():
                 handle.connection_lost()
             self._fail_waiters(ConnectionClosed(reason))
             return
         # Hold live events back from now on: the catch-up reads on the next
         # connection fill in what was missed before them.
-        for handle in self._processes.values():
+        for handle in self._table:
             handle.begin_catch_up()
         if self._resume_task is None or self._resume_task.done():
             self._resume_task = self._spawn(self._resume(reason))
@@ -381,41 +385,23 @@ class Client:
             await asyncio.sleep(attempts.next_delay())
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
-        handles = [h for h in self._processes.values() if h.catching_up]
+        handles = [h for h in self._table if h.catching_up]
         # Every handle's reads are in flight at once: one round trip for all.
         await asyncio.gather(*(self._catch_up(rpc, h) for h in handles))
 
     async def _catch_up(self, rpc: AsyncRpc, handle: Process) -> None:
-        try:
-            while True:
-                params = p.ReadParams(handle.process_id, handle.last_seq)
-                read = await rpc.call(p.PROCESS_READ, params, p.ReadResponse)
-                if not handle.catch_up(read):
-                    break
-        except ConnectionClosed:
-            return  # dropped again: the next resume catches up
-        except Exception as exc:
+        error = await self._table.catch_up(
+            rpc.call, handle, self.initialize_result, lambda: True, self._spawn
+        )
+        if error is not None:
             # Its id expired (closed longer than the exit retention), or a
-            # malformed reply: the handle ends rather than hold events back.
-            log.warning("catching up process %s failed: %s", handle.process_id, exc)
-            handle.fail(exc)
-            self._forget(handle)
-            return
-        handle.end_catch_up()
-        if handle.is_closed:
-            self._forget(handle)
-        elif self.initialize_result.on_detached_full == "pause":
-            # The live events held back meanwhile were delivered unacknowledged:
-            # a "pause" server may be waiting for exactly them.
-            handle.unacked_bytes = 0
-            params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
-            self._spawn(self._ack(rpc, handle, params))
+            # malformed reply: the handle ended rather than hold events back.
+            log.warning("catching up process %s failed: %s", handle.process_id, error)
 
     def _give_up(self, cause: str) -> None:
         self.lost = SessionLost(self.session_id, cause)
         log.warning("%s", self.lost)
-        handles, self._processes = self._processes, {}
-        for handle in handles.values():
+        for handle in self._table.take_all():
             handle.fail(self.lost)
         self._fail_waiters(self.lost)
 
@@ -658,29 +644,21 @@ class Client:
             idle_timeout_ms=idle_timeout_ms,
         )
         requested = params.process_id
-        existing = self._processes.get(requested)
-        if existing is not None and not existing.is_closed:
-            raise ExecServerError(f"process id {requested} is already in use by this client")
+        self._table.claim(requested)
         # Registered before the request: output may race the response.
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
-        self._processes[requested] = handle
+        self._table.register(handle)
         try:
             response = await self.call(p.PROCESS_START, params, p.ExecResponse)
         except BaseException as exc:
-            if self._processes.get(requested) is handle:
-                del self._processes[requested]
+            self._table.unregister(requested, handle)
             # Untracked, it would never close: a close() waiting for it is released.
             handle.connection_lost()
             if isinstance(exc, asyncio.CancelledError | TimeoutError) and not detach:
                 # The request may have been carried out: do not leave an orphan.
                 self._terminate_later(requested, None)
             raise
-        if response.process_id != requested:
-            # The server's id is the one its notifications will carry.
-            if self._processes.get(requested) is handle:
-                del self._processes[requested]
-            handle.process_id = response.process_id
-            self._processes[response.process_id] = handle
+        self._table.started(requested, handle, response)
         if self.lost is not None:
             handle.fail(self.lost)
         elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
@@ -688,7 +666,7 @@ class Client:
         return handle
 
     def _new_process_id(self) -> str:
-        process_id, self._next_process = next_process_id(self._next_process, self._processes)
+        process_id, self._next_process = next_process_id(self._next_process, self._table.processes)
         return process_id
 
     def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
@@ -795,7 +773,7 @@ class Client:
     # --- notifications --------------------------------------------------------------
 
     def _on_output(self, out: OutputParams) -> None:
-        handle = self._processes.get(out.process_id)
+        handle = self._table.get(out.process_id)
         if handle is None:
             return
         try:
@@ -804,50 +782,27 @@ class Client:
             log.warning("dropping process/output of %s with invalid base64", out.process_id)
             return
         if handle.accept_output(OutputEvent(out.process_id, out.stream, chunk, out.seq)):
-            self._acknowledge(handle, len(chunk))
+            # With "pause", tell the server (a read's afterSeq) what has arrived.
+            rpc = self._rpc
+            ack = self._table.ack_params(
+                handle, len(chunk), self.initialize_result, not rpc.is_closed
+            )
+            if ack is not None:
+                self._spawn(acknowledge(rpc.call, handle, ack))
 
     def _on_exited(self, ex: ExitedParams) -> None:
-        handle = self._processes.get(ex.process_id)
+        handle = self._table.get(ex.process_id)
         if handle is not None:
             handle.accept_exit(ex.seq, ex.exit_code, ex.signal, ex.timed_out)
-            if handle.has_exited and not handle.is_closed and handle.process_id not in self._linger:
+            if handle.has_exited:
                 # A baseline server sends no process/closed: output may
                 # still follow the exit for a while, then the handle ends.
-                self._linger[handle.process_id] = asyncio.get_running_loop().call_later(
-                    EXITED_LINGER_SECONDS, self._forget, handle
-                )
+                self._table.linger(handle)
 
     def _on_closed(self, closed: ClosedParams) -> None:
-        handle = self._processes.get(closed.process_id)
+        handle = self._table.get(closed.process_id)
         if handle is not None and handle.accept_close(closed.seq):
-            self._forget(handle)
-
-    def _cancel_lingers(self) -> None:
-        timers, self._linger = self._linger, {}
-        for timer in timers.values():
-            timer.cancel()
-
-    def _forget(self, handle: Process) -> None:
-        timer = self._linger.pop(handle.process_id, None)
-        if timer is not None:
-            timer.cancel()
-        if self._processes.get(handle.process_id) is handle:
-            del self._processes[handle.process_id]
-        handle.mark_closed()
-
-    def _acknowledge(self, handle: Process, size: int) -> None:
-        """With "pause", tell the server (a read's afterSeq) what has arrived,
-        each time a quarter of its retention did (as the Twisted client)."""
-        result = self.initialize_result
-        if result.on_detached_full != "pause" or handle.last_seq == 0 or self._rpc.is_closed:
-            return
-        if handle.ack_due(size, result.retained_output_bytes or 0):
-            params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
-            self._spawn(self._ack(self._rpc, handle, params))
-
-    async def _ack(self, rpc: AsyncRpc, handle: Process, params: p.ReadParams) -> None:
-        with contextlib.suppress(ExecServerError):
-            handle.catch_up(await rpc.call(p.PROCESS_READ, params, p.ReadResponse))
+            self._table.forget(handle)
 
     # --- closing --------------------------------------------------------------------
 
@@ -862,7 +817,7 @@ class Client:
             return
         try:
             if not self._rpc.is_closed and self.lost is None:
-                running = [h for h in self._processes.values() if not h.detach]
+                running = [h for h in self._table if not h.detach]
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(CLOSE_WAIT_SECONDS):
                         await asyncio.gather(
@@ -874,14 +829,13 @@ class Client:
                         )
         finally:
             self._closing = True
-            self._cancel_lingers()
+            self._table.cancel_lingers()
             self._fail_waiters(ConnectionClosed("the client was closed"))
             for task in [*self._tasks, *self._terminations]:
                 task.cancel()
             await self._channel.aclose()
             self._rpc.connection_lost("closed by the client")
-            handles, self._processes = self._processes, {}
-            for handle in handles.values():
+            for handle in self._table.take_all():
                 handle.connection_lost()
             self._closed.set()
 
