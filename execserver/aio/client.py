@@ -83,6 +83,8 @@ from execserver.clientcore.types import (
 )
 
 T = TypeVar("T")
+P = TypeVar("P")
+R = TypeVar("R")
 log = logging.getLogger("execserver.aio")
 
 #: The session lifetime asked for over WebSocket with ``resume=True``.
@@ -442,6 +444,17 @@ class Client:
         async with asyncio.timeout(seconds):
             return await self._call(method, params, result_type)
 
+    async def request(
+        self,
+        method: p.Method[P, R],
+        params: P,
+        *,
+        timeout: float | _Default | None = _DEFAULT,
+    ) -> R:
+        """Any declared protocol method (``p.ProcessRead``, ``p.FsCopy``, ...)
+        through :meth:`call`: the one path every typed method below takes."""
+        return await self.call(method.name, params, method.result, timeout=timeout)
+
     async def _call(self, method: str, params: object, result_type: type[T]) -> T:
         while True:
             rpc = await self._current()
@@ -460,7 +473,7 @@ class Client:
 
     async def exec(self, params: p.ExecParams) -> p.ExecResponse:
         """``process/start`` without a handle (see :meth:`start` for one)."""
-        return await self.call(p.PROCESS_START, params, p.ExecResponse)
+        return await self.request(p.ProcessStart, params)
 
     async def read(
         self,
@@ -472,32 +485,32 @@ class Client:
         """``process/read``: retained output after ``after_seq``, waiting up to ``wait_ms``."""
         params = p.ReadParams(process_id, after_seq, max_bytes, wait_ms)
         bound = self._long_poll_bound(wait_ms or 0)
-        return await self.call(p.PROCESS_READ, params, p.ReadResponse, timeout=bound)
+        return await self.request(p.ProcessRead, params, timeout=bound)
 
     async def write(self, process_id: str, data: bytes) -> p.WriteResponse:
         """``process/write``: raw bytes to stdin. On a resumable session it
         carries a ``writeId``, so a retry after a drop writes once."""
         write_id = uuid.uuid4().hex if self._resume_enabled and self.resumable else None
         params = p.WriteParams(process_id, bytes(data), write_id=write_id)
-        return await self.call(p.PROCESS_WRITE, params, p.WriteResponse)
+        return await self.request(p.ProcessWrite, params)
 
     async def terminate(self, process_id: str, grace_ms: int | None = None) -> p.TerminateResponse:
         """``process/terminate``; ``running`` says whether it was still running."""
         params = p.TerminateParams(process_id, grace_ms)
-        return await self.call(p.PROCESS_TERMINATE, params, p.TerminateResponse)
+        return await self.request(p.ProcessTerminate, params)
 
     async def signal(self, process_id: str, signal: int | str) -> p.SignalResponse:
         """``process/signal``: a signal name (``"SIGINT"``, ``"INT"``) or number."""
         params = p.SignalParams(process_id, signal)
-        return await self.call(p.PROCESS_SIGNAL, params, p.SignalResponse)
+        return await self.request(p.ProcessSignal, params)
 
     async def close_stdin(self, process_id: str) -> p.CloseStdinResponse:
         params = p.CloseStdinParams(process_id)
-        return await self.call(p.PROCESS_CLOSE_STDIN, params, p.CloseStdinResponse)
+        return await self.request(p.ProcessCloseStdin, params)
 
     async def resize(self, process_id: str, rows: int, cols: int) -> p.Empty:
         params = p.ResizeParams(process_id, rows, cols)
-        return await self.call(p.PROCESS_RESIZE, params, p.Empty)
+        return await self.request(p.ProcessResize, params)
 
     async def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
         """``process/wait``: until exit, or ``timeout_ms`` (then ``exited: false``).
@@ -506,7 +519,7 @@ class Client:
         ``timeout_ms``: until the process exits)."""
         params = p.WaitParams(process_id, timeout_ms)
         bound = self._long_poll_bound(timeout_ms)
-        return await self.call(p.PROCESS_WAIT, params, p.WaitResponse, timeout=bound)
+        return await self.request(p.ProcessWait, params, timeout=bound)
 
     def _long_poll_bound(self, server_ms: int | None) -> float | None:
         """The bound of a request the server holds up to ``server_ms`` (None:
@@ -516,40 +529,40 @@ class Client:
         return self._request_timeout + server_ms / 1000
 
     async def list_processes(self) -> p.ListResponse:
-        return await self.call(p.PROCESS_LIST, p.ListParams(), p.ListResponse)
+        return await self.request(p.ProcessList, p.ListParams())
 
     # --- fs/* -----------------------------------------------------------------------
 
     async def fs_read_file(self, path: str) -> p.FsReadFileResponse:
         """``fs/readFile``: the whole file (``data_base64`` holds the raw bytes)."""
-        return await self.call(p.FS_READ_FILE, p.FsReadFileParams(path), p.FsReadFileResponse)
+        return await self.request(p.FsReadFile, p.FsReadFileParams(path))
 
     async def fs_write_file(self, path: str, data: bytes) -> p.Empty:
         """``fs/writeFile``: create or replace ``path`` with ``data``."""
-        return await self.call(p.FS_WRITE_FILE, p.FsWriteFileParams(path, bytes(data)), p.Empty)
+        return await self.request(p.FsWriteFile, p.FsWriteFileParams(path, bytes(data)))
 
     async def fs_create_directory(self, path: str, recursive: bool | None = None) -> p.Empty:
         params = p.FsCreateDirectoryParams(path, recursive)
-        return await self.call(p.FS_CREATE_DIRECTORY, params, p.Empty)
+        return await self.request(p.FsCreateDirectory, params)
 
     async def fs_get_metadata(self, path: str) -> p.FsGetMetadataResponse:
         params = p.FsGetMetadataParams(path)
-        return await self.call(p.FS_GET_METADATA, params, p.FsGetMetadataResponse)
+        return await self.request(p.FsGetMetadata, params)
 
     async def fs_read_directory(self, path: str) -> p.FsReadDirectoryResponse:
         params = p.FsReadDirectoryParams(path)
-        return await self.call(p.FS_READ_DIRECTORY, params, p.FsReadDirectoryResponse)
+        return await self.request(p.FsReadDirectory, params)
 
     async def fs_remove(
         self, path: str, recursive: bool | None = None, force: bool | None = None
     ) -> p.Empty:
-        return await self.call(p.FS_REMOVE, p.FsRemoveParams(path, recursive, force), p.Empty)
+        return await self.request(p.FsRemove, p.FsRemoveParams(path, recursive, force))
 
     async def fs_copy(
         self, source_path: str, destination_path: str, recursive: bool = False
     ) -> p.Empty:
         params = p.FsCopyParams(source_path, destination_path, recursive)
-        return await self.call(p.FS_COPY, params, p.Empty)
+        return await self.request(p.FsCopy, params)
 
     async def download(
         self,
@@ -649,7 +662,7 @@ class Client:
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
         self._table.register(handle)
         try:
-            response = await self.call(p.PROCESS_START, params, p.ExecResponse)
+            response = await self.request(p.ProcessStart, params)
         except BaseException as exc:
             self._table.unregister(requested, handle)
             # Untracked, it would never close: a close() waiting for it is released.

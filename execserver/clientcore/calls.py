@@ -68,17 +68,9 @@ class PendingCalls(Generic[W]):
         return request_id in self._entries
 
 
-#: Methods whose repetition changes nothing (process/write only with a writeId).
-REPEATABLE = frozenset(
-    {
-        p.PROCESS_READ,
-        p.PROCESS_WAIT,
-        p.PROCESS_LIST,
-        p.FS_READ_FILE,
-        p.FS_GET_METADATA,
-        p.FS_READ_DIRECTORY,
-    }
-)
+#: Methods whose repetition changes nothing (process/write only with a
+#: writeId): those declared ``repeatable`` in :data:`execserver.protocol.METHODS`.
+REPEATABLE = frozenset(method.name for method in p.METHODS if method.repeatable)
 
 
 def repeatable(method: str, params: object) -> bool:
