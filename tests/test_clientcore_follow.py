@@ -15,11 +15,14 @@ from typing import Any, TypeVar
 import pytest
 
 from execserver import protocol as p
+from execserver.clientcore.calls import after_drop
 from execserver.clientcore.errors import (
     ConnectionClosed,
     ExecServerError,
+    OutcomeUnknown,
     OutputGap,
     ServerError,
+    SessionLost,
 )
 from execserver.clientcore.follow import ProcessTable, acknowledge
 from execserver.clientcore.process import ProcessCore
@@ -335,3 +338,26 @@ def test_a_failed_catch_up_ends_the_handle_with_its_error(failure: Exception) ->
     assert error is failure
     assert handle.lost_reason is failure and handle.is_closed
     assert not handle.catching_up and table.get("p") is None and spawned == []
+
+
+# --- idempotent retry after a drop ------------------------------------------------------
+
+
+def test_a_call_in_flight_at_a_drop_is_repeated_only_when_that_is_harmless() -> None:
+    drop = ConnectionClosed("connection lost")
+    read = p.ReadParams("p", 1)
+    # Following a resumable session: a read is sent again, a start is not.
+    assert after_drop(p.PROCESS_READ, read, drop, following=True) is None
+    unknown = after_drop(p.PROCESS_START, None, drop, following=True)
+    assert isinstance(unknown, OutcomeUnknown)
+    assert unknown.method == p.PROCESS_START and "(connection lost)" in str(unknown)
+    # A write is repeated only with a writeId (the server writes it once).
+    keyed = p.WriteParams("p", b"x", write_id="w1")
+    assert after_drop(p.PROCESS_WRITE, keyed, drop, following=True) is None
+    plain = p.WriteParams("p", b"x")
+    assert isinstance(after_drop(p.PROCESS_WRITE, plain, drop, following=True), OutcomeUnknown)
+    # Not following (closing, or no resumable session): the drop's error stands.
+    assert after_drop(p.PROCESS_READ, read, drop, following=False) is drop
+    # A lost session is final.
+    lost = SessionLost("s", "expired")
+    assert after_drop(p.PROCESS_READ, read, lost, following=True) is lost

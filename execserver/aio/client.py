@@ -57,13 +57,12 @@ from execserver.aio.channels import (
 from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore import defaults, transfer
-from execserver.clientcore.calls import repeatable
+from execserver.clientcore.calls import after_drop
 from execserver.clientcore.errors import (
     ConnectFailed,
     ConnectionClosed,
     ExecServerError,
     InitializeTimeout,
-    OutcomeUnknown,
     ServerError,
     SessionLost,
     SpawnFailed,
@@ -289,6 +288,11 @@ class Client:
         return not self._rpc.is_closed
 
     @property
+    def _following(self) -> bool:
+        """This client rides through a dropped connection (resume gating)."""
+        return not self._closing and self._resume_enabled and self.resumable
+
+    @property
     def pending_request_count(self) -> int:
         """Requests sent on the current connection and not yet answered."""
         return self._rpc.pending_count
@@ -324,7 +328,7 @@ class Client:
         if rpc is not self._rpc:
             return
         self._table.cancel_lingers()
-        if self._closing or not (self._resume_enabled and self.resumable):
+        if not self._following:
             for handle in self._table.take_all():
                 handle.connection_lost()
             self._fail_waiters(ConnectionClosed(reason))
@@ -417,7 +421,7 @@ class Client:
         if self.lost is not None:
             raise self.lost
         rpc = self._rpc
-        if not rpc.is_closed or self._closing or not (self._resume_enabled and self.resumable):
+        if not rpc.is_closed or not self._following:
             return rpc
         waiter: asyncio.Future[AsyncRpc] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -461,12 +465,11 @@ class Client:
             try:
                 return await rpc.call(method, params, result_type)
             except ConnectionClosed as exc:
-                if self._closing or not (self._resume_enabled and self.resumable):
+                error = after_drop(method, params, exc, following=self._following)
+                if error is exc:
                     raise
-                if isinstance(exc, SessionLost):
-                    raise
-                if not repeatable(method, params):
-                    raise OutcomeUnknown(method, exc.reason) from None
+                if error is not None:
+                    raise error from None
                 # Safe to send again once the session is resumed.
 
     # --- process/* ------------------------------------------------------------------
