@@ -25,6 +25,7 @@ from execserver.clientcore.errors import (
     SessionLost,
 )
 from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import ProcessCore
 from execserver.clientcore.types import GapEvent, InitializeResult, OutputEvent
 from execserver.retained import CHUNK_OVERHEAD_BYTES
@@ -361,3 +362,27 @@ def test_a_call_in_flight_at_a_drop_is_repeated_only_when_that_is_harmless() -> 
     # A lost session is final.
     lost = SessionLost("s", "expired")
     assert after_drop(p.PROCESS_READ, read, lost, following=True) is lost
+
+
+# --- the initialize params --------------------------------------------------------------
+
+
+def test_initialize_sends_only_what_is_asked_for() -> None:
+    # A baseline client's initialize is exactly the reference's.
+    assert initialize_params("c") == {"clientName": "c"}
+    # A resumable session pauses rather than drop unread output, unless told.
+    assert initialize_params("c", session_ttl_ms=5000) == {
+        "clientName": "c",
+        "sessionTtlMs": 5000,
+        "onDetachedFull": "pause",
+    }
+    assert initialize_params(
+        "c", session_ttl_ms=5000, resume_session_id="s1", on_detached_full="drop"
+    ) == {
+        "clientName": "c",
+        "sessionTtlMs": 5000,
+        "resumeSessionId": "s1",
+        "onDetachedFull": "drop",
+    }
+    # A TTL of 0 asks for no resumable session: no default.
+    assert initialize_params("c", session_ttl_ms=0) == {"clientName": "c", "sessionTtlMs": 0}

@@ -68,6 +68,7 @@ from execserver.clientcore.errors import (
     SpawnFailed,
 )
 from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
 from execserver.clientcore.start import exec_params, next_process_id
@@ -195,15 +196,12 @@ class _Dialer:
         return rpc, channel, result
 
     async def _handshake(self, rpc: AsyncRpc, resume_session_id: str | None) -> InitializeResult:
-        # Only what is asked for goes on the wire: a baseline client's
-        # initialize stays exactly {"clientName": ...}.
-        params: dict[str, object] = {"clientName": self.client_name}
-        if self.session_ttl_ms is not None:
-            params["sessionTtlMs"] = self.session_ttl_ms
-        if resume_session_id is not None:
-            params["resumeSessionId"] = resume_session_id
-        if self.on_detached_full is not None:
-            params["onDetachedFull"] = self.on_detached_full
+        params = initialize_params(
+            self.client_name,
+            session_ttl_ms=self.session_ttl_ms,
+            resume_session_id=resume_session_id,
+            on_detached_full=self.on_detached_full,
+        )
         try:
             result = await rpc.call(
                 p.INITIALIZE, params, InitializeResult, timeout=self.connect_timeout

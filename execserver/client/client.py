@@ -57,6 +57,7 @@ from execserver.client.types import (
 )
 from execserver.clientcore import defaults
 from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.start import exec_params, next_process_id
 from execserver.waiters import Latch
@@ -194,19 +195,12 @@ class ExecServerClient(ClientApi, FileTransfers):
         return self
 
     def _initialize(self, options: ConnectOptions) -> Deferred[InitializeResult]:
-        # Only what is asked for goes on the wire: a baseline client's
-        # initialize stays exactly {"clientName": ...}.
-        params: dict[str, object] = {"clientName": options.client_name}
-        if options.session_ttl_ms is not None:
-            params["sessionTtlMs"] = options.session_ttl_ms
-        if options.resume_session_id is not None:
-            params["resumeSessionId"] = options.resume_session_id
-        on_detached_full = options.on_detached_full
-        if on_detached_full is None and options.session_ttl_ms:
-            # A session that outlives a drop never drops output unread.
-            on_detached_full = "pause"
-        if on_detached_full is not None:
-            params["onDetachedFull"] = on_detached_full
+        params = initialize_params(
+            options.client_name,
+            session_ttl_ms=options.session_ttl_ms,
+            resume_session_id=options.resume_session_id,
+            on_detached_full=options.on_detached_full,
+        )
         d = self._rpc.call(p.INITIALIZE, params, InitializeResult)
 
         def timed_out(result: InitializeResult | Failure, timeout: float) -> NoReturn:
