@@ -105,7 +105,7 @@ def _aio_decode_rate(reads: list[bytes]) -> float:
         resume=False,
     )
     handle = Process(client, "p")
-    client._processes["p"] = handle  # as start() would register it
+    client._table.register(handle)  # as start() would register it
     received = 0
 
     def count(event: OutputEvent) -> None:

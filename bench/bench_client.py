@@ -55,7 +55,7 @@ def library_decode_rate(reads: list[bytes]) -> float:
     proto.makeConnection(StringTransport())
     client = ExecServerClient(rpc, task.Clock())
     handle = RemoteProcess(client, "p")
-    client._processes["p"] = handle  # as start_process would register it
+    client._table.register(handle)  # as start_process would register it
     received = 0
 
     def count(event: OutputEvent) -> None:

@@ -136,16 +136,16 @@ def _environment_info(sandbox: SandboxEngine | None) -> p.EnvironmentInfo:
 
 
 def _add_process_routes(dispatcher: Dispatcher) -> None:
-    route = dispatcher.add_route
-    route(p.PROCESS_START, p.ExecParams, lambda c, a: session_of(c).start(a))
-    route(p.PROCESS_READ, p.ReadParams, lambda c, a: session_of(c).read(a))
-    route(p.PROCESS_WRITE, p.WriteParams, lambda c, a: session_of(c).write(a))
-    route(p.PROCESS_TERMINATE, p.TerminateParams, lambda c, a: session_of(c).terminate(a))
-    route(p.PROCESS_SIGNAL, p.SignalParams, lambda c, a: session_of(c).signal(a))
-    route(p.PROCESS_CLOSE_STDIN, p.CloseStdinParams, lambda c, a: session_of(c).close_stdin(a))
-    route(p.PROCESS_RESIZE, p.ResizeParams, lambda c, a: session_of(c).resize(a))
-    route(p.PROCESS_WAIT, p.WaitParams, lambda c, a: session_of(c).wait(a))
-    route(p.PROCESS_LIST, p.ListParams, lambda c, a: session_of(c).list(a))
+    route = dispatcher.add_method
+    route(p.ProcessStart, lambda c, a: session_of(c).start(a))
+    route(p.ProcessRead, lambda c, a: session_of(c).read(a))
+    route(p.ProcessWrite, lambda c, a: session_of(c).write(a))
+    route(p.ProcessTerminate, lambda c, a: session_of(c).terminate(a))
+    route(p.ProcessSignal, lambda c, a: session_of(c).signal(a))
+    route(p.ProcessCloseStdin, lambda c, a: session_of(c).close_stdin(a))
+    route(p.ProcessResize, lambda c, a: session_of(c).resize(a))
+    route(p.ProcessWait, lambda c, a: session_of(c).wait(a))
+    route(p.ProcessList, lambda c, a: session_of(c).list(a))
     dispatcher.capabilities.extend(
         method for method in PROCESS_CONTROL if method not in dispatcher.capabilities
     )

@@ -236,6 +236,10 @@ class Dispatcher:
         announces = self.dialect.announced_by(method)
         self.routes[method] = Route(params_type, handler, family, announces)
 
+    def add_method(self, method: p.Method[Any, Any], handler: Handler) -> None:
+        """A route for a declared method: its name, params type and family."""
+        self.add_route(method.name, method.params, handler, method.family)
+
     def provide(self, part: object) -> None:
         """Keep an application part (found again by its class with :meth:`part`)."""
         self._parts[type(part)] = part

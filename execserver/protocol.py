@@ -13,7 +13,8 @@ baseline client sees exactly the baseline shapes.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import msgspec
 
@@ -686,3 +687,80 @@ class FsCopyParams(_Wire):
     destination_path: str
     recursive: bool = False
     sandbox: SandboxConfig | None = None
+
+
+# --- the methods, each declared once ---------------------------------------------------
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Method(Generic[P, R]):
+    """One request method, as AMP's ``Command`` declares one: its name, the
+    type of its params and of its result, the handshake family whose routes
+    it belongs to (what a connection must have done first; ``None``: no
+    handshake needed), and whether a call of it in flight at a dropped
+    connection may be sent again on the resumed session (repeating it
+    changes nothing).
+
+    The server's routes are added from these (``app``), and every client
+    calls through one generic path taking one (``request``); the typed
+    convenience methods only build the params.
+    """
+
+    name: str
+    params: type[P]
+    result: type[R]
+    family: str | None = "exec"
+    repeatable: bool = False
+
+
+ProcessStart = Method(PROCESS_START, ExecParams, ExecResponse)
+ProcessRead = Method(PROCESS_READ, ReadParams, ReadResponse, repeatable=True)
+#: Repeatable only with a ``writeId`` (see :func:`execserver.clientcore.calls.repeatable`).
+ProcessWrite = Method(PROCESS_WRITE, WriteParams, WriteResponse)
+ProcessTerminate = Method(PROCESS_TERMINATE, TerminateParams, TerminateResponse)
+ProcessSignal = Method(PROCESS_SIGNAL, SignalParams, SignalResponse)
+ProcessCloseStdin = Method(PROCESS_CLOSE_STDIN, CloseStdinParams, CloseStdinResponse)
+ProcessResize = Method(PROCESS_RESIZE, ResizeParams, Empty)
+ProcessWait = Method(PROCESS_WAIT, WaitParams, WaitResponse, repeatable=True)
+ProcessList = Method(PROCESS_LIST, ListParams, ListResponse, repeatable=True)
+FsReadFile = Method(
+    FS_READ_FILE, FsReadFileParams, FsReadFileResponse, "filesystem", repeatable=True
+)
+FsWriteFile = Method(FS_WRITE_FILE, FsWriteFileParams, Empty, "filesystem")
+FsCreateDirectory = Method(FS_CREATE_DIRECTORY, FsCreateDirectoryParams, Empty, "filesystem")
+FsGetMetadata = Method(
+    FS_GET_METADATA, FsGetMetadataParams, FsGetMetadataResponse, "filesystem", repeatable=True
+)
+FsReadDirectory = Method(
+    FS_READ_DIRECTORY,
+    FsReadDirectoryParams,
+    FsReadDirectoryResponse,
+    "filesystem",
+    repeatable=True,
+)
+FsRemove = Method(FS_REMOVE, FsRemoveParams, Empty, "filesystem")
+FsCopy = Method(FS_COPY, FsCopyParams, Empty, "filesystem")
+
+#: Every request method of the baseline and of its process-control and fs
+#: extensions (``initialize`` aside: its result is read leniently by clients).
+METHODS: tuple[Method[Any, Any], ...] = (
+    ProcessStart,
+    ProcessRead,
+    ProcessWrite,
+    ProcessTerminate,
+    ProcessSignal,
+    ProcessCloseStdin,
+    ProcessResize,
+    ProcessWait,
+    ProcessList,
+    FsReadFile,
+    FsWriteFile,
+    FsCreateDirectory,
+    FsGetMetadata,
+    FsReadDirectory,
+    FsRemove,
+    FsCopy,
+)

@@ -57,17 +57,18 @@ from execserver.aio.channels import (
 from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore import defaults, transfer
-from execserver.clientcore.calls import repeatable
+from execserver.clientcore.calls import after_drop
 from execserver.clientcore.errors import (
     ConnectFailed,
     ConnectionClosed,
     ExecServerError,
     InitializeTimeout,
-    OutcomeUnknown,
     ServerError,
     SessionLost,
     SpawnFailed,
 )
+from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
 from execserver.clientcore.start import exec_params, next_process_id
@@ -82,6 +83,8 @@ from execserver.clientcore.types import (
 )
 
 T = TypeVar("T")
+P = TypeVar("P")
+R = TypeVar("R")
 log = logging.getLogger("execserver.aio")
 
 #: The session lifetime asked for over WebSocket with ``resume=True``.
@@ -193,15 +196,12 @@ class _Dialer:
         return rpc, channel, result
 
     async def _handshake(self, rpc: AsyncRpc, resume_session_id: str | None) -> InitializeResult:
-        # Only what is asked for goes on the wire: a baseline client's
-        # initialize stays exactly {"clientName": ...}.
-        params: dict[str, object] = {"clientName": self.client_name}
-        if self.session_ttl_ms is not None:
-            params["sessionTtlMs"] = self.session_ttl_ms
-        if resume_session_id is not None:
-            params["resumeSessionId"] = resume_session_id
-        if self.on_detached_full is not None:
-            params["onDetachedFull"] = self.on_detached_full
+        params = initialize_params(
+            self.client_name,
+            session_ttl_ms=self.session_ttl_ms,
+            resume_session_id=resume_session_id,
+            on_detached_full=self.on_detached_full,
+        )
         try:
             result = await rpc.call(
                 p.INITIALIZE, params, InitializeResult, timeout=self.connect_timeout
@@ -210,6 +210,11 @@ class _Dialer:
             raise InitializeTimeout(self.connect_timeout) from None
         await rpc.notify(p.INITIALIZED, p.Empty())
         return result
+
+
+def _schedule(seconds: float, fn: Callable[[], None]) -> Callable[[], None]:
+    """``loop.call_later`` as :class:`~execserver.clientcore.follow.ProcessTable` wants it."""
+    return asyncio.get_running_loop().call_later(seconds, fn).cancel
 
 
 class Client:
@@ -239,8 +244,7 @@ class Client:
         self._resume_enabled = resume and dialer.url is not None
         self._backlog_bytes = backlog_bytes
         self.initialize_result = result
-        self._processes: dict[str, Process] = {}
-        self._linger: dict[str, asyncio.TimerHandle] = {}
+        self._table: ProcessTable[Process] = ProcessTable(_schedule)
         self._next_process = 1
         self._closing = False
         self._closed = asyncio.Event()
@@ -282,6 +286,11 @@ class Client:
         return not self._rpc.is_closed
 
     @property
+    def _following(self) -> bool:
+        """This client rides through a dropped connection (resume gating)."""
+        return not self._closing and self._resume_enabled and self.resumable
+
+    @property
     def pending_request_count(self) -> int:
         """Requests sent on the current connection and not yet answered."""
         return self._rpc.pending_count
@@ -293,11 +302,11 @@ class Client:
 
     def process(self, process_id: str) -> Process | None:
         """The handle of a process this client started, while it is tracked."""
-        return self._processes.get(process_id)
+        return self._table.get(process_id)
 
     @property
     def tracked_process_count(self) -> int:
-        return len(self._processes)
+        return len(self._table)
 
     @property
     def terminating_count(self) -> int:
@@ -316,16 +325,15 @@ class Client:
     def _on_lost(self, rpc: AsyncRpc, reason: str) -> None:
         if rpc is not self._rpc:
             return
-        self._cancel_lingers()
-        if self._closing or not (self._resume_enabled and self.resumable):
-            handles, self._processes = self._processes, {}
-            for handle in handles.values():
+        self._table.cancel_lingers()
+        if not self._following:
+            for handle in self._table.take_all():
                 handle.connection_lost()
             self._fail_waiters(ConnectionClosed(reason))
             return
         # Hold live events back from now on: the catch-up reads on the next
         # connection fill in what was missed before them.
-        for handle in self._processes.values():
+        for handle in self._table:
             handle.begin_catch_up()
         if self._resume_task is None or self._resume_task.done():
             self._resume_task = self._spawn(self._resume(reason))
@@ -381,41 +389,23 @@ class Client:
             await asyncio.sleep(attempts.next_delay())
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
-        handles = [h for h in self._processes.values() if h.catching_up]
+        handles = [h for h in self._table if h.catching_up]
         # Every handle's reads are in flight at once: one round trip for all.
         await asyncio.gather(*(self._catch_up(rpc, h) for h in handles))
 
     async def _catch_up(self, rpc: AsyncRpc, handle: Process) -> None:
-        try:
-            while True:
-                params = p.ReadParams(handle.process_id, handle.last_seq)
-                read = await rpc.call(p.PROCESS_READ, params, p.ReadResponse)
-                if not handle.catch_up(read):
-                    break
-        except ConnectionClosed:
-            return  # dropped again: the next resume catches up
-        except Exception as exc:
+        error = await self._table.catch_up(
+            rpc.call, handle, self.initialize_result, lambda: True, self._spawn
+        )
+        if error is not None:
             # Its id expired (closed longer than the exit retention), or a
-            # malformed reply: the handle ends rather than hold events back.
-            log.warning("catching up process %s failed: %s", handle.process_id, exc)
-            handle.fail(exc)
-            self._forget(handle)
-            return
-        handle.end_catch_up()
-        if handle.is_closed:
-            self._forget(handle)
-        elif self.initialize_result.on_detached_full == "pause":
-            # The live events held back meanwhile were delivered unacknowledged:
-            # a "pause" server may be waiting for exactly them.
-            handle.unacked_bytes = 0
-            params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
-            self._spawn(self._ack(rpc, handle, params))
+            # malformed reply: the handle ended rather than hold events back.
+            log.warning("catching up process %s failed: %s", handle.process_id, error)
 
     def _give_up(self, cause: str) -> None:
         self.lost = SessionLost(self.session_id, cause)
         log.warning("%s", self.lost)
-        handles, self._processes = self._processes, {}
-        for handle in handles.values():
+        for handle in self._table.take_all():
             handle.fail(self.lost)
         self._fail_waiters(self.lost)
 
@@ -429,7 +419,7 @@ class Client:
         if self.lost is not None:
             raise self.lost
         rpc = self._rpc
-        if not rpc.is_closed or self._closing or not (self._resume_enabled and self.resumable):
+        if not rpc.is_closed or not self._following:
             return rpc
         waiter: asyncio.Future[AsyncRpc] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -456,25 +446,35 @@ class Client:
         async with asyncio.timeout(seconds):
             return await self._call(method, params, result_type)
 
+    async def request(
+        self,
+        method: p.Method[P, R],
+        params: P,
+        *,
+        timeout: float | _Default | None = _DEFAULT,
+    ) -> R:
+        """Any declared protocol method (``p.ProcessRead``, ``p.FsCopy``, ...)
+        through :meth:`call`: the one path every typed method below takes."""
+        return await self.call(method.name, params, method.result, timeout=timeout)
+
     async def _call(self, method: str, params: object, result_type: type[T]) -> T:
         while True:
             rpc = await self._current()
             try:
                 return await rpc.call(method, params, result_type)
             except ConnectionClosed as exc:
-                if self._closing or not (self._resume_enabled and self.resumable):
+                error = after_drop(method, params, exc, following=self._following)
+                if error is exc:
                     raise
-                if isinstance(exc, SessionLost):
-                    raise
-                if not repeatable(method, params):
-                    raise OutcomeUnknown(method, exc.reason) from None
+                if error is not None:
+                    raise error from None
                 # Safe to send again once the session is resumed.
 
     # --- process/* ------------------------------------------------------------------
 
     async def exec(self, params: p.ExecParams) -> p.ExecResponse:
         """``process/start`` without a handle (see :meth:`start` for one)."""
-        return await self.call(p.PROCESS_START, params, p.ExecResponse)
+        return await self.request(p.ProcessStart, params)
 
     async def read(
         self,
@@ -486,32 +486,32 @@ class Client:
         """``process/read``: retained output after ``after_seq``, waiting up to ``wait_ms``."""
         params = p.ReadParams(process_id, after_seq, max_bytes, wait_ms)
         bound = self._long_poll_bound(wait_ms or 0)
-        return await self.call(p.PROCESS_READ, params, p.ReadResponse, timeout=bound)
+        return await self.request(p.ProcessRead, params, timeout=bound)
 
     async def write(self, process_id: str, data: bytes) -> p.WriteResponse:
         """``process/write``: raw bytes to stdin. On a resumable session it
         carries a ``writeId``, so a retry after a drop writes once."""
         write_id = uuid.uuid4().hex if self._resume_enabled and self.resumable else None
         params = p.WriteParams(process_id, bytes(data), write_id=write_id)
-        return await self.call(p.PROCESS_WRITE, params, p.WriteResponse)
+        return await self.request(p.ProcessWrite, params)
 
     async def terminate(self, process_id: str, grace_ms: int | None = None) -> p.TerminateResponse:
         """``process/terminate``; ``running`` says whether it was still running."""
         params = p.TerminateParams(process_id, grace_ms)
-        return await self.call(p.PROCESS_TERMINATE, params, p.TerminateResponse)
+        return await self.request(p.ProcessTerminate, params)
 
     async def signal(self, process_id: str, signal: int | str) -> p.SignalResponse:
         """``process/signal``: a signal name (``"SIGINT"``, ``"INT"``) or number."""
         params = p.SignalParams(process_id, signal)
-        return await self.call(p.PROCESS_SIGNAL, params, p.SignalResponse)
+        return await self.request(p.ProcessSignal, params)
 
     async def close_stdin(self, process_id: str) -> p.CloseStdinResponse:
         params = p.CloseStdinParams(process_id)
-        return await self.call(p.PROCESS_CLOSE_STDIN, params, p.CloseStdinResponse)
+        return await self.request(p.ProcessCloseStdin, params)
 
     async def resize(self, process_id: str, rows: int, cols: int) -> p.Empty:
         params = p.ResizeParams(process_id, rows, cols)
-        return await self.call(p.PROCESS_RESIZE, params, p.Empty)
+        return await self.request(p.ProcessResize, params)
 
     async def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
         """``process/wait``: until exit, or ``timeout_ms`` (then ``exited: false``).
@@ -520,7 +520,7 @@ class Client:
         ``timeout_ms``: until the process exits)."""
         params = p.WaitParams(process_id, timeout_ms)
         bound = self._long_poll_bound(timeout_ms)
-        return await self.call(p.PROCESS_WAIT, params, p.WaitResponse, timeout=bound)
+        return await self.request(p.ProcessWait, params, timeout=bound)
 
     def _long_poll_bound(self, server_ms: int | None) -> float | None:
         """The bound of a request the server holds up to ``server_ms`` (None:
@@ -530,40 +530,40 @@ class Client:
         return self._request_timeout + server_ms / 1000
 
     async def list_processes(self) -> p.ListResponse:
-        return await self.call(p.PROCESS_LIST, p.ListParams(), p.ListResponse)
+        return await self.request(p.ProcessList, p.ListParams())
 
     # --- fs/* -----------------------------------------------------------------------
 
     async def fs_read_file(self, path: str) -> p.FsReadFileResponse:
         """``fs/readFile``: the whole file (``data_base64`` holds the raw bytes)."""
-        return await self.call(p.FS_READ_FILE, p.FsReadFileParams(path), p.FsReadFileResponse)
+        return await self.request(p.FsReadFile, p.FsReadFileParams(path))
 
     async def fs_write_file(self, path: str, data: bytes) -> p.Empty:
         """``fs/writeFile``: create or replace ``path`` with ``data``."""
-        return await self.call(p.FS_WRITE_FILE, p.FsWriteFileParams(path, bytes(data)), p.Empty)
+        return await self.request(p.FsWriteFile, p.FsWriteFileParams(path, bytes(data)))
 
     async def fs_create_directory(self, path: str, recursive: bool | None = None) -> p.Empty:
         params = p.FsCreateDirectoryParams(path, recursive)
-        return await self.call(p.FS_CREATE_DIRECTORY, params, p.Empty)
+        return await self.request(p.FsCreateDirectory, params)
 
     async def fs_get_metadata(self, path: str) -> p.FsGetMetadataResponse:
         params = p.FsGetMetadataParams(path)
-        return await self.call(p.FS_GET_METADATA, params, p.FsGetMetadataResponse)
+        return await self.request(p.FsGetMetadata, params)
 
     async def fs_read_directory(self, path: str) -> p.FsReadDirectoryResponse:
         params = p.FsReadDirectoryParams(path)
-        return await self.call(p.FS_READ_DIRECTORY, params, p.FsReadDirectoryResponse)
+        return await self.request(p.FsReadDirectory, params)
 
     async def fs_remove(
         self, path: str, recursive: bool | None = None, force: bool | None = None
     ) -> p.Empty:
-        return await self.call(p.FS_REMOVE, p.FsRemoveParams(path, recursive, force), p.Empty)
+        return await self.request(p.FsRemove, p.FsRemoveParams(path, recursive, force))
 
     async def fs_copy(
         self, source_path: str, destination_path: str, recursive: bool = False
     ) -> p.Empty:
         params = p.FsCopyParams(source_path, destination_path, recursive)
-        return await self.call(p.FS_COPY, params, p.Empty)
+        return await self.request(p.FsCopy, params)
 
     async def download(
         self,
@@ -660,29 +660,21 @@ class Client:
             sandbox=sandbox,
         )
         requested = params.process_id
-        existing = self._processes.get(requested)
-        if existing is not None and not existing.is_closed:
-            raise ExecServerError(f"process id {requested} is already in use by this client")
+        self._table.claim(requested)
         # Registered before the request: output may race the response.
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
-        self._processes[requested] = handle
+        self._table.register(handle)
         try:
-            response = await self.call(p.PROCESS_START, params, p.ExecResponse)
+            response = await self.request(p.ProcessStart, params)
         except BaseException as exc:
-            if self._processes.get(requested) is handle:
-                del self._processes[requested]
+            self._table.unregister(requested, handle)
             # Untracked, it would never close: a close() waiting for it is released.
             handle.connection_lost()
             if isinstance(exc, asyncio.CancelledError | TimeoutError) and not detach:
                 # The request may have been carried out: do not leave an orphan.
                 self._terminate_later(requested, None)
             raise
-        if response.process_id != requested:
-            # The server's id is the one its notifications will carry.
-            if self._processes.get(requested) is handle:
-                del self._processes[requested]
-            handle.process_id = response.process_id
-            self._processes[response.process_id] = handle
+        self._table.started(requested, handle, response)
         if self.lost is not None:
             handle.fail(self.lost)
         elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
@@ -690,7 +682,7 @@ class Client:
         return handle
 
     def _new_process_id(self) -> str:
-        process_id, self._next_process = next_process_id(self._next_process, self._processes)
+        process_id, self._next_process = next_process_id(self._next_process, self._table.processes)
         return process_id
 
     def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
@@ -797,7 +789,7 @@ class Client:
     # --- notifications --------------------------------------------------------------
 
     def _on_output(self, out: OutputParams) -> None:
-        handle = self._processes.get(out.process_id)
+        handle = self._table.get(out.process_id)
         if handle is None:
             return
         try:
@@ -806,50 +798,27 @@ class Client:
             log.warning("dropping process/output of %s with invalid base64", out.process_id)
             return
         if handle.accept_output(OutputEvent(out.process_id, out.stream, chunk, out.seq)):
-            self._acknowledge(handle, len(chunk))
+            # With "pause", tell the server (a read's afterSeq) what has arrived.
+            rpc = self._rpc
+            ack = self._table.ack_params(
+                handle, len(chunk), self.initialize_result, not rpc.is_closed
+            )
+            if ack is not None:
+                self._spawn(acknowledge(rpc.call, handle, ack))
 
     def _on_exited(self, ex: ExitedParams) -> None:
-        handle = self._processes.get(ex.process_id)
+        handle = self._table.get(ex.process_id)
         if handle is not None:
             handle.accept_exit(ex.seq, ex.exit_code, ex.signal, ex.timed_out)
-            if handle.has_exited and not handle.is_closed and handle.process_id not in self._linger:
+            if handle.has_exited:
                 # A baseline server sends no process/closed: output may
                 # still follow the exit for a while, then the handle ends.
-                self._linger[handle.process_id] = asyncio.get_running_loop().call_later(
-                    EXITED_LINGER_SECONDS, self._forget, handle
-                )
+                self._table.linger(handle)
 
     def _on_closed(self, closed: ClosedParams) -> None:
-        handle = self._processes.get(closed.process_id)
+        handle = self._table.get(closed.process_id)
         if handle is not None and handle.accept_close(closed.seq):
-            self._forget(handle)
-
-    def _cancel_lingers(self) -> None:
-        timers, self._linger = self._linger, {}
-        for timer in timers.values():
-            timer.cancel()
-
-    def _forget(self, handle: Process) -> None:
-        timer = self._linger.pop(handle.process_id, None)
-        if timer is not None:
-            timer.cancel()
-        if self._processes.get(handle.process_id) is handle:
-            del self._processes[handle.process_id]
-        handle.mark_closed()
-
-    def _acknowledge(self, handle: Process, size: int) -> None:
-        """With "pause", tell the server (a read's afterSeq) what has arrived,
-        each time a quarter of its retention did (as the Twisted client)."""
-        result = self.initialize_result
-        if result.on_detached_full != "pause" or handle.last_seq == 0 or self._rpc.is_closed:
-            return
-        if handle.ack_due(size, result.retained_output_bytes or 0):
-            params = p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
-            self._spawn(self._ack(self._rpc, handle, params))
-
-    async def _ack(self, rpc: AsyncRpc, handle: Process, params: p.ReadParams) -> None:
-        with contextlib.suppress(ExecServerError):
-            handle.catch_up(await rpc.call(p.PROCESS_READ, params, p.ReadResponse))
+            self._table.forget(handle)
 
     # --- closing --------------------------------------------------------------------
 
@@ -864,7 +833,7 @@ class Client:
             return
         try:
             if not self._rpc.is_closed and self.lost is None:
-                running = [h for h in self._processes.values() if not h.detach]
+                running = [h for h in self._table if not h.detach]
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(CLOSE_WAIT_SECONDS):
                         await asyncio.gather(
@@ -876,14 +845,13 @@ class Client:
                         )
         finally:
             self._closing = True
-            self._cancel_lingers()
+            self._table.cancel_lingers()
             self._fail_waiters(ConnectionClosed("the client was closed"))
             for task in [*self._tasks, *self._terminations]:
                 task.cancel()
             await self._channel.aclose()
             self._rpc.connection_lost("closed by the client")
-            handles, self._processes = self._processes, {}
-            for handle in handles.values():
+            for handle in self._table.take_all():
                 handle.connection_lost()
             self._closed.set()
 

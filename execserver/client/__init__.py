@@ -40,6 +40,7 @@ from execserver.client.errors import (
     SpawnFailed,
 )
 from execserver.client.process import OutputSubscription, RemoteProcess
+from execserver.client.reconnect import ReconnectingClient, ResumingClient
 from execserver.client.rpc import RpcClient
 from execserver.client.types import (
     ClientEvent,
@@ -74,7 +75,9 @@ __all__ = [
     "OutputSubscription",
     "ProtocolViolation",
     "RangesNotSupported",
+    "ReconnectingClient",
     "RemoteProcess",
+    "ResumingClient",
     "RpcClient",
     "ServerError",
     "SessionLost",

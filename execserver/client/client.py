@@ -22,7 +22,7 @@ reference to a client does the same from a ``weakref.finalize`` hook.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import attrs
@@ -37,7 +37,6 @@ from execserver import protocol as p
 from execserver.client import connect
 from execserver.client.api import ClientApi
 from execserver.client.errors import (
-    ConnectionClosed,
     ExecServerError,
     InitializeTimeout,
     ServerError,
@@ -57,6 +56,8 @@ from execserver.client.types import (
     OutputParams,
 )
 from execserver.clientcore import defaults
+from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.start import exec_params, next_process_id
 from execserver.waiters import Latch
@@ -94,6 +95,26 @@ class ConnectOptions:
 Closer = connect.Closer
 
 
+def _schedule(clock: IReactorTime) -> Callable[[float, Callable[[], None]], Callable[[], None]]:
+    """``clock.callLater`` as :class:`~execserver.clientcore.follow.ProcessTable` wants it."""
+
+    def schedule(seconds: float, fn: Callable[[], None]) -> Callable[[], None]:
+        delayed: IDelayedCall = clock.callLater(seconds, fn)
+
+        def cancel() -> None:
+            if delayed.active():
+                delayed.cancel()
+
+        return cancel
+
+    return schedule
+
+
+def _background(coro: Coroutine[Any, Any, None]) -> None:
+    """An acknowledgement nobody waits for: whatever becomes of it is fine."""
+    Deferred.fromCoroutine(coro).addErrback(lambda f: None)
+
+
 def _weak(method: Callable[..., None]) -> Callable[..., None]:
     """A callable that forwards to ``method`` without keeping its object alive."""
     ref = weakref.WeakMethod(method)
@@ -122,8 +143,7 @@ class ExecServerClient(ClientApi, FileTransfers):
         self._closer = closer
         self._backlog_bytes = backlog_bytes
         self.initialize_result: InitializeResult | None = None
-        self._processes: dict[str, RemoteProcess] = {}
-        self._linger: dict[str, IDelayedCall] = {}
+        self._table: ProcessTable[RemoteProcess] = ProcessTable(_schedule(clock))
         self._listeners: list[Callable[[ClientEvent], None]] = []
         self._next_process = 1
         #: Lost the connection of a resumable session; handles kept.
@@ -175,19 +195,12 @@ class ExecServerClient(ClientApi, FileTransfers):
         return self
 
     def _initialize(self, options: ConnectOptions) -> Deferred[InitializeResult]:
-        # Only what is asked for goes on the wire: a baseline client's
-        # initialize stays exactly {"clientName": ...}.
-        params: dict[str, object] = {"clientName": options.client_name}
-        if options.session_ttl_ms is not None:
-            params["sessionTtlMs"] = options.session_ttl_ms
-        if options.resume_session_id is not None:
-            params["resumeSessionId"] = options.resume_session_id
-        on_detached_full = options.on_detached_full
-        if on_detached_full is None and options.session_ttl_ms:
-            # A session that outlives a drop never drops output unread.
-            on_detached_full = "pause"
-        if on_detached_full is not None:
-            params["onDetachedFull"] = on_detached_full
+        params = initialize_params(
+            options.client_name,
+            session_ttl_ms=options.session_ttl_ms,
+            resume_session_id=options.resume_session_id,
+            on_detached_full=options.on_detached_full,
+        )
         d = self._rpc.call(p.INITIALIZE, params, InitializeResult)
 
         def timed_out(result: InitializeResult | Failure, timeout: float) -> NoReturn:
@@ -310,11 +323,11 @@ class ExecServerClient(ClientApi, FileTransfers):
 
     def process(self, process_id: str) -> RemoteProcess | None:
         """The handle of a process this client started, while it is tracked."""
-        return self._processes.get(process_id)
+        return self._table.get(process_id)
 
     @property
     def tracked_process_count(self) -> int:
-        return len(self._processes)
+        return len(self._table)
 
     def add_event_listener(self, listener: Callable[[ClientEvent], None]) -> None:
         """Every output/exit/close notification, and the disconnect."""
@@ -373,30 +386,22 @@ class ExecServerClient(ClientApi, FileTransfers):
         return Deferred.fromCoroutine(self._start(params, detach))
 
     def _new_process_id(self) -> str:
-        process_id, self._next_process = next_process_id(self._next_process, self._processes)
+        process_id, self._next_process = next_process_id(self._next_process, self._table.processes)
         return process_id
 
     async def _start(self, params: p.ExecParams, detach: bool = False) -> RemoteProcess:
         requested = params.process_id
-        existing = self._processes.get(requested)
-        if existing is not None and not existing.is_closed:
-            raise ExecServerError(f"process id {requested} is already in use by this client")
+        self._table.claim(requested)
         # Registered before the request: output may race the response.
         handle = RemoteProcess(self, requested, self._backlog_bytes)
         handle.detach = detach
-        self._processes[requested] = handle
+        self._table.register(handle)
         try:
             response = await self._call(p.PROCESS_START, params, p.ExecResponse)
         except BaseException:
-            if self._processes.get(requested) is handle:
-                del self._processes[requested]
+            self._table.unregister(requested, handle)
             raise
-        if response.process_id != requested:
-            # The server's id is the one its notifications will carry.
-            if self._processes.get(requested) is handle:
-                del self._processes[requested]
-            handle.process_id = response.process_id
-            self._processes[response.process_id] = handle
+        self._table.started(requested, handle, response)
         if self._rpc.is_closed:
             handle.connection_lost()
         return handle
@@ -418,7 +423,7 @@ class ExecServerClient(ClientApi, FileTransfers):
         self._output(OutputEvent(out.process_id, out.stream, chunk, out.seq))
 
     def _exited_params(self, ex: ExitedParams) -> None:
-        handle = self._processes.get(ex.process_id)
+        handle = self._table.get(ex.process_id)
         if handle is not None and ex.limit_exceeded is not None:
             handle.limit_exceeded = (ex.limit_exceeded, ex.limit_value)
         if handle is not None and not handle.accept_exit(
@@ -428,13 +433,13 @@ class ExecServerClient(ClientApi, FileTransfers):
         self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
 
     def _closed_params(self, closed: ClosedParams) -> None:
-        handle = self._processes.get(closed.process_id)
+        handle = self._table.get(closed.process_id)
         if handle is not None and not handle.accept_close(closed.seq):
             return
         self._closed(ClosedEvent(closed.process_id))
 
     def _output(self, event: OutputEvent) -> None:
-        handle = self._processes.get(event.process_id)
+        handle = self._table.get(event.process_id)
         if handle is not None:
             if not handle.accept_output(event):
                 return
@@ -442,43 +447,28 @@ class ExecServerClient(ClientApi, FileTransfers):
         self._emit(event)
 
     def _exited(self, event: ExitedEvent) -> None:
-        handle = self._processes.get(event.process_id)
+        handle = self._table.get(event.process_id)
         if handle is not None:
             handle.mark_exited(event.exit_code, event.signal, event.timed_out)
-            if not handle.is_closed and event.process_id not in self._linger:
-                self._linger[event.process_id] = self._clock.callLater(
-                    EXITED_LINGER_SECONDS, self._forget, event.process_id, handle
-                )
+            self._table.linger(handle)
         self._emit(event)
 
     def _closed(self, event: ClosedEvent) -> None:
-        handle = self._processes.get(event.process_id)
+        handle = self._table.get(event.process_id)
         if handle is not None:
             handle.mark_closed()
-            self._forget(event.process_id, handle)
+            self._table.forget(handle)
         self._emit(event)
 
-    def _forget(self, process_id: str, handle: RemoteProcess) -> None:
-        timer = self._linger.pop(process_id, None)
-        if timer is not None and timer.active():
-            timer.cancel()
-        if self._processes.get(process_id) is handle:
-            del self._processes[process_id]
-            handle.mark_closed()
-
     def _on_connection_lost(self, reason: str) -> None:
-        for timer in self._linger.values():
-            if timer.active():
-                timer.cancel()
-        self._linger.clear()
+        self._table.cancel_lingers()
         if self.resumable and self._closing is None:
             # The session lives on in the server: the handles wait for a
             # new connection to adopt them (or for fail_suspended).
             self._suspended = True
             self._emit(DisconnectedEvent(reason))
             return
-        handles, self._processes = self._processes, {}
-        for handle in handles.values():
+        for handle in self._table.take_all():
             handle.connection_lost()
         self._emit(DisconnectedEvent(reason))
 
@@ -492,13 +482,12 @@ class ExecServerClient(ClientApi, FileTransfers):
 
     def suspended_processes(self) -> list[RemoteProcess]:
         """Handles waiting for a resume (after a drop of a resumable session)."""
-        return list(self._processes.values()) if self._suspended else []
+        return list(self._table) if self._suspended else []
 
     def fail_suspended(self, error: Exception) -> None:
         """The session will not be resumed: every waiting handle fails with ``error``."""
-        handles, self._processes = self._processes, {}
         self._suspended = False
-        for handle in handles.values():
+        for handle in self._table.take_all():
             handle.fail(error)
 
     def adopt(self, old: ExecServerClient, api: ClientApi | None = None) -> Deferred[None]:
@@ -510,13 +499,12 @@ class ExecServerClient(ClientApi, FileTransfers):
         meanwhile wait their turn.
         """
         handles = old.suspended_processes()
-        old._processes = {}
+        old._table.take_all()
         old._suspended = False
         for handle in handles:
             if handle._api is old:
                 handle._api = api or self
-            handle.begin_catch_up()
-            self._processes[handle.process_id] = handle
+        self._table.adopt(handles)
         return Deferred.fromCoroutine(self._catch_up_all(handles))
 
     async def _catch_up_all(self, handles: list[RemoteProcess]) -> None:
@@ -527,50 +515,25 @@ class ExecServerClient(ClientApi, FileTransfers):
         )
 
     async def _catch_up(self, handle: RemoteProcess) -> None:
-        try:
-            while handle.catch_up(await self.read(handle.process_id, after_seq=handle.last_seq)):
-                pass
-        except ServerError as exc:
-            # Its id expired in the server (closed longer than the exit
-            # retention) or the process is otherwise gone.
-            handle.fail(exc)
-            self._processes.pop(handle.process_id, None)
-            return
-        except ConnectionClosed:
-            return  # dropped again: the next resume catches up
-        except Exception as exc:
-            # Any other failure (e.g. a malformed read reply) must end the
-            # handle too: left in catch-up it would hold events back forever.
-            log.failure("catching up process {process_id} failed", process_id=handle.process_id)
-            handle.fail(exc)
-            self._processes.pop(handle.process_id, None)
-            return
-        handle.end_catch_up()
-        if handle.is_closed:
-            self._forget(handle.process_id, handle)
-        else:
-            # The live events held back meanwhile were delivered outside
-            # _output, unacknowledged: a "pause" server may wait for them.
-            self._acknowledge(handle, 0, now=True)
+        error = await self._table.catch_up(
+            self._call, handle, self.initialize_result, lambda: not self._rpc.is_closed, _background
+        )
+        if error is not None and not isinstance(error, ServerError):
+            # A ServerError: its id expired in the server (closed longer
+            # than the exit retention) or the process is otherwise gone.
+            log.failure(
+                "catching up process {process_id} failed",
+                Failure(error),
+                process_id=handle.process_id,
+            )
 
-    def _acknowledge(self, handle: RemoteProcess, size: int, now: bool = False) -> None:
-        """With "pause", tell the server (a read's afterSeq) what has arrived.
-
-        The server drops only acknowledged output and stops reading a child
-        whose unacknowledged output fills its retention; acknowledging at a
-        quarter of it keeps the child running.
-        """
-        result = self.initialize_result
-        if (
-            result is None
-            or result.on_detached_full != "pause"
-            or handle.last_seq == 0
-            or self._rpc.is_closed
-        ):
-            return
-        if handle.ack_due(size, result.retained_output_bytes or 0, now=now):
-            d = self.read(handle.process_id, after_seq=handle.last_seq, max_bytes=1, wait_ms=0)
-            d.addCallbacks(handle.catch_up, lambda f: None)
+    def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
+        """With "pause", tell the server (a read's afterSeq) what has arrived."""
+        params = self._table.ack_params(
+            handle, size, self.initialize_result, not self._rpc.is_closed
+        )
+        if params is not None:
+            _background(acknowledge(self._call, handle, params))
 
     def _emit(self, event: ClientEvent) -> None:
         for listener in list(self._listeners):
@@ -610,7 +573,7 @@ class ExecServerClient(ClientApi, FileTransfers):
             await self._rpc.when_closed()
 
     async def _end_processes(self) -> None:
-        running = [h for h in self._processes.values() if not h.detach and not h.has_exited]
+        running = [h for h in self._table if not h.detach and not h.has_exited]
         if not running or self._rpc.is_closed:
             return
         ending = DeferredList(

@@ -174,6 +174,9 @@ class RemoteProcess(ProcessCore[OutputSubscription]):
         sub = OutputSubscription(self.process_id, limit, self._forget_queue, gaps=gaps)
         return self._add_queue(sub, fail_if_lost=False)
 
+    #: The name the asyncio and blocking handles use for the same queue.
+    output = subscribe
+
     # --- lifecycle ----------------------------------------------------------------
 
     def exited(self) -> Deferred[int | None]:

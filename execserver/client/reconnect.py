@@ -56,11 +56,10 @@ from execserver.client.errors import (
     ConnectFailed,
     ConnectionClosed,
     NotConnected,
-    OutcomeUnknown,
     SessionLost,
 )
 from execserver.client.process import RemoteProcess
-from execserver.clientcore.calls import repeatable
+from execserver.clientcore.calls import after_drop
 from execserver.clientcore.resume import ResumeAttempts
 from execserver.waiters import Waiters
 
@@ -196,10 +195,12 @@ class _FollowsSession(ClientApi):
                 try:
                     return await client._call(method, params, result_type)
                 except ConnectionClosed as exc:
-                    if not client.resumable or self._stopped:
+                    following = client.resumable and not self._stopped
+                    error = after_drop(method, params, exc, following=following)
+                    if error is exc:
                         raise
-                    if not repeatable(method, params):
-                        raise OutcomeUnknown(method, exc.reason) from None
+                    if error is not None:
+                        raise error from None
                     # Safe to send again once the session is resumed.
                     session = client.session_id
 

@@ -5,7 +5,11 @@
 - :mod:`~execserver.clientcore.errors`: the exception classes every client
   raises (ExecServerError and its subclasses);
 - :mod:`~execserver.clientcore.calls`: request ids and the pending-call map;
-  which calls may be repeated after a resume;
+  which calls may be repeated after a resume (``after_drop``);
+- :mod:`~execserver.clientcore.follow`: the processes a client follows
+  (start registration, close and linger, the "pause" acknowledgement, the
+  catch-up after a resume), shared by the Twisted and asyncio clients;
+- :mod:`~execserver.clientcore.initialize`: the ``initialize`` params;
 - :mod:`~execserver.clientcore.ordering`: seq-ordered, at-most-once delivery
   of a process's events across a resumed session;
 - :mod:`~execserver.clientcore.transfer`: ranged fs shapes for upload/download;

@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from execserver import protocol as p
+from execserver.clientcore.errors import ConnectionClosed, OutcomeUnknown, SessionLost
 
 W = TypeVar("W")
 
@@ -68,17 +69,9 @@ class PendingCalls(Generic[W]):
         return request_id in self._entries
 
 
-#: Methods whose repetition changes nothing (process/write only with a writeId).
-REPEATABLE = frozenset(
-    {
-        p.PROCESS_READ,
-        p.PROCESS_WAIT,
-        p.PROCESS_LIST,
-        p.FS_READ_FILE,
-        p.FS_GET_METADATA,
-        p.FS_READ_DIRECTORY,
-    }
-)
+#: Methods whose repetition changes nothing (process/write only with a
+#: writeId): those declared ``repeatable`` in :data:`execserver.protocol.METHODS`.
+REPEATABLE = frozenset(method.name for method in p.METHODS if method.repeatable)
 
 
 def repeatable(method: str, params: object) -> bool:
@@ -86,3 +79,22 @@ def repeatable(method: str, params: object) -> bool:
     if method == p.PROCESS_WRITE:
         return isinstance(params, p.WriteParams) and params.write_id is not None
     return method in REPEATABLE
+
+
+def after_drop(
+    method: str, params: object, error: ConnectionClosed, *, following: bool
+) -> ConnectionClosed | None:
+    """A call was in flight when its connection dropped: None to send it again
+    once the session is resumed, otherwise the error to fail it with.
+
+    ``following``: the client follows a resumable session across connections
+    (it is not closing or stopped). Then a call that is safe to repeat
+    (:func:`repeatable`) is sent again, and any other fails with
+    :class:`OutcomeUnknown` (the server may or may not have carried it out);
+    a :class:`SessionLost` is final. Otherwise the drop's own error stands.
+    """
+    if not following or isinstance(error, SessionLost):
+        return error
+    if not repeatable(method, params):
+        return OutcomeUnknown(method, error.reason)
+    return None

@@ -40,6 +40,8 @@ from execserver.clientcore.types import GapEvent, OutputEvent
 from execserver.sync._loop import CANCEL_GRACE, LOOP, Call, check_not_loop_thread
 
 T = TypeVar("T")
+P = TypeVar("P")
+R = TypeVar("R")
 
 #: Bound of every protocol call that has no timeout of its own (seconds).
 DEFAULT_CALL_TIMEOUT = 60.0
@@ -99,6 +101,11 @@ class Client:
 
     def _rpc(self, what: str, factory: Callable[[], Awaitable[T]]) -> T:
         return self._blocking(factory, self.call_timeout, what)
+
+    def request(self, method: p.Method[P, R], params: P) -> R:
+        """Any declared protocol method (``p.ProcessSignal``, ``p.FsCopy``, ...),
+        bounded by ``call_timeout``: the path the typed methods below take."""
+        return self._rpc(method.name, lambda: self._aio.request(method, params))
 
     # --- state ---------------------------------------------------------------------------
 
@@ -261,13 +268,13 @@ class Client:
         )
 
     def signal(self, process_id: str, signal: int | str) -> p.SignalResponse:
-        return self._rpc("process/signal", lambda: self._aio.signal(process_id, signal))
+        return self.request(p.ProcessSignal, p.SignalParams(process_id, signal))
 
     def close_stdin(self, process_id: str) -> p.CloseStdinResponse:
-        return self._rpc("process/closeStdin", lambda: self._aio.close_stdin(process_id))
+        return self.request(p.ProcessCloseStdin, p.CloseStdinParams(process_id))
 
     def resize(self, process_id: str, rows: int, cols: int) -> p.Empty:
-        return self._rpc("process/resize", lambda: self._aio.resize(process_id, rows, cols))
+        return self.request(p.ProcessResize, p.ResizeParams(process_id, rows, cols))
 
     def wait(self, process_id: str, timeout_ms: int | None = None) -> p.WaitResponse:
         """``process/wait``; bounded by ``timeout_ms`` plus ``call_timeout``
@@ -287,36 +294,32 @@ class Client:
         return self.call_timeout + server_ms / 1000
 
     def list_processes(self) -> p.ListResponse:
-        return self._rpc("process/list", self._aio.list_processes)
+        return self.request(p.ProcessList, p.ListParams())
 
     # --- fs --------------------------------------------------------------------------------
 
     def fs_read_file(self, path: str) -> p.FsReadFileResponse:
-        return self._rpc("fs/readFile", lambda: self._aio.fs_read_file(path))
+        return self.request(p.FsReadFile, p.FsReadFileParams(path))
 
     def fs_write_file(self, path: str, data: bytes) -> p.Empty:
-        return self._rpc("fs/writeFile", lambda: self._aio.fs_write_file(path, data))
+        return self.request(p.FsWriteFile, p.FsWriteFileParams(path, bytes(data)))
 
     def fs_create_directory(self, path: str, recursive: bool | None = None) -> p.Empty:
-        return self._rpc(
-            "fs/createDirectory", lambda: self._aio.fs_create_directory(path, recursive)
-        )
+        return self.request(p.FsCreateDirectory, p.FsCreateDirectoryParams(path, recursive))
 
     def fs_get_metadata(self, path: str) -> p.FsGetMetadataResponse:
-        return self._rpc("fs/getMetadata", lambda: self._aio.fs_get_metadata(path))
+        return self.request(p.FsGetMetadata, p.FsGetMetadataParams(path))
 
     def fs_read_directory(self, path: str) -> p.FsReadDirectoryResponse:
-        return self._rpc("fs/readDirectory", lambda: self._aio.fs_read_directory(path))
+        return self.request(p.FsReadDirectory, p.FsReadDirectoryParams(path))
 
     def fs_remove(
         self, path: str, recursive: bool | None = None, force: bool | None = None
     ) -> p.Empty:
-        return self._rpc("fs/remove", lambda: self._aio.fs_remove(path, recursive, force))
+        return self.request(p.FsRemove, p.FsRemoveParams(path, recursive, force))
 
     def fs_copy(self, source_path: str, destination_path: str, recursive: bool = False) -> p.Empty:
-        return self._rpc(
-            "fs/copy", lambda: self._aio.fs_copy(source_path, destination_path, recursive)
-        )
+        return self.request(p.FsCopy, p.FsCopyParams(source_path, destination_path, recursive))
 
     def upload(
         self,

@@ -1,0 +1,213 @@
+"""Following a session's processes: the part every client shares, free of any event loop.
+
+:class:`ProcessTable` is what the Twisted client (:mod:`execserver.client.client`)
+and the asyncio client (:mod:`execserver.aio.client`) keep of the processes
+they started, and the rules they follow them by; each client only supplies its
+way to wait (a ``call`` returning an awaitable, a ``schedule`` for timers, a
+``background`` runner) and its way to dial:
+
+- **start registration**: a handle is registered under the requested id
+  *before* ``process/start`` is sent (output may race the answer), dropped
+  again if the start fails, and re-keyed under the id the server answers
+  with (the one its notifications carry): :meth:`ProcessTable.claim`,
+  :meth:`~ProcessTable.register`, :meth:`~ProcessTable.unregister`,
+  :meth:`~ProcessTable.started`;
+- **close and linger**: a process that exited but whose output is not closed
+  (a baseline server sends no ``process/closed``) is forgotten
+  :data:`~execserver.clientcore.defaults.EXITED_LINGER_SECONDS` later; a
+  closed one at once: :meth:`~ProcessTable.linger`, :meth:`~ProcessTable.forget`;
+- **acknowledgement** (``onDetachedFull: "pause"``): a ``process/read`` whose
+  ``afterSeq`` tells the server what arrived, each time a quarter of its
+  retention did: :meth:`~ProcessTable.ack_params`, :func:`acknowledge`;
+- **catch-up after a resume, with gap reporting**: ``process/read`` from each
+  handle's last delivered seq until it has all it missed, a
+  :class:`~execserver.clientcore.types.GapEvent` where the server dropped
+  some, then the live events held back meanwhile, then an acknowledgement of
+  them: :meth:`~ProcessTable.catch_up`.
+
+Which calls may be repeated on a resumed session is
+:func:`execserver.clientcore.calls.repeatable`; when to stop resuming is
+:class:`execserver.clientcore.resume.ResumeAttempts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Generic, TypeVar
+
+from execserver import protocol as p
+from execserver.clientcore.defaults import EXITED_LINGER_SECONDS
+from execserver.clientcore.errors import ConnectionClosed, ExecServerError
+from execserver.clientcore.process import ProcessCore
+from execserver.clientcore.transfer import Caller
+from execserver.clientcore.types import InitializeResult
+
+H = TypeVar("H", bound=ProcessCore[Any])
+
+#: ``schedule(seconds, fn)`` runs ``fn`` later and returns a canceller
+#: (safe to call after ``fn`` ran).
+Schedule = Callable[[float, Callable[[], None]], Callable[[], None]]
+#: Runs a coroutine to its end without the caller waiting for it.
+Background = Callable[[Coroutine[Any, Any, None]], object]
+
+
+class ProcessTable(Generic[H]):
+    """The processes one client follows, by the id their notifications carry."""
+
+    def __init__(self, schedule: Schedule, linger_seconds: float = EXITED_LINGER_SECONDS) -> None:
+        self._schedule = schedule
+        self._linger_seconds = linger_seconds
+        self.processes: dict[str, H] = {}
+        self._lingering: dict[str, Callable[[], None]] = {}
+
+    def get(self, process_id: str) -> H | None:
+        return self.processes.get(process_id)
+
+    def __len__(self) -> int:
+        return len(self.processes)
+
+    def __iter__(self) -> Iterator[H]:
+        return iter(list(self.processes.values()))
+
+    def take_all(self) -> list[H]:
+        """Every handle, leaving the table empty (the connection or session ended)."""
+        handles = list(self.processes.values())
+        self.processes = {}
+        return handles
+
+    # --- start registration ---------------------------------------------------------
+
+    def claim(self, requested: str) -> None:
+        """Refuse an id a live handle of this client still holds."""
+        existing = self.processes.get(requested)
+        if existing is not None and not existing.is_closed:
+            raise ExecServerError(f"process id {requested} is already in use by this client")
+
+    def register(self, handle: H) -> None:
+        """Before ``process/start`` is sent: output may race its answer."""
+        self.processes[handle.process_id] = handle
+
+    def unregister(self, requested: str, handle: H) -> None:
+        """The start failed: the handle registered for it goes."""
+        if self.processes.get(requested) is handle:
+            del self.processes[requested]
+
+    def started(self, requested: str, handle: H, response: p.ExecResponse) -> None:
+        """The start's answer: the server's id is the one its notifications carry."""
+        if response.process_id != requested:
+            self.unregister(requested, handle)
+            handle.process_id = response.process_id
+            self.processes[response.process_id] = handle
+
+    # --- close and linger -------------------------------------------------------------
+
+    def linger(self, handle: H) -> None:
+        """After an exit without a close: output may still follow for a
+        while (a baseline server sends no ``process/closed``), then the
+        handle ends."""
+        process_id = handle.process_id
+        if not handle.is_closed and process_id not in self._lingering:
+            self._lingering[process_id] = self._schedule(
+                self._linger_seconds, lambda: self.forget(handle, process_id)
+            )
+
+    def forget(self, handle: H, process_id: str | None = None) -> None:
+        """The handle is closed and no longer followed."""
+        process_id = handle.process_id if process_id is None else process_id
+        cancel = self._lingering.pop(process_id, None)
+        if cancel is not None:
+            cancel()
+        if self.processes.get(process_id) is handle:
+            del self.processes[process_id]
+        handle.mark_closed()
+
+    def cancel_lingers(self) -> None:
+        """The connection dropped: no timer outlives it."""
+        lingering, self._lingering = self._lingering, {}
+        for cancel in lingering.values():
+            cancel()
+
+    # --- acknowledgement ("pause") ------------------------------------------------------
+
+    @staticmethod
+    def ack_params(
+        handle: H,
+        size: int,
+        result: InitializeResult | None,
+        connected: bool,
+        *,
+        now: bool = False,
+    ) -> p.ReadParams | None:
+        """The ``process/read`` acknowledging ``handle``'s output, when one is due.
+
+        With "pause" the server drops only acknowledged output and stops
+        reading a child whose unacknowledged output fills its retention;
+        acknowledging at a quarter of it (or ``now``) keeps the child running.
+        ``size``: the payload bytes just delivered.
+        """
+        if result is None or result.on_detached_full != "pause" or handle.last_seq == 0:
+            return None
+        if not connected:
+            return None
+        if not handle.ack_due(size, result.retained_output_bytes or 0, now=now):
+            return None
+        return p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
+
+    # --- catching up after a resume -----------------------------------------------------
+
+    def adopt(self, handles: list[H]) -> None:
+        """Follow ``handles`` (of a resumed session), holding their live events
+        back until :meth:`catch_up`."""
+        for handle in handles:
+            handle.begin_catch_up()
+            self.processes[handle.process_id] = handle
+
+    async def catch_up(
+        self,
+        call: Caller,
+        handle: H,
+        result: InitializeResult | None,
+        connected: Callable[[], bool],
+        background: Background,
+    ) -> Exception | None:
+        """Deliver, in seq order and never twice, what ``handle`` missed: the
+        output retained meanwhile (a gap where some was dropped), then its
+        exit and close, then the live events held back; then acknowledge them.
+
+        Returns None when caught up, or dropped again (the handle keeps
+        waiting: the next resume catches up); the error that ended the handle
+        otherwise (its id expired in the server, or a malformed reply: left
+        in catch-up it would hold events back forever), for the client to log.
+        """
+        try:
+            while handle.catch_up(
+                await call(
+                    p.PROCESS_READ, p.ReadParams(handle.process_id, handle.last_seq), p.ReadResponse
+                )
+            ):
+                pass
+        except ConnectionClosed:
+            return None
+        except Exception as exc:
+            handle.fail(exc)
+            self.forget(handle)
+            return exc
+        handle.end_catch_up()
+        if handle.is_closed:
+            self.forget(handle)
+            return None
+        # The live events held back meanwhile were delivered unacknowledged:
+        # a "pause" server may be waiting for exactly them.
+        params = self.ack_params(handle, 0, result, connected(), now=True)
+        if params is not None:
+            background(acknowledge(call, handle, params))
+        return None
+
+
+async def acknowledge(call: Caller, handle: ProcessCore[Any], params: p.ReadParams) -> None:
+    """Send the acknowledging read; what it brings back is caught up (never twice)."""
+    try:
+        read = await call(p.PROCESS_READ, params, p.ReadResponse)
+    except ExecServerError:
+        return
+    handle.catch_up(read)
