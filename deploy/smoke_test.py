@@ -514,7 +514,7 @@ def exercise(url: str, port: int, token: str) -> None:
         listed = client.run(["sha256sum", "round-trip.bin"], cwd=HOME, timeout=60)
         check(listed.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest(), "sha256")
         ok("a 1 MiB file written, read back and hashed in the pod: the same bytes")
-    check(get(port, "/readyz") == (200, b""), "/readyz")
+    check(get(port, "/readyz") == (200, b"ready\n"), "/readyz")
     status, metrics = get(port, "/metrics", token)
     check(status == 200 and b'exec_server_info{version="0.1.0"} 1' in metrics, "/metrics")
     started = next(

@@ -682,11 +682,21 @@ class ManagedProcess(ProcessProtocol):
         self._force_close_timer = None
         if self.closed or self.transport is None:
             return
-        log.warn(
-            "process {process_id} (pid {pid}) output still open after SIGKILL; closing it",
-            process_id=self.process_id,
-            pid=self.pid,
-        )
+        if self._reading_paused and (self._tree is None or not self._tree.alive()):
+            # Open only because flow control stopped reading it (a stalled
+            # client): the tree is gone and its end-of-file is unread. Closing
+            # our ends is the expected way out, not a member beyond reach.
+            log.info(
+                "process {process_id} (pid {pid}) killed while its output was paused; closing it",
+                process_id=self.process_id,
+                pid=self.pid,
+            )
+        else:
+            log.warn(
+                "process {process_id} (pid {pid}) output still open after SIGKILL; closing it",
+                process_id=self.process_id,
+                pid=self.pid,
+            )
         self.transport.loseConnection()
 
     def _cancel_force_close(self) -> None:

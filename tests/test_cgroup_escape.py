@@ -119,7 +119,7 @@ async def test_terminate_kills_a_child_that_left_its_cgroup_and_session(
     try:
         await server.handshake()
         await start_escapee(server, shape, marker)
-        await server.call("process/terminate", {"processId": shape})
+        await server.call("process/terminate", {"processId": shape, "descendants": True})
         await server.wait_closed(shape)
         await assert_gone({shape: marker}, server.pid)
     finally:

@@ -203,7 +203,14 @@ async def test_terminate_reaches_every_escapee(mode: str) -> None:
         for kind in KINDS:
             markers = {kind: new_marker()}
             await start_all(server, markers)
-            result = await server.call("process/terminate", {"processId": kind})
+            # ``descendants``: a leader that already exited (the daemon's
+            # exits at once) leaves its background jobs to the session
+            # unless they are asked for (process-control.md, "Background
+            # descendants"); without it, whether they die here would race
+            # the leader's exit.
+            result = await server.call(
+                "process/terminate", {"processId": kind, "descendants": True}
+            )
             if kind != "daemon":  # its leader exits at once; its tree runs on
                 assert result == {"running": True}
             await server.wait_closed(kind)
@@ -222,7 +229,7 @@ async def test_terminate_reaches_escapees_of_a_pty_process(mode: str) -> None:
         for kind in ("setsid", "daemon"):
             markers = {kind: new_marker()}
             await start_all(server, markers, tty=True)
-            await server.call("process/terminate", {"processId": kind})
+            await server.call("process/terminate", {"processId": kind, "descendants": True})
             await server.wait_closed(kind)
             await assert_gone(markers, server.pid)
     finally:
