@@ -411,14 +411,7 @@ class CgroupTree(_Owned):
 
     def live_escapees(self) -> list[int]:
         """The escapees still running (checked one by one, no scan)."""
-        live = []
-        for pid, start in list(self.escapees.items()):
-            info = read_proc(pid)
-            if info is None or info.start != start or info.zombie:
-                del self.escapees[pid]
-            else:
-                live.append(pid)
-        return live
+        return _still_running(self.escapees)
 
     def signal(self, signum: int) -> None:
         if self.released:
@@ -534,14 +527,20 @@ class ScanTree(_Owned):
 
     def _checked_members(self) -> list[int]:
         """Members still running, checked one by one (no scan)."""
-        live = []
-        for pid, start in list(self.members.items()):
-            info = read_proc(pid)
-            if info is None or info.start != start or info.zombie:
-                del self.members[pid]
-            else:
-                live.append(pid)
-        return live
+        return _still_running(self.members)
+
+
+def _still_running(started: dict[int, int]) -> list[int]:
+    """The pids of ``started`` (pid -> start time) still running as that
+    process; the others (gone, reused, zombies) are removed from it."""
+    live = []
+    for pid, start in list(started.items()):
+        info = read_proc(pid)
+        if info is None or info.start != start or info.zombie:
+            del started[pid]
+        else:
+            live.append(pid)
+    return live
 
 
 Tree = CgroupTree | ScanTree
