@@ -530,6 +530,20 @@ class ScanTree(_Owned):
         return _still_running(self.members)
 
 
+def _return_to(own: str, left: str) -> None:
+    """Move the spawning thread back into its own cgroup (``own``: its
+    ``cgroup.procs`` or v1 ``tasks``) after a spawn inside ``left``."""
+    try:
+        _write(own, "0")
+    except OSError as exc:
+        # Never raise here: the child exists and must get its transport.
+        log.critical(
+            "cannot leave cgroup {path} after a spawn ({error}); later children share it",
+            path=left,
+            error=exc,
+        )
+
+
 def _still_running(started: dict[int, int]) -> list[int]:
     """The pids of ``started`` (pid -> start time) still running as that
     process; the others (gone, reused, zombies) are removed from it."""
@@ -1176,15 +1190,7 @@ class Containment:
 
     def _leave_v1(self, entered: list[str]) -> None:
         for directory in entered:
-            own = self._v1_own_of(directory)
-            try:
-                _write(os.path.join(own, "tasks"), "0")
-            except OSError as exc:
-                log.critical(
-                    "cannot leave cgroup {path} after a spawn ({error}); later children share it",
-                    path=directory,
-                    error=exc,
-                )
+            _return_to(os.path.join(self._v1_own_of(directory), "tasks"), directory)
 
     def _v1_own_of(self, directory: str) -> str:
         parent = os.path.dirname(directory)
@@ -1239,15 +1245,7 @@ class Containment:
         self._schedule_oom_check()
 
     def _leave(self, path: str) -> None:
-        try:
-            _write(self._own_procs, "0")
-        except OSError as exc:
-            # Never raise here: the child exists and must get its transport.
-            log.critical(
-                "cannot leave cgroup {path} after a spawn ({error}); later children share it",
-                path=path,
-                error=exc,
-            )
+        _return_to(self._own_procs, path)
 
     # --- bookkeeping ------------------------------------------------------------------
 
