@@ -86,7 +86,9 @@ def until_running(server_pid: int, argv: list[str]) -> None:
     """Blocks the event loop (on purpose: the start's answer stays unread)
     until the server runs ``argv`` past its trap."""
     deadline = time.monotonic() + DEFAULT_TIMEOUT
-    while not any(c.cmdline()[0] == "sleep" for c in running_children(server_pid, argv)):
+    # cmdline() is empty for a process caught between fork and exec, or
+    # already a zombie: not yet (or no longer) the sleep.
+    while not any(c.cmdline()[:1] == ["sleep"] for c in running_children(server_pid, argv)):
         assert time.monotonic() < deadline, f"{argv} did not start"
         time.sleep(0.01)
 
