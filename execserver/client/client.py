@@ -402,7 +402,9 @@ class ExecServerClient(ClientApi, FileTransfers):
             self._table.unregister(requested, handle)
             raise
         self._table.started(requested, handle, response)
-        if self._rpc.is_closed:
+        if self._rpc.is_closed and not self._suspended:
+            # Dropped for good. A resumable session's drop instead keeps the
+            # handle (registered before the request) for the resume to adopt.
             handle.connection_lost()
         return handle
 
