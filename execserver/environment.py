@@ -1,20 +1,18 @@
-"""The current dialect's environment methods and the child environment policy.
+"""The current dialect's ``environmentInfo``: the machine Codex runs commands on.
 
-The reference's current release describes the machine it runs commands on
-(``environment/info``, also part of ``initialize``'s result) and builds each
-child's environment from the server's own through an ``envPolicy``. These
-are pure functions of the server's environment (no Twisted, no blocking
-work beyond a few ``getcwd``/``gethostname`` calls).
+The reference's current release describes that machine in
+``environment/info``'s result, also part of ``initialize``'s. A pure
+function of the server's environment (no Twisted, no blocking work beyond
+a few ``getcwd``/``gethostname`` calls). The ``envPolicy`` a child's
+environment is built with is :mod:`execserver.env_policy` (the session's).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
 from typing import Final
 
 from execserver import capability_discovery, environment_config
@@ -29,26 +27,6 @@ from execserver.fs.paths import path_to_uri
 #: uses exactly the methods this server implements (docs/protocol.md,
 #: "Dialects").
 EXECUTOR_VERSION: Final = "0.171.0"
-#: Names the reference drops from an inherited environment unless the policy
-#: sets ``ignoreDefaultExcludes`` (credentials are not passed on by default).
-DEFAULT_EXCLUDES: Final = ("*KEY*", "*SECRET*", "*TOKEN*")
-#: What ``inherit: "core"`` keeps of the server's environment: the
-#: reference's list on Unix (its common ``PATH SHELL TMPDIR TEMP TMP`` and
-#: the Unix ``HOME LANG LC_ALL LC_CTYPE LOGNAME USER``; ``USERNAME`` is
-#: Windows-only there), matched case-sensitively.
-CORE_VARIABLES: Final = (
-    "PATH",
-    "SHELL",
-    "TMPDIR",
-    "TEMP",
-    "TMP",
-    "HOME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "LOGNAME",
-    "USER",
-)
 
 
 def capabilities() -> dict[str, bool]:
@@ -62,35 +40,6 @@ def capabilities() -> dict[str, bool]:
     found[capability_discovery.CAPABILITY] = True
     found[environment_config.CAPABILITY] = True
     return found
-
-
-def _matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
-    upper = name.upper()
-    return any(fnmatch.fnmatchcase(upper, pattern.upper()) for pattern in patterns)
-
-
-def build_env(
-    policy: p.EnvPolicy | None, env: Mapping[str, str], base: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The child's environment: ``env`` alone without a policy, else policy then ``env``."""
-    if policy is None:
-        return dict(env)
-    server = os.environ if base is None else base
-    if policy.inherit == "all":
-        result = dict(server)
-    elif policy.inherit == "core":
-        result = {k: v for k, v in server.items() if k in CORE_VARIABLES}
-    else:
-        result = {}
-    if not policy.ignore_default_excludes:
-        result = {k: v for k, v in result.items() if not _matches(k, DEFAULT_EXCLUDES)}
-    if policy.exclude:
-        result = {k: v for k, v in result.items() if not _matches(k, policy.exclude)}
-    result.update(policy.set)
-    if policy.include_only:
-        result = {k: v for k, v in result.items() if _matches(k, policy.include_only)}
-    result.update(env)
-    return result
 
 
 def _shell() -> p.ShellInfo:

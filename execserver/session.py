@@ -32,7 +32,7 @@ from execserver import codec, fdlimit, limits, ptys
 from execserver import protocol as p
 from execserver.cgroups import Usage
 from execserver.config import ServerConfig
-from execserver.environment import build_env
+from execserver.env_policy import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess, RetainedTally

@@ -19,7 +19,7 @@ import pytest_twisted
 from hypothesis import given
 from hypothesis import strategies as st
 
-from execserver import environment
+from execserver import env_policy
 from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.paths import absolute_path, path_to_uri, uri_to_path
@@ -88,12 +88,12 @@ BASE = {"PATH": "/bin", "HOME": "/h", "API_KEY": "k", "MY_TOKEN": "t", "OTHER": 
 
 
 def test_env_without_policy_is_the_whole_environment() -> None:
-    assert environment.build_env(None, {"A": "1"}, BASE) == {"A": "1"}
+    assert env_policy.build_env(None, {"A": "1"}, BASE) == {"A": "1"}
 
 
 def test_env_policy_like_codex() -> None:
     policy = p.EnvPolicy(inherit="all", ignore_default_excludes=True, exclude=["OTHER"])
-    assert environment.build_env(policy, {"TERM": "dumb"}, BASE) == {
+    assert env_policy.build_env(policy, {"TERM": "dumb"}, BASE) == {
         "PATH": "/bin",
         "HOME": "/h",
         "API_KEY": "k",
@@ -103,16 +103,16 @@ def test_env_policy_like_codex() -> None:
 
 
 def test_env_policy_default_excludes_core_set_include_only() -> None:
-    assert environment.build_env(p.EnvPolicy(), {}, BASE) == {
+    assert env_policy.build_env(p.EnvPolicy(), {}, BASE) == {
         "PATH": "/bin",
         "HOME": "/h",
         "OTHER": "o",
     }
     core = p.EnvPolicy(inherit="core", set={"X": "1"})
-    assert environment.build_env(core, {"X": "2"}, BASE) == {"PATH": "/bin", "HOME": "/h", "X": "2"}
+    assert env_policy.build_env(core, {"X": "2"}, BASE) == {"PATH": "/bin", "HOME": "/h", "X": "2"}
     only = p.EnvPolicy(inherit="all", include_only=["p*"], set={"Y": "y"})
-    assert environment.build_env(only, {"Z": "z"}, BASE) == {"PATH": "/bin", "Z": "z"}
-    assert environment.build_env(p.EnvPolicy(inherit="none"), {"A": "a"}, BASE) == {"A": "a"}
+    assert env_policy.build_env(only, {"Z": "z"}, BASE) == {"PATH": "/bin", "Z": "z"}
+    assert env_policy.build_env(p.EnvPolicy(inherit="none"), {"A": "a"}, BASE) == {"A": "a"}
 
 
 # --- the server, both dialects --------------------------------------------------------------
