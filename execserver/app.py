@@ -19,17 +19,17 @@ from collections.abc import Iterator
 
 from twisted.internet.interfaces import IReactorTime
 
-from execserver import capability_discovery, environment, environment_config, handshake
 from execserver import fs as filesystem
+from execserver import handshake
 from execserver import protocol as p
+from execserver.codex import capability_discovery, environment_config, environment_info, watch
+from execserver.codex.watch import WatchHub
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
 from execserver.errors import RpcError
 from execserver.fs import walk as fs_walk
-from execserver.fs import watch
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
-from execserver.fs.watch import WatchHub
 from execserver.processes import RetainedTally
 from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.sandbox.policy import SandboxPolicy
@@ -132,7 +132,7 @@ def build_dispatcher(
 
 
 def _environment_info(sandbox: SandboxEngine | None) -> p.EnvironmentInfo:
-    return describe_sandbox(environment.environment_info(), sandbox)
+    return describe_sandbox(environment_info.environment_info(), sandbox)
 
 
 def _add_process_routes(dispatcher: Dispatcher) -> None:

@@ -15,8 +15,9 @@ from typing import Final
 
 import msgspec
 
-from execserver import __version__, environment
+from execserver import __version__
 from execserver import protocol as p
+from execserver.codex.environment_info import environment_info
 from execserver.dispatcher import Connection
 from execserver.errors import RpcError
 from execserver.registry import ANONYMOUS
@@ -101,7 +102,7 @@ def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResp
     )
     if current:
         response.environment_info = describe_sandbox(
-            environment.environment_info(), sandbox_of(conn.dispatcher)
+            environment_info(), sandbox_of(conn.dispatcher)
         )
     if described or session.ttl_ms > 0:
         response.session_ttl_ms = session.ttl_ms

@@ -22,8 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import execserver
-from execserver import capability_discovery as cd
-from execserver import environment, skill_yaml
+from execserver.codex import capability_discovery as cd
+from execserver.codex import environment_info, skill_yaml
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
 from tests import test_codex_dialect as codex_dialect
@@ -626,7 +626,7 @@ async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
 
 
 def test_the_reported_executor_version_is_the_tested_codex_release() -> None:
-    assert environment.EXECUTOR_VERSION == fetch_codex.VERSION
+    assert environment_info.EXECUTOR_VERSION == fetch_codex.VERSION
 
 
 @pytest_twisted.ensureDeferred

@@ -23,11 +23,11 @@ import pytest_twisted
 from hypothesis import given
 from hypothesis import strategies as st
 
-from execserver import environment_config as ec
 from execserver import protocol as p
+from execserver.codex import environment_config as ec
+from execserver.codex.toml_writer import dumps
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
-from execserver.toml_writer import dumps
 from tests import test_codex_dialect as codex_dialect
 from tests.harness import ServerProcess
 

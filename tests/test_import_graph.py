@@ -23,7 +23,7 @@ APPLICATION = (
     "execserver.session",
     "execserver.processes",
     "execserver.containment",
-    "execserver.environment",
+    "execserver.codex",
     "execserver.fs",
     "execserver.spawn",
     "execserver.transports",

@@ -19,14 +19,14 @@ import pytest_twisted
 from hypothesis import given
 from hypothesis import strategies as st
 
-from execserver.fs.paths import path_to_uri
-from execserver.toml_depth import (
+from execserver.codex.toml_depth import (
     TABLES_TOO_DEEP,
     VALUE_TOO_DEEP,
     first_too_deep,
     too_deep,
 )
-from execserver.toml_writer import dumps
+from execserver.codex.toml_writer import dumps
+from execserver.fs.paths import path_to_uri
 from tests.test_codex_environment_config import _read, _write, serving
 
 

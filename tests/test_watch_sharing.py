@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest_twisted
 
-from execserver.fs.watch import MAX_SERVER_WATCHES, MAX_WATCHES
+from execserver.codex.watch import MAX_SERVER_WATCHES, MAX_WATCHES
 from tests.harness import DEFAULT_TIMEOUT
 from tests.test_limits import until
 from tests.ws_harness import WsClientProtocol, WsServerProcess, connect

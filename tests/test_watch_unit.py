@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from twisted.internet.testing import MemoryReactorClock
 
-from execserver.fs.watch import WatchHub
+from execserver.codex.watch import WatchHub
 
 
 def _drain(reactor: MemoryReactorClock) -> None:

@@ -15,9 +15,8 @@ import sys
 import tempfile
 from typing import Final
 
-from execserver import capability_discovery, environment_config
 from execserver import protocol as p
-from execserver.fs import watch
+from execserver.codex import capability_discovery, environment_config, watch
 from execserver.fs.paths import path_to_uri
 
 #: ``environmentInfo.executorVersion``: the reference release whose protocol

@@ -39,12 +39,12 @@ from typing import Any, Final
 import attrs
 import msgspec
 
-from execserver import toml_depth
+from execserver.codex import toml_depth
+from execserver.codex.toml_writer import dumps
 from execserver.errors import RpcError
 from execserver.fs.paths import absolute_path, path_to_uri
 from execserver.fs.pool import Runner
 from execserver.spawn.lookup import os_error_text
-from execserver.toml_writer import dumps
 
 ENVIRONMENT_CONFIG_READ: Final = "environmentConfig/read"
 #: Named in ``environmentInfo.capabilities`` once the method is served.

@@ -33,8 +33,13 @@ from typing import Any, Final
 import attrs
 import msgspec
 
-from execserver import skill_yaml
-from execserver.environment_config import ancestors, read_regular, request_codex_home, user_home
+from execserver.codex import skill_yaml
+from execserver.codex.environment_config import (
+    ancestors,
+    read_regular,
+    request_codex_home,
+    user_home,
+)
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
