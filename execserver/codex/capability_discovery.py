@@ -45,8 +45,6 @@ from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
 
 CAPABILITIES_DISCOVER_V2: Final = "capabilities/discoverV2"
-#: Named in ``environmentInfo.capabilities`` once the method is served.
-CAPABILITY: Final = "capabilityDiscoveryV2"
 FAMILY: Final = "capability discovery"
 SYSTEM_SKILLS: Final = "/etc/codex/skills"
 PLUGINS_CACHE: Final = "plugins/cache"

@@ -47,8 +47,6 @@ from execserver.fs.pool import Runner
 from execserver.spawn.lookup import os_error_text
 
 ENVIRONMENT_CONFIG_READ: Final = "environmentConfig/read"
-#: Named in ``environmentInfo.capabilities`` once the method is served.
-CAPABILITY: Final = "environmentConfigRead"
 #: Handshake family named in "client must call initialize before using ... methods".
 FAMILY: Final = "environment config"
 SYSTEM_DIR: Final = "/etc/codex"

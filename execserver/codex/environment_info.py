@@ -16,7 +16,7 @@ import tempfile
 from typing import Final
 
 from execserver import protocol as p
-from execserver.codex import capability_discovery, environment_config, watch
+from execserver.codex import environment_config, watch
 from execserver.fs.paths import path_to_uri
 
 #: ``environmentInfo.executorVersion``: the reference release whose protocol
@@ -26,6 +26,11 @@ from execserver.fs.paths import path_to_uri
 #: uses exactly the methods this server implements (docs/protocol.md,
 #: "Dialects").
 EXECUTOR_VERSION: Final = "0.171.0"
+#: The names ``environmentInfo.capabilities`` gives the optional methods:
+#: ``fs/watchMissing``, ``capabilities/discoverV2``, ``environmentConfig/read``.
+FS_WATCH_MISSING: Final = "fsWatchMissing"
+CAPABILITY_DISCOVERY_V2: Final = "capabilityDiscoveryV2"
+ENVIRONMENT_CONFIG_READ: Final = "environmentConfigRead"
 
 
 def capabilities() -> dict[str, bool]:
@@ -35,9 +40,9 @@ def capabilities() -> dict[str, bool]:
     is listed; a client treats a missing name as false and does not call the
     method (fs/watchMissing needs inotify).
     """
-    found = {"fsWatchMissing": True} if watch.available() else {}
-    found[capability_discovery.CAPABILITY] = True
-    found[environment_config.CAPABILITY] = True
+    found = {FS_WATCH_MISSING: True} if watch.available() else {}
+    found[CAPABILITY_DISCOVERY_V2] = True
+    found[ENVIRONMENT_CONFIG_READ] = True
     return found
 
 
