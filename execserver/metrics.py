@@ -9,7 +9,7 @@ these few lines; label values are escaped as the format requires.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 from execserver import __version__, fdlimit
 from execserver.app import file_system, process_sessions
@@ -17,8 +17,6 @@ from execserver.sandbox.engine import sandbox_of
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
-
-CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 Sample = tuple[dict[str, str], float | int]
 

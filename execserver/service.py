@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -24,7 +25,7 @@ from twisted.internet.interfaces import (
 from twisted.logger import Logger
 from twisted.python import usage
 
-from execserver import __version__, auth, fdlimit, ptys, tls, writebuffer
+from execserver import __version__, auth, fdlimit, metrics, ptys, tls, writebuffer
 from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.containment import MODES, Containment
@@ -733,7 +734,11 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
             from execserver.transports.websocket import WebSocketService
 
             child = WebSocketService(
-                dispatcher, IReactorTCP(reactor), address, options.websocket_settings()
+                dispatcher,
+                IReactorTCP(reactor),
+                address,
+                options.websocket_settings(),
+                metrics=partial(metrics.render, dispatcher),
             )
         child.setServiceParent(root)
     store = options.get("auth")

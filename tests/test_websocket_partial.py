@@ -19,6 +19,7 @@ import json
 import os
 import struct
 import weakref
+from functools import partial
 from typing import Any
 
 import psutil
@@ -29,6 +30,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
+from execserver import metrics
 from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.transports.listen import WebSocketAddress
@@ -236,6 +238,7 @@ async def test_a_lost_connection_is_freed_by_reference_counting() -> None:
         WebSocketAddress("127.0.0.1", 0),
         WebSocketSettings(8 * MiB, ping_interval=0.0),
         banner=lambda line: None,
+        metrics=partial(metrics.render, dispatcher),
     )
     service.startService()
     gc.disable()

@@ -11,6 +11,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, cast
 
 import pytest
@@ -61,7 +62,12 @@ def make_factory(clock: Clock, **settings: Any) -> ExecServerFactory:
     dispatcher = build_dispatcher(ServerConfig(max_message_bytes=LIMIT), clock, NoSpawner())
     options: dict[str, Any] = {"max_message_bytes": LIMIT, "ping_interval": 0.0}
     options.update(settings)
-    return ExecServerFactory(dispatcher, WebSocketSettings(**options), clock)
+    return ExecServerFactory(
+        dispatcher,
+        WebSocketSettings(**options),
+        clock,
+        metrics=partial(metrics.render, dispatcher),
+    )
 
 
 def server_on_string_transport(

@@ -31,7 +31,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
-from execserver import __version__, metrics, tls
+from execserver import __version__, tls
 from execserver.dispatcher import SHUTTING_DOWN
 from execserver.logsink import OncePerInterval
 
@@ -161,6 +161,12 @@ def host_is_loopback(host: str) -> bool:
 #: What the edge hands an admitted upgrade to: the request and the
 #: authenticated identity (None: no token checked); returns the render result.
 Upgrade = Callable[[Request, object], Any]
+#: The ``/metrics`` text, rendered when asked for. The composition root
+#: (``service.build_service``) binds ``metrics.render`` to its dispatcher:
+#: the edge imports nothing of the application it measures.
+MetricsText = Callable[[], bytes]
+#: The Prometheus text exposition format, version 0.0.4.
+PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @attrs.frozen
@@ -168,6 +174,8 @@ class EdgePolicy:
     """What the edge of one WebSocket listener checks (from ``WebSocketSettings``)."""
 
     dispatcher: Dispatcher
+    #: What ``GET /metrics`` answers.
+    metrics: MetricsText
     #: Normalized browser origins admitted to upgrade (others get 403).
     allowed_origins: frozenset[str] = frozenset()
     #: Accepted bearer tokens; None: no authentication.
@@ -246,9 +254,10 @@ class MetricsResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, dispatcher: Dispatcher, auth: TokenStore | None) -> None:
+    def __init__(self, dispatcher: Dispatcher, metrics: MetricsText, auth: TokenStore | None):
         super().__init__()
         self._dispatcher = dispatcher
+        self._metrics = metrics
         self._auth = auth
 
     def render(self, request: Request) -> bytes:
@@ -259,10 +268,7 @@ class MetricsResource(Resource):
         if auth is not None and auth.authenticate(_header(request, b"authorization")) is None:
             self._dispatcher.stats.auth_refused += 1
             return _send(request, unauthorized("GET /metrics"))
-        return _send(
-            request,
-            HttpReply(200, metrics.render(self._dispatcher), content_type=metrics.CONTENT_TYPE),
-        )
+        return _send(request, HttpReply(200, self._metrics(), content_type=PROMETHEUS_TEXT))
 
 
 class EdgeResource(Resource):
@@ -280,7 +286,7 @@ class EdgeResource(Resource):
         self._upgrade = upgrade
         self._plain: dict[bytes, Resource] = {
             b"/readyz": ReadyResource(policy.dispatcher),
-            b"/metrics": MetricsResource(policy.dispatcher, policy.auth),
+            b"/metrics": MetricsResource(policy.dispatcher, policy.metrics, policy.auth),
         }
 
     def render(self, request: Request) -> Any:

@@ -470,6 +470,8 @@ class ExecServerFactory(WebSocketServerFactory):
         settings: WebSocketSettings,
         reactor: IReactorTime,
         loopback_only: bool = False,
+        *,
+        metrics: http.MetricsText,
     ) -> None:
         super().__init__(server=f"exec-server/{__version__}", reactor=reactor)
         autobahn_private.install_exact_timers(self, reactor)
@@ -481,6 +483,7 @@ class ExecServerFactory(WebSocketServerFactory):
         self.site = http.EdgeSite(
             http.EdgePolicy(
                 dispatcher,
+                metrics,
                 allowed_origins=frozenset(
                     http.normalize_origin(o) for o in settings.allowed_origins
                 ),
@@ -544,6 +547,8 @@ class WebSocketService(Service):
         address: WebSocketAddress | UnixAddress,
         settings: WebSocketSettings | None = None,
         banner: Callable[[str], None] | None = None,
+        *,
+        metrics: http.MetricsText,
     ) -> None:
         self.dispatcher = dispatcher
         self.reactor = reactor
@@ -555,6 +560,7 @@ class WebSocketService(Service):
             IReactorTime(reactor),
             # (A browser cannot reach a Unix socket: no Host check there.)
             loopback_only=isinstance(address, WebSocketAddress) and address.is_loopback,
+            metrics=metrics,
         )
         self._banner = banner or _print_to(sys.stderr)
         self.port: IListeningPort | None = None
