@@ -41,7 +41,6 @@ from execserver.errors import RpcError
 from execserver.registry import ANONYMOUS, ResumableSession, SessionRegistry
 from execserver.replies import Charged, Releasable
 from execserver.waiters import Latch, Waiters, cancel_call
-from execserver.writebuffer import discard_unsent, unsent_bytes, write_buffer_of
 
 log = Logger()
 
@@ -90,15 +89,6 @@ def _has_uri_value(params: msgspec.Raw) -> bool:
 SENT_POLL_SECONDS = 0.02
 
 
-def _write_buffer(outbound: object) -> Any:
-    """The Twisted FileDescriptor holding what ``outbound`` has not yet sent.
-
-    Both transports are Twisted protocols; :mod:`execserver.writebuffer`
-    finds the buffer behind each.
-    """
-    return write_buffer_of(getattr(outbound, "transport", None))
-
-
 class Outbound(Protocol):
     """What a transport offers the dispatcher."""
 
@@ -107,6 +97,16 @@ class Outbound(Protocol):
 
     def close_connection(self) -> None:
         """Close the connection (after flushing what was written)."""
+
+    def unsent_bytes(self) -> int:
+        """Bytes of the messages written that the transport has not sent yet.
+
+        Its framing may count too (never less than the messages' own bytes
+        still held): a reply charged to a budget is released once sent.
+        """
+
+    def discard_unsent(self) -> None:
+        """The connection is lost: drop what the transport still holds (never to be sent)."""
 
     # Optional: ``write_message_parts(parts)`` sends one message given as
     # consecutive byte pieces without joining them (used for large results).
@@ -119,6 +119,12 @@ class _GoneOutbound:
         pass
 
     def close_connection(self) -> None:
+        pass
+
+    def unsent_bytes(self) -> int:
+        return 0
+
+    def discard_unsent(self) -> None:
         pass
 
 
@@ -499,7 +505,7 @@ class Connection:
         While any remains, one timer checks again.
         """
         if self._charges:
-            sent = self._written - unsent_bytes(_write_buffer(self.outbound))
+            sent = self._written - self.outbound.unsent_bytes()
             while self._charges and self._charges[0][0] <= sent:
                 self._charges.popleft()[1].release()
         if self._charges and self._sent_poll is None:
@@ -642,7 +648,7 @@ class Connection:
         # What the transport still holds will never be sent: free it now
         # (a closed Twisted transport keeps its buffer), with the reply
         # budget it was charged to, and drop fs requests not yet started.
-        discard_unsent(_write_buffer(self.outbound))
+        self.outbound.discard_unsent()
         self._release_charges()
         for hook in self.dispatcher.closed_hooks:
             hook(self)

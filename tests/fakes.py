@@ -41,6 +41,12 @@ class FakeOutbound:
     def close_connection(self) -> None:
         self.closed = True
 
+    def unsent_bytes(self) -> int:
+        return 0  # (everything is "sent" as written)
+
+    def discard_unsent(self) -> None:
+        pass
+
     @property
     def messages(self) -> list[dict[str, Any]]:
         return [json.loads(m) for m in self.raw]

@@ -25,6 +25,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
+from execserver import writebuffer
 from execserver.app import build_dispatcher
 from execserver.client import ConnectOptions, ExecServerClient, RpcClient
 from execserver.client.channels import NdjsonProtocol
@@ -154,6 +155,12 @@ class _ServerProtocol(WebSocketServerProtocol):
 
     def close_connection(self) -> None:
         self.sendClose()
+
+    def unsent_bytes(self) -> int:
+        return writebuffer.unsent_bytes(self.transport)
+
+    def discard_unsent(self) -> None:
+        writebuffer.discard_unsent(self.transport)
 
 
 class LocalWsServer:

@@ -31,7 +31,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from execserver import filesystem as fs
-from execserver import metrics
+from execserver import metrics, writebuffer
 from execserver.app import build_dispatcher, file_system
 from execserver.config import ServerConfig
 from execserver.dispatcher import SENT_POLL_SECONDS, Dispatcher
@@ -351,6 +351,12 @@ class SlowOutbound:
 
     def close_connection(self) -> None:
         pass
+
+    def unsent_bytes(self) -> int:
+        return writebuffer.unsent_bytes(self.transport)
+
+    def discard_unsent(self) -> None:
+        writebuffer.discard_unsent(self.transport)
 
     def responses(self) -> dict[Any, dict[str, Any]]:
         return {m["id"]: m for m in map(json.loads, self.raw) if "id" in m}

@@ -257,6 +257,12 @@ class _Outbound:
     def close_connection(self) -> None:
         pass
 
+    def unsent_bytes(self) -> int:
+        return 0
+
+    def discard_unsent(self) -> None:
+        pass
+
 
 def _connect(dispatcher: Dispatcher) -> tuple[Any, _Outbound]:
     outbound = _Outbound()

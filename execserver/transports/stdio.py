@@ -20,6 +20,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from execserver import writebuffer
 from execserver.codec import LONG_MESSAGE_BYTES, Line, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.waiters import Latch
@@ -192,6 +193,12 @@ class LineProtocol(Protocol):
     def close_connection(self) -> None:
         self._flush_batch()
         self._finish()
+
+    def unsent_bytes(self) -> int:
+        return writebuffer.unsent_bytes(writebuffer.write_buffer_of(self.transport))
+
+    def discard_unsent(self) -> None:
+        writebuffer.discard_unsent(writebuffer.write_buffer_of(self.transport))
 
     # --- end of input / output ----------------------------------------------------
 

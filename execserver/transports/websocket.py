@@ -55,7 +55,7 @@ from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from execserver import __version__, tls
+from execserver import __version__, tls, writebuffer
 from execserver.auth import TokenStore
 from execserver.codec import LONG_MESSAGE_BYTES, MappedBuffer
 from execserver.dispatcher import Connection, Dispatcher
@@ -417,6 +417,12 @@ class ExecServerProtocol(WebSocketServerProtocol):
             outbox.write(data)
             return
         super().sendData(data, sync, chopsize)
+
+    def unsent_bytes(self) -> int:
+        return writebuffer.unsent_bytes(writebuffer.write_buffer_of(self.transport))
+
+    def discard_unsent(self) -> None:
+        writebuffer.discard_unsent(writebuffer.write_buffer_of(self.transport))
 
     def close_connection(self) -> None:
         """Close after a JSON-RPC protocol violation (the dispatcher logged why)."""
