@@ -30,7 +30,7 @@ from execserver.errors import RpcError
 from execserver.fs import walk as fs_walk
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
-from execserver.processes import RetainedTally
+from execserver.retained import RetainedTally
 from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.sandbox.policy import SandboxPolicy
 from execserver.session import Session, session_of

@@ -1,10 +1,11 @@
-"""The seq-numbered, capped record of one process's output."""
+"""The seq-numbered, capped record of one process's output, and the server-wide tally of them."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
-from typing import Final
+from typing import Final, Protocol
 
 import attrs
 
@@ -200,3 +201,74 @@ class RetainedOutput:
             if max_bytes is not None and total >= max_bytes:
                 break
         return ReadResult(out, next_seq, gap)
+
+
+class Retainer(Protocol):
+    """What :class:`RetainedTally` needs of a process it counts (``processes.ManagedProcess``)."""
+
+    @property
+    def output(self) -> RetainedOutput: ...
+
+    def shed_output(self, nbytes: int) -> None:
+        """Drop at least ``nbytes`` of the oldest retained output (keeping the newest chunk)."""
+
+
+class RetainedTally:
+    """Output bytes retained by the processes of every session of a server.
+
+    Kept up to date where output is retained and released (each process adds
+    what it retains and takes it back when acknowledged output is dropped or
+    the process is forgotten), so ``--max-total-retained-bytes`` is checked
+    without summing every process of every session on each ``process/start``.
+
+    ``cap`` (0: none) is also enforced as output arrives (docs/operations.md,
+    "Limits a peer cannot exceed"): when a chunk takes the total over it,
+    the process that read it drops its own oldest chunks, then, if that is
+    not enough, the process retaining the most does (:meth:`shed`); each
+    keeps at least its newest chunk, and what is dropped is a gap, as for
+    the per-process cap. A process whose session chose ``onDetachedFull:
+    "pause"`` never loses unacknowledged output: it is not read while the
+    total stays over the cap (:meth:`when_room`).
+    """
+
+    __slots__ = ("_waiting", "bytes", "cap", "members")
+
+    def __init__(self, cap: int = 0) -> None:
+        self.bytes = 0
+        self.cap = cap
+        #: Callbacks of paused processes, run once the total is within the cap.
+        self._waiting: dict[object, Callable[[], None]] = {}
+        #: Every process counted here.
+        self.members: set[Retainer] = set()
+
+    def shed(self, reader: Retainer) -> None:
+        """The total is over the cap after ``reader`` retained a chunk: drop the oldest output."""
+        reader.shed_output(self.bytes - self.cap)
+        while self.bytes > self.cap:
+            victim = max(
+                (m for m in self.members if not m.output.protected and len(m.output) > 1),
+                key=lambda m: m.output.retained_bytes,
+                default=None,
+            )
+            if victim is None:
+                return
+            victim.shed_output(self.bytes - self.cap)
+
+    @property
+    def over(self) -> bool:
+        return bool(self.cap) and self.bytes > self.cap
+
+    def when_room(self, key: object, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the total is back within the cap (nothing if it is now)."""
+        if self.over:
+            self._waiting[key] = callback
+
+    def released(self) -> None:
+        """Retained output went down: wake the paused processes if there is room."""
+        if self._waiting and not self.over:
+            waiting, self._waiting = self._waiting, {}
+            for callback in waiting.values():
+                callback()
+
+    def forget(self, key: object) -> None:
+        self._waiting.pop(key, None)

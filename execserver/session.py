@@ -35,9 +35,9 @@ from execserver.config import ServerConfig
 from execserver.env_policy import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
-from execserver.processes import ManagedProcess, RetainedTally
+from execserver.processes import ManagedProcess
 from execserver.reference_rules import reference_signal, reference_spawn_error
-from execserver.retained import RetainedChunk
+from execserver.retained import RetainedChunk, RetainedTally
 from execserver.sandbox import confine
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
 from execserver.waiters import cancel_call
