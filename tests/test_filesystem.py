@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred
 
-from execserver import filesystem as fs
+from execserver import fs
 from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
@@ -312,7 +312,7 @@ def test_write_in_place_when_the_owner_cannot_be_kept(tmp: Path, monkeypatch: An
     def refuse(fd: int, uid: int, gid: int) -> None:
         raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
 
-    monkeypatch.setattr("execserver.filesystem.os.fchown", refuse)
+    monkeypatch.setattr("execserver.fs.ops.os.fchown", refuse)
     real_fstat = os.fstat
 
     def fstat_as_other_owner(fd: int) -> os.stat_result:
@@ -321,7 +321,7 @@ def test_write_in_place_when_the_owner_cannot_be_kept(tmp: Path, monkeypatch: An
         fields[4] = result.st_uid + 1  # the temporary file would be ours, not theirs
         return os.stat_result(fields)
 
-    monkeypatch.setattr("execserver.filesystem.os.fstat", fstat_as_other_owner)
+    monkeypatch.setattr("execserver.fs.ops.os.fstat", fstat_as_other_owner)
     h.result("fs/writeFile", {"path": str(target), "dataBase64": b64(b"new")})
     monkeypatch.undo()
     assert target.read_bytes() == b"new"
@@ -404,7 +404,7 @@ def test_unwritable_directory_falls_back_to_truncate_and_write(tmp: Path, monkey
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr("execserver.filesystem.os.open", no_temp_files)
+    monkeypatch.setattr("execserver.fs.ops.os.open", no_temp_files)
     inode = target.stat().st_ino
     h.result("fs/writeFile", {"path": str(target), "dataBase64": b64(b"new")})
     monkeypatch.undo()
@@ -420,7 +420,7 @@ def test_a_failed_write_leaves_the_old_contents(tmp: Path, monkeypatch: Any) -> 
     def failing_write(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("execserver.filesystem.os.write", failing_write)
+    monkeypatch.setattr("execserver.fs.ops.os.write", failing_write)
     error = h.error("fs/writeFile", {"path": str(target), "dataBase64": b64(b"x" * 100)})
     monkeypatch.undo()
     assert error == {

@@ -15,7 +15,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from execserver import filesystem as fs
+from execserver import fs
 from execserver.errors import RpcError
 from execserver.service import Options
 from tests.harness import reactor, with_timeout

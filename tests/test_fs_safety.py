@@ -2,7 +2,7 @@
 
 Three layers, none of which can remove the host's root directory:
 
-- the decision function (:func:`execserver.filesystem.removal_target`) is
+- the decision function (:func:`execserver.fs.removal_target`) is
   given every spelling of ``/`` directly: it decides, it removes nothing;
 - through the real server (stdio), ``..`` after a symlink is followed the
   kernel's way by every fs method, shown on a temporary tree whose
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from execserver import filesystem as fs
+from execserver import fs
 from execserver.errors import RpcError
 from tests.harness import ServerProcess, server_env
 from tests.raw_server import RawServer
@@ -148,7 +148,7 @@ needs_mount_namespace = pytest.mark.skipif(
 
 _BIND_PROBE = """
 import json, sys
-from execserver import filesystem as fs
+from execserver import fs
 from execserver.errors import RpcError
 try:
     fs.removal_target(fs.absolute_path(sys.argv[1]))

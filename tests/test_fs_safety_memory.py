@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest_twisted
 from twisted.internet.task import deferLater
 
-from execserver import filesystem as fs
+from execserver import fs
 from tests.harness import reactor
 from tests.test_fs_safety_stall import _metrics
 from tests.ws_harness import WsServerProcess, connect

@@ -1,11 +1,11 @@
 """Units of the fs pool's bounds and the reply budget (issue 15, items 3, 4, 11).
 
-- :class:`~execserver.filesystem.PoolRunner`: real threads, fake time. A
+- :class:`~execserver.fs.PoolRunner`: real threads, fake time. A
   queued request fails with ``busy`` after the wait timeout, is dropped when
   its connection closes, and the pool reports itself wedged (``/readyz``
   503 with the reason) once every thread has been busy longer than the
   stall threshold.
-- :class:`~execserver.filesystem.ReplyBudget`: limits per connection and
+- :class:`~execserver.fs.ReplyBudget`: limits per connection and
   per server, the order of waiters, timeouts, cancellation, never-fits.
 - The dispatcher charges an ``fs/readFile`` reply until the transport's
   unsent bytes show it has left, releases it at once when the connection
@@ -30,8 +30,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from execserver import filesystem as fs
-from execserver import metrics, writebuffer
+from execserver import fs, metrics, writebuffer
 from execserver.app import build_dispatcher, file_system
 from execserver.config import ServerConfig
 from execserver.dispatcher import SENT_POLL_SECONDS, Dispatcher
