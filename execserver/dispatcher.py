@@ -323,7 +323,7 @@ class Connection:
         self.client_name: str | None = None
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): set by its initialize or by its first file:// path.
-        self.current = False
+        self.speaks_current_dialect = False
         #: Who is connected: a session is resumed only by the identity that
         #: created it. An authenticating transport sets ``identity`` on itself.
         self.identity: object = getattr(outbound, "identity", ANONYMOUS)
@@ -397,7 +397,7 @@ class Connection:
     ) -> None:
         route = self.dispatcher.routes.get(req.method)
         if (
-            not self.current
+            not self.speaks_current_dialect
             and req.params is not None
             and (
                 route.announces
@@ -408,12 +408,12 @@ class Connection:
         ):
             # Only the current dialect sends paths as URIs: from now on this
             # client gets its error codes and fields.
-            self.current = True
-            self.session.current = True
+            self.speaks_current_dialect = True
+            self.session.speaks_current_dialect = True
         if route is None:
             self._count("<unknown>", "error")
             message = f"unknown method: {req.method}"
-            if self.current:
+            if self.speaks_current_dialect:
                 self._send_error(req.id, RpcError(METHOD_NOT_FOUND, message))
             else:
                 self._send_error(req.id, RpcError.invalid_request(message))
@@ -582,7 +582,7 @@ class Connection:
             self.outbound.write_message(data)
 
     def _send_error(self, request_id: p.RequestId | None, error: RpcError) -> None:
-        if self.current:
+        if self.speaks_current_dialect:
             error = self.dispatcher.dialect.error(error)
         self.send(p.ErrorResponse(request_id, error.to_wire()))
 

@@ -42,7 +42,7 @@ def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResp
     # session); a seed-era client never does.
     current = params.resume_session_id is not msgspec.UNSET
     if current:
-        conn.current = True
+        conn.speaks_current_dialect = True
     resume_id = params.resume_session_id if isinstance(params.resume_session_id, str) else None
     if resume_id is not None:
         # Checked before anything changes: a refused resume leaves this
@@ -88,7 +88,7 @@ def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResp
         registry.forget(session)
     conn.initialize_requested = True
     conn.client_name = params.client_name
-    session.current = conn.current
+    session.speaks_current_dialect = conn.speaks_current_dialect
     response = p.InitializeResponse(
         protocol_version=p.PROTOCOL_VERSION,
         session_id=session.session_id,

@@ -53,7 +53,7 @@ class ResumableSession(Protocol):
     #: True while a connection carries it.
     attached: bool
     #: The client speaks the reference's current dialect.
-    current: bool
+    speaks_current_dialect: bool
 
     def attach(self, send: Callable[[object], None]) -> None:
         """A connection carries the session from now on, sending through ``send``."""

@@ -190,7 +190,7 @@ class Session:
         self._flow_target: ResumableSession | None = None
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): results and notifications carry its fields.
-        self.current = False
+        self.speaks_current_dialect = False
         #: The dialect whose process rules (terminate, PTY exit codes, the
         #: interrupt answer) the session follows: fixed when it starts its first
         #: process, so a resume does not change them midway. (Reads, nextSeq
@@ -203,11 +203,13 @@ class Session:
     @property
     def reference_rules(self) -> bool:
         """Whether the reference's lifecycle rules apply (see ``_reference_rules``)."""
-        return self.current if self._reference_rules is None else self._reference_rules
+        return (
+            self.speaks_current_dialect if self._reference_rules is None else self._reference_rules
+        )
 
     def start(self, params: p.ExecParams) -> p.ExecResponse:
         if self._reference_rules is None:
-            self._reference_rules = self.current
+            self._reference_rules = self.speaks_current_dialect
         if not params.argv:
             raise RpcError.invalid_params("argv must not be empty")
         if params.sandbox is not None and params.sandbox.mode == "hostDefault":
@@ -306,11 +308,11 @@ class Session:
                 confined=confined,
             )
         except SpawnError as exc:
-            if self.current:
+            if self.speaks_current_dialect:
                 raise reference_spawn_error(exc) from None
             raise
         response = p.ExecResponse(proc.process_id)
-        if self.current:
+        if self.speaks_current_dialect:
             response.sandbox_type = confine.SANDBOX_TYPE if confined else "none"
         if params.limits is not None:
             # Asked for: the effective limits (with defaults and ceilings).
@@ -455,7 +457,7 @@ class Session:
         """
         if response.chunks:
             return True
-        if not self.current:
+        if not self.speaks_current_dialect:
             return proc.exited
         if proc.closed:
             return True
@@ -467,7 +469,7 @@ class Session:
         after_seq = min(params.after_seq or 0, proc.output.next_seq)
         read = proc.output.read(after_seq, params.max_bytes)
         next_seq = read.next_seq
-        if not self.current:
+        if not self.speaks_current_dialect:
             # The seeds' rule: one past the last output chunk, whether or not
             # the read returned it (the exit and close seqs never count).
             next_seq = min(next_seq, proc.output.last_output_seq + 1)
@@ -495,7 +497,7 @@ class Session:
             response.gap = p.SeqGap(*read.gap)
         if proc.limits and (exceeded := proc.limit_hit()) is not None:
             response.limit_exceeded, response.limit_value = exceeded
-        if self.current:
+        if self.speaks_current_dialect:
             response.failure = None
             response.sandbox_denied = proc.exited and self._denied(proc)
         return response
@@ -506,14 +508,14 @@ class Session:
         write_id = params.write_id
         if write_id is not None and not write_id:
             raise RpcError.invalid_params("writeId must not be empty")
-        if self.current and params.process_id not in self.processes:
+        if self.speaks_current_dialect and params.process_id not in self.processes:
             return p.WriteResponse(accepted=False, status="unknownProcess")
         proc = self.lookup(params.process_id)
         if write_id is not None and write_id in proc.write_ids:
             # A retry of a write whose answer was lost: written once already.
             return p.WriteResponse(accepted=True, status="accepted")
         if not proc.stdin_writable:
-            if self.current:
+            if self.speaks_current_dialect:
                 return p.WriteResponse(accepted=False, status="stdinClosed")
             if proc.tty:
                 raise RpcError.internal(
@@ -530,7 +532,7 @@ class Session:
         if params.chunk:
             proc.write_stdin(params.chunk)
         if write_id is None:
-            if self.current:
+            if self.speaks_current_dialect:
                 return p.WriteResponse(accepted=True, status="accepted")
             return p.WriteResponse(accepted=True)
         proc.write_ids[write_id] = None
@@ -709,7 +711,7 @@ class Session:
             params.signal = proc.signal
         if proc.timed_out is not None:
             params.timed_out = proc.timed_out
-        if self.current:
+        if self.speaks_current_dialect:
             params.sandbox_denied = self._denied(proc)
         if proc.limit_exceeded is not None:
             params.limit_exceeded, params.limit_value = proc.limit_exceeded

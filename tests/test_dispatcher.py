@@ -158,7 +158,7 @@ def test_a_file_uri_announces_the_current_dialect_only_for_the_methods_that_take
     h = Harness()
     h.handshake()
     h.call(method, {"processId": "p", "path": "file:///tmp"})
-    assert h.conn.current is announces
+    assert h.conn.speaks_current_dialect is announces
     unknown = h.error("no/suchMethod", {})
     assert unknown["code"] == (-32601 if announces else -32600)
 
@@ -414,7 +414,7 @@ class _BareSession:
         self.ttl_ms = 0
         self.owner: object = None
         self.attached = True
-        self.current = False
+        self.speaks_current_dialect = False
         self.ended = False
 
     def attach(self, send: Any) -> None:

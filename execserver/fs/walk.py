@@ -227,7 +227,7 @@ def register(router: Any, run: Any) -> None:
 
     def render_for(conn: Any) -> Any:
         # Paths as the client's dialect shows them: URIs to current clients.
-        return path_to_uri if getattr(conn, "current", False) else _plain
+        return path_to_uri if getattr(conn, "speaks_current_dialect", False) else _plain
 
     def handle_canonicalize(conn: Any, params: FsCanonicalizeParams) -> Any:
         path = absolute_path(params.path)
