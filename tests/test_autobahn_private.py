@@ -28,7 +28,7 @@ from twisted.python.failure import Failure
 
 from execserver.transports import autobahn_private
 from execserver.transports.autobahn_private import (
-    CORNERS,
+    USABLE_CORNERS,
     ClockTimers,
     close_frame_problems,
     fast_frame_problems,
@@ -56,7 +56,7 @@ def test_the_installed_autobahn_has_every_shape_relied_on() -> None:
         send_path_problems(),
     )
     assert problems == ([], [], [], [], [])
-    assert attrs.astuple(CORNERS) == (True, True, True, True, True)
+    assert attrs.astuple(USABLE_CORNERS) == (True, True, True, True, True)
 
 
 def _broken(base: type, **attrs: Any) -> type:
@@ -130,7 +130,7 @@ def test_close_codes_fall_back_to_public_send_close(
     proto.dataReceived(client_frame(1, b'{"id":1,"result":{}}'))
     assert _close_code(transport) == 1008
     # sendCloseFrame's shape changed: sendClose with 4008, same reason.
-    monkeypatch.setattr(CORNERS, "close_frame", False)
+    monkeypatch.setattr(USABLE_CORNERS, "close_frame", False)
     proto, transport = open_raw(make_factory(clock))
     proto.dataReceived(client_frame(1, b'{"id":1,"result":{}}'))
     assert _close_code(transport) == 4008
@@ -144,7 +144,7 @@ def test_close_codes_fall_back_to_public_send_close(
 
 def test_timers_fall_back_to_autobahns_own(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(make_factory(clock)._batched_timer, ClockTimers)
-    monkeypatch.setattr(CORNERS, "exact_timers", False)
+    monkeypatch.setattr(USABLE_CORNERS, "exact_timers", False)
     factory = make_factory(clock, ping_interval=10.0, ping_timeout=5.0)
     assert not isinstance(factory._batched_timer, ClockTimers)
     # Autobahn's batched timers (on txaio's loop, the fake clock here) still
@@ -159,7 +159,7 @@ def test_timers_fall_back_to_autobahns_own(clock: Clock, monkeypatch: pytest.Mon
 def test_frames_fall_back_to_autobahns_parser(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(CORNERS, "fast_frames", False)
+    monkeypatch.setattr(USABLE_CORNERS, "fast_frames", False)
     paths: list[str] = []
     original = ExecServerProtocol._deliver
 
@@ -181,7 +181,7 @@ def test_frames_fall_back_to_autobahns_parser(
 def test_parser_state_falls_back_to_public_checks(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(CORNERS, "parser_state", False)
+    monkeypatch.setattr(USABLE_CORNERS, "parser_state", False)
     # A message whose text is invalid UTF-8 fails the connection (1007) and
     # is not delivered, without reading failedByMe.
     delivered: list[bytes | None] = []
@@ -212,7 +212,7 @@ ab.WebSocketProtocol.sendCloseFrame = close_frame
 del ab.WebSocketProtocol._cancelAutoPingTimeoutCall
 from execserver.transports import autobahn_private
 import attrs
-print(json.dumps([attrs.astuple(autobahn_private.CORNERS), warnings]))
+print(json.dumps([attrs.astuple(autobahn_private.USABLE_CORNERS), warnings]))
 """
 
 
@@ -237,7 +237,7 @@ def test_a_broken_shape_at_import_warns_and_takes_the_public_path() -> None:
 def test_without_the_send_path_messages_go_whole_to_twisteds_buffer(
     clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(CORNERS, "send_path", False)
+    monkeypatch.setattr(USABLE_CORNERS, "send_path", False)
     proto, transport = open_raw(make_factory(clock))
     producer: Any = transport.producer
     assert producer is cast(Any, proto._flow)  # no Outbox in front of the backpressure

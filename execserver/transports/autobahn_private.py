@@ -57,7 +57,7 @@ from autobahn.websocket.protocol import WebSocketProtocol
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from execserver.private_names import code_names, parameters
+from execserver.private_api_checks import code_names, parameters
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -168,17 +168,26 @@ def send_path_problems(cls: type = WebSocketProtocol) -> list[str]:
 
 
 @attrs.define
-class Corners:
-    """Which private corners are usable (decided once, at import)."""
+class UsableCorners:
+    """Which private Autobahn corners still have the shape we rely on (checked once, at import).
 
+    Each False field means its public fallback is used instead (the module
+    docstring names each corner and its fallback).
+    """
+
+    #: ``sendCloseFrame``: close codes 1013/1008/1001 (else 4013/4008/4001).
     close_frame: bool
+    #: ``_batched_timer`` replaced by exact reactor timers (else Autobahn's whole seconds).
     exact_timers: bool
+    #: The frame parser's state, for the fast path of small frames (else Autobahn's parser).
     fast_frames: bool
+    #: ``failedByMe`` and the unparsed input (else only the OPEN state gates delivery).
     parser_state: bool
+    #: Autobahn's own frames written through ``sendData`` (else no Outbox).
     send_path: bool
 
 
-def _check() -> Corners:
+def _check() -> UsableCorners:
     found = {
         "sendCloseFrame": close_frame_problems(),
         "_batched_timer": timer_problems(),
@@ -194,7 +203,7 @@ def _check() -> Corners:
                 corner=corner,
                 problems="; ".join(problems),
             )
-    return Corners(
+    return UsableCorners(
         close_frame=not found["sendCloseFrame"],
         exact_timers=not found["_batched_timer"],
         fast_frames=not found["the frame parser's state"],
@@ -204,7 +213,7 @@ def _check() -> Corners:
 
 
 #: The result of the import check (tests flip fields to exercise the fallbacks).
-CORNERS: Final = _check()
+USABLE_CORNERS: Final = _check()
 
 
 # --- close codes ----------------------------------------------------------------------------
@@ -217,7 +226,7 @@ def public_close_code(code: int) -> int:
 
 def send_close(proto: Any, code: int, reason: str) -> None:
     """Start the closing handshake with ``code`` (1001, 1008, 1013), whatever sendClose allows."""
-    if CORNERS.close_frame:
+    if USABLE_CORNERS.close_frame:
         proto.sendCloseFrame(code=code, reasonUtf8=reason.encode(), isReply=False)
     else:
         proto.sendClose(code=public_close_code(code), reason=reason)
@@ -259,7 +268,7 @@ class ClockTimers:
 
 def install_exact_timers(factory: Any, clock: IReactorTime) -> None:
     """Schedule ``factory``'s protocol timers on ``clock`` (see :class:`ClockTimers`)."""
-    if CORNERS.exact_timers:
+    if USABLE_CORNERS.exact_timers:
         factory._batched_timer = ClockTimers(clock)
 
 
@@ -268,7 +277,7 @@ def install_exact_timers(factory: Any, clock: IReactorTime) -> None:
 
 def receive(proto: Any, data: bytes) -> None:
     """Bytes from the transport to Autobahn, without formatting a debug line per read."""
-    if CORNERS.fast_frames:
+    if USABLE_CORNERS.fast_frames:
         proto._dataReceived(data)
     else:
         WebSocketServerProtocol.dataReceived(proto, data)
@@ -287,7 +296,7 @@ def fast_frames(proto: Any, limit: int, deliver: Callable[[bytes], None]) -> boo
     its checks. Returns what ``processData`` returns, or None when nothing
     was decoded (the caller then runs Autobahn's ``processData``).
     """
-    if not CORNERS.fast_frames:
+    if not USABLE_CORNERS.fast_frames:
         return None
     data = proto.data
     end = len(data)
@@ -338,10 +347,10 @@ def fast_frames(proto: Any, limit: int, deliver: Callable[[bytes], None]) -> boo
 
 def failed_by_me(proto: Any) -> bool:
     """Whether Autobahn failed this connection itself (it may still deliver a message)."""
-    return CORNERS.parser_state and bool(proto.failedByMe)
+    return USABLE_CORNERS.parser_state and bool(proto.failedByMe)
 
 
 def release_input(proto: Any) -> None:
     """Free the unparsed input of a lost connection now, not at a garbage collection."""
-    if CORNERS.parser_state:
+    if USABLE_CORNERS.parser_state:
         proto.data = b""

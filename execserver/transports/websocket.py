@@ -184,7 +184,7 @@ class ExecServerProtocol(WebSocketServerProtocol):
         # The session pauses its children's output pipes while this
         # connection's unsent output is above the high-water mark...
         self._flow = RequestBackpressure(conn.session, self._transport, self.release_held)
-        if autobahn_private.CORNERS.send_path:
+        if autobahn_private.USABLE_CORNERS.send_path:
             # Large messages are fed to the socket as it drains (see Outbox).
             self._outbox = Outbox(self._transport, self._transport, self._flow)
             self._transport.registerProducer(self._outbox, True)
