@@ -43,7 +43,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.internet.stdio import StandardIO
 from zope.interface import implementer
 
-from execserver.private_names import code_names, parameters
+from execserver.private_api_checks import code_names, parameters
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -52,7 +52,7 @@ from twisted.internet import process as _twisted_process
 from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 
 from execserver.containment import ContainmentError, Placing, ProcessTree
-from execserver.private_names import parameters
+from execserver.private_api_checks import parameters
 from execserver.spawn.lookup import SpawnError, cwd_error, exec_error
 from execserver.spawn.reading import (
     PIPE_CAPACITY,
