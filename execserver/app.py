@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 
+import attrs
 from twisted.internet.interfaces import IReactorTime
 
 from execserver import fs as filesystem
@@ -104,13 +106,16 @@ def build_dispatcher(
         )
 
     dispatcher = Dispatcher(config, clock, new_session, dialect=CURRENT_DIALECT)
-    dispatcher.add_route(p.INITIALIZE, p.InitializeParams, handshake.initialize, family=None)
+    dispatcher.add_route(
+        p.INITIALIZE,
+        p.InitializeParams,
+        partial(handshake.initialize, sandbox=sandbox),
+        family=None,
+    )
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
     dispatcher.add_route(
         ENVIRONMENT_INFO, object, lambda c, a: _environment_info(sandbox), family=None
     )
-    if sandbox is not None:
-        dispatcher.provide(sandbox)
     watches = WatchHub(clock)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
@@ -122,7 +127,7 @@ def build_dispatcher(
         )
     _add_process_routes(dispatcher)
     fs = filesystem.register(dispatcher, fs_runner, sandbox_floor=sandbox_floor)
-    dispatcher.provide(fs)
+    dispatcher.application = Application(fs, sandbox)
     dispatcher.closed_hooks.append(fs.connection_closed)
     dispatcher.readiness_checks.append(fs.stall_reason)
     environment_config.register(dispatcher, fs.run)
@@ -183,16 +188,41 @@ def process_sessions(dispatcher: Dispatcher) -> Iterator[Session]:
             yield session
 
 
+@attrs.frozen
+class Application:
+    """What :func:`build_dispatcher` built around a dispatcher, for what reports on it."""
+
+    #: The fs/* handlers' state (pool, reply budget).
+    fs: filesystem.FileSystem
+    #: The sandbox engine (None: built without one).
+    sandbox: SandboxEngine | None
+
+
+def application_of(dispatcher: Dispatcher) -> Application:
+    found = dispatcher.application
+    if not isinstance(found, Application):
+        raise LookupError("this dispatcher was not built by execserver.app.build_dispatcher")
+    return found
+
+
 def file_system(dispatcher: Dispatcher) -> filesystem.FileSystem:
     """The fs/* handlers' state (pool, reply budget) of ``dispatcher``."""
-    return dispatcher.part(filesystem.FileSystem)
+    return application_of(dispatcher).fs
+
+
+def sandbox_of(dispatcher: Dispatcher) -> SandboxEngine | None:
+    """The sandbox ``dispatcher`` was built with (None: built without one)."""
+    return application_of(dispatcher).sandbox
 
 
 __all__ = [
     "ENVIRONMENT_INFO",
     "FS_MISSING_CHANGED",
     "FS_WATCH_MISSING",
+    "Application",
+    "application_of",
     "build_dispatcher",
     "file_system",
     "process_sessions",
+    "sandbox_of",
 ]

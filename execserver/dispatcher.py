@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import attrs
 import msgspec
@@ -161,7 +161,6 @@ class CurrentDialect:
 
 #: Builds the session of a new connection (the composition root's).
 SessionFactory = Callable[["Connection"], ResumableSession]
-Part = TypeVar("Part")
 
 
 @attrs.frozen
@@ -234,7 +233,10 @@ class Dispatcher:
         self.closed_hooks: list[Callable[[Connection], None]] = []
         #: Each says why the server should not get new work now, or None.
         self.readiness_checks: list[Callable[[], str | None]] = []
-        self._parts: dict[type[Any], object] = {}
+        #: What the composition root built around this dispatcher
+        #: (``app.Application``: the fs methods' state, the sandbox), for the
+        #: modules that report on it (``/metrics``); opaque here.
+        self.application: object = None
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"
@@ -245,17 +247,6 @@ class Dispatcher:
     def add_method(self, method: p.Method[Any, Any], handler: Handler) -> None:
         """A route for a declared method: its name, params type and family."""
         self.add_route(method.name, method.params, handler, method.family)
-
-    def provide(self, part: object) -> None:
-        """Keep an application part (found again by its class with :meth:`part`)."""
-        self._parts[type(part)] = part
-
-    def part(self, kind: type[Part]) -> Part:
-        """The part of class ``kind`` the composition root provided."""
-        found = self._parts.get(kind)
-        if not isinstance(found, kind):
-            raise LookupError(f"no {kind.__name__} was provided to this dispatcher")
-        return found
 
     def connect(self, outbound: Outbound, label: str = "connection") -> Connection:
         conn = Connection(self, outbound, label)

@@ -21,7 +21,7 @@ from execserver.codex.environment_info import environment_info
 from execserver.dispatcher import Connection
 from execserver.errors import RpcError
 from execserver.registry import ANONYMOUS
-from execserver.sandbox.engine import describe_sandbox, sandbox_of
+from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.session import session_of
 
 #: Session lifetime after a disconnect for current-dialect clients, which
@@ -33,7 +33,9 @@ from execserver.session import session_of
 CURRENT_DIALECT_TTL_MS: Final = 80_000
 
 
-def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResponse:
+def initialize(
+    conn: Connection, params: p.InitializeParams, *, sandbox: SandboxEngine | None
+) -> p.InitializeResponse:
     if conn.initialize_requested:
         raise RpcError.invalid_request("initialize may only be sent once per connection")
     config = conn.dispatcher.config
@@ -101,9 +103,7 @@ def initialize(conn: Connection, params: p.InitializeParams) -> p.InitializeResp
         or params.on_detached_full is not None
     )
     if current:
-        response.environment_info = describe_sandbox(
-            environment_info(), sandbox_of(conn.dispatcher)
-        )
+        response.environment_info = describe_sandbox(environment_info(), sandbox)
     if described or session.ttl_ms > 0:
         response.session_ttl_ms = session.ttl_ms
         response.on_detached_full = session.on_detached_full

@@ -12,8 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from execserver import __version__, fdlimit
-from execserver.app import file_system, process_sessions
-from execserver.sandbox.engine import sandbox_of
+from execserver.app import file_system, process_sessions, sandbox_of
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher

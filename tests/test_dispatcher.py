@@ -469,11 +469,7 @@ def test_a_bare_dispatcher_serves_only_the_routes_and_sessions_it_is_given() -> 
     # No application, no handshake: initialize is as unknown as any method.
     assert replies[2]["error"] == {"code": -32600, "message": "unknown method: initialize"}
     assert dispatcher.not_ready_reason() == "wedged"
-    with pytest.raises(LookupError, match="no Clock was provided"):
-        dispatcher.part(Clock)
-    part = Clock()
-    dispatcher.provide(part)
-    assert dispatcher.part(Clock) is part
+    assert dispatcher.application is None
     conn.transport_closed()
     assert closed == [conn]
     conn.shutdown()

@@ -61,7 +61,6 @@ from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
 
 if TYPE_CHECKING:
     from execserver import protocol as p
-    from execserver.dispatcher import Dispatcher
     from execserver.sandbox.policy import SandboxPolicy
 
 log = Logger()
@@ -546,14 +545,6 @@ class SandboxEngine:
                 str(len(reads)), *reads, str(len(writes)), *writes,
                 str(_LANDLOCK_SCOPES), str(len(env)), *env, *program]  # fmt: skip
         return attrs.evolve(spec, argv=tuple(argv), arg0=None, env={})
-
-
-def sandbox_of(dispatcher: Dispatcher) -> SandboxEngine | None:
-    """The sandbox the composition root gave ``dispatcher`` (None: built without one)."""
-    try:
-        return dispatcher.part(SandboxEngine)
-    except LookupError:
-        return None
 
 
 def describe_sandbox(info: p.EnvironmentInfo, engine: SandboxEngine | None) -> p.EnvironmentInfo:
