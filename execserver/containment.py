@@ -69,7 +69,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from execserver import cgroups, escapees
+from execserver import cgroups, escapees, fdlimit
 from execserver.cgroups import Counters, Usage, V1Hierarchy
 from execserver.errors import RpcError
 from execserver.limits import FIELDS, KINDS, NO_LIMITS, Kind, Limits
@@ -92,6 +92,10 @@ MAX_SCAN_SHARE: Final = 0.02
 SWEEP_INTERVAL: Final = 1.0
 #: Empty per-process cgroups kept for reuse.
 CGROUP_POOL: Final = 64
+#: Descriptors of cgroup v1 control files kept open (:class:`ControlFiles`):
+#: at most this share of the soft ``RLIMIT_NOFILE`` (a quarter of the reserve
+#: :mod:`execserver.fdlimit` keeps beside the processes' descriptors).
+CONTROL_FILES_SHARE: Final = 64
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 #: How often the trees with a cgroup v1 memory limit are checked for an OOM
@@ -298,6 +302,159 @@ class _Owned:
         return Usage()
 
 
+class ControlFiles:
+    """Descriptors of cgroup v1 control files, kept open while their directory is.
+
+    A control file read or written through a kept descriptor costs one
+    ``pread``/``pwrite`` (about 1 µs here) instead of an open, the I/O and
+    a close (4-8 µs, most of it the path walk), and cgroupfs answers a read
+    at offset 0 afresh every time. The pooled v1 directories of limited
+    processes are used by every limited start (entering and leaving them,
+    ``pids.max``, the peak reset) and exit (the event counters), so their
+    files are opened once per directory, not per process. Member lists are
+    always read by path (:meth:`pids`).
+
+    At most ``budget`` descriptors are kept; past it (and for a file that is
+    not a cgroupfs one: an ordinary file with contents, as in unit tests'
+    fake trees) each access opens the file as before. :meth:`forget` closes
+    a directory's descriptors before it is removed.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._fds: dict[tuple[str, bool], int] = {}
+        #: Paths that are not kept (ordinary files).
+        self._plain: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def _fd(self, path: str, writing: bool) -> int | None:
+        key = (path, writing)
+        fd = self._fds.get(key)
+        if fd is not None or path in self._plain or len(self._fds) >= self.budget:
+            return fd
+        fd = os.open(path, (os.O_WRONLY if writing else os.O_RDONLY) | os.O_CLOEXEC)
+        if writing and os.fstat(fd).st_size:
+            # cgroupfs files have size 0; an ordinary one would keep the
+            # tail of a longer earlier value after a pwrite at 0.
+            os.close(fd)
+            self._plain.add(path)
+            return None
+        self._fds[key] = fd
+        return fd
+
+    def write(self, path: str, text: str) -> None:
+        """Write ``text`` to a control file (raises OSError as the kernel refuses)."""
+        fd = self._fd(path, True)
+        if fd is None:
+            cgroups.write(path, text)
+        else:
+            os.pwrite(fd, text.encode(), 0)
+
+    def read(self, path: str) -> str | None:
+        """A control file's text, None if it cannot be read."""
+        try:
+            fd = self._fd(path, False)
+            if fd is None:
+                return cgroups.read_text(path)
+            return os.pread(fd, 65536, 0).decode(errors="replace")
+        except OSError:
+            return None
+
+    @staticmethod
+    def pids(directory: str) -> list[int]:
+        """The members of one v1 directory (its ``cgroup.procs``), read afresh.
+
+        Never through a kept descriptor: cgroup v1 keeps the member list it
+        loaded for an open file and serves it again to later reads of that
+        file while they come less than a second apart, so a kept
+        descriptor would report members long gone.
+        """
+        text = cgroups.read_text(os.path.join(directory, "cgroup.procs"))
+        return [int(pid) for pid in text.split()] if text else []
+
+    def forget(self, directory: str) -> None:
+        """Close the kept descriptors of ``directory``'s files."""
+        prefix = directory + "/"
+        for key in [k for k in self._fds if k[0].startswith(prefix)]:
+            os.close(self._fds.pop(key))
+        self._plain = {p for p in self._plain if not p.startswith(prefix)}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+        self._plain.clear()
+
+
+#: v1 event counter files: controller -> (file, key), in Counters' order.
+_V1_COUNTERS: Final = (
+    ("memory", "memory.oom_control", "oom_kill"),
+    ("pids", "pids.events", "max"),
+    ("cpu", "cpu.stat", "nr_throttled"),
+)
+
+
+def _key_value(text: str | None, key: str) -> int:
+    """``key``'s value in a flat-keyed control file's text (0 if absent)."""
+    if not text:
+        return 0
+    at = ("\n" + text).find("\n" + key + " ")
+    if at < 0:
+        return 0
+    end = text.find("\n", at)
+    try:
+        return int(text[at + len(key) : end if end >= 0 else None])
+    except ValueError:
+        return 0
+
+
+class V1Set:
+    """One limited process's cgroup v1 directories (one per hierarchy), pooled.
+
+    Every path the spawn and the exit touch is computed once, when the set
+    is made; with the kept descriptors of :class:`ControlFiles` a reused
+    set costs the kernel's work and one syscall per file.
+    """
+
+    __slots__ = (
+        "by_controller",
+        "counter_files",
+        "dirs",
+        "last",
+        "own_tasks",
+        "procs",
+        "tasks",
+        "written",
+    )
+
+    def __init__(self, by_controller: dict[str, str], own_tasks: dict[str, str]) -> None:
+        #: Controller -> its directory (the cgroup v1 ones only).
+        self.by_controller = by_controller
+        self.dirs: tuple[str, ...] = tuple(sorted(set(by_controller.values())))
+        self.tasks = [d + "/tasks" for d in self.dirs]
+        #: The server's own ``tasks`` file in each directory's hierarchy.
+        self.own_tasks = [own_tasks[os.path.dirname(d)] for d in self.dirs]
+        self.procs = [d + "/cgroup.procs" for d in self.dirs]
+        self.counter_files = [
+            (by_controller[c] + "/" + name, key) if c in by_controller else None
+            for c, name, key in _V1_COUNTERS
+        ]
+        #: What the directories hold (None: unknown, e.g. a write failed).
+        self.written: Limits | None = None
+        #: The counters when the set was last found empty.
+        self.last: Counters | None = None
+
+    def counters(self, files: ControlFiles) -> Counters:
+        oom, pids, throttled = (
+            0 if entry is None else _key_value(files.read(entry[0]), entry[1])
+            for entry in self.counter_files
+        )
+        return Counters(oom, pids, throttled)
+
+
 @attrs.define
 class LimitPlacement:
     """Where one limited process's controllers are, and what they said before it."""
@@ -317,6 +474,13 @@ class LimitPlacement:
     last: Counters | None = None
     #: v1: the OOM kill of one member was seen; the tree was killed.
     oom_killed: bool = False
+    #: ``last`` was read with every cgroup of the tree already empty: no
+    #: counter can move any more, so they are the next user's baseline.
+    final: bool = False
+    #: How the v1 files are read and written (kept descriptors).
+    files: ControlFiles | None = None
+    #: The pooled v1 directories (None: a placement made without a pool).
+    v1set: V1Set | None = None
     _sides: list[tuple[cgroups.Version, dict[str, str]]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -332,9 +496,13 @@ class LimitPlacement:
 
     def counters(self) -> Counters:
         # Each controller is on one side only: the others count 0 there.
+        if self.v1set is not None and self.files is not None and len(self._sides) == 1:
+            self.last = self.v1set.counters(self.files)
+            return self.last
         oom = pids = throttled = 0
+        read = self.files.read if self.files is not None else None
         for version, side in self._sides:
-            found = cgroups.counters(version, side)
+            found = cgroups.counters(version, side, read if version == 1 else None)
             oom += found.oom_kills
             pids += found.pids_refused
             throttled += found.throttled
@@ -376,21 +544,32 @@ class CgroupTree(_Owned):
         self.released = False
         #: The last :meth:`alive` found the cgroup empty (reusable).
         self.seen_empty = False
+        #: Every cgroup of the tree (v2 and v1) was found empty: nothing
+        #: can enter them again (only a process inside can move a child
+        #: there), so later looks need not read them.
+        self._known_empty = False
 
     def pids(self) -> list[int]:
         found = _cgroup_pids(self.path)
         if self.placement is not None:
             # A member that moved itself out of the v2 cgroup (root can) is
             # still in the v1 ones, unless it left those too.
+            files = self._owner.files
             for directory in self.placement.v1_dirs:
-                found.extend(pid for pid in _cgroup_pids(directory) if pid not in found)
+                found.extend(pid for pid in files.pids(directory) if pid not in found)
         return found
 
     def exceeded(self) -> tuple[Kind, int] | None:
         placement = self.placement
         if placement is None:
             return None
+        # At the exit the tree is usually empty already: looked at before
+        # the counters, that makes them final (the release reads nothing
+        # more, and neither does the exit's own look at the tree). While
+        # the tree runs this costs one read (``populated 1``).
+        empty = placement.v1set is not None and not self.released and self._empty()
         kind = cgroups.exceeded(placement.limits, placement.counters(), placement.baseline)
+        placement.final = empty
         if kind is None and placement.oom_killed:
             kind = "memory"
         if kind is None:
@@ -445,16 +624,25 @@ class CgroupTree(_Owned):
         else:
             self.signal(signal.SIGKILL)
 
-    def alive(self) -> bool:
+    def _empty(self) -> bool:
+        """No member is in the tree's cgroups (escapees aside)."""
+        if self._known_empty:
+            return True
         try:
             with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
                 populated = b"populated 1" in f.read()
         except OSError:
             populated = False
         if not populated and self.placement is not None:
-            populated = any(_cgroup_pids(d) for d in self.placement.v1_dirs)
-        self.seen_empty = not populated
-        return populated or bool(self.escapees and self.live_escapees())
+            files = self._owner.files
+            populated = any(files.pids(d) for d in self.placement.v1_dirs)
+        self._known_empty = not populated
+        return not populated
+
+    def alive(self) -> bool:
+        empty = self._empty()
+        self.seen_empty = empty
+        return not empty or bool(self.escapees and self.live_escapees())
 
 
 class ScanTree(_Owned):
@@ -655,9 +843,9 @@ class Containment:
         self._missing: dict[str, str] = {}
         #: Empty v1 directory sets kept for reuse, by the hierarchies they
         #: span, with the limits they hold.
-        self._v1_free: dict[
-            tuple[str, ...], list[tuple[tuple[str, ...], Limits | None, Counters | None]]
-        ] = {}
+        #: Empty v1 directory sets kept for reuse, by the v1 controllers they
+        #: have (each set knows the limits it holds and its last counters).
+        self._v1_free: dict[tuple[str, ...], list[V1Set]] = {}
         #: The per-process v2 cgroups have cpu.stat (CPU time without cpuacct).
         self._v2_cpu_stat = False
         self._v1_serial = 0
@@ -667,6 +855,11 @@ class Containment:
         #: Trees whose v1 memory limit is watched for OOM kills.
         self._oom_watch: set[CgroupTree] = set()
         self._oom_timer: IDelayedCall | None = None
+        #: Kept descriptors of the v1 directories' control files.
+        self.files = ControlFiles(0)
+        #: v1 parent directory -> the ``tasks`` file of the server's own
+        #: cgroup in that hierarchy (where the spawning thread returns).
+        self._v1_own_tasks: dict[str, str] = {}
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -777,6 +970,7 @@ class Containment:
                         "cgroup of its own (systemd Delegate=yes)"
                     )
         ns = _pidns()
+        self.files = ControlFiles(fdlimit.soft_limit() // CONTROL_FILES_SHARE)
         hierarchies = cgroups.v1_hierarchies()
         for controller in cgroups.LIMIT_CONTROLLERS:
             if controller in self.v2_controllers:
@@ -794,7 +988,9 @@ class Containment:
                         )
                     continue
                 try:
-                    self._v1[name] = (hierarchy, self._start_v1(hierarchy, ns))
+                    parent = self._start_v1(hierarchy, ns)
+                    self._v1[name] = (hierarchy, parent)
+                    self._v1_own_tasks[parent] = os.path.join(hierarchy.own, "tasks")
                 except OSError as exc:
                     if name == controller:
                         self._missing[controller] = (
@@ -983,6 +1179,7 @@ class Containment:
             self._free.clear()
         cancel_call(self._oom_timer)
         self._oom_timer = None
+        self.files.close()
         for parent in sorted({parent for _hierarchy, parent in self._v1.values()}):
             _kill_members(parent, rounds=5)
             _remove_cgroup_tree(parent, wait=0.5)
@@ -1059,22 +1256,23 @@ class Containment:
             with contextlib.suppress(OSError):
                 _write(procs, "0")
                 entered = True
-            v1_entered: list[str] = []
+            v1_entered: list[int] = []
             try:
-                if placement is not None:
-                    for directory in placement.v1_dirs:
+                v1set = placement.v1set if placement is not None else None
+                if v1set is not None:
+                    for index, tasks in enumerate(v1set.tasks):
                         # Exactness or nothing: a limit the child could
                         # escape before it is moved is refused.
                         # v1 moves one thread (``tasks``): only the one
                         # that creates the child, which is all it inherits.
                         try:
-                            _write(os.path.join(directory, "tasks"), "0")
+                            self.files.write(tasks, "0")
                         except OSError as exc:
                             raise ContainmentError(
-                                f"cannot enter cgroup {directory}: {exc.strerror}",
+                                f"cannot enter cgroup {v1set.dirs[index]}: {exc.strerror}",
                                 exc.errno or 0,
                             ) from None
-                        v1_entered.append(directory)
+                        v1_entered.append(index)
                 pid = _with_rlimit(create, limits)
                 if placement is not None and limits.max_processes is not None:
                     # Lowered while the server's thread still counts, so the
@@ -1082,7 +1280,8 @@ class Containment:
                     # two writes (pids.max may be below pids.current).
                     exact = self._exact_pids_max(placement, limits.max_processes)
             finally:
-                self._leave_v1(v1_entered)
+                if v1_entered and placement is not None and placement.v1set is not None:
+                    self._leave_v1(placement.v1set, v1_entered)
                 if entered:
                     self._leave(path)
         except BaseException:
@@ -1117,35 +1316,23 @@ class Containment:
         if v1 and not self._v2_cpu_stat and "cpuacct" in self._v1 and "cpuacct" not in v1:
             # Without the v2 cgroup's cpu.stat, CPU time is cpuacct's.
             v1.append("cpuacct")
-        parents = sorted({self._v1[c][1] for c in v1})
-        key = tuple(parents)
-        free = self._v1_free.get(key)
-        previous: Limits | None = None
-        last: Counters | None = None
-        if free:
-            v1_dirs, previous, last = free.pop()
-        else:
-            self._v1_serial += 1
-            made: list[str] = []
-            try:
-                for parent in parents:
-                    directory = os.path.join(parent, str(self._v1_serial))
-                    os.mkdir(directory)
-                    made.append(directory)
-            except OSError as exc:
-                for directory in made:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(directory)
-                raise ContainmentError(
-                    f"cannot create a cgroup for the process's limits: {exc.strerror}",
-                    exc.errno or 0,
-                ) from None
-            v1_dirs = tuple(made)
-        by_parent = dict(zip(parents, v1_dirs, strict=True))
+        v1set: V1Set | None = None
+        if v1:
+            key = tuple(sorted(v1))
+            free = self._v1_free.get(key)
+            v1set = free.pop() if free else self._new_v1_set(key)
+        previous = v1set.written if v1set is not None else None
         dirs = {c: path for c in controllers if c in self.v2_controllers}
-        for controller in v1:
-            dirs[controller] = by_parent[self._v1[controller][1]]
-        placement = LimitPlacement(limits, dirs, frozenset(v1), v1_dirs)
+        if v1set is not None:
+            dirs.update(v1set.by_controller)
+        placement = LimitPlacement(
+            limits,
+            dirs,
+            frozenset(v1),
+            v1set.dirs if v1set is not None else (),
+            files=self.files,
+            v1set=v1set,
+        )
         written = limits
         if limits.max_processes is not None:
             # The server's own tasks count in pids.current while it creates
@@ -1153,30 +1340,68 @@ class Containment:
             # moves; v2: all its threads, plus a few it might start in those
             # microseconds) until the exact figure is written right after.
             room = 1 if "pids" in v1 else _thread_count() + V2_THREAD_ROOM
-            written = attrs.evolve(limits, max_processes=limits.max_processes + room)
+            written = Limits(
+                limits.memory_bytes,
+                limits.max_processes + room,
+                limits.cpu_percent,
+                limits.file_size_bytes,
+            )
         try:
             # Each side (v1 directories, the v2 cgroup) by its own rules.
             for version, side in placement.sides():
                 # A reused v1 set holds what its last process left; the v2
                 # cgroup is always fresh when it has controllers.
-                cgroups.apply(version, side, written, previous if version == 1 else None)
+                if version == 1:
+                    cgroups.apply(1, side, written, previous, self.files.write)
+                else:
+                    cgroups.apply(2, side, written)
         except OSError as exc:
             self._recycle_v1(placement)
             raise ContainmentError(
                 f"cannot write the process's limits: {exc.strerror}", exc.errno or 0
             ) from None
-        only_v1 = all(version == 1 for version, _side in placement.sides())
-        # A reused v1 set's counters have not moved since its last process's
-        # exit (nothing counts while it is empty): no need to read them again.
-        placement.baseline = last if last is not None and only_v1 else placement.counters()
+        last = v1set.last if v1set is not None else None
+        # A reused v1 set's counters have not moved since it was found empty
+        # (nothing counts while it is empty): no need to read them again.
+        if last is not None and not any(c in self.v2_controllers for c in controllers):
+            placement.baseline = last
+        else:
+            placement.baseline = placement.counters()
         placement.written = written
         return placement
 
+    def _new_v1_set(self, controllers: tuple[str, ...]) -> V1Set:
+        """Fresh directories, one in each v1 hierarchy of ``controllers``."""
+        self._v1_serial += 1
+        made: dict[str, str] = {}
+        by_controller: dict[str, str] = {}
+        try:
+            for controller in controllers:
+                parent = self._v1[controller][1]
+                if parent not in made:
+                    directory = os.path.join(parent, str(self._v1_serial))
+                    os.mkdir(directory)
+                    made[parent] = directory
+                by_controller[controller] = made[parent]
+        except OSError as exc:
+            for directory in made.values():
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise ContainmentError(
+                f"cannot create a cgroup for the process's limits: {exc.strerror}",
+                exc.errno or 0,
+            ) from None
+        return V1Set(by_controller, self._v1_own_tasks)
+
     def _exact_pids_max(self, placement: LimitPlacement, limit: int) -> bool:
         if placement.written is not None:
-            placement.written = attrs.evolve(placement.written, max_processes=limit)
+            placement.written = placement.limits
+        path = os.path.join(placement.dirs["pids"], "pids.max")
         try:
-            _write(os.path.join(placement.dirs["pids"], "pids.max"), str(limit))
+            if "pids" in placement.v1_controllers:
+                self.files.write(path, str(limit))
+            else:
+                _write(path, str(limit))
         except OSError as exc:
             placement.written = None
             log.critical(
@@ -1188,35 +1413,36 @@ class Containment:
             return False
         return True
 
-    def _leave_v1(self, entered: list[str]) -> None:
-        for directory in entered:
-            _return_to(os.path.join(self._v1_own_of(directory), "tasks"), directory)
-
-    def _v1_own_of(self, directory: str) -> str:
-        parent = os.path.dirname(directory)
-        for hierarchy, known in self._v1.values():
-            if known == parent:
-                return hierarchy.own
-        raise ContainmentError(f"{directory} is in no known cgroup v1 hierarchy")
+    def _leave_v1(self, v1set: V1Set, entered: list[int]) -> None:
+        for index in entered:
+            own = v1set.own_tasks[index]
+            try:
+                self.files.write(own, "0")
+            except OSError:
+                _return_to(own, v1set.dirs[index])
 
     def _recycle_v1(self, placement: LimitPlacement, known_empty: bool = False) -> None:
         """Keep an empty placement's v1 directories for reuse, or remove them.
 
         ``known_empty``: the tree's last check found them empty.
         """
-        if not placement.v1_dirs:
+        v1set = placement.v1set
+        if v1set is None:
             return
-        if not known_empty and any(_cgroup_pids(d) for d in placement.v1_dirs):
+        if not known_empty and any(cgroups.read_text(p) for p in v1set.procs):
             return
-        key = tuple(sorted(os.path.dirname(d) for d in placement.v1_dirs))
-        free = self._v1_free.setdefault(key, [])
+        free = self._v1_free.setdefault(tuple(sorted(placement.v1_controllers)), [])
         if len(free) < CGROUP_POOL:
             # If the limits were never written (a failed write), nothing is
             # known of what the directories hold. The counters are read now,
             # empty: members that outlived the exit may have moved them.
-            free.append((placement.v1_dirs, placement.written, placement.counters()))
+            v1set.written = placement.written
+            final = placement.final and placement.last is not None
+            v1set.last = placement.last if final else v1set.counters(self.files)
+            free.append(v1set)
             return
-        for directory in placement.v1_dirs:
+        for directory in v1set.dirs:
+            self.files.forget(directory)
             with contextlib.suppress(OSError):
                 os.rmdir(directory)
 
@@ -1232,7 +1458,7 @@ class Containment:
             if tree.released or placement is None:
                 self._oom_watch.discard(tree)
                 continue
-            now = cgroups.counters(1, {"memory": placement.dirs["memory"]})
+            now = cgroups.counters(1, {"memory": placement.dirs["memory"]}, self.files.read)
             if now.oom_kills > placement.baseline.oom_kills:
                 placement.oom_killed = True
                 self._oom_watch.discard(tree)
