@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from execserver import cgroups, containment
 from execserver.cgroups import Counters, Usage
-from execserver.containment import Containment, LimitPlacement
+from execserver.containment import Containment, LimitPlacement, core, placement
 from execserver.errors import RpcError
 from execserver.limits import FIELDS, NO_LIMITS, Limits, check_defaults, parse_spec, resolve
 
@@ -375,9 +375,9 @@ def test_containment_delegates_v2_controllers_and_places_limits_exactly(
     # The service's own cgroup offers the controllers its parent enabled.
     (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
     (own / "cgroup.controllers").write_text("cpu memory pids\n")
-    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
     monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
@@ -446,9 +446,9 @@ def test_limits_refused_where_no_controller_is_available(
     FakeKernel(root, monkeypatch)
     os.mkdir(root / "svc")
     (root / "svc" / "cgroup.controllers").write_text("\n")
-    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
     monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
@@ -532,9 +532,9 @@ def test_v1_limits_are_entered_by_the_spawning_thread_and_the_sets_reused(
     os.mkdir(root / "svc")
     (root / "svc" / "cgroup.controllers").write_text("\n")
     v1 = FakeV1(tmp_path / "v1", monkeypatch)
-    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
     box.start()
@@ -656,4 +656,4 @@ def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: P
 )
 def test_key_values_are_read_as_read_key_does(values: dict[str, int], key: str) -> None:
     content = "".join(f"{name} {value}\n" for name, value in values.items())
-    assert containment._key_value(content, key) == values.get(key, 0)
+    assert placement._key_value(content, key) == values.get(key, 0)

@@ -1,55 +1,5 @@
-"""Containment: every descendant of a supervised process stays reachable.
-
-A process started by the server is the leader of a *tree*: itself and every
-process it ever creates, including those that leave its session or process
-group (``setsid``, ``setpgid``, GNU ``timeout``), double-fork or daemonise.
-A :class:`ProcessTree` can signal every member, kill them all and tell
-whether any is still alive. :class:`Containment` is the server-wide part: it
-chooses how trees are tracked when the service starts, creates them around
-each spawn, reaps orphans that become the server's children, and kills
-whatever is left when the server stops.
-
-Two mechanisms (``--process-containment``; ``docs/process-control.md``,
-"Containment", states exactly what each guarantees):
-
-- ``cgroup``: one cgroup v2 per process, below a cgroup of the server's own
-  (``<own cgroup>/exec-server-<pid>-ns<pidns>``). The server enters the
-  child's cgroup around ``posix_spawn`` and returns to its own right after,
-  so the child is inside before it can fork: membership is exact and
-  nothing can leave it (a cgroup is not something an unprivileged
-  descendant can change). SIGKILL is ``cgroup.kill``; "gone" is
-  ``populated 0`` in ``cgroup.events``. No controller is enabled.
-- ``subreaper``: the server is a child subreaper (``PR_SET_CHILD_SUBREAPER``),
-  so every orphaned descendant becomes the server's child instead of init's
-  and the set of all its descendants is always visible in ``/proc``. Each
-  tree is attributed from ``/proc``: the leader's session and process
-  group, parent chains from members, and members remembered as
-  ``(pid, start time)`` so that reparented orphans stay attributed. An
-  orphan whose lineage was never seen (it escaped between two scans) is
-  attributed by elimination: it can only belong to a tree that had started
-  when it was born, so it is killed once every such tree is terminating or
-  gone, and at the latest when the server stops.
-
-The cgroup mode sets the subreaper too: an escapee killed through its cgroup
-whose parent is gone is then the server's zombie to reap, not init's (which
-in some containers never reaps).
-
-In cgroup mode a descendant that left its cgroup (root can write itself
-elsewhere) is still a member: found by lineage when its tree is signalled,
-or, once orphaned and adopted by the server, by elimination as in subreaper
-mode, and recorded (:mod:`execserver.escapees`) for a server restarted
-after a crash.
-
-Resource limits (:mod:`execserver.limits`): a limited process's controllers
-are its v2 cgroup's where the host delegates them, else one directory per
-process in each cgroup v1 hierarchy; the creating thread enters them around
-the spawn as it enters the v2 cgroup, with ``RLIMIT_FSIZE`` and a higher
-``oom_score_adj`` set around the spawn too. The file I/O is
-:mod:`execserver.cgroups`.
-
-Process-wide effects (prctl, cgroups) happen in :meth:`Containment.start`,
-called when the service starts, never at import or construction.
-"""
+"""The server-wide part: :class:`Containment` picks the mode, creates trees around each
+spawn, attributes escapees and orphans, and kills what is left when the server stops."""
 
 from __future__ import annotations
 
@@ -57,740 +7,96 @@ import contextlib
 import ctypes
 import functools
 import os
-import resource
 import signal
 import time
-from collections.abc import Callable, Iterable
-from typing import Final, Literal, Protocol, cast
+from collections.abc import Callable
+from typing import Final, Literal
 
-import attrs
-from twisted.internet import process as _twisted_process
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from execserver import cgroups, escapees, fdlimit
-from execserver.cgroups import Counters, Usage, V1Hierarchy
+from execserver.cgroups import V1Hierarchy
+from execserver.containment.cgroup import (
+    CGROUP_PREFIX,
+    CgroupTree,
+    _dead_servers_dirs,
+    _in_cgroup_below,
+    _kill_descendants_of_members,
+    _kill_members,
+    _remove_cgroup_tree,
+    _return_to,
+    _write,
+    find_cgroup2_mount,
+    own_cgroup,
+)
+from execserver.containment.placement import (
+    _CONTROLLER_OF,
+    CONTROL_FILES_SHARE,
+    V2_THREAD_ROOM,
+    ControlFiles,
+    LimitPlacement,
+    Placing,
+    V1Set,
+    _thread_count,
+    _with_oom_score,
+    _with_rlimit,
+    _WithLimits,
+)
+from execserver.containment.proc import (
+    ProcInfo,
+    _descendants,
+    _kill_recorded,
+    _signal_pid,
+    _walk_children,
+    boot_ticks,
+    proc_table,
+    read_proc,
+    reap_unknown_children,
+    reaped_by_twisted,
+)
+from execserver.containment.scan import MAX_SCAN_SHARE, MIN_SCAN_INTERVAL, ScanTree
+from execserver.containment.tree import ContainmentError
 from execserver.errors import RpcError
-from execserver.limits import FIELDS, KINDS, NO_LIMITS, Kind, Limits
+from execserver.limits import FIELDS, KINDS, NO_LIMITS, Limits
 from execserver.waiters import cancel_call
 
-log = Logger()
+log = Logger(namespace="execserver.containment")
+
 
 Mode = Literal["auto", "cgroup", "subreaper", "none"]
+
+
 #: ``none`` is the behaviour before containment (the process group only),
 #: kept for measurement and comparison; it is not a safe setting.
 MODES: Final[tuple[Mode, ...]] = ("auto", "cgroup", "subreaper", "none")
-CGROUP_PREFIX: Final = "exec-server-"
-#: Least interval between two periodic /proc scans (subreaper mode).
-MIN_SCAN_INTERVAL: Final = 1.0
-#: A periodic scan may take at most this share of one core; on a host with
-#: many processes scans become rarer rather than costlier.
-MAX_SCAN_SHARE: Final = 0.02
+
+
 #: How often trees that outlived their leader's output (a daemon) are checked
 #: for being empty, and unknown zombies reaped, while there are any.
 SWEEP_INTERVAL: Final = 1.0
+
+
 #: Empty per-process cgroups kept for reuse.
 CGROUP_POOL: Final = 64
-#: Descriptors of cgroup v1 control files kept open (:class:`ControlFiles`):
-#: at most this share of the soft ``RLIMIT_NOFILE`` (a quarter of the reserve
-#: :mod:`execserver.fdlimit` keeps beside the processes' descriptors).
-CONTROL_FILES_SHARE: Final = 64
+
+
 _PR_SET_CHILD_SUBREAPER: Final = 36
-_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+
+
 #: How often the trees with a cgroup v1 memory limit are checked for an OOM
 #: kill (v1 kills one process; the rest of the tree is ours to kill).
 OOM_CHECK_INTERVAL: Final = 0.1
-#: cgroup v2 moves every thread of the server into the child's cgroup:
-#: room in ``pids.max`` for threads it might start in that window.
-V2_THREAD_ROOM: Final = 8
-#: Signals to one tree this close together share one look for escapees.
-ESCAPEE_RECHECK: Final = 0.01
-#: Added to the server's own ``oom_score_adj`` for every child, so the
-#: kernel's OOM killer takes a command before the server.
-CHILD_OOM_SCORE_ADJ: Final = 500
+
+
 #: The name of the server's own leaf below its cgroup v2 parent when it
 #: delegates controllers to its processes (no process may sit in a cgroup
 #: whose children have controllers).
 SERVER_LEAF: Final = "server"
 
 
-class ContainmentError(Exception):
-    """The requested containment mode cannot be used, or a process cannot be contained."""
-
-    def __init__(self, message: str, errno: int = 0) -> None:
-        super().__init__(message)
-        self.errno = errno
-
-
-# --- /proc ------------------------------------------------------------------------
-
-
-@attrs.frozen
-class ProcInfo:
-    pid: int
-    ppid: int
-    pgrp: int
-    sid: int
-    #: Start time in clock ticks since boot (``/proc/<pid>/stat`` field 22).
-    start: int
-    zombie: bool
-
-
-def read_proc(pid: int) -> ProcInfo | None:
-    """One process's ``/proc/<pid>/stat``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # After the command: state ppid pgrp session tty tpgid flags minflt
-    # cminflt majflt cmajflt utime stime cutime cstime priority nice threads
-    # itrealvalue starttime
-    try:
-        return ProcInfo(
-            pid,
-            int(fields[1]),
-            int(fields[2]),
-            int(fields[3]),
-            int(fields[19]),
-            fields[0] in (b"Z", b"X"),
-        )
-    except (IndexError, ValueError):
-        return None
-
-
-def proc_table() -> dict[int, ProcInfo]:
-    """Every process visible in ``/proc``."""
-    table: dict[int, ProcInfo] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return table
-    for entry in entries:
-        if entry.isdigit():
-            info = read_proc(int(entry))
-            if info is not None:
-                table[info.pid] = info
-    return table
-
-
-def own_children() -> set[int]:
-    """The server's children, from ``/proc/self/task/*/children`` (no scan)."""
-    children: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return children
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children", "rb") as f:
-                children.update(int(pid) for pid in f.read().split())
-        except OSError:
-            continue
-    return children
-
-
-def boot_ticks() -> int:
-    """Now, in the clock ticks since boot that ``/proc`` start times use."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK)
-
-
-def _signal_pid(pid: int, signum: int) -> bool:
-    try:
-        os.kill(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _signal_group(pgid: int, signum: int) -> bool:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def reaped_by_twisted() -> dict[int, object] | None:
-    """The children Twisted waits for, by pid (None if this Twisted keeps them elsewhere).
-
-    A private module dict of ``twisted.internet.process``; checked with the
-    spawn overrides (``execserver.spawn.overrides.check_private_hooks``).
-    """
-    known = getattr(_twisted_process, "reapProcessHandlers", None)
-    return known if isinstance(known, dict) else None
-
-
-def reap_unknown_children() -> list[int]:
-    """Reap zombie children the server did not spawn itself (reparented orphans).
-
-    Returns the unknown children still running. Never ``waitpid(-1)``: that
-    would steal the statuses Twisted waits for; each unknown child is waited
-    for by pid (one cheap syscall; there are usually none).
-    """
-    known = reaped_by_twisted()
-    if known is None:
-        # Without Twisted's registry a wait could steal a status it waits for.
-        return list(own_children())
-    running = []
-    for pid in own_children():
-        if pid in known:
-            continue
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                continue
-        except ChildProcessError:
-            continue
-        running.append(pid)
-    return running
-
-
-# --- trees ------------------------------------------------------------------------
-
-
-class ProcessTree(Protocol):
-    """Every process of one supervised child (faked in unit tests)."""
-
-    def signal(self, signum: int) -> None:
-        """Send ``signum`` to every member (and to the leader's process group)."""
-
-    def kill(self) -> None:
-        """SIGKILL every member."""
-
-    def alive(self) -> bool:
-        """True while a member is running (zombies do not count)."""
-
-    def when_empty(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once, when a periodic check finds no member left.
-
-        Used for trees that outlive their leader's output (a daemon).
-        """
-
-    def release(self) -> None:
-        """The tree is empty and no longer needed: free what tracks it."""
-
-    def exceeded(self) -> tuple[Kind, int] | None:
-        """The cgroup limit that ended or crippled the tree (and its figure), if any."""
-
-    def usage(self) -> Usage:
-        """What the tree uses now (fields it cannot measure are None)."""
-
-
-class _Owned:
-    """What both kinds of tree share: their owner's bookkeeping."""
-
-    _owner: Containment
-    _on_empty: Callable[[], None] | None
-
-    def when_empty(self, callback: Callable[[], None]) -> None:
-        self._on_empty = callback
-        self._owner._linger(cast("Tree", self))
-
-    def emptied(self) -> None:
-        callback, self._on_empty = self._on_empty, None
-        if callback is not None:
-            callback()
-
-    def release(self) -> None:
-        self._owner._release(cast("Tree", self))
-
-    def exceeded(self) -> tuple[Kind, int] | None:
-        return None
-
-    def usage(self) -> Usage:
-        return Usage()
-
-
-class ControlFiles:
-    """Descriptors of cgroup v1 control files, kept open while their directory is.
-
-    A control file read or written through a kept descriptor costs one
-    ``pread``/``pwrite`` (about 1 µs here) instead of an open, the I/O and
-    a close (4-8 µs, most of it the path walk), and cgroupfs answers a read
-    at offset 0 afresh every time. The pooled v1 directories of limited
-    processes are used by every limited start (entering and leaving them,
-    ``pids.max``, the peak reset) and exit (the event counters), so their
-    files are opened once per directory, not per process. Member lists are
-    always read by path (:meth:`pids`).
-
-    At most ``budget`` descriptors are kept; past it (and for a file that is
-    not a cgroupfs one: an ordinary file with contents, as in unit tests'
-    fake trees) each access opens the file as before. :meth:`forget` closes
-    a directory's descriptors before it is removed.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self._fds: dict[tuple[str, bool], int] = {}
-        #: Paths that are not kept (ordinary files).
-        self._plain: set[str] = set()
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def _fd(self, path: str, writing: bool) -> int | None:
-        key = (path, writing)
-        fd = self._fds.get(key)
-        if fd is not None or path in self._plain or len(self._fds) >= self.budget:
-            return fd
-        fd = os.open(path, (os.O_WRONLY if writing else os.O_RDONLY) | os.O_CLOEXEC)
-        if writing and os.fstat(fd).st_size:
-            # cgroupfs files have size 0; an ordinary one would keep the
-            # tail of a longer earlier value after a pwrite at 0.
-            os.close(fd)
-            self._plain.add(path)
-            return None
-        self._fds[key] = fd
-        return fd
-
-    def write(self, path: str, text: str) -> None:
-        """Write ``text`` to a control file (raises OSError as the kernel refuses)."""
-        fd = self._fd(path, True)
-        if fd is None:
-            cgroups.write(path, text)
-        else:
-            os.pwrite(fd, text.encode(), 0)
-
-    def read(self, path: str) -> str | None:
-        """A control file's text, None if it cannot be read."""
-        try:
-            fd = self._fd(path, False)
-            if fd is None:
-                return cgroups.read_text(path)
-            return os.pread(fd, 65536, 0).decode(errors="replace")
-        except OSError:
-            return None
-
-    @staticmethod
-    def pids(directory: str) -> list[int]:
-        """The members of one v1 directory (its ``cgroup.procs``), read afresh.
-
-        Never through a kept descriptor: cgroup v1 keeps the member list it
-        loaded for an open file and serves it again to later reads of that
-        file while they come less than a second apart, so a kept
-        descriptor would report members long gone.
-        """
-        text = cgroups.read_text(os.path.join(directory, "cgroup.procs"))
-        return [int(pid) for pid in text.split()] if text else []
-
-    def forget(self, directory: str) -> None:
-        """Close the kept descriptors of ``directory``'s files."""
-        prefix = directory + "/"
-        for key in [k for k in self._fds if k[0].startswith(prefix)]:
-            os.close(self._fds.pop(key))
-        self._plain = {p for p in self._plain if not p.startswith(prefix)}
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds.clear()
-        self._plain.clear()
-
-
-#: v1 event counter files: controller -> (file, key), in Counters' order.
-_V1_COUNTERS: Final = (
-    ("memory", "memory.oom_control", "oom_kill"),
-    ("pids", "pids.events", "max"),
-    ("cpu", "cpu.stat", "nr_throttled"),
-)
-
-
-def _key_value(text: str | None, key: str) -> int:
-    """``key``'s value in a flat-keyed control file's text (0 if absent)."""
-    if not text:
-        return 0
-    at = ("\n" + text).find("\n" + key + " ")
-    if at < 0:
-        return 0
-    end = text.find("\n", at)
-    try:
-        return int(text[at + len(key) : end if end >= 0 else None])
-    except ValueError:
-        return 0
-
-
-class V1Set:
-    """One limited process's cgroup v1 directories (one per hierarchy), pooled.
-
-    Every path the spawn and the exit touch is computed once, when the set
-    is made; with the kept descriptors of :class:`ControlFiles` a reused
-    set costs the kernel's work and one syscall per file.
-    """
-
-    __slots__ = (
-        "by_controller",
-        "counter_files",
-        "dirs",
-        "last",
-        "own_tasks",
-        "procs",
-        "tasks",
-        "written",
-    )
-
-    def __init__(self, by_controller: dict[str, str], own_tasks: dict[str, str]) -> None:
-        #: Controller -> its directory (the cgroup v1 ones only).
-        self.by_controller = by_controller
-        self.dirs: tuple[str, ...] = tuple(sorted(set(by_controller.values())))
-        self.tasks = [d + "/tasks" for d in self.dirs]
-        #: The server's own ``tasks`` file in each directory's hierarchy.
-        self.own_tasks = [own_tasks[os.path.dirname(d)] for d in self.dirs]
-        self.procs = [d + "/cgroup.procs" for d in self.dirs]
-        self.counter_files = [
-            (by_controller[c] + "/" + name, key) if c in by_controller else None
-            for c, name, key in _V1_COUNTERS
-        ]
-        #: What the directories hold (None: unknown, e.g. a write failed).
-        self.written: Limits | None = None
-        #: The counters when the set was last found empty.
-        self.last: Counters | None = None
-
-    def counters(self, files: ControlFiles) -> Counters:
-        oom, pids, throttled = (
-            0 if entry is None else _key_value(files.read(entry[0]), entry[1])
-            for entry in self.counter_files
-        )
-        return Counters(oom, pids, throttled)
-
-
-@attrs.define
-class LimitPlacement:
-    """Where one limited process's controllers are, and what they said before it."""
-
-    limits: Limits
-    #: Controller -> the directory that holds its files.
-    dirs: dict[str, str]
-    #: The controllers of ``dirs`` that are cgroup v1 ones (the rest: v2).
-    v1_controllers: frozenset[str]
-    #: The cgroup v1 directories the process entered (none on v2).
-    v1_dirs: tuple[str, ...]
-    baseline: Counters = attrs.field(factory=Counters)
-    #: What the directories hold now (None: unknown, e.g. a write failed).
-    written: Limits | None = None
-    #: The counters at the last look (the exit): a reused set's next baseline,
-    #: since nothing counts while it is empty.
-    last: Counters | None = None
-    #: v1: the OOM kill of one member was seen; the tree was killed.
-    oom_killed: bool = False
-    #: ``last`` was read with every cgroup of the tree already empty: no
-    #: counter can move any more, so they are the next user's baseline.
-    final: bool = False
-    #: How the v1 files are read and written (kept descriptors).
-    files: ControlFiles | None = None
-    #: The pooled v1 directories (None: a placement made without a pool).
-    v1set: V1Set | None = None
-    _sides: list[tuple[cgroups.Version, dict[str, str]]] = attrs.field(init=False, factory=list)
-
-    def __attrs_post_init__(self) -> None:
-        v1 = {c: d for c, d in self.dirs.items() if c in self.v1_controllers}
-        v2 = {c: d for c, d in self.dirs.items() if c not in self.v1_controllers}
-        if v1:
-            self._sides.append((1, v1))
-        if v2:
-            self._sides.append((2, v2))
-
-    def sides(self) -> list[tuple[cgroups.Version, dict[str, str]]]:
-        return self._sides
-
-    def counters(self) -> Counters:
-        # Each controller is on one side only: the others count 0 there.
-        if self.v1set is not None and self.files is not None and len(self._sides) == 1:
-            self.last = self.v1set.counters(self.files)
-            return self.last
-        oom = pids = throttled = 0
-        read = self.files.read if self.files is not None else None
-        for version, side in self._sides:
-            found = cgroups.counters(version, side, read if version == 1 else None)
-            oom += found.oom_kills
-            pids += found.pids_refused
-            throttled += found.throttled
-        self.last = Counters(oom, pids, throttled)
-        return self.last
-
-    def usage(self, procs_dir: str) -> Usage:
-        found: dict[str, int | None] = {}
-        for version, side in self.sides():
-            for name, value in attrs.asdict(cgroups.usage(version, side, procs_dir)).items():
-                if found.get(name) is None:
-                    found[name] = value
-        return Usage(**found)
-
-
-class CgroupTree(_Owned):
-    """The members of one cgroup v2 (and of its cgroup v1 directories)."""
-
-    def __init__(
-        self,
-        owner: Containment,
-        path: str,
-        leader: int,
-        placement: LimitPlacement | None = None,
-    ) -> None:
-        self.path = path
-        self.leader = leader
-        self.placement = placement
-        #: Boot ticks just before the spawn: no member can be older.
-        self.born = boot_ticks()
-        #: Descendants found outside the cgroup(s) (root can move itself),
-        #: pid -> start time: attributed by lineage while their parent
-        #: lives, by elimination once they are orphans adopted by the server.
-        self.escapees: dict[int, int] = {}
-        self.terminating = False
-        self._escapees_found_at = -1.0
-        self._owner = owner
-        self._on_empty: Callable[[], None] | None = None
-        self.released = False
-        #: The last :meth:`alive` found the cgroup empty (reusable).
-        self.seen_empty = False
-        #: Every cgroup of the tree (v2 and v1) was found empty: nothing
-        #: can enter them again (only a process inside can move a child
-        #: there), so later looks need not read them.
-        self._known_empty = False
-
-    def pids(self) -> list[int]:
-        found = _cgroup_pids(self.path)
-        if self.placement is not None:
-            # A member that moved itself out of the v2 cgroup (root can) is
-            # still in the v1 ones, unless it left those too.
-            files = self._owner.files
-            for directory in self.placement.v1_dirs:
-                found.extend(pid for pid in files.pids(directory) if pid not in found)
-        return found
-
-    def exceeded(self) -> tuple[Kind, int] | None:
-        placement = self.placement
-        if placement is None:
-            return None
-        # At the exit the tree is usually empty already: looked at before
-        # the counters, that makes them final (the release reads nothing
-        # more, and neither does the exit's own look at the tree). While
-        # the tree runs this costs one read (``populated 1``).
-        empty = placement.v1set is not None and not self.released and self._empty()
-        kind = cgroups.exceeded(placement.limits, placement.counters(), placement.baseline)
-        placement.final = empty
-        if kind is None and placement.oom_killed:
-            kind = "memory"
-        if kind is None:
-            return None
-        field = next(f for f, k in KINDS.items() if k == kind)
-        value = placement.limits.get(field)
-        assert value is not None
-        return kind, value
-
-    def usage(self) -> Usage:
-        if self.released:
-            return Usage()
-        placement = self.placement
-        if placement is None:
-            dirs = {c: self.path for c in self._owner.v2_controllers}
-            return cgroups.usage(2, dirs, self.path)
-        return placement.usage(self.path)
-
-    def live_escapees(self) -> list[int]:
-        """The escapees still running (checked one by one, no scan)."""
-        return _still_running(self.escapees)
-
-    def signal(self, signum: int) -> None:
-        if self.released:
-            # The cgroup may already serve another process.
-            return
-        # Only a terminate (or a kill) signals a whole tree. The members in
-        # the cgroup first; then those that left it (root can), looked for
-        # from the members down.
-        self.terminating = True
-        _signal_group(self.leader, signum)
-        for pid in self.pids():
-            _signal_pid(pid, signum)
-        now = time.monotonic()
-        if now - self._escapees_found_at > ESCAPEE_RECHECK:
-            # A terminate's SIGTERM, SIGHUP and SIGCONT share one look.
-            self._escapees_found_at = now
-            self._owner._find_escapees(self)
-        for pid in self.live_escapees():
-            _signal_pid(pid, signum)
-
-    def kill(self) -> None:
-        if self.released:
-            return
-        _signal_group(self.leader, signal.SIGKILL)
-        try:
-            _write(os.path.join(self.path, "cgroup.kill"), "1")
-        except OSError:
-            # Before Linux 5.14: signal each member (a fork racing this is
-            # caught by the next check, which repeats the kill).
-            self.signal(signal.SIGKILL)
-        else:
-            self.signal(signal.SIGKILL)
-
-    def _empty(self) -> bool:
-        """No member is in the tree's cgroups (escapees aside)."""
-        if self._known_empty:
-            return True
-        try:
-            with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
-                populated = b"populated 1" in f.read()
-        except OSError:
-            populated = False
-        if not populated and self.placement is not None:
-            files = self._owner.files
-            populated = any(files.pids(d) for d in self.placement.v1_dirs)
-        self._known_empty = not populated
-        return not populated
-
-    def alive(self) -> bool:
-        empty = self._empty()
-        self.seen_empty = empty
-        return not empty or bool(self.escapees and self.live_escapees())
-
-
-class ScanTree(_Owned):
-    """One tree found in ``/proc`` (subreaper mode)."""
-
-    def __init__(self, owner: Containment, leader: int, born: int) -> None:
-        self.leader = leader
-        #: Boot ticks just before the spawn: no member can be older.
-        self.born = born
-        #: pid -> start time of every member seen (remembered after their
-        #: parent dies, when only this tells who they belong to).
-        self.members: dict[int, int] = {}
-        #: Whether the leader's session (and group) still exist. Once empty a
-        #: session can never be entered again, and only then can its id be
-        #: reused by a stranger's new session: from then on it proves nothing.
-        self.by_session = True
-        self.terminating = False
-        self.released = False
-        self._owner = owner
-        self._on_empty: Callable[[], None] | None = None
-
-    def learn(self, table: dict[int, ProcInfo], children: dict[int, list[int]]) -> None:
-        """Recompute the members from a ``/proc`` table."""
-        found: dict[int, int] = {}
-        in_session = False
-        for info in table.values():
-            if info.start < self.born:
-                continue
-            if self.by_session and self.leader in (info.sid, info.pgrp):
-                in_session = True
-                if not info.zombie:
-                    found[info.pid] = info.start
-            elif self.members.get(info.pid) == info.start and not info.zombie:
-                found[info.pid] = info.start
-        if not in_session:
-            self.by_session = False
-        pending = list(found)
-        while pending:
-            for child in children.get(pending.pop(), ()):
-                info = table[child]
-                if child not in found and not info.zombie:
-                    found[child] = info.start
-                    pending.append(child)
-        self.members = found
-
-    def signal(self, signum: int) -> None:
-        # Only a terminate signals a whole tree.
-        self.terminating = True
-        self._owner._rescan()
-        _signal_group(self.leader, signum)
-        for pid in self._checked_members():
-            _signal_pid(pid, signum)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-
-    def pids(self) -> list[int]:
-        """The members still running (for process/list; i23)."""
-        return self._checked_members()
-
-    def alive(self) -> bool:
-        if self._checked_members():
-            return True
-        # Orphans the server has not attributed yet (they were created and
-        # orphaned since the last scan) may be ours: look before answering.
-        if self._owner._unattributed_children():
-            self._owner._rescan()
-            return bool(self._checked_members())
-        return False
-
-    def _checked_members(self) -> list[int]:
-        """Members still running, checked one by one (no scan)."""
-        return _still_running(self.members)
-
-
-def _return_to(own: str, left: str) -> None:
-    """Move the spawning thread back into its own cgroup (``own``: its
-    ``cgroup.procs`` or v1 ``tasks``) after a spawn inside ``left``."""
-    try:
-        _write(own, "0")
-    except OSError as exc:
-        # Never raise here: the child exists and must get its transport.
-        log.critical(
-            "cannot leave cgroup {path} after a spawn ({error}); later children share it",
-            path=left,
-            error=exc,
-        )
-
-
-def _still_running(started: dict[int, int]) -> list[int]:
-    """The pids of ``started`` (pid -> start time) still running as that
-    process; the others (gone, reused, zombies) are removed from it."""
-    live = []
-    for pid, start in list(started.items()):
-        info = read_proc(pid)
-        if info is None or info.start != start or info.zombie:
-            del started[pid]
-        else:
-            live.append(pid)
-    return live
-
-
 Tree = CgroupTree | ScanTree
-
-
-# --- the server-wide part -----------------------------------------------------------
-
-
-def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def _cgroup_pids(directory: str) -> list[int]:
-    try:
-        with open(os.path.join(directory, "cgroup.procs"), "rb") as f:
-            return [int(pid) for pid in f.read().split()]
-    except OSError:
-        return []
-
-
-def find_cgroup2_mount(mounts: str = "/proc/self/mounts") -> str | None:
-    try:
-        with open(mounts) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == "cgroup2":
-            return fields[1].replace("\\040", " ")
-    return None
-
-
-def own_cgroup(path: str = "/proc/self/cgroup") -> str | None:
-    """The server's cgroup v2 path (relative to the hierarchy's root)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith("0::"):
-            return line[3:]
-    return None
 
 
 def set_child_subreaper() -> bool:
@@ -1691,38 +997,6 @@ class Containment:
                     owner.learn(table, children)
 
 
-def _descendants(table: dict[int, ProcInfo], root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for info in table.values():
-        children.setdefault(info.ppid, []).append(info.pid)
-    found: list[int] = []
-    pending = [root]
-    while pending:
-        for child in children.get(pending.pop(), ()):
-            found.append(child)
-            pending.append(child)
-    return found
-
-
-def _remove_cgroup_tree(path: str, wait: float) -> bool:
-    """rmdir ``path`` and its sub-cgroups, waiting up to ``wait`` s for them to empty."""
-    deadline = time.monotonic() + wait
-    while True:
-        leftovers: list[str] = []
-        for dirpath, _dirs, _files in _walk_bottom_up(path):
-            try:
-                os.rmdir(dirpath)
-            except FileNotFoundError:
-                continue
-            except OSError:
-                leftovers.append(dirpath)
-        if not leftovers:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-
-
 def limits_report(requested: str = "auto") -> list[str]:
     """Which resource limits this host lets a server enforce, one line per limit.
 
@@ -1742,227 +1016,3 @@ def limits_report(requested: str = "auto") -> list[str]:
         return containment.limits_report()
     finally:
         containment.stop()
-
-
-_CONTROLLER_OF: Final = {
-    "memoryBytes": "memory",
-    "maxProcesses": "pids",
-    "cpuPercent": "cpu",
-    "fileSizeBytes": "",
-}
-
-
-class Placing(Protocol):
-    """What a spawn path needs of containment: ``spawn`` (faked in unit tests)."""
-
-    def spawn(self, create: Callable[[], int]) -> tuple[int, Tree | None]:
-        """Run ``create`` contained; see :meth:`Containment.spawn`."""
-
-
-@attrs.frozen
-class _WithLimits:
-    owner: Containment
-    limits: Limits
-
-    def spawn(self, create: Callable[[], int]) -> tuple[int, Tree | None]:
-        return self.owner.spawn(create, self.limits)
-
-
-def _with_rlimit(create: Callable[[], int], limits: Limits) -> int:
-    """``create()`` with the server's ``RLIMIT_FSIZE`` lowered for the child to inherit.
-
-    The limit is process-wide: for the microseconds of the spawn a file
-    write by another server thread past the limit fails with EFBIG (Python
-    ignores SIGXFSZ, so the server is never killed by it).
-    """
-    size = limits.file_size_bytes
-    if size is None:
-        return create()
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
-    hard = old[1]
-    soft = size if hard == resource.RLIM_INFINITY else min(size, hard)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    try:
-        return create()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old)
-
-
-def _thread_count() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 64
-
-
-_OOM_SCORE_ADJ: Final = "/proc/self/oom_score_adj"
-
-
-def _with_oom_score(create: Callable[[], int], limits: Limits) -> int:
-    """``create()`` with a higher ``oom_score_adj``, so the OOM killer prefers the child.
-
-    Raising it is always allowed; going back to the server's own value is
-    too (unprivileged processes may return down to the value they had).
-    """
-    try:
-        with open(_OOM_SCORE_ADJ, "rb") as f:
-            own = int(f.read())
-        _write(_OOM_SCORE_ADJ, str(min(1000, own + CHILD_OOM_SCORE_ADJ)))
-    except (OSError, ValueError):
-        return _with_rlimit(create, limits)
-    try:
-        return _with_rlimit(create, limits)
-    finally:
-        try:
-            _write(_OOM_SCORE_ADJ, str(own))
-        except OSError as exc:
-            log.critical(
-                "cannot restore the server's oom_score_adj {own}: {error}", own=own, error=exc
-            )
-
-
-def _lineage(
-    table: dict[int, ProcInfo], children: dict[int, list[int]], roots: list[int]
-) -> list[int]:
-    """``roots`` still running and all their descendants."""
-    found: list[int] = []
-    seen: set[int] = set()
-    pending = [pid for pid in roots if pid in table]
-    while pending:
-        pid = pending.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        if not table[pid].zombie:
-            found.append(pid)
-        pending.extend(children.get(pid, ()))
-    return found
-
-
-def _children(pid: int) -> list[int]:
-    """``pid``'s children, from the kernel's per-thread children lists."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    found: list[int] = []
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                found.extend(int(child) for child in f.read().split())
-        except OSError:
-            continue
-    return found
-
-
-def _walk_children(roots: list[int]) -> list[int]:
-    """``roots`` and all their descendants, walking children lists down."""
-    found: list[int] = []
-    seen: set[int] = set()
-    pending = list(roots)
-    while pending:
-        pid = pending.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        found.append(pid)
-        pending.extend(_children(pid))
-    return found
-
-
-def _in_cgroup_below(pid: int, root: str, parent: str) -> bool:
-    """Whether ``pid``'s cgroup v2 (hierarchy mounted at ``root``) is ``parent`` or below it."""
-    own = own_cgroup(f"/proc/{pid}/cgroup")
-    if own is None or not parent:
-        return False
-    path = os.path.normpath(root + "/" + own)
-    return path == parent or path.startswith(parent + "/")
-
-
-def _kill_descendants_of_members(directory: str) -> None:
-    members: list[int] = []
-    for dirpath, _dirs, _files in os.walk(directory):
-        members.extend(_cgroup_pids(dirpath))
-    if not members:
-        return
-    table = proc_table()
-    children: dict[int, list[int]] = {}
-    for info in table.values():
-        children.setdefault(info.ppid, []).append(info.pid)
-    for pid in _lineage(table, children, members):
-        _signal_pid(pid, signal.SIGKILL)
-
-
-def _kill_recorded(entries: list[tuple[int, int]]) -> int:
-    """SIGKILL each recorded (pid, start time) still running, with its descendants."""
-    table = proc_table()
-    killed = 0
-    for pid, start in entries:
-        info = table.get(pid)
-        if info is None or info.start != start or info.zombie:
-            continue
-        for member in [pid, *_descendants(table, pid)]:
-            if _signal_pid(member, signal.SIGKILL):
-                killed += 1
-    return killed
-
-
-def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
-    """The directories ``exec-server-<pid>-ns<ns>`` of servers that are not running."""
-    try:
-        entries = os.listdir(own_dir)
-    except OSError:
-        return []
-    suffix = f"-ns{ns}"
-    found = []
-    for name in entries:
-        if not (name.startswith(CGROUP_PREFIX) and name.endswith(suffix)):
-            continue
-        pid_text = name[len(CGROUP_PREFIX) : -len(suffix)]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        if os.path.exists(f"/proc/{pid_text}"):
-            continue
-        found.append(os.path.join(own_dir, name))
-    return found
-
-
-def _kill_members(directory: str, rounds: int = 50) -> None:
-    """SIGKILL every process in ``directory``'s cgroup tree and their descendants.
-
-    For hierarchies without ``cgroup.kill`` (v1): repeated until no member
-    is left (a fork racing a round is caught by the next).
-    """
-    for _ in range(rounds):
-        members: list[int] = []
-        for dirpath, _dirs, _files in os.walk(directory):
-            members.extend(_cgroup_pids(dirpath))
-        if not members:
-            return
-        table = proc_table()
-        for pid in members:
-            for member in [pid, *_descendants(table, pid)]:
-                _signal_pid(member, signal.SIGKILL)
-        time.sleep(0.01)
-
-
-def _walk_bottom_up(path: str) -> Iterable[tuple[str, list[str], list[str]]]:
-    return os.walk(path, topdown=False)
-
-
-__all__ = [
-    "MODES",
-    "CgroupTree",
-    "Containment",
-    "ContainmentError",
-    "LimitPlacement",
-    "Mode",
-    "Placing",
-    "ProcInfo",
-    "ProcessTree",
-    "ScanTree",
-    "boot_ticks",
-    "limits_report",
-    "proc_table",
-    "reap_unknown_children",
-]
