@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final
 
+import attrs
 from twisted.logger import Logger
 
 from execserver import cgroups
@@ -106,7 +107,13 @@ class CgroupTree(_Owned):
         if placement is None:
             dirs = {c: self.path for c in self._owner.v2_controllers}
             return cgroups.usage(2, dirs, self.path)
-        return placement.usage(self.path)
+        found = placement.usage(self.path)
+        if placement.sandbox_processes and found.processes is not None:
+            # The sandbox's own processes (bwrap and its init) are not the command's.
+            found = attrs.evolve(
+                found, processes=max(0, found.processes - placement.sandbox_processes)
+            )
+        return found
 
     def live_escapees(self) -> list[int]:
         """The escapees still running (checked one by one, no scan)."""

@@ -499,13 +499,19 @@ class Containment:
 
     # --- spawning -------------------------------------------------------------------
 
-    def placing(self, limits: Limits) -> Placing:
-        """This containment, spawning with ``limits`` (checked: -32600 if unenforceable)."""
+    def placing(self, limits: Limits, sandbox_processes: int = 0) -> Placing:
+        """This containment, spawning with ``limits`` (checked: -32600 if unenforceable).
+
+        ``sandbox_processes``: how many processes of the sandbox's own the
+        tree holds around the command (bwrap and its init); they are not
+        the command's, so ``pids.max`` has room for them beyond
+        ``maxProcesses`` and the process count leaves them out.
+        """
         self.check_limits(limits)
-        return _WithLimits(self, limits)
+        return _WithLimits(self, limits, sandbox_processes)
 
     def spawn(
-        self, create: Callable[[], int], limits: Limits = NO_LIMITS
+        self, create: Callable[[], int], limits: Limits = NO_LIMITS, sandbox_processes: int = 0
     ) -> tuple[int, Tree | None]:
         """Run ``create`` (which starts one child and returns its pid) contained.
 
@@ -518,7 +524,7 @@ class Containment:
             return _with_rlimit(create, limits), None
         create_adjusted = functools.partial(_with_oom_score, create, limits)
         if self.mode == "cgroup":
-            return self._spawn_in_cgroup(create_adjusted, limits)
+            return self._spawn_in_cgroup(create_adjusted, limits, sandbox_processes)
         if self.mode == "subreaper":
             born = boot_ticks()
             pid = create_adjusted()
@@ -531,7 +537,7 @@ class Containment:
         return create(), None
 
     def _spawn_in_cgroup(
-        self, create: Callable[[], int], limits: Limits = NO_LIMITS
+        self, create: Callable[[], int], limits: Limits = NO_LIMITS, sandbox_processes: int = 0
     ) -> tuple[int, Tree | None]:
         controllers = limits.cgroup_controllers()
         # With controllers, a reused v2 cgroup would report its previous
@@ -555,7 +561,7 @@ class Containment:
         exact = True
         try:
             if controllers:
-                placement = self._place(path, limits, controllers)
+                placement = self._place(path, limits, controllers, sandbox_processes)
             # The child inherits the cgroup of the thread that creates it,
             # so it is inside before its first instruction; the server
             # returns to its own cgroup right after (all its threads move).
@@ -584,7 +590,9 @@ class Containment:
                     # Lowered while the server's thread still counts, so the
                     # tree is never above the limit, not even between the
                     # two writes (pids.max may be below pids.current).
-                    exact = self._exact_pids_max(placement, limits.max_processes)
+                    exact = self._exact_pids_max(
+                        placement, limits.max_processes + sandbox_processes
+                    )
             finally:
                 if v1_entered and placement is not None and placement.v1set is not None:
                     self._leave_v1(placement.v1set, v1_entered)
@@ -616,8 +624,14 @@ class Containment:
             self._schedule_oom_check()
         return pid, tree
 
-    def _place(self, path: str, limits: Limits, controllers: list[str]) -> LimitPlacement:
-        """The controller directories of one limited process, limits written."""
+    def _place(
+        self, path: str, limits: Limits, controllers: list[str], sandbox_processes: int = 0
+    ) -> LimitPlacement:
+        """The controller directories of one limited process, limits written.
+
+        ``pids.max`` is ``maxProcesses`` plus ``sandbox_processes`` (see
+        :meth:`placing`).
+        """
         v1 = [c for c in controllers if c not in self.v2_controllers]
         if v1 and not self._v2_cpu_stat and "cpuacct" in self._v1 and "cpuacct" not in v1:
             # Without the v2 cgroup's cpu.stat, CPU time is cpuacct's.
@@ -638,6 +652,7 @@ class Containment:
             v1set.dirs if v1set is not None else (),
             files=self.files,
             v1set=v1set,
+            sandbox_processes=sandbox_processes,
         )
         written = limits
         if limits.max_processes is not None:
@@ -648,7 +663,7 @@ class Containment:
             room = 1 if "pids" in v1 else _thread_count() + V2_THREAD_ROOM
             written = Limits(
                 limits.memory_bytes,
-                limits.max_processes + room,
+                limits.max_processes + sandbox_processes + room,
                 limits.cpu_percent,
                 limits.file_size_bytes,
             )
@@ -701,7 +716,10 @@ class Containment:
 
     def _exact_pids_max(self, placement: LimitPlacement, limit: int) -> bool:
         if placement.written is not None:
-            placement.written = placement.limits
+            mine = placement.limits
+            placement.written = Limits(
+                mine.memory_bytes, limit, mine.cpu_percent, mine.file_size_bytes
+            )
         path = os.path.join(placement.dirs["pids"], "pids.max")
         try:
             if "pids" in placement.v1_controllers:

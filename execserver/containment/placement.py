@@ -224,6 +224,9 @@ class LimitPlacement:
     files: ControlFiles | None = None
     #: The pooled v1 directories (None: a placement made without a pool).
     v1set: V1Set | None = None
+    #: Processes of the sandbox's own in the tree (room in ``pids.max``
+    #: beyond ``limits.max_processes``, left out of the process count).
+    sandbox_processes: int = 0
     _sides: list[tuple[cgroups.Version, dict[str, str]]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -280,9 +283,10 @@ class Placing(Protocol):
 class _WithLimits:
     owner: Containment
     limits: Limits
+    sandbox_processes: int = 0
 
     def spawn(self, create: Callable[[], int]) -> tuple[int, Tree | None]:
-        return self.owner.spawn(create, self.limits)
+        return self.owner.spawn(create, self.limits, self.sandbox_processes)
 
 
 def _with_rlimit(create: Callable[[], int], limits: Limits) -> int:
