@@ -309,7 +309,8 @@ def test_a_tree_that_empties_on_its_own_finishes_a_lingering_process() -> None:
 
 def test_containment_sweep_reports_emptied_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     # The sweep must not reap this test process's own children.
-    monkeypatch.setattr(core, "reap_unknown_children", list)
+    for module in (core, scan):
+        monkeypatch.setattr(module, "reap_unknown_children", list)
     clock = task.Clock()
     containment = Containment("subreaper", clock)
     tree = FakeTree()
@@ -381,8 +382,9 @@ def test_a_burst_of_signals_shares_one_scan_but_a_new_tree_forces_a_fresh_one(
         scans.append(1)
         return {}
 
-    monkeypatch.setattr(core, "proc_table", table)
-    monkeypatch.setattr(core, "reap_unknown_children", list)
+    for module in (core, scan):
+        monkeypatch.setattr(module, "proc_table", table)
+        monkeypatch.setattr(module, "reap_unknown_children", list)
     containment = owner()
     containment._add(ScanTree(containment, 100, BORN))
     containment._rescan()

@@ -58,11 +58,15 @@ The package, by part:
 - :mod:`~execserver.containment.cgroup`: the cgroup tree
   (:class:`CgroupTree`) and the cgroupfs helpers;
 - :mod:`~execserver.containment.scan`: the subreaper's trees
-  (:class:`ScanTree`);
-- :mod:`~execserver.containment.placement`: limits placement (the v1
-  directory sets, kept control files, ``RLIMIT_FSIZE``/``oom_score_adj``);
+  (:class:`ScanTree`) and attribution (``Attribution``, a mixin of
+  :class:`Containment`): escapees by lineage and elimination, ``/proc``
+  scans, orphans;
+- :mod:`~execserver.containment.placement`: limits placement (the limit
+  controllers, ``LimitControllers``, a mixin of :class:`Containment`; the
+  v1 directory sets with their control files kept open; ``RLIMIT_FSIZE``
+  and ``oom_score_adj`` around the spawn);
 - :mod:`~execserver.containment.core`: :class:`Containment` (modes,
-  spawning, escapee and orphan attribution, sweeps, shutdown).
+  spawning, bookkeeping, sweeps, shutdown).
 """
 
 from __future__ import annotations
@@ -75,10 +79,7 @@ from execserver.containment.cgroup import (
     own_cgroup,
 )
 from execserver.containment.core import (
-    CGROUP_POOL,
     MODES,
-    OOM_CHECK_INTERVAL,
-    SERVER_LEAF,
     SWEEP_INTERVAL,
     Containment,
     Mode,
@@ -87,8 +88,11 @@ from execserver.containment.core import (
     set_child_subreaper,
 )
 from execserver.containment.placement import (
+    CGROUP_POOL,
     CHILD_OOM_SCORE_ADJ,
     CONTROL_FILES_SHARE,
+    OOM_CHECK_INTERVAL,
+    SERVER_LEAF,
     V2_THREAD_ROOM,
     ControlFiles,
     LimitPlacement,

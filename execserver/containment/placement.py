@@ -18,12 +18,26 @@ from typing import TYPE_CHECKING, Final, Protocol
 import attrs
 from twisted.logger import Logger
 
-from execserver import cgroups
+from execserver import cgroups, fdlimit
 from execserver.cgroups import Counters, Usage
-from execserver.containment.cgroup import _write
-from execserver.limits import Limits
+from execserver.containment.cgroup import (
+    CGROUP_PREFIX,
+    _dead_servers_dirs,
+    _kill_members,
+    _remove_cgroup_tree,
+    _return_to,
+    _write,
+)
+from execserver.containment.proc import _pidns
+from execserver.containment.tree import ContainmentError
+from execserver.errors import RpcError
+from execserver.limits import KINDS, Limits
 
 if TYPE_CHECKING:
+    from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+    from execserver.cgroups import V1Hierarchy
+    from execserver.containment.cgroup import CgroupTree
     from execserver.containment.core import Containment, Tree
 
 log = Logger(namespace="execserver.containment")
@@ -33,6 +47,18 @@ log = Logger(namespace="execserver.containment")
 #: at most this share of the soft ``RLIMIT_NOFILE`` (a quarter of the reserve
 #: :mod:`execserver.fdlimit` keeps beside the processes' descriptors).
 CONTROL_FILES_SHARE: Final = 64
+
+#: Empty per-process cgroups kept for reuse.
+CGROUP_POOL: Final = 64
+
+#: How often the trees with a cgroup v1 memory limit are checked for an OOM
+#: kill (v1 kills one process; the rest of the tree is ours to kill).
+OOM_CHECK_INTERVAL: Final = 0.1
+
+#: The name of the server's own leaf below its cgroup v2 parent when it
+#: delegates controllers to its processes (no process may sit in a cgroup
+#: whose children have controllers).
+SERVER_LEAF: Final = "server"
 
 
 #: cgroup v2 moves every thread of the server into the child's cgroup:
@@ -340,3 +366,367 @@ def _with_oom_score(create: Callable[[], int], limits: Limits) -> int:
             log.critical(
                 "cannot restore the server's oom_score_adj {own}: {error}", own=own, error=exc
             )
+
+
+class LimitControllers:
+    """The limit controllers of :class:`~execserver.containment.core.Containment`.
+
+    Finding where this host lets the server enforce each limit (delegated
+    cgroup v2, else a cgroup v1 hierarchy), refusing what it cannot, and
+    placing one limited process: its pooled v1 directory set, the limit
+    files, ``pids.max`` made exact after the spawn, the set's reuse, and
+    the v1 OOM watch. A mixin: the state is the containment's.
+    """
+
+    mode: str
+    _clock: IReactorTime | None
+    _own_procs: str
+    _parent: str
+    v2_controllers: frozenset[str]
+    _v1: dict[str, tuple[V1Hierarchy, str]]
+    _missing: dict[str, str]
+    _v1_free: dict[tuple[str, ...], list[V1Set]]
+    _v2_cpu_stat: bool
+    _v1_serial: int
+    _oom_watch: set[CgroupTree]
+    _oom_timer: IDelayedCall | None
+    files: ControlFiles
+    _v1_own_tasks: dict[str, str]
+
+    def _start_controllers(self) -> None:
+        """Find, for each limit controller, where this host lets us enforce it."""
+        own_dir = os.path.dirname(self._parent)
+        self._v2_cpu_stat = (
+            cgroups.read_key(os.path.join(self._parent, "cpu.stat"), "usage_usec") is not None
+        )
+        available = cgroups.v2_available(own_dir)
+        if available:
+            try:
+                self.v2_controllers = self._delegate_v2(own_dir, available)
+            except OSError as exc:
+                for controller in available:
+                    self._missing[controller] = (
+                        f"cgroup v2 {controller} is available in {own_dir} but cannot be "
+                        f"delegated to the processes ({exc.strerror}); the server needs a "
+                        "cgroup of its own (systemd Delegate=yes)"
+                    )
+        ns = _pidns()
+        self.files = ControlFiles(fdlimit.soft_limit() // CONTROL_FILES_SHARE)
+        hierarchies = cgroups.v1_hierarchies()
+        for controller in cgroups.LIMIT_CONTROLLERS:
+            if controller in self.v2_controllers:
+                continue
+            wanted = [controller]
+            if controller == "cpu" and "cpuacct" not in self.v2_controllers:
+                wanted.append("cpuacct")
+            for name in wanted:
+                hierarchy = hierarchies.get(name)
+                if hierarchy is None:
+                    if name == controller and controller not in self._missing:
+                        self._missing[controller] = (
+                            f"no cgroup v2 {controller} controller is delegated to the "
+                            f"server's cgroup and no cgroup v1 {controller} hierarchy is mounted"
+                        )
+                    continue
+                try:
+                    parent = self._start_v1(hierarchy, ns)
+                    self._v1[name] = (hierarchy, parent)
+                    self._v1_own_tasks[parent] = os.path.join(hierarchy.own, "tasks")
+                except OSError as exc:
+                    if name == controller:
+                        self._missing[controller] = (
+                            f"the cgroup v1 {controller} hierarchy at {hierarchy.mount} is "
+                            f"not writable ({exc.strerror})"
+                        )
+                else:
+                    if name == controller:
+                        self._missing.pop(controller, None)
+        log.info(
+            "process limits: {report}",
+            report="; ".join(self.limits_report()),
+        )
+
+    def _delegate_v2(self, own_dir: str, available: frozenset[str]) -> frozenset[str]:
+        """Move the server into a leaf and enable ``available`` for its processes.
+
+        A cgroup whose children have controllers may hold no process, so the
+        server leaves its own cgroup (which must then be empty: a delegated
+        one) for ``<parent>/server``.
+        """
+        leaf = os.path.join(self._parent, SERVER_LEAF)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(leaf)
+        _write(os.path.join(leaf, "cgroup.procs"), "0")
+        self._own_procs = os.path.join(leaf, "cgroup.procs")
+        enabled = cgroups.v2_enable(own_dir, available)
+        if enabled != available:
+            missing = ", ".join(sorted(available - enabled))
+            raise OSError(16, f"cannot enable {missing} in {own_dir} (other processes in it?)")
+        return cgroups.v2_enable(self._parent, enabled)
+
+    def _leave_server_leaf(self) -> None:
+        """Back from ``<parent>/server`` to the server's own cgroup, so both can go.
+
+        Only possible once no cgroup below the server's own has controllers
+        enabled (no process may sit beside children with controllers); if
+        another server shares that cgroup, the leaf stays until a later
+        server removes it (its pid is gone by then).
+        """
+        own_dir = os.path.dirname(self._parent)
+        for dirpath, dirs, _files in os.walk(self._parent, topdown=False):
+            for name in dirs:
+                if dirpath == self._parent and name == SERVER_LEAF:
+                    continue
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(dirpath, name))
+        off = " ".join(f"-{c}" for c in sorted(self.v2_controllers))
+        try:
+            if off:
+                cgroups.write(os.path.join(self._parent, "cgroup.subtree_control"), off)
+                cgroups.write(os.path.join(own_dir, "cgroup.subtree_control"), off)
+            _write(os.path.join(own_dir, "cgroup.procs"), "0")
+        except OSError as exc:
+            log.info(
+                "the server stays in {leaf} ({error}); a later server removes it",
+                leaf=os.path.dirname(self._own_procs),
+                error=exc,
+            )
+            return
+        self._own_procs = os.path.join(own_dir, "cgroup.procs")
+
+    def _start_v1(self, hierarchy: V1Hierarchy, ns: int) -> str:
+        """Our parent directory in one v1 hierarchy, proven usable."""
+        for known, parent in self._v1.values():
+            if known == hierarchy:
+                return parent
+        self._cleanup_v1_leftovers(hierarchy.own, ns)
+        parent = os.path.join(hierarchy.own, f"{CGROUP_PREFIX}{os.getpid()}-ns{ns}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(parent)
+        probe = os.path.join(parent, "probe")
+        own_procs = os.path.join(hierarchy.own, "cgroup.procs")
+        try:
+            os.mkdir(probe)
+            _write(os.path.join(probe, "cgroup.procs"), "0")
+            _write(own_procs, "0")
+            os.rmdir(probe)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                _write(own_procs, "0")
+            for path in (probe, parent):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise
+        return parent
+
+    def _cleanup_v1_leftovers(self, own_dir: str, ns: int) -> None:
+        """Kill the members of a dead server's v1 directories and remove them."""
+        for leftover in _dead_servers_dirs(own_dir, ns):
+            _kill_members(leftover)
+            _remove_cgroup_tree(leftover, wait=1.0)
+
+    def limits_report(self) -> list[str]:
+        """One line per limit: whether and how this server enforces it."""
+        lines = []
+        for field, kind in KINDS.items():
+            if kind == "fileSize":
+                lines.append(f"{field}: enforced (RLIMIT_FSIZE in the child)")
+                continue
+            controller = {"memory": "memory", "processes": "pids", "cpu": "cpu"}[kind]
+            if self.mode != "cgroup" and controller not in self._missing:
+                lines.append(f"{field}: not enforced (process containment is {self.mode})")
+            elif controller in self.v2_controllers:
+                lines.append(f"{field}: enforced (cgroup v2 {controller})")
+            elif controller in self._v1:
+                lines.append(
+                    f"{field}: enforced (cgroup v1 {controller} at {self._v1[controller][0].mount})"
+                )
+            else:
+                lines.append(f"{field}: not enforced ({self._missing.get(controller, 'unknown')})")
+        return lines
+
+    def check_limits(self, limits: Limits) -> None:
+        """Refuse (-32600) limits this host cannot enforce, naming what is missing."""
+        for controller in limits.cgroup_controllers():
+            if self.mode == "cgroup" and (
+                controller in self.v2_controllers or controller in self._v1
+            ):
+                continue
+            field = next(f for f in limits.set_fields() if _CONTROLLER_OF[f] == controller)
+            why = self._missing.get(controller)
+            if why is None:
+                why = f"process containment is `{self.mode}` (limits need cgroup containment)"
+            raise RpcError.invalid_request(
+                f"limits.{field} cannot be enforced on this host: {why}",
+                {"kind": "limitUnsupported", "field": field},
+            )
+
+    def _place(
+        self, path: str, limits: Limits, controllers: list[str], sandbox_processes: int = 0
+    ) -> LimitPlacement:
+        """The controller directories of one limited process, limits written.
+
+        ``pids.max`` is ``maxProcesses`` plus ``sandbox_processes`` (see
+        :meth:`placing`).
+        """
+        v1 = [c for c in controllers if c not in self.v2_controllers]
+        if v1 and not self._v2_cpu_stat and "cpuacct" in self._v1 and "cpuacct" not in v1:
+            # Without the v2 cgroup's cpu.stat, CPU time is cpuacct's.
+            v1.append("cpuacct")
+        v1set: V1Set | None = None
+        if v1:
+            key = tuple(sorted(v1))
+            free = self._v1_free.get(key)
+            v1set = free.pop() if free else self._new_v1_set(key)
+        previous = v1set.written if v1set is not None else None
+        dirs = {c: path for c in controllers if c in self.v2_controllers}
+        if v1set is not None:
+            dirs.update(v1set.by_controller)
+        placement = LimitPlacement(
+            limits,
+            dirs,
+            frozenset(v1),
+            v1set.dirs if v1set is not None else (),
+            files=self.files,
+            v1set=v1set,
+            sandbox_processes=sandbox_processes,
+        )
+        written = limits
+        if limits.max_processes is not None:
+            # The server's own tasks count in pids.current while it creates
+            # the child: room for exactly them (v1: the one thread that
+            # moves; v2: all its threads, plus a few it might start in those
+            # microseconds) until the exact figure is written right after.
+            room = 1 if "pids" in v1 else _thread_count() + V2_THREAD_ROOM
+            written = Limits(
+                limits.memory_bytes,
+                limits.max_processes + sandbox_processes + room,
+                limits.cpu_percent,
+                limits.file_size_bytes,
+            )
+        try:
+            # Each side (v1 directories, the v2 cgroup) by its own rules.
+            for version, side in placement.sides():
+                # A reused v1 set holds what its last process left; the v2
+                # cgroup is always fresh when it has controllers.
+                if version == 1:
+                    cgroups.apply(1, side, written, previous, self.files.write)
+                else:
+                    cgroups.apply(2, side, written)
+        except OSError as exc:
+            self._recycle_v1(placement)
+            raise ContainmentError(
+                f"cannot write the process's limits: {exc.strerror}", exc.errno or 0
+            ) from None
+        last = v1set.last if v1set is not None else None
+        # A reused v1 set's counters have not moved since it was found empty
+        # (nothing counts while it is empty): no need to read them again.
+        if last is not None and not any(c in self.v2_controllers for c in controllers):
+            placement.baseline = last
+        else:
+            placement.baseline = placement.counters()
+        placement.written = written
+        return placement
+
+    def _new_v1_set(self, controllers: tuple[str, ...]) -> V1Set:
+        """Fresh directories, one in each v1 hierarchy of ``controllers``."""
+        self._v1_serial += 1
+        made: dict[str, str] = {}
+        by_controller: dict[str, str] = {}
+        try:
+            for controller in controllers:
+                parent = self._v1[controller][1]
+                if parent not in made:
+                    directory = os.path.join(parent, str(self._v1_serial))
+                    os.mkdir(directory)
+                    made[parent] = directory
+                by_controller[controller] = made[parent]
+        except OSError as exc:
+            for directory in made.values():
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise ContainmentError(
+                f"cannot create a cgroup for the process's limits: {exc.strerror}",
+                exc.errno or 0,
+            ) from None
+        return V1Set(by_controller, self._v1_own_tasks)
+
+    def _exact_pids_max(self, placement: LimitPlacement, limit: int) -> bool:
+        if placement.written is not None:
+            mine = placement.limits
+            placement.written = Limits(
+                mine.memory_bytes, limit, mine.cpu_percent, mine.file_size_bytes
+            )
+        path = os.path.join(placement.dirs["pids"], "pids.max")
+        try:
+            if "pids" in placement.v1_controllers:
+                self.files.write(path, str(limit))
+            else:
+                _write(path, str(limit))
+        except OSError as exc:
+            placement.written = None
+            log.critical(
+                "cannot set pids.max {limit} in {path}: {error}; the process is killed",
+                limit=limit,
+                path=placement.dirs["pids"],
+                error=exc,
+            )
+            return False
+        return True
+
+    def _leave_v1(self, v1set: V1Set, entered: list[int]) -> None:
+        for index in entered:
+            own = v1set.own_tasks[index]
+            try:
+                self.files.write(own, "0")
+            except OSError:
+                _return_to(own, v1set.dirs[index])
+
+    def _recycle_v1(self, placement: LimitPlacement, known_empty: bool = False) -> None:
+        """Keep an empty placement's v1 directories for reuse, or remove them.
+
+        ``known_empty``: the tree's last check found them empty.
+        """
+        v1set = placement.v1set
+        if v1set is None:
+            return
+        if not known_empty and any(cgroups.read_text(p) for p in v1set.procs):
+            return
+        free = self._v1_free.setdefault(tuple(sorted(placement.v1_controllers)), [])
+        if len(free) < CGROUP_POOL:
+            # If the limits were never written (a failed write), nothing is
+            # known of what the directories hold. The counters are read now,
+            # empty: members that outlived the exit may have moved them.
+            v1set.written = placement.written
+            final = placement.final and placement.last is not None
+            v1set.last = placement.last if final else v1set.counters(self.files)
+            free.append(v1set)
+            return
+        for directory in v1set.dirs:
+            self.files.forget(directory)
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+
+    def _schedule_oom_check(self) -> None:
+        if self._oom_timer is None and self._clock is not None and self._oom_watch:
+            self._oom_timer = self._clock.callLater(OOM_CHECK_INTERVAL, self._check_ooms)
+
+    def _check_ooms(self) -> None:
+        """cgroup v1 kills one process on OOM: kill the rest of its tree."""
+        self._oom_timer = None
+        for tree in list(self._oom_watch):
+            placement = tree.placement
+            if tree.released or placement is None:
+                self._oom_watch.discard(tree)
+                continue
+            now = cgroups.counters(1, {"memory": placement.dirs["memory"]}, self.files.read)
+            if now.oom_kills > placement.baseline.oom_kills:
+                placement.oom_killed = True
+                self._oom_watch.discard(tree)
+                log.info(
+                    "an OOM kill in cgroup {path} (memoryBytes {limit}): killing its tree",
+                    path=placement.dirs["memory"],
+                    limit=placement.limits.memory_bytes,
+                )
+                tree.kill()
+        self._schedule_oom_check()

@@ -220,3 +220,10 @@ def _kill_recorded(entries: list[tuple[int, int]]) -> int:
             if _signal_pid(member, signal.SIGKILL):
                 killed += 1
     return killed
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
