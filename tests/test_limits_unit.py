@@ -430,6 +430,15 @@ def test_containment_delegates_v2_controllers_and_places_limits_exactly(
         # would be its last user's): it is gone.
         assert not cg.exists()
         assert box._free == []
+        # Under the bwrap sandbox pids.max has room for bwrap and its init,
+        # and the process count leaves them out (3 in pids.current: 1).
+        pid, tree = box.spawn(create, limits, 2)
+        assert isinstance(tree, containment.CgroupTree)
+        assert int(seen["pids.max"]) > 52
+        assert Path(tree.path, "pids.max").read_text() == "52"
+        assert tree.usage().processes == 1
+        assert not tree.alive()
+        tree.release()
     finally:
         box.stop()
     assert kernel.mine(box._own_procs)

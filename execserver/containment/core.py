@@ -117,8 +117,6 @@ class Containment(LimitControllers, Attribution):
         self._v1: dict[str, tuple[V1Hierarchy, str]] = {}
         #: Controller -> why no limit of it can be enforced here.
         self._missing: dict[str, str] = {}
-        #: Empty v1 directory sets kept for reuse, by the hierarchies they
-        #: span, with the limits they hold.
         #: Empty v1 directory sets kept for reuse, by the v1 controllers they
         #: have (each set knows the limits it holds and its last counters).
         self._v1_free: dict[tuple[str, ...], list[V1Set]] = {}
