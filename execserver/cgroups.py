@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, Literal
 
 import attrs
@@ -72,9 +72,17 @@ def read_int(path: str) -> int | None:
         return None
 
 
-def read_key(path: str, key: str) -> int | None:
+#: How a caller reads one control file (path -> text, None if unreadable)
+#: and writes one (raises OSError): by default :func:`read_text` and
+#: :func:`write`; containment passes its kept descriptors for the v1 files
+#: of pooled directories.
+Reader = Callable[[str], "str | None"]
+Writer = Callable[[str, str], None]
+
+
+def read_key(path: str, key: str, read: Reader | None = None) -> int | None:
     """The value of ``key`` in a flat-keyed file (``memory.events``, ``cpu.stat``)."""
-    text = read_text(path)
+    text = (read or read_text)(path)
     if text is None:
         return None
     for line in text.splitlines():
@@ -150,56 +158,62 @@ def v2_enable(directory: str, controllers: frozenset[str]) -> frozenset[str]:
 
 
 def apply(
-    version: Version, dirs: Mapping[str, str], limits: Limits, previous: Limits | None = None
+    version: Version,
+    dirs: Mapping[str, str],
+    limits: Limits,
+    previous: Limits | None = None,
+    out: Writer | None = None,
 ) -> None:
     """Write ``limits`` (None: unlimited) into the controllers of ``dirs``.
 
     ``dirs`` maps each controller to the directory whose files it owns.
     ``previous``: what these directories already hold (a reused set), so
-    only what differs is written. Raises OSError if the kernel refuses one.
+    only what differs is written. ``out``: how to write (default
+    :func:`write`). Raises OSError if the kernel refuses one.
     """
+    put = out or write
     if "memory" in dirs:
         if previous is None or previous.memory_bytes != limits.memory_bytes:
-            _apply_memory(version, dirs["memory"], limits.memory_bytes)
+            _apply_memory(version, dirs["memory"], limits.memory_bytes, put)
         elif version == 1:
-            _reset_v1_memory_peak(dirs["memory"])
+            reset_v1_memory_peak(dirs["memory"], put)
     if "pids" in dirs and (previous is None or previous.max_processes != limits.max_processes):
         value = "max" if limits.max_processes is None else str(limits.max_processes)
-        write(os.path.join(dirs["pids"], "pids.max"), value)
+        put(os.path.join(dirs["pids"], "pids.max"), value)
     if "cpu" in dirs and (previous is None or previous.cpu_percent != limits.cpu_percent):
         cpu = dirs["cpu"]
         quota = None if limits.cpu_percent is None else limits.cpu_percent * CPU_PERIOD_US // 100
         if version == 2:
             text = "max" if quota is None else str(quota)
-            write(os.path.join(cpu, "cpu.max"), f"{text} {CPU_PERIOD_US}")
+            put(os.path.join(cpu, "cpu.max"), f"{text} {CPU_PERIOD_US}")
         else:
-            write(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
-            write(os.path.join(cpu, "cpu.cfs_quota_us"), "-1" if quota is None else str(quota))
+            put(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+            put(os.path.join(cpu, "cpu.cfs_quota_us"), "-1" if quota is None else str(quota))
 
 
-def _apply_memory(version: Version, directory: str, limit: int | None) -> None:
+def _apply_memory(version: Version, directory: str, limit: int | None, put: Writer) -> None:
     if version == 2:
-        write(os.path.join(directory, "memory.max"), "max" if limit is None else str(limit))
+        put(os.path.join(directory, "memory.max"), "max" if limit is None else str(limit))
         swap = os.path.join(directory, "memory.swap.max")
         if os.path.exists(swap):
-            write(swap, "max" if limit is None else "0")
-        write(os.path.join(directory, "memory.oom.group"), "0" if limit is None else "1")
+            put(swap, "max" if limit is None else "0")
+        put(os.path.join(directory, "memory.oom.group"), "0" if limit is None else "1")
         return
     memsw = os.path.join(directory, "memory.memsw.limit_in_bytes")
     has_memsw = os.path.exists(memsw)
     # memsw may never be below the memory limit: lift it first, set it last.
     if has_memsw:
-        write(memsw, "-1")
-    write(os.path.join(directory, "memory.limit_in_bytes"), "-1" if limit is None else str(limit))
+        put(memsw, "-1")
+    put(os.path.join(directory, "memory.limit_in_bytes"), "-1" if limit is None else str(limit))
     if has_memsw and limit is not None:
-        write(memsw, str(limit))
-    _reset_v1_memory_peak(directory)
+        put(memsw, str(limit))
+    reset_v1_memory_peak(directory, put)
 
 
-def _reset_v1_memory_peak(directory: str) -> None:
-    # A reused cgroup's peak starts again.
+def reset_v1_memory_peak(directory: str, out: Writer | None = None) -> None:
+    """A reused v1 memory cgroup's peak starts again."""
     with contextlib.suppress(OSError):
-        write(os.path.join(directory, "memory.max_usage_in_bytes"), "0")
+        (out or write)(os.path.join(directory, "memory.max_usage_in_bytes"), "0")
 
 
 @attrs.frozen
@@ -211,15 +225,16 @@ class Counters:
     throttled: int = 0
 
 
-def counters(version: Version, dirs: Mapping[str, str]) -> Counters:
+def counters(version: Version, dirs: Mapping[str, str], read: Reader | None = None) -> Counters:
+    """The event counters of ``dirs`` (``read``: how to read, default :func:`read_text`)."""
     oom = pids = throttled = None
     if "memory" in dirs:
         name = "memory.events" if version == 2 else "memory.oom_control"
-        oom = read_key(os.path.join(dirs["memory"], name), "oom_kill")
+        oom = read_key(os.path.join(dirs["memory"], name), "oom_kill", read)
     if "pids" in dirs:
-        pids = read_key(os.path.join(dirs["pids"], "pids.events"), "max")
+        pids = read_key(os.path.join(dirs["pids"], "pids.events"), "max", read)
     if "cpu" in dirs:
-        throttled = read_key(os.path.join(dirs["cpu"], "cpu.stat"), "nr_throttled")
+        throttled = read_key(os.path.join(dirs["cpu"], "cpu.stat"), "nr_throttled", read)
     return Counters(oom or 0, pids or 0, throttled or 0)
 
 
@@ -277,11 +292,14 @@ def usage(version: Version, dirs: Mapping[str, str], procs_dir: str | None) -> U
 __all__ = [
     "CPU_PERIOD_US",
     "Counters",
+    "Reader",
     "Usage",
     "V1Hierarchy",
+    "Writer",
     "apply",
     "counters",
     "exceeded",
+    "reset_v1_memory_peak",
     "usage",
     "v1_hierarchies",
     "v2_available",

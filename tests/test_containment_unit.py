@@ -17,7 +17,7 @@ from twisted.internet import error, task
 from twisted.python.failure import Failure
 
 from execserver import containment as c
-from execserver.containment import Containment, ProcInfo, ScanTree
+from execserver.containment import Containment, ProcInfo, ScanTree, cgroup, core, proc, scan
 from execserver.processes import KILL_WAIT_LIMIT, ManagedProcess
 
 ME = os.getpid()
@@ -46,7 +46,9 @@ def killed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         sent.append((pid, signum))
         return True
 
-    monkeypatch.setattr(c, "_signal_pid", record)
+    # Every part of the package that signals a pid.
+    for module in (core, cgroup, scan, proc):
+        monkeypatch.setattr(module, "_signal_pid", record)
     return sent
 
 
@@ -307,7 +309,8 @@ def test_a_tree_that_empties_on_its_own_finishes_a_lingering_process() -> None:
 
 def test_containment_sweep_reports_emptied_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     # The sweep must not reap this test process's own children.
-    monkeypatch.setattr(c, "reap_unknown_children", list)
+    for module in (core, scan):
+        monkeypatch.setattr(module, "reap_unknown_children", list)
     clock = task.Clock()
     containment = Containment("subreaper", clock)
     tree = FakeTree()
@@ -379,8 +382,9 @@ def test_a_burst_of_signals_shares_one_scan_but_a_new_tree_forces_a_fresh_one(
         scans.append(1)
         return {}
 
-    monkeypatch.setattr(c, "proc_table", table)
-    monkeypatch.setattr(c, "reap_unknown_children", list)
+    for module in (core, scan):
+        monkeypatch.setattr(module, "proc_table", table)
+        monkeypatch.setattr(module, "reap_unknown_children", list)
     containment = owner()
     containment._add(ScanTree(containment, 100, BORN))
     containment._rescan()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from execserver import cgroups, containment
 from execserver.cgroups import Counters, Usage
-from execserver.containment import Containment, LimitPlacement
+from execserver.containment import Containment, LimitPlacement, core, placement
 from execserver.errors import RpcError
 from execserver.limits import FIELDS, NO_LIMITS, Limits, check_defaults, parse_spec, resolve
 
@@ -375,9 +375,9 @@ def test_containment_delegates_v2_controllers_and_places_limits_exactly(
     # The service's own cgroup offers the controllers its parent enabled.
     (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
     (own / "cgroup.controllers").write_text("cpu memory pids\n")
-    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
     monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
@@ -430,6 +430,15 @@ def test_containment_delegates_v2_controllers_and_places_limits_exactly(
         # would be its last user's): it is gone.
         assert not cg.exists()
         assert box._free == []
+        # Under the bwrap sandbox pids.max has room for bwrap and its init,
+        # and the process count leaves them out (3 in pids.current: 1).
+        pid, tree = box.spawn(create, limits, 2)
+        assert isinstance(tree, containment.CgroupTree)
+        assert int(seen["pids.max"]) > 52
+        assert Path(tree.path, "pids.max").read_text() == "52"
+        assert tree.usage().processes == 1
+        assert not tree.alive()
+        tree.release()
     finally:
         box.stop()
     assert kernel.mine(box._own_procs)
@@ -446,9 +455,9 @@ def test_limits_refused_where_no_controller_is_available(
     FakeKernel(root, monkeypatch)
     os.mkdir(root / "svc")
     (root / "svc" / "cgroup.controllers").write_text("\n")
-    monkeypatch.setattr(containment, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(containment, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(containment, "set_child_subreaper", lambda: True)
+    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
     monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
@@ -466,3 +475,194 @@ def test_limits_refused_where_no_controller_is_available(
         assert box.limits_report()[3] == "fileSizeBytes: enforced (RLIMIT_FSIZE in the child)"
     finally:
         box.stop()
+
+
+# --- containment on a fake cgroup v1 host (this host's layout, without its kernel) -------------
+
+
+class FakeV1:
+    """Cgroup v1 hierarchies of ordinary files: a new directory gets its
+    controller's control files, ``rmdir`` removes them with it."""
+
+    FILES: dict[str, dict[str, str]] = {
+        "memory": V1_MEMORY,
+        "pids": V1_PIDS,
+        "cpu": {**V1_CPU, "tasks": ""},
+        "cpuacct": {**V1_CPUACCT, "tasks": ""},
+    }
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self._mkdir = os.mkdir
+        self._rmdir = os.rmdir
+        self.hierarchies: dict[str, cgroups.V1Hierarchy] = {}
+        for name in self.FILES:
+            own = root / name / "svc"
+            own.mkdir(parents=True)
+            self.populate(own, name)
+            self.hierarchies[name] = cgroups.V1Hierarchy(
+                str(root / name), frozenset({name}), str(own)
+            )
+        monkeypatch.setattr(os, "mkdir", self.mkdir)
+        monkeypatch.setattr(os, "rmdir", self.rmdir)
+        monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: self.hierarchies)
+
+    def controller(self, path: Any) -> str | None:
+        resolved = Path(path).resolve()
+        if not resolved.is_relative_to(self.root):
+            return None
+        return resolved.relative_to(self.root).parts[0]
+
+    def populate(self, directory: Path, controller: str) -> None:
+        for name, content in self.FILES[controller].items():
+            (directory / name).write_text(content)
+
+    def mkdir(self, path: Any, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
+        self._mkdir(path, mode, *args, **kwargs)
+        controller = self.controller(path)
+        if controller is not None:
+            self.populate(Path(path), controller)
+
+    def rmdir(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        if self.controller(path) is not None and Path(path).is_dir():
+            if any(p.is_dir() for p in Path(path).iterdir()):
+                raise OSError(16, "Device or resource busy", str(path))
+            for entry in Path(path).iterdir():
+                entry.unlink()
+        self._rmdir(path, *args, **kwargs)
+
+
+def test_v1_limits_are_entered_by_the_spawning_thread_and_the_sets_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cgroup2"
+    root.mkdir()
+    FakeKernel(root, monkeypatch)
+    os.mkdir(root / "svc")
+    (root / "svc" / "cgroup.controllers").write_text("\n")
+    v1 = FakeV1(tmp_path / "v1", monkeypatch)
+    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
+    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
+    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
+    monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
+    box = Containment("cgroup")
+    box.start()
+    try:
+        assert box.limits_report()[:3] == [
+            f"memoryBytes: enforced (cgroup v1 memory at {tmp_path}/v1/memory)",
+            f"maxProcesses: enforced (cgroup v1 pids at {tmp_path}/v1/pids)",
+            f"cpuPercent: enforced (cgroup v1 cpu at {tmp_path}/v1/cpu)",
+        ]
+        limits = Limits(memory_bytes=64 * MiB, max_processes=2, cpu_percent=25)
+        seen: list[dict[str, str]] = []
+
+        def create() -> int:
+            # What the child inherits: the spawning thread is in each v1
+            # directory, with room for exactly itself in pids.max.
+            found = {}
+            for name in ("memory", "pids", "cpu"):
+                parent = next((tmp_path / "v1" / name / "svc").glob("exec-server-*"))
+                (child,) = [p for p in parent.iterdir() if p.name.isdigit()]
+                found[name] = (child / "tasks").read_text()
+                found["dir:" + name] = str(child)
+            found["pids.max"] = Path(found["dir:pids"], "pids.max").read_text()
+            seen.append(found)
+            return 999_999_999
+
+        def own_tasks() -> list[str]:
+            return [(tmp_path / "v1" / c / "svc" / "tasks").read_text() for c in FakeV1.FILES]
+
+        pid, tree = box.spawn(create, limits)
+        assert pid == 999_999_999
+        assert isinstance(tree, containment.CgroupTree)
+        first = seen[0]
+        assert [first[c] for c in ("memory", "pids", "cpu")] == ["0", "0", "0"]
+        assert first["pids.max"] == "3"
+        # Written exactly once the child exists; the thread went back.
+        assert text(first["dir:pids"], "pids.max") == "2"
+        assert text(first["dir:memory"], "memory.limit_in_bytes") == str(64 * MiB)
+        assert text(first["dir:memory"], "memory.memsw.limit_in_bytes") == str(64 * MiB)
+        assert text(first["dir:cpu"], "cpu.cfs_quota_us") == "25000"
+        assert own_tasks()[:3] == ["0", "0", "0"]
+        assert tree.exceeded() is None
+        Path(first["dir:pids"], "pids.events").write_text("max 1\n")
+        assert tree.exceeded() == ("processes", 2)
+        assert not tree.alive()
+        tree.release()
+        # The empty set is kept, with the counters it had when it emptied.
+        (kept,) = box._v1_free[("cpu", "memory", "pids")]
+        assert kept.last == Counters(0, 1, 0)
+        assert kept.written == limits
+        assert len(box.files) > 0
+
+        # The next process reuses it: its baseline is those counters (the
+        # earlier refusal is not reported again), pids.max gets room again.
+        Path(first["dir:memory"], "memory.max_usage_in_bytes").write_text("12345\n")
+        pid, tree = box.spawn(create, limits)
+        assert isinstance(tree, containment.CgroupTree)
+        second = seen[1]
+        assert [second["dir:" + c] for c in ("memory", "pids", "cpu")] == [
+            first["dir:" + c] for c in ("memory", "pids", "cpu")
+        ]
+        assert second["pids.max"] == "3"
+        assert text(first["dir:pids"], "pids.max") == "2"
+        assert text(first["dir:memory"], "memory.max_usage_in_bytes") == "0"
+        # A member in a v1 directory (gone from the v2 cgroup) keeps the tree alive.
+        Path(first["dir:memory"], "cgroup.procs").write_text("4242\n")
+        assert tree.exceeded() is None
+        assert tree.alive()
+        Path(first["dir:memory"], "memory.oom_control").write_text(
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n"
+        )
+        Path(first["dir:memory"], "cgroup.procs").write_text("")
+        assert tree.exceeded() == ("memory", 64 * MiB)
+        assert not tree.alive()
+        tree.release()
+        # Found empty before its counters were read: those are the next baseline.
+        (kept,) = box._v1_free[("cpu", "memory", "pids")]
+        assert kept.last == Counters(1, 1, 0)
+    finally:
+        box.stop()
+    assert len(box.files) == 0
+    assert v1.controller(first["dir:pids"]) == "pids"
+    assert not Path(first["dir:pids"]).exists()
+
+
+def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: Path) -> None:
+    empty = tmp_path / "tasks"
+    empty.write_text("")
+    full = tmp_path / "pids.max"
+    full.write_text("max\n")
+    files = containment.ControlFiles(1)
+    files.write(str(empty), "0")
+    assert len(files) == 1
+    # An ordinary file with contents is written by path, as cgroups.write does.
+    files.write(str(full), "12")
+    assert full.read_text() == "12"
+    files.write(str(full), "7")
+    assert full.read_text() == "7"
+    # A kept read descriptor sees each new content; past the budget, reads open the file.
+    assert files.read(str(full)) == "7"
+    assert len(files) == 1
+    assert files.read(str(tmp_path / "missing")) is None
+    files.forget(str(tmp_path))
+    assert len(files) == 0
+    assert files.read(str(empty)) == "0"
+    files.close()
+    assert len(files) == 0
+    unkept = containment.ControlFiles(0)
+    unkept.write(str(empty), "1")
+    assert len(unkept) == 0
+    assert empty.read_text() == "1"
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["oom_kill", "oom_kill_disable", "under_oom", "max", "nr_throttled"]),
+        st.integers(min_value=0, max_value=1 << 62),
+    ),
+    st.sampled_from(["oom_kill", "max", "nr_throttled"]),
+)
+def test_key_values_are_read_as_read_key_does(values: dict[str, int], key: str) -> None:
+    content = "".join(f"{name} {value}\n" for name, value in values.items())
+    assert placement._key_value(content, key) == values.get(key, 0)

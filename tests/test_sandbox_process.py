@@ -495,6 +495,50 @@ async def test_disconnect_kills_the_sandbox(dirs: Dirs, mechanism: str, containm
 # --- what the server answers -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_max_processes_counts_the_commands_processes_not_the_sandboxs(
+    dirs: Dirs, mechanism: str
+) -> None:
+    # bwrap and its init stay beside the command for its whole life; they
+    # are not the command's processes (issue 24: maxProcesses 1 or 2 could
+    # not start anything under bwrap). Landlock's helper execs the command.
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        env = env_for(dirs, mechanism)
+        sandbox = {"mode": "readOnly"}
+        one = {"maxProcesses": 1}
+        ran = await run(server, "exec echo alone", dirs.work, sandbox, env, limits=one)
+        assert (ran.exit_code, ran.output) == (0, b"alone\n"), ran.exited
+        assert "limitExceeded" not in ran.exited
+        # A second process of the command's own is one too many...
+        ran = await run(server, "/bin/true; exec echo two", dirs.work, sandbox, env, limits=one)
+        assert ran.exit_code != 0 and ran.exited["limitExceeded"] == "processes", ran.exited
+        assert ran.exited["limitValue"] == 1
+        # ...and fits under maxProcesses 2, which counts the command's two.
+        two = {"maxProcesses": 2}
+        script = "/bin/true; exec echo two"
+        ran = await run(server, script, dirs.work, sandbox, env, limits=two)
+        assert (ran.exit_code, ran.output) == (0, b"two\n"), ran.exited
+        assert "limitExceeded" not in ran.exited
+        # The process count in process/list leaves the sandbox's own out.
+        await server.start_process(
+            "counted", ["sh", "-c", "sleep 30 & exec sleep 30"], cwd=uri(dirs.work), env=env,
+            sandbox=sandbox, limits=two,
+        )  # fmt: skip
+        try:
+            # Bounded (10 s): the background sleep is forked right after the start.
+            for _ in range(200):
+                listed = await server.call("process/list", {})
+                (entry,) = [p for p in listed["processes"] if p["processId"] == "counted"]
+                if entry["usage"].get("processes") == 2:
+                    break
+                await task.deferLater(reactor, 0.05, lambda: None)
+            assert entry["usage"]["processes"] == 2, entry
+        finally:
+            await server.call("process/terminate", {"processId": "counted"})
+            await server.wait_closed("counted", timeout=30)
+
+
 @pytest_twisted.ensureDeferred
 async def test_unconfined_and_seed_forms(dirs: Dirs) -> None:
     async with stdio_server() as server:

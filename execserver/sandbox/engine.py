@@ -77,6 +77,12 @@ CANNOT_ENFORCE: Final = "sandbox intent cannot be enforced on this executor"
 
 #: The signals bwrap and its reaper ignore (the command gets them back).
 _SHIELDED: Final = "HUP INT QUIT TERM USR1 USR2 ALRM TSTP TTIN TTOU PIPE XFSZ"
+#: Processes bwrap keeps around the command for its whole life: bwrap itself
+#: (outside, waiting for it) and its init, pid 1 of the new pid namespace
+#: (``--unshare-pid``). ``maxProcesses`` counts the command's processes, so
+#: ``pids.max`` gets room for these two (``sh`` execs bwrap, ``env`` and
+#: ``bash -c 'exec ...'`` exec the command: none of them stays).
+BWRAP_PROCESSES: Final = 2
 _SH_SCRIPT: Final = f'trap \'\' {_SHIELDED}; exec 3<"$0" && exec "$@"'
 #: Devices a Landlock-confined process may still open for writing (its
 #: own terminal is /dev/tty; a new one comes from /dev/ptmx).
@@ -517,7 +523,9 @@ class SandboxEngine:
         argv = ["/bin/sh", "-c", _SH_SCRIPT, self._filters[policy.network],
                 *self.bwrap_args(policy, spec.cwd), *setenv,
                 "--", *self._command(spec, executable)]  # fmt: skip
-        return attrs.evolve(spec, argv=tuple(argv), arg0=None, env={})
+        return attrs.evolve(
+            spec, argv=tuple(argv), arg0=None, env={}, sandbox_processes=BWRAP_PROCESSES
+        )
 
     def _landlock(self, spec: ProcessSpec, policy: SandboxPolicy, executable: str) -> ProcessSpec:
         if not policy.full_read:

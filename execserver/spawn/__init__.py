@@ -62,6 +62,9 @@ class ProcessSpec:
     cols: int = 80
     #: Resource limits of the whole tree (execserver.limits).
     limits: Limits = NO_LIMITS
+    #: Processes of the sandbox's own that run around the command (set by
+    #: the sandbox engine): ``maxProcesses`` counts the command's only.
+    sandbox_processes: int = 0
 
     @property
     def child_args(self) -> list[str]:
@@ -165,7 +168,7 @@ class PosixSpawner:
                     "starts processes without containment",
                     {"kind": "limitUnsupported", "field": spec.limits.set_fields()[0]},
                 )
-            placing = self.containment.placing(spec.limits)
+            placing = self.containment.placing(spec.limits, spec.sandbox_processes)
         try:
             return self._start(proto, spec, executable, placing)
         except ValueError as exc:

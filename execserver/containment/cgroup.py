@@ -1,0 +1,313 @@
+"""The cgroup tree: one process's cgroup v2 (and v1 directories), and the cgroupfs helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Final
+
+import attrs
+from twisted.logger import Logger
+
+from execserver import cgroups
+from execserver.cgroups import Usage
+from execserver.containment.proc import (
+    _descendants,
+    _lineage,
+    _signal_group,
+    _signal_pid,
+    _still_running,
+    boot_ticks,
+    proc_table,
+)
+from execserver.containment.tree import _Owned
+from execserver.limits import KINDS, Kind
+
+if TYPE_CHECKING:
+    from execserver.containment.core import Containment
+    from execserver.containment.placement import LimitPlacement
+
+log = Logger(namespace="execserver.containment")
+
+
+CGROUP_PREFIX: Final = "exec-server-"
+
+
+#: Signals to one tree this close together share one look for escapees.
+ESCAPEE_RECHECK: Final = 0.01
+
+
+class CgroupTree(_Owned):
+    """The members of one cgroup v2 (and of its cgroup v1 directories)."""
+
+    def __init__(
+        self,
+        owner: Containment,
+        path: str,
+        leader: int,
+        placement: LimitPlacement | None = None,
+    ) -> None:
+        self.path = path
+        self.leader = leader
+        self.placement = placement
+        #: Boot ticks just before the spawn: no member can be older.
+        self.born = boot_ticks()
+        #: Descendants found outside the cgroup(s) (root can move itself),
+        #: pid -> start time: attributed by lineage while their parent
+        #: lives, by elimination once they are orphans adopted by the server.
+        self.escapees: dict[int, int] = {}
+        self.terminating = False
+        self._escapees_found_at = -1.0
+        self._owner = owner
+        self._on_empty: Callable[[], None] | None = None
+        self.released = False
+        #: The last :meth:`alive` found the cgroup empty (reusable).
+        self.seen_empty = False
+        #: Every cgroup of the tree (v2 and v1) was found empty: nothing
+        #: can enter them again (only a process inside can move a child
+        #: there), so later looks need not read them.
+        self._known_empty = False
+
+    def pids(self) -> list[int]:
+        found = _cgroup_pids(self.path)
+        if self.placement is not None:
+            # A member that moved itself out of the v2 cgroup (root can) is
+            # still in the v1 ones, unless it left those too.
+            files = self._owner.files
+            for directory in self.placement.v1_dirs:
+                found.extend(pid for pid in files.pids(directory) if pid not in found)
+        return found
+
+    def exceeded(self) -> tuple[Kind, int] | None:
+        placement = self.placement
+        if placement is None:
+            return None
+        # At the exit the tree is usually empty already: looked at before
+        # the counters, that makes them final (the release reads nothing
+        # more, and neither does the exit's own look at the tree). While
+        # the tree runs this costs one read (``populated 1``).
+        empty = placement.v1set is not None and not self.released and self._empty()
+        kind = cgroups.exceeded(placement.limits, placement.counters(), placement.baseline)
+        placement.final = empty
+        if kind is None and placement.oom_killed:
+            kind = "memory"
+        if kind is None:
+            return None
+        field = next(f for f, k in KINDS.items() if k == kind)
+        value = placement.limits.get(field)
+        assert value is not None
+        return kind, value
+
+    def usage(self) -> Usage:
+        if self.released:
+            return Usage()
+        placement = self.placement
+        if placement is None:
+            dirs = {c: self.path for c in self._owner.v2_controllers}
+            return cgroups.usage(2, dirs, self.path)
+        found = placement.usage(self.path)
+        if placement.sandbox_processes and found.processes is not None:
+            # The sandbox's own processes (bwrap and its init) are not the command's.
+            found = attrs.evolve(
+                found, processes=max(0, found.processes - placement.sandbox_processes)
+            )
+        return found
+
+    def live_escapees(self) -> list[int]:
+        """The escapees still running (checked one by one, no scan)."""
+        return _still_running(self.escapees)
+
+    def signal(self, signum: int) -> None:
+        if self.released:
+            # The cgroup may already serve another process.
+            return
+        # Only a terminate (or a kill) signals a whole tree. The members in
+        # the cgroup first; then those that left it (root can), looked for
+        # from the members down.
+        self.terminating = True
+        _signal_group(self.leader, signum)
+        for pid in self.pids():
+            _signal_pid(pid, signum)
+        now = time.monotonic()
+        if now - self._escapees_found_at > ESCAPEE_RECHECK:
+            # A terminate's SIGTERM, SIGHUP and SIGCONT share one look.
+            self._escapees_found_at = now
+            self._owner._find_escapees(self)
+        for pid in self.live_escapees():
+            _signal_pid(pid, signum)
+
+    def kill(self) -> None:
+        if self.released:
+            return
+        _signal_group(self.leader, signal.SIGKILL)
+        try:
+            _write(os.path.join(self.path, "cgroup.kill"), "1")
+        except OSError:
+            # Before Linux 5.14: signal each member (a fork racing this is
+            # caught by the next check, which repeats the kill).
+            self.signal(signal.SIGKILL)
+        else:
+            self.signal(signal.SIGKILL)
+
+    def _empty(self) -> bool:
+        """No member is in the tree's cgroups (escapees aside)."""
+        if self._known_empty:
+            return True
+        try:
+            with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
+                populated = b"populated 1" in f.read()
+        except OSError:
+            populated = False
+        if not populated and self.placement is not None:
+            files = self._owner.files
+            populated = any(files.pids(d) for d in self.placement.v1_dirs)
+        self._known_empty = not populated
+        return not populated
+
+    def alive(self) -> bool:
+        empty = self._empty()
+        self.seen_empty = empty
+        return not empty or bool(self.escapees and self.live_escapees())
+
+
+def _return_to(own: str, left: str) -> None:
+    """Move the spawning thread back into its own cgroup (``own``: its
+    ``cgroup.procs`` or v1 ``tasks``) after a spawn inside ``left``."""
+    try:
+        _write(own, "0")
+    except OSError as exc:
+        # Never raise here: the child exists and must get its transport.
+        log.critical(
+            "cannot leave cgroup {path} after a spawn ({error}); later children share it",
+            path=left,
+            error=exc,
+        )
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _cgroup_pids(directory: str) -> list[int]:
+    try:
+        with open(os.path.join(directory, "cgroup.procs"), "rb") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:
+        return []
+
+
+def find_cgroup2_mount(mounts: str = "/proc/self/mounts") -> str | None:
+    try:
+        with open(mounts) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            return fields[1].replace("\\040", " ")
+    return None
+
+
+def own_cgroup(path: str = "/proc/self/cgroup") -> str | None:
+    """The server's cgroup v2 path (relative to the hierarchy's root)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def _remove_cgroup_tree(path: str, wait: float) -> bool:
+    """rmdir ``path`` and its sub-cgroups, waiting up to ``wait`` s for them to empty."""
+    deadline = time.monotonic() + wait
+    while True:
+        leftovers: list[str] = []
+        for dirpath, _dirs, _files in _walk_bottom_up(path):
+            try:
+                os.rmdir(dirpath)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                leftovers.append(dirpath)
+        if not leftovers:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _in_cgroup_below(pid: int, root: str, parent: str) -> bool:
+    """Whether ``pid``'s cgroup v2 (hierarchy mounted at ``root``) is ``parent`` or below it."""
+    own = own_cgroup(f"/proc/{pid}/cgroup")
+    if own is None or not parent:
+        return False
+    path = os.path.normpath(root + "/" + own)
+    return path == parent or path.startswith(parent + "/")
+
+
+def _kill_descendants_of_members(directory: str) -> None:
+    members: list[int] = []
+    for dirpath, _dirs, _files in os.walk(directory):
+        members.extend(_cgroup_pids(dirpath))
+    if not members:
+        return
+    table = proc_table()
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    for pid in _lineage(table, children, members):
+        _signal_pid(pid, signal.SIGKILL)
+
+
+def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
+    """The directories ``exec-server-<pid>-ns<ns>`` of servers that are not running."""
+    try:
+        entries = os.listdir(own_dir)
+    except OSError:
+        return []
+    suffix = f"-ns{ns}"
+    found = []
+    for name in entries:
+        if not (name.startswith(CGROUP_PREFIX) and name.endswith(suffix)):
+            continue
+        pid_text = name[len(CGROUP_PREFIX) : -len(suffix)]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        if os.path.exists(f"/proc/{pid_text}"):
+            continue
+        found.append(os.path.join(own_dir, name))
+    return found
+
+
+def _kill_members(directory: str, rounds: int = 50) -> None:
+    """SIGKILL every process in ``directory``'s cgroup tree and their descendants.
+
+    For hierarchies without ``cgroup.kill`` (v1): repeated until no member
+    is left (a fork racing a round is caught by the next).
+    """
+    for _ in range(rounds):
+        members: list[int] = []
+        for dirpath, _dirs, _files in os.walk(directory):
+            members.extend(_cgroup_pids(dirpath))
+        if not members:
+            return
+        table = proc_table()
+        for pid in members:
+            for member in [pid, *_descendants(table, pid)]:
+                _signal_pid(member, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _walk_bottom_up(path: str) -> Iterable[tuple[str, list[str], list[str]]]:
+    return os.walk(path, topdown=False)
