@@ -393,3 +393,27 @@ def test_a_burst_of_signals_shares_one_scan_but_a_new_tree_forces_a_fresh_one(
     containment._add(ScanTree(containment, 300, BORN + 5))
     containment._rescan()
     assert len(scans) == 2
+
+
+@pytest.mark.parametrize("target", [-1, 0, 1])
+def test_a_member_list_entry_of_0_or_1_is_never_signalled(target: int) -> None:
+    # cgroup.procs shows 0 for a process outside the reader's pid namespace;
+    # kill(0) would hit the server's own process group and kill(-1) every
+    # process it may signal. Run in a child so a regression cannot take the
+    # test run's own group with it.
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys\n"
+        "from execserver.containment import proc\n"
+        "os.setpgid(0, 0)\n"
+        f"a = proc._signal_pid({target}, signal.SIGTERM)\n"
+        f"b = proc._signal_group({target}, signal.SIGTERM)\n"
+        "print(a, b)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]

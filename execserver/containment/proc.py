@@ -84,6 +84,11 @@ def boot_ticks() -> int:
 
 
 def _signal_pid(pid: int, signum: int) -> bool:
+    # A member list shows 0 for a process outside our pid namespace (and a
+    # fake or corrupt one could hold anything): kill(0) would signal our
+    # own process group, kill(-1) every process we may signal.
+    if pid <= 1:
+        return False
     try:
         os.kill(pid, signum)
     except (ProcessLookupError, PermissionError):
@@ -92,6 +97,8 @@ def _signal_pid(pid: int, signum: int) -> bool:
 
 
 def _signal_group(pgid: int, signum: int) -> bool:
+    if pgid <= 1:
+        return False
     try:
         os.killpg(pgid, signum)
     except (ProcessLookupError, PermissionError):
