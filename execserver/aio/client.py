@@ -71,7 +71,7 @@ from execserver.clientcore.follow import ProcessTable, acknowledge
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.start import exec_params, next_process_id
+from execserver.clientcore.start import already_started, exec_params, next_process_id
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
     ClosedParams,
@@ -258,6 +258,8 @@ class Client:
         #: Terminations of cancelled or timed-out starts and runs: awaited
         #: (not cancelled) by close(), so no process outlives the client.
         self._terminations: set[asyncio.Task[None]] = set()
+        #: Handles whose ``process/start`` is not answered yet.
+        self._starting: set[Process] = set()
         self._rpc = rpc
         self._channel = channel
         self._install(rpc)
@@ -389,7 +391,7 @@ class Client:
             await asyncio.sleep(attempts.next_delay())
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
-        handles = [h for h in self._table if h.catching_up]
+        handles = [h for h in self._table if h.catching_up and h not in self._starting]
         # Every handle's reads are in flight at once: one round trip for all.
         await asyncio.gather(*(self._catch_up(rpc, h) for h in handles))
 
@@ -665,7 +667,8 @@ class Client:
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
         self._table.register(handle)
         try:
-            response = await self.request(p.ProcessStart, params)
+            async with asyncio.timeout(self._request_timeout):
+                response, again = await self._start_through_drops(params, handle)
         except BaseException as exc:
             self._table.unregister(requested, handle)
             # Untracked, it would never close: a close() waiting for it is released.
@@ -679,7 +682,40 @@ class Client:
             handle.fail(self.lost)
         elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
             handle.connection_lost()
+        elif again:
+            await self._catch_up(self._rpc, handle)
         return handle
+
+    async def _start_through_drops(
+        self, params: p.ExecParams, handle: Process
+    ) -> tuple[p.ExecResponse, bool]:
+        """``process/start``, sent again (same ``processId``) on the resumed
+        session when it was in flight at a drop: "already exists" then says
+        the first one was carried out. Returns the answer and whether it came
+        from such a resend (the handle, whose live events wait meanwhile,
+        then catches up from its last seq). Kept out of the resume's catch-up
+        while unanswered: the server may never have heard of it."""
+        requested = params.process_id
+        again = False
+        while True:
+            rpc = await self._current()
+            if again:
+                self._table.claim(requested)
+                self._table.adopt([handle])
+            self._starting.add(handle)
+            try:
+                return await rpc.call(p.PROCESS_START, params, p.ExecResponse), again
+            except ConnectionClosed as exc:
+                self._table.unregister(requested, handle)
+                if after_drop(p.PROCESS_START, params, exc, following=self._following) is exc:
+                    raise
+                again = True
+            except ServerError as exc:
+                if again and already_started(exc, requested):
+                    return p.ExecResponse(requested), again
+                raise
+            finally:
+                self._starting.discard(handle)
 
     def _new_process_id(self) -> str:
         process_id, self._next_process = next_process_id(self._next_process, self._table.processes)

@@ -59,7 +59,7 @@ from execserver.clientcore import defaults
 from execserver.clientcore.follow import ProcessTable, acknowledge
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
-from execserver.clientcore.start import exec_params, next_process_id
+from execserver.clientcore.start import already_started, exec_params, next_process_id
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -369,9 +369,8 @@ class ExecServerClient(ClientApi, FileTransfers):
         ``env={"PATH": DEFAULT_PATH}``. ``size`` is ``(rows, cols)``.
         ``detach=True``: :meth:`close` leaves the process running.
         """
-        params = exec_params(
+        params = self._start_params(
             argv,
-            self._new_process_id,
             process_id=process_id,
             cwd=cwd,
             env=env,
@@ -385,16 +384,23 @@ class ExecServerClient(ClientApi, FileTransfers):
         )
         return Deferred.fromCoroutine(self._start(params, detach))
 
+    def _start_params(self, argv: Sequence[str] | p.ExecParams, **kwargs: Any) -> p.ExecParams:
+        """``start_process``'s params (its keyword arguments but ``detach``)."""
+        return exec_params(argv, self._new_process_id, **kwargs)
+
     def _new_process_id(self) -> str:
         process_id, self._next_process = next_process_id(self._next_process, self._table.processes)
         return process_id
 
-    async def _start(self, params: p.ExecParams, detach: bool = False) -> RemoteProcess:
+    async def _start(
+        self, params: p.ExecParams, detach: bool = False, handle: RemoteProcess | None = None
+    ) -> RemoteProcess:
         requested = params.process_id
         self._table.claim(requested)
         # Registered before the request: output may race the response.
-        handle = RemoteProcess(self, requested, self._backlog_bytes)
-        handle.detach = detach
+        if handle is None:
+            handle = RemoteProcess(self, requested, self._backlog_bytes)
+            handle.detach = detach
         self._table.register(handle)
         try:
             response = await self._call(p.PROCESS_START, params, p.ExecResponse)
@@ -406,6 +412,34 @@ class ExecServerClient(ClientApi, FileTransfers):
             # Dropped for good. A resumable session's drop instead keeps the
             # handle (registered before the request) for the resume to adopt.
             handle.connection_lost()
+        return handle
+
+    async def _start_again(self, params: p.ExecParams, handle: RemoteProcess) -> RemoteProcess:
+        """The start of ``handle`` was in flight when the last connection of this
+        (resumed) session dropped: send it again, with the same ``processId``.
+
+        "process ID already exists" means the first one was carried out; either
+        way the handle then catches up from its last seq (its live events wait
+        meanwhile), so it sees the whole output once. A drop during this start
+        raises :class:`ConnectionClosed` again, the handle not kept (its outcome
+        is unknown again: the caller sends it once more on the next connection).
+        """
+        requested = params.process_id
+        self._table.claim(requested)
+        self._table.adopt([handle])
+        try:
+            response = await self._call(p.PROCESS_START, params, p.ExecResponse)
+        except ServerError as exc:
+            if not already_started(exc, requested):
+                self._table.unregister(requested, handle)
+                handle.abandon_catch_up()
+                raise
+            response = p.ExecResponse(requested)
+        except BaseException:
+            self._table.unregister(requested, handle)
+            raise
+        self._table.started(requested, handle, response)
+        await self._catch_up(handle)
         return handle
 
     # --- notifications --------------------------------------------------------------
