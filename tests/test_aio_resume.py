@@ -275,3 +275,43 @@ async def test_a_server_that_is_gone_fails_the_session_after_two_seconds_of_refu
             assert info.value is client.lost
 
     await in_asyncio_then_stop(scenario, server)
+
+
+@pytest.mark.parametrize("server_got_it", [True, False])
+@pytest_twisted.ensureDeferred
+async def test_a_start_in_flight_at_a_drop_is_sent_again_and_its_output_is_whole(
+    tmp_path: Path, server_got_it: bool
+) -> None:
+    """Issue 20's CLI flake, in the asyncio client: ``process/start`` in flight
+    when the connection drops (its answer lost, or the request itself). Before
+    the fix the start failed with OutcomeUnknown; now it is sent again with the
+    same processId on the resumed session ("already exists": the first one
+    ran) and the handle delivers the whole stream and the exit code."""
+    server, proxy = await started()
+    marker = tmp_path / "running"
+    child = f"open({str(marker)!r}, 'a').write('ran ')\n" + STREAM_SCRIPT
+
+    async def scenario() -> None:
+        async with connect(proxy) as client:
+            # Replies only (the server gets the start), or both directions.
+            await on_reactor(proxy.stall_replies if server_got_it else proxy.stall)
+            starting = asyncio.ensure_future(
+                client.start([sys.executable, "-c", child], cwd=CWD, env=child_env())
+            )
+            if server_got_it:
+                await until(marker.exists, 10.0, "the child to run")
+            else:
+                await until(lambda: client.pending_request_count == 1, 10.0, "the start sent")
+            await on_reactor(proxy.cut)
+            await on_reactor(proxy.unstall)
+            proc = await starting
+            recorder = Recorder()
+            proc.add_output_listener(recorder.output, gaps=True)
+            assert await proc.wait(timeout=30) == EXIT_CODE
+            await proc.closed(timeout=30)
+            assert bytes(recorder.data) == expected_stream()
+            assert recorder.gaps == []
+            assert client.resumes == 1
+            assert marker.read_text() == "ran "  # started once
+
+    await in_asyncio_then_stop(scenario, proxy, server)

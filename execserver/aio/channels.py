@@ -49,6 +49,12 @@ from execserver.clientcore.framing import (
     keep_stderr_tail,
     server_exited,
 )
+from execserver.clientcore.tlsprobe import (
+    TLS_PROBE_SECONDS,
+    answers_tls,
+    speaks_tls_reason,
+    tls_client_hello,
+)
 
 UNIX_SCHEME = "unix://"
 _PIPE_BYTES = 1024 * 1024
@@ -353,6 +359,24 @@ def _connect_error_text(exc: BaseException) -> str:
     return error_text(exc)
 
 
+async def _speaks_tls(url: str, timeout: float) -> bool:
+    """Whether the ``ws://`` URL's port answers a TLS ClientHello within ``timeout``."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.hostname is None:
+        return False
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port or 80)
+            try:
+                writer.write(tls_client_hello())
+                first = await reader.read(1)
+            finally:
+                writer.transport.abort()
+    except (OSError, TimeoutError, ValueError):
+        return False
+    return answers_tls(first)
+
+
 async def open_websocket(
     rpc: AsyncRpc,
     url: str,
@@ -402,6 +426,14 @@ async def open_websocket(
             ) from None
         raise ConnectFailed(url, f"WebSocket upgrade failed (HTTP {status} {phrase})") from None
     except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
+        if (
+            url.startswith("ws://")
+            and not isinstance(exc, ConnectionRefusedError | socket.gaierror)
+            and await _speaks_tls(url, min(TLS_PROBE_SECONDS, connect_timeout))
+        ):
+            # No HTTP answer: a TLS port says nothing to a plain request, so
+            # the reason alone would mislead (as the Twisted client says).
+            raise ConnectFailed(url, speaks_tls_reason(url)) from exc
         # The cause stays: a resume tells a refused connection by it.
         raise ConnectFailed(url, _connect_error_text(exc)) from exc
     channel = WebSocketChannel(ws, rpc, url)

@@ -44,7 +44,6 @@ from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, BinaryIO, TypeVar
 
 import attrs
-from pybase64 import b64decode
 
 from execserver import protocol as p
 from execserver.aio.channels import (
@@ -67,11 +66,11 @@ from execserver.clientcore.errors import (
     SessionLost,
     SpawnFailed,
 )
-from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.follow import ProcessTable, acknowledge, decode_output, send_start
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.start import exec_params, next_process_id
+from execserver.clientcore.start import exec_params
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
     ClosedParams,
@@ -114,6 +113,9 @@ class RunResult:
     #: ``"wall"`` or ``"idle"`` when a server-side ``timeout_ms`` /
     #: ``idle_timeout_ms`` ended the process.
     timed_out: str | None = None
+    #: ``(limitExceeded, limitValue)`` when a resource limit ended or
+    #: crippled it, e.g. ``("fileSize", 1000)`` (as the handle's).
+    limit_exceeded: tuple[str, int | None] | None = None
 
 
 async def _feed(handle: Process, data: bytes) -> None:
@@ -245,7 +247,6 @@ class Client:
         self._backlog_bytes = backlog_bytes
         self.initialize_result = result
         self._table: ProcessTable[Process] = ProcessTable(_schedule)
-        self._next_process = 1
         self._closing = False
         self._closed = asyncio.Event()
         #: The session could not be resumed: every later call fails with it.
@@ -258,6 +259,8 @@ class Client:
         #: Terminations of cancelled or timed-out starts and runs: awaited
         #: (not cancelled) by close(), so no process outlives the client.
         self._terminations: set[asyncio.Task[None]] = set()
+        #: Handles whose ``process/start`` is not answered yet.
+        self._starting: set[Process] = set()
         self._rpc = rpc
         self._channel = channel
         self._install(rpc)
@@ -389,7 +392,7 @@ class Client:
             await asyncio.sleep(attempts.next_delay())
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
-        handles = [h for h in self._table if h.catching_up]
+        handles = [h for h in self._table if h.catching_up and h not in self._starting]
         # Every handle's reads are in flight at once: one round trip for all.
         await asyncio.gather(*(self._catch_up(rpc, h) for h in handles))
 
@@ -647,7 +650,7 @@ class Client:
         """
         params = exec_params(
             argv,
-            self._new_process_id,
+            self._table.new_process_id,
             process_id=process_id,
             cwd=cwd,
             env=env,
@@ -665,7 +668,8 @@ class Client:
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
         self._table.register(handle)
         try:
-            response = await self.request(p.ProcessStart, params)
+            async with asyncio.timeout(self._request_timeout):
+                response, again = await self._start_through_drops(params, handle)
         except BaseException as exc:
             self._table.unregister(requested, handle)
             # Untracked, it would never close: a close() waiting for it is released.
@@ -679,11 +683,36 @@ class Client:
             handle.fail(self.lost)
         elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
             handle.connection_lost()
+        elif again:
+            await self._catch_up(self._rpc, handle)
         return handle
 
-    def _new_process_id(self) -> str:
-        process_id, self._next_process = next_process_id(self._next_process, self._table.processes)
-        return process_id
+    async def _start_through_drops(
+        self, params: p.ExecParams, handle: Process
+    ) -> tuple[p.ExecResponse, bool]:
+        """``process/start``, sent again (same ``processId``) on the resumed
+        session when it was in flight at a drop: "already exists" then says
+        the first one was carried out. Returns the answer and whether it came
+        from such a resend (the handle, whose live events wait meanwhile,
+        then catches up from its last seq). Kept out of the resume's catch-up
+        while unanswered: the server may never have heard of it."""
+        requested = params.process_id
+        again = False
+        while True:
+            rpc = await self._current()
+            if again:
+                self._table.claim(requested)
+                self._table.adopt([handle])
+            self._starting.add(handle)
+            try:
+                return await send_start(rpc.call, params, again), again
+            except ConnectionClosed as exc:
+                self._table.unregister(requested, handle)
+                if after_drop(p.PROCESS_START, params, exc, following=self._following) is exc:
+                    raise
+                again = True
+            finally:
+                self._starting.discard(handle)
 
     def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
         """Terminate ``process_id`` in a task of its own (the caller is being
@@ -777,7 +806,12 @@ class Client:
         if not handle.has_exited or handle.exit_code is None:
             raise ConnectionClosed(self._rpc.closed_reason or "connection closed")
         result = RunResult(
-            b"".join(stdout), b"".join(stderr), handle.exit_code, handle.signal, handle.timed_out
+            b"".join(stdout),
+            b"".join(stderr),
+            handle.exit_code,
+            handle.signal,
+            handle.timed_out,
+            handle.limit_exceeded,
         )
         if gaps:
             # Never a silently incomplete result: what arrived rides on the error.
@@ -792,12 +826,12 @@ class Client:
         handle = self._table.get(out.process_id)
         if handle is None:
             return
-        try:
-            chunk = b64decode(out.chunk, validate=True)
-        except ValueError:
+        event = decode_output(out)
+        if event is None:
             log.warning("dropping process/output of %s with invalid base64", out.process_id)
             return
-        if handle.accept_output(OutputEvent(out.process_id, out.stream, chunk, out.seq)):
+        chunk = event.chunk
+        if handle.accept_output(event):
             # With "pause", tell the server (a read's afterSeq) what has arrived.
             rpc = self._rpc
             ack = self._table.ack_params(
@@ -807,18 +841,11 @@ class Client:
                 self._spawn(acknowledge(rpc.call, handle, ack))
 
     def _on_exited(self, ex: ExitedParams) -> None:
-        handle = self._table.get(ex.process_id)
-        if handle is not None:
-            handle.accept_exit(ex.seq, ex.exit_code, ex.signal, ex.timed_out)
-            if handle.has_exited:
-                # A baseline server sends no process/closed: output may
-                # still follow the exit for a while, then the handle ends.
-                self._table.linger(handle)
+        # A baseline server sends no process/closed: the handle lingers.
+        self._table.exited(ex)
 
     def _on_closed(self, closed: ClosedParams) -> None:
-        handle = self._table.get(closed.process_id)
-        if handle is not None and handle.accept_close(closed.seq):
-            self._table.forget(handle)
+        self._table.closed(closed)
 
     # --- closing --------------------------------------------------------------------
 

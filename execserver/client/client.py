@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import attrs
 import msgspec
-from pybase64 import b64decode
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -56,10 +55,10 @@ from execserver.client.types import (
     OutputParams,
 )
 from execserver.clientcore import defaults
-from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.follow import ProcessTable, acknowledge, decode_output, send_start
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
-from execserver.clientcore.start import exec_params, next_process_id
+from execserver.clientcore.start import exec_params
 from execserver.waiters import Latch
 
 if TYPE_CHECKING:
@@ -145,7 +144,6 @@ class ExecServerClient(ClientApi, FileTransfers):
         self.initialize_result: InitializeResult | None = None
         self._table: ProcessTable[RemoteProcess] = ProcessTable(_schedule(clock))
         self._listeners: list[Callable[[ClientEvent], None]] = []
-        self._next_process = 1
         #: Lost the connection of a resumable session; handles kept.
         self._suspended = False
         self._closing: Deferred[None] | None = None
@@ -369,9 +367,8 @@ class ExecServerClient(ClientApi, FileTransfers):
         ``env={"PATH": DEFAULT_PATH}``. ``size`` is ``(rows, cols)``.
         ``detach=True``: :meth:`close` leaves the process running.
         """
-        params = exec_params(
+        params = self._start_params(
             argv,
-            self._new_process_id,
             process_id=process_id,
             cwd=cwd,
             env=env,
@@ -385,19 +382,22 @@ class ExecServerClient(ClientApi, FileTransfers):
         )
         return Deferred.fromCoroutine(self._start(params, detach))
 
-    def _new_process_id(self) -> str:
-        process_id, self._next_process = next_process_id(self._next_process, self._table.processes)
-        return process_id
+    def _start_params(self, argv: Sequence[str] | p.ExecParams, **kwargs: Any) -> p.ExecParams:
+        """``start_process``'s params (its keyword arguments but ``detach``)."""
+        return exec_params(argv, self._table.new_process_id, **kwargs)
 
-    async def _start(self, params: p.ExecParams, detach: bool = False) -> RemoteProcess:
+    async def _start(
+        self, params: p.ExecParams, detach: bool = False, handle: RemoteProcess | None = None
+    ) -> RemoteProcess:
         requested = params.process_id
         self._table.claim(requested)
         # Registered before the request: output may race the response.
-        handle = RemoteProcess(self, requested, self._backlog_bytes)
-        handle.detach = detach
+        if handle is None:
+            handle = RemoteProcess(self, requested, self._backlog_bytes)
+            handle.detach = detach
         self._table.register(handle)
         try:
-            response = await self._call(p.PROCESS_START, params, p.ExecResponse)
+            response = await send_start(self._call, params, again=False)
         except BaseException:
             self._table.unregister(requested, handle)
             raise
@@ -408,37 +408,51 @@ class ExecServerClient(ClientApi, FileTransfers):
             handle.connection_lost()
         return handle
 
+    async def _start_again(self, params: p.ExecParams, handle: RemoteProcess) -> RemoteProcess:
+        """The start of ``handle`` was in flight when the last connection of this
+        (resumed) session dropped: send it again, with the same ``processId``.
+
+        "process ID already exists" means the first one was carried out; either
+        way the handle then catches up from its last seq (its live events wait
+        meanwhile), so it sees the whole output once. A drop during this start
+        raises :class:`ConnectionClosed` again, the handle not kept (its outcome
+        is unknown again: the caller sends it once more on the next connection).
+        """
+        requested = params.process_id
+        self._table.claim(requested)
+        self._table.adopt([handle])
+        try:
+            response = await send_start(self._call, params, again=True)
+        except BaseException:
+            self._table.unregister(requested, handle)
+            handle.abandon_catch_up()
+            raise
+        self._table.started(requested, handle, response)
+        await self._catch_up(handle)
+        return handle
+
     # --- notifications --------------------------------------------------------------
 
     def _on_notification(self, method: str, raw: msgspec.Raw | None) -> None:
         log.debug("ignoring unknown notification {method}", method=method)
 
     def _output_params(self, out: OutputParams) -> None:
-        try:
-            chunk = b64decode(out.chunk, validate=True)
-        except ValueError:
+        event = decode_output(out)
+        if event is None:
             log.warn(
                 "dropping process/output of {process_id} with invalid base64",
                 process_id=out.process_id,
             )
             return
-        self._output(OutputEvent(out.process_id, out.stream, chunk, out.seq))
+        self._output(event)
 
     def _exited_params(self, ex: ExitedParams) -> None:
-        handle = self._table.get(ex.process_id)
-        if handle is not None and ex.limit_exceeded is not None:
-            handle.limit_exceeded = (ex.limit_exceeded, ex.limit_value)
-        if handle is not None and not handle.accept_exit(
-            ex.seq, ex.exit_code, ex.signal, ex.timed_out
-        ):
-            return
-        self._exited(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
+        if self._table.exited(ex):
+            self._emit(ExitedEvent(ex.process_id, ex.exit_code, ex.signal, ex.timed_out))
 
     def _closed_params(self, closed: ClosedParams) -> None:
-        handle = self._table.get(closed.process_id)
-        if handle is not None and not handle.accept_close(closed.seq):
-            return
-        self._closed(ClosedEvent(closed.process_id))
+        if self._table.closed(closed):
+            self._emit(ClosedEvent(closed.process_id))
 
     def _output(self, event: OutputEvent) -> None:
         handle = self._table.get(event.process_id)
@@ -446,20 +460,6 @@ class ExecServerClient(ClientApi, FileTransfers):
             if not handle.accept_output(event):
                 return
             self._acknowledge(handle, len(event.chunk))
-        self._emit(event)
-
-    def _exited(self, event: ExitedEvent) -> None:
-        handle = self._table.get(event.process_id)
-        if handle is not None:
-            handle.mark_exited(event.exit_code, event.signal, event.timed_out)
-            self._table.linger(handle)
-        self._emit(event)
-
-    def _closed(self, event: ClosedEvent) -> None:
-        handle = self._table.get(event.process_id)
-        if handle is not None:
-            handle.mark_closed()
-            self._table.forget(handle)
         self._emit(event)
 
     def _on_connection_lost(self, reason: str) -> None:

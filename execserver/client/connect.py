@@ -11,10 +11,8 @@ class: :mod:`execserver.client.client` imports this one, never the reverse.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
-import ssl
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -42,6 +40,12 @@ from execserver.client.errors import ConnectFailed, ConnectionClosed, ConnectTim
 from execserver.client.rpc import RpcClient
 from execserver.clientcore import defaults
 from execserver.clientcore.errors import HOST_NOT_FOUND_REASON, REFUSED_REASON, error_text
+from execserver.clientcore.tlsprobe import (
+    TLS_PROBE_SECONDS,
+    answers_tls,
+    speaks_tls_reason,
+    tls_client_hello,
+)
 from execserver.tls import ClientTls, TlsConfigError
 
 log = Logger()
@@ -301,30 +305,12 @@ async def open_channel(
             ):
                 # Dropped without an HTTP answer: a TLS port says nothing to
                 # a plain request, so the reason alone would mislead.
-                raise ConnectFailed(url, f"{SPEAKS_TLS}{url[len('ws://') :]}") from None
+                raise ConnectFailed(url, speaks_tls_reason(url)) from None
             raise
         return proto
     finally:
         if timer.active():
             timer.cancel()
-
-
-#: What a ``ws://`` connection to a TLS port is told (then ``HOST:PORT``).
-SPEAKS_TLS = "the server speaks TLS here: use wss://"
-#: How long the TLS probe of such a port may take, at most.
-TLS_PROBE_SECONDS = 2.0
-
-
-def tls_client_hello() -> bytes:
-    """The first bytes a TLS client sends (a ClientHello), made without a socket."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    session = context.wrap_bio(incoming, outgoing)
-    with contextlib.suppress(ssl.SSLWantReadError):
-        session.do_handshake()
-    return outgoing.read()
 
 
 class _TlsProbe(Protocol):
@@ -339,8 +325,7 @@ class _TlsProbe(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         if not self.answered.called:
-            # 0x16: a TLS handshake record (the ServerHello); 0x15: an alert.
-            self.answered.callback(data[:1] in (b"\x16", b"\x15"))
+            self.answered.callback(answers_tls(data))
         assert self.transport is not None
         self.transport.abortConnection()  # type: ignore[attr-defined]
 

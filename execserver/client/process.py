@@ -122,10 +122,6 @@ class RemoteProcess(ProcessCore[OutputSubscription]):
     with the asyncio client's handle.
     """
 
-    #: ``(limitExceeded, limitValue)`` of its exit, when a resource limit
-    #: ended or crippled it (docs/process-control.md, "Resource limits").
-    limit_exceeded: tuple[str, int | None] | None = None
-
     def __init__(
         self, api: ClientApi, process_id: str, backlog_bytes: int = DEFAULT_BACKLOG_BYTES
     ) -> None:

@@ -216,9 +216,33 @@ class _FollowsSession(ClientApi):
     ) -> Deferred[RemoteProcess]:
         """``ExecServerClient.start_process`` on the current (or next) connection."""
 
+        detach = bool(kwargs.pop("detach", False))
+
         async def run() -> RemoteProcess:
             client = await self._next_client()
-            handle = await client.start_process(argv, **kwargs)
+            params = client._start_params(argv, **kwargs)
+            handle = RemoteProcess(client, params.process_id, client._backlog_bytes)
+            handle.detach = detach
+            again = False
+            while True:
+                try:
+                    if again:
+                        await client._start_again(params, handle)
+                    else:
+                        await client._start(params, detach, handle)
+                    break
+                except ConnectionClosed as exc:
+                    # In flight at a drop: unknown whether the server started
+                    # it. Sent again (same processId) once the session is
+                    # resumed; "already exists" then says the first one did.
+                    following = client.resumable and not self._stopped
+                    if after_drop(p.PROCESS_START, params, exc, following=following) is exc:
+                        raise
+                    session = client.session_id
+                    client = await self._next_client()
+                    if client.session_id != session:
+                        raise self._lost_error(session or "") from None
+                    again = True
             # Requests of the handle follow the session across connections.
             handle._api = self
             return handle
@@ -544,7 +568,10 @@ class ResumingClient(_FollowsSession):
                 self.resumes += 1
                 self._watch(new)
                 await new.adopt(old, self)
-                self._waiters.fire(new)
+                if new.is_connected:
+                    self._waiters.fire(new)
+                # Else it dropped during the catch-up: its own resume (begun
+                # by _dropped) hands the waiting calls the next connection.
                 return None
             expired = attempts.expired(self._reactor.seconds())
             if expired is not None:

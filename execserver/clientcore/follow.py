@@ -35,12 +35,21 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Generic, TypeVar
 
+from pybase64 import b64decode
+
 from execserver import protocol as p
 from execserver.clientcore.defaults import EXITED_LINGER_SECONDS
-from execserver.clientcore.errors import ConnectionClosed, ExecServerError
+from execserver.clientcore.errors import ConnectionClosed, ExecServerError, ServerError
 from execserver.clientcore.process import ProcessCore
+from execserver.clientcore.start import already_started, next_process_id
 from execserver.clientcore.transfer import Caller
-from execserver.clientcore.types import InitializeResult
+from execserver.clientcore.types import (
+    ClosedParams,
+    ExitedParams,
+    InitializeResult,
+    OutputEvent,
+    OutputParams,
+)
 
 H = TypeVar("H", bound=ProcessCore[Any])
 
@@ -59,6 +68,7 @@ class ProcessTable(Generic[H]):
         self._linger_seconds = linger_seconds
         self.processes: dict[str, H] = {}
         self._lingering: dict[str, Callable[[], None]] = {}
+        self._next_process = 1
 
     def get(self, process_id: str) -> H | None:
         return self.processes.get(process_id)
@@ -76,6 +86,11 @@ class ProcessTable(Generic[H]):
         return handles
 
     # --- start registration ---------------------------------------------------------
+
+    def new_process_id(self) -> str:
+        """The next ``proc-N`` no handle of this table holds."""
+        process_id, self._next_process = next_process_id(self._next_process, self.processes)
+        return process_id
 
     def claim(self, requested: str) -> None:
         """Refuse an id a live handle of this client still holds."""
@@ -98,6 +113,31 @@ class ProcessTable(Generic[H]):
             self.unregister(requested, handle)
             handle.process_id = response.process_id
             self.processes[response.process_id] = handle
+
+    # --- notifications ----------------------------------------------------------------
+
+    def exited(self, ex: ExitedParams) -> bool:
+        """A ``process/exited``: False when it is not to be passed on (a
+        duplicate, or held back while its handle catches up). A handle that
+        exited lingers until its close (:meth:`linger`)."""
+        handle = self.processes.get(ex.process_id)
+        if handle is None:
+            return True  # not followed here
+        if not handle.accept_exit_report(ex):
+            return False
+        self.linger(handle)
+        return True
+
+    def closed(self, closed: ClosedParams) -> bool:
+        """A ``process/closed``: False when it is not to be passed on; a
+        closed handle is no longer followed."""
+        handle = self.processes.get(closed.process_id)
+        if handle is None:
+            return True
+        if not handle.accept_close(closed.seq):
+            return False
+        self.forget(handle)
+        return True
 
     # --- close and linger -------------------------------------------------------------
 
@@ -202,6 +242,30 @@ class ProcessTable(Generic[H]):
         if params is not None:
             background(acknowledge(call, handle, params))
         return None
+
+
+def decode_output(out: OutputParams) -> OutputEvent | None:
+    """A ``process/output`` notification's event (None: its chunk is not valid
+    base64; the client logs and drops it, the connection stays up)."""
+    try:
+        chunk = b64decode(out.chunk, validate=True)
+    except ValueError:
+        return None
+    return OutputEvent(out.process_id, out.stream, chunk, out.seq)
+
+
+async def send_start(call: Caller, params: p.ExecParams, again: bool) -> p.ExecResponse:
+    """``process/start``; ``again``: it was in flight at a drop and is sent
+    again, same ``processId``, on the resumed session, where "process ID
+    already exists" says the first one was carried out (the handle then
+    catches up from its last seq)."""
+    try:
+        result: p.ExecResponse = await call(p.PROCESS_START, params, p.ExecResponse)
+    except ServerError as exc:
+        if again and already_started(exc, params.process_id):
+            return p.ExecResponse(params.process_id)
+        raise
+    return result
 
 
 async def acknowledge(call: Caller, handle: ProcessCore[Any], params: p.ReadParams) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from execserver import protocol as p
-from execserver.clientcore.types import GapEvent, OutputEvent
+from execserver.clientcore.types import ExitedParams, GapEvent, OutputEvent
 
 
 class SeqOrdering:
@@ -40,6 +40,15 @@ class SeqOrdering:
         self.last_seq = 0
         #: While catching up after a resume, live events wait here by seq.
         self._pending: dict[int, Callable[[], None]] | None = None
+        #: ``(limitExceeded, limitValue)`` of its exit, when a resource limit
+        #: ended or crippled it (docs/process-control.md, "Resource limits"):
+        #: from ``process/exited`` or from a catch-up read, in every client.
+        self.limit_exceeded: tuple[str, int | None] | None = None
+
+    def note_limit(self, kind: object, value: object) -> None:
+        """Keep the exit's ``limitExceeded`` (and ``limitValue``), if it has one."""
+        if isinstance(kind, str):
+            self.limit_exceeded = (kind, value if isinstance(value, int) else None)
 
     # --- what a subclass delivers ---------------------------------------------------
 
@@ -90,6 +99,12 @@ class SeqOrdering:
         self.mark_exited(exit_code, signal, timed_out)
         return True
 
+    def accept_exit_report(self, ex: ExitedParams) -> bool:
+        """A ``process/exited`` notification: :meth:`accept_exit`, keeping the
+        resource limit that ended or crippled the process."""
+        self.note_limit(ex.limit_exceeded, ex.limit_value)
+        return self.accept_exit(ex.seq, ex.exit_code, ex.signal, ex.timed_out)
+
     def accept_close(self, seq: int | None) -> bool:
         if self.is_closed:
             return False
@@ -126,6 +141,7 @@ class SeqOrdering:
             code = read.exit_code if read.exit_code is not None else -1
             signal = read.signal if isinstance(read.signal, str) else None
             timed_out = read.timed_out if isinstance(read.timed_out, str) else None
+            self.note_limit(read.limit_exceeded, read.limit_value)
             events.append((exited_seq, lambda: self.mark_exited(code, signal, timed_out)))
         closed_seq = read.closed_seq
         if read.closed is True and isinstance(closed_seq, int):

@@ -7,6 +7,23 @@ from collections.abc import Callable, Container, Mapping, Sequence
 
 from execserver import protocol as p
 from execserver.clientcore.defaults import DEFAULT_PATH
+from execserver.clientcore.errors import ServerError
+
+#: The JSON-RPC code of the server's "process ID already exists".
+_INVALID_REQUEST = -32600
+
+
+def already_started(error: Exception, process_id: str) -> bool:
+    """Whether ``error`` answers a ``process/start`` sent again on a resumed
+    session (its first sending was in flight at a drop) by saying the first one
+    was carried out: "process PROCESS_ID already exists". The id is this
+    client's own for the session, so nothing else can hold it.
+    """
+    return (
+        isinstance(error, ServerError)
+        and error.code == _INVALID_REQUEST
+        and error.message == f"process {process_id} already exists"
+    )
 
 
 def next_process_id(counter: int, in_use: Container[str]) -> tuple[str, int]:

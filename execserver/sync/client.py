@@ -434,6 +434,11 @@ class Process:
     def timed_out(self) -> str | None:
         return self._aio.timed_out
 
+    @property
+    def limit_exceeded(self) -> tuple[str, int | None] | None:
+        """``(limitExceeded, limitValue)`` when a resource limit ended or crippled it."""
+        return self._aio.limit_exceeded
+
     def output(self, timeout: float | None = None, *, gaps: bool = False) -> Iterator[OutputEvent]:
         """The output events (:class:`OutputEvent`) up to the close.
 

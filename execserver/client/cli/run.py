@@ -41,7 +41,7 @@ from execserver.client.cli.common import (
 )
 from execserver.client.client import DEFAULT_PATH, ExecServerClient
 from execserver.client.connect import wait_at_most
-from execserver.client.errors import ExecServerError, ServerError
+from execserver.client.errors import ExecServerError, OutcomeUnknown, ServerError
 from execserver.client.process import RemoteProcess
 from execserver.client.reconnect import ResumingClient
 from execserver.client.types import GapEvent, OutputEvent
@@ -228,10 +228,13 @@ class _StdinForwarder:
     stdin is closed (``process/closeStdin``; on a PTY, the EOF character).
     """
 
-    def __init__(self, reactor: Any, proc: RemoteProcess, client: ExecServerClient) -> None:
+    def __init__(
+        self, reactor: Any, proc: RemoteProcess, client: ExecServerClient, tty: bool = False
+    ) -> None:
         self._reactor = reactor
         self._proc = proc
         self._client = client
+        self._tty = tty
         self._reading = False
         self._stopped = False
 
@@ -272,8 +275,20 @@ class _StdinForwarder:
         if self._stopped:
             return
         self.stop()
-        if self._client.supports(p.PROCESS_CLOSE_STDIN) and not self._proc.has_exited:
-            self._proc.close_stdin().addErrback(_ignore)
+        if self._client.supports(p.PROCESS_CLOSE_STDIN):
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if not self._proc.has_exited:
+            self._proc.close_stdin().addErrback(self._close_failed)
+
+    def _close_failed(self, failure: Failure) -> None:
+        # In flight at a dropped connection: closing a pipe again changes
+        # nothing, so it is sent again on the resumed session (else the
+        # command would wait for the end of its input forever). Not so a
+        # PTY's, whose every close is one more end-of-file character.
+        if failure.check(OutcomeUnknown) and not self._tty:
+            self._close_stdin()
 
     def _send(self, data: bytes) -> None:
         d = self._proc.write(data)
@@ -437,7 +452,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                     signal.SIGWINCH, lambda s, f: reactor.callFromThread(resized)
                 )
         if forward_stdin:
-            forwarder = _StdinForwarder(reactor, proc, client)
+            forwarder = _StdinForwarder(reactor, proc, client, tty_mode)
             forwarder.start()
 
         code = await proc.exited()
