@@ -157,6 +157,9 @@ class Session:
         self._send = send
         self.processes: dict[str, ManagedProcess] = {}
         self._expiry: dict[str, IDelayedCall] = {}
+        #: Closed processes whose retention ran out while no connection was
+        #: attached (released only after a new connection had its time).
+        self._expired_detached: list[ManagedProcess] = []
         self._held: dict[ManagedProcess, list[object]] = {}
         self._paused = False
         self._closing = False
@@ -764,6 +767,14 @@ class Session:
                 self._send(message)
 
     def _expire(self, proc: ManagedProcess) -> None:
+        if not self.attached:
+            # Not while the client is away: a resuming client that sends
+            # its in-flight process/start again relies on "process ID
+            # already exists" to know the first one ran, and a released id
+            # would run the command twice. The entry stays (the per-session
+            # cap still counts and evicts it); attach() restarts its time.
+            self._expired_detached.append(proc)
+            return
         self._expiry.pop(proc.process_id, None)
         if self.processes.get(proc.process_id) is proc:
             del self.processes[proc.process_id]
@@ -834,6 +845,13 @@ class Session:
         """A new connection took the session over."""
         self.attached = True
         self._send = send
+        # The retention that ran out while detached starts again, whole, so
+        # the client has it to catch up on those exits.
+        due, self._expired_detached = self._expired_detached, []
+        delay = self.config.exit_retention_ms / 1000.0
+        for proc in due:
+            if self.processes.get(proc.process_id) is proc and not self._closing:
+                self._expiry[proc.process_id] = self._clock.callLater(delay, self._expire, proc)
 
     @property
     def paused(self) -> bool:

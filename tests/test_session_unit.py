@@ -354,6 +354,28 @@ def test_exited_ids_stay_reserved_for_exit_retention_then_become_free() -> None:
     assert h.result("process/start", exec_params("proc-1")) == {"processId": "proc-1"}
 
 
+def test_a_detached_session_keeps_exited_ids_until_a_connection_had_their_retention() -> None:
+    # A resuming client sends its in-flight process/start again and reads
+    # "already exists" as "the first one ran": an id released while nobody
+    # was connected would run the command twice.
+    h = ready(ServerConfig(exit_retention_ms=500))
+    h.start("proc-1")
+    h.process("proc-1").exit(0)
+    session = h.session
+    session.detach()
+    h.clock.advance(60.0)
+    sent: list[object] = []
+    session.attach(sent.append)
+    h.clock.advance(0.499)
+    assert h.error("process/start", exec_params("proc-1"))["message"] == (
+        "process proc-1 already exists"
+    )
+    h.clock.advance(0.001)
+    assert h.error("process/read", {"processId": "proc-1"})["message"] == (
+        "unknown process id proc-1"
+    )
+
+
 def test_total_retained_output_counts_until_the_output_is_released() -> None:
     # Retained bytes count against --max-total-retained-bytes from the output
     # that arrives until the process is forgotten (the count is kept as output
