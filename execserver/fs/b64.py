@@ -88,7 +88,7 @@ _B64_VALUES: Final = {
 }
 
 
-def _noncanonical_tail(tail: bytes, decoded: bytes | bytearray) -> bool:
+def noncanonical_tail(tail: bytes, decoded: bytes | bytearray) -> bool:
     """Whether a padded last quad carries set bits that decoding drops (``YR==``)."""
     leftover = len(decoded) % 3
     if not tail.endswith(b"=") or not leftover:
@@ -134,7 +134,7 @@ def decoded_pieces(raw: msgspec.Raw) -> Iterator[bytes]:
             piece = pybase64.b64decode(chunk, validate=True)
         except (binascii.Error, ValueError):
             raise NotFast from None
-        if last and _noncanonical_tail(bytes(chunk[-4:]), piece):
+        if last and noncanonical_tail(bytes(chunk[-4:]), piece):
             raise NotFast  # non-canonical trailing bits: the slow path names them
         yield piece
         # Not held while the next slice is decoded (nor by the caller's loop
@@ -184,7 +184,7 @@ def decode_whole(raw: msgspec.Raw) -> bytes:
         except (binascii.Error, ValueError):
             pass
         else:
-            if not text or not _noncanonical_tail(bytes(text[-4:]), data):
+            if not text or not noncanonical_tail(bytes(text[-4:]), data):
                 return data
     return decode_slow(raw)
 

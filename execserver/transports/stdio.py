@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from execserver.codec import LONG_MESSAGE_BYTES, Line, LineFramer, Oversized
+from execserver.codec import LONG_MESSAGE_BYTES, Framed, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.waiters import Latch
 from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
@@ -53,7 +53,11 @@ class LineProtocol(Protocol):
     def __init__(self, dispatcher: Dispatcher, label: str = "stdio") -> None:
         self._dispatcher = dispatcher
         self._label = label
-        self._framer = LineFramer(dispatcher.config.max_message_bytes, LONG_MESSAGE_BYTES)
+        self._framer = LineFramer(
+            dispatcher.config.max_message_bytes,
+            LONG_MESSAGE_BYTES,
+            sink_factory=getattr(dispatcher, "long_line_sink", None),
+        )
         self.connection: Connection | None = None
         self._finishing = False
         self._write_lost = False
@@ -118,7 +122,7 @@ class LineProtocol(Protocol):
         else:
             self._transport.write(data)
 
-    def _deliver(self, items: list[Line | Oversized]) -> None:
+    def _deliver(self, items: list[Framed]) -> None:
         conn = self.connection
         assert conn is not None
         for item in items:
