@@ -148,6 +148,11 @@ class LongLineSink(Protocol):
         """Offsets of the quotes around the string consumed, once it ended validly."""
 
 
+#: A line is offered to the sink factory when it turns long, and again
+#: after each append while it was shorter than this (its head may have
+#: been incomplete).
+SINK_HEAD_BYTES: Final = 64 * 1024
+
 #: Called when a line turns long, with its buffer so far: a sink, or None.
 SinkFactory = Callable[[MappedBuffer], LongLineSink | None]
 
@@ -234,10 +239,14 @@ class LineFramer:
             long.append(data)
             if self._sink_factory is not None:
                 self._sink = self._sink_factory(long)
+                return  # (a new sink has seen all)
         else:
             long.append(data)
         if self._sink is not None:
             self._sink.advance(long)
+        elif self._sink_factory is not None and long.size - len(data) < SINK_HEAD_BYTES:
+            # The head may have been incomplete at the last offer.
+            self._sink = self._sink_factory(long)
 
     def _take_long(self) -> memoryview | StreamedLine:
         assert self._long is not None

@@ -50,7 +50,7 @@ import msgspec
 import pybase64
 
 from execserver import protocol as p
-from execserver.codec import MappedBuffer
+from execserver.codec import SINK_HEAD_BYTES, MappedBuffer
 from execserver.errors import RpcError
 from execserver.fs import local
 from execserver.fs.b64 import noncanonical_tail
@@ -58,9 +58,8 @@ from execserver.fs.local import Locality
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
 
-#: What precedes the data, and how far into a line it is looked for.
+#: What precedes the data (looked for in a line's first SINK_HEAD_BYTES).
 _NEEDLE: Final = b'"dataBase64":"'
-HEAD_BYTES: Final = 64 * 1024
 _QUOTE: Final = ord('"')
 _PAD: Final = ord("=")
 
@@ -89,7 +88,7 @@ def start(run: Runner, locality: Locality, buffer: MappedBuffer) -> StreamedWrit
     verified first; the text that arrived by then is decoded from
     ``buffer`` at once, the rest as it comes.
     """
-    head = buffer.head(HEAD_BYTES)
+    head = buffer.head(SINK_HEAD_BYTES)
     at = head.find(_NEEDLE)
     if at < 0:
         return None
