@@ -138,6 +138,15 @@ def is_uri(value: str) -> bool:
     return value.startswith(FILE_URI_PREFIX)
 
 
+#: Paths recently given to :func:`absolute_path` (at most this many, each
+#: at most this long) and what they gave: a client asks about the same
+#: paths again and again, and the checks and the URI's parse cost about
+#: 1-2 µs of a 10-15 µs inline ``fs/getMetadata``.
+_ABSOLUTE_CACHE_SIZE: Final = 1024
+_ABSOLUTE_CACHE_LENGTH: Final = 512
+_absolute_cache: dict[str, str] = {}
+
+
 def absolute_path(value: str, field: str = "path") -> str:
     """Validate an absolute path or ``file://`` URI; drop ``.`` and empty components.
 
@@ -145,6 +154,18 @@ def absolute_path(value: str, field: str = "path") -> str:
     them on the pool as the kernel would. A leading ``..`` is dropped
     (``/..`` is ``/``). Relative paths are ``-32602``.
     """
+    found = _absolute_cache.get(value)
+    if found is not None:
+        return found
+    result = _absolute_path(value, field)
+    if len(value) <= _ABSOLUTE_CACHE_LENGTH:
+        if len(_absolute_cache) >= _ABSOLUTE_CACHE_SIZE:
+            _absolute_cache.clear()
+        _absolute_cache[value] = result
+    return result
+
+
+def _absolute_path(value: str, field: str) -> str:
     if value.startswith(FILE_URI_PREFIX):
         value = uri_to_path(value, field)
     if not value.startswith("/"):
