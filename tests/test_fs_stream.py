@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from execserver import codec
 from execserver.codec import LineFramer, MappedBuffer, Oversized, StreamedLine
-from execserver.fs import stream
+from execserver.fs import ops, stream
 from execserver.fs.local import Locality
 from execserver.fs.pool import inline_runner
 from tests.fakes import Harness
@@ -297,7 +297,6 @@ def test_an_existing_target_keeps_its_mode_and_no_temporary_file_is_left(
         b'"},"x":}',
         b'"}',  # the envelope never closed
         b'","sandbox":{"mode":"workspace-write"}}}',  # a sandbox after the data
-        b'","offset":0}}',  # a range after the data
         b'","path":"@DIR@/sub/u"}}',  # another path (the last one counts), elsewhere
     ],
 )
@@ -316,11 +315,38 @@ def test_what_only_the_end_of_the_line_shows_gives_the_whole_line_answer(
     assert adoptions in ([], [False])  # ...without the streamed file
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("extra", [b'"offset":2', b'"offset":5,"truncate":true', b'"append":true'])
+def test_a_ranged_write_copies_the_streamed_bytes(
+    monkeypatch: pytest.MonkeyPatch, where: str, extra: bytes
+) -> None:
+    copied: list[int] = []
+    original = ops._copy_from
+
+    def copy_from(source: tuple[int, int], fd: int, offset: int | None) -> int:
+        copied.append(source[1])
+        return original(source, fd, offset)
+
+    monkeypatch.setattr(ops, "_copy_from", copy_from)
+    text = base64.b64encode(b"r" * 3000)
+    data = b'"dataBase64":"' + text + b'"'
+    fields = (
+        [b'"path":"@DIR@/t"', extra, data]
+        if where == "before"
+        else [b'"path":"@DIR@/t"', data, extra]
+    )
+    line = b'{"id":1,"method":"fs/writeFile","params":{' + b",".join(fields) + b"}}\n"
+    whole, streamed, count = both(line, [90, 2000], b"old")
+    assert count == 1
+    assert copied == [3000]  # the streamed bytes, not the text decoded again
+    assert streamed == whole
+    assert streamed[0] == [{"id": 1, "result": {}}]
+
+
 @pytest.mark.parametrize(
     "params",
     [
         b'{"path":"@DIR@/t","sandbox":{"mode":"workspace-write"},"dataBase64":"',
-        b'{"path":"@DIR@/t","offset":0,"dataBase64":"',
         b'{"dataBase64":"',  # no path before the data
         b'{"path":"@DIR@/../t","dataBase64":"',
     ],

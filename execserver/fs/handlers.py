@@ -249,13 +249,13 @@ class FileSystem:
             else:
                 done = self.run(ops.write_file, path, raw, streamed, owner=conn)
         else:
-            stream.discard(streamed)
             truncate = params.truncate is True
             args = (path, raw, params.offset, append, truncate)
             if guarded:
+                stream.discard(streamed)  # never streamed under a sandbox
                 done = self._guarded(conn, params.sandbox, (), writes, ops.write_range, *args)
             else:
-                done = self.run(ops.write_range, *args, owner=conn)
+                done = self.run(ops.write_range, *args, streamed, owner=conn)
         return done.addCallback(lambda _: p.Empty())
 
     def create_directory(self, conn: object, params: p.FsCreateDirectoryParams) -> Deferred[Any]:

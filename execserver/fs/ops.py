@@ -509,7 +509,12 @@ DECODE_WHOLE_TEXT_BYTES: Final = 16 * 1024 * 1024
 
 @oserrors
 def write_range(
-    path: str, raw: msgspec.Raw, offset: int | None, append: bool, truncate: bool
+    path: str,
+    raw: msgspec.Raw,
+    offset: int | None,
+    append: bool,
+    truncate: bool,
+    streamed: stream.StreamedWrite | None = None,
 ) -> None:
     """``fs/writeFile`` with ``offset`` or ``append``: write in place.
 
@@ -518,17 +523,41 @@ def write_range(
     end reads as zeros) or at its end with ``append``. Afterwards the file
     reaches at least the write's end; ``truncate`` with an offset ends it
     there. The file is created if missing; only a regular file is opened.
+    With ``streamed`` (:mod:`.stream`) complete, the text was checked and
+    decoded as it arrived: the bytes are copied from its file instead.
     """
+    try:
+        _write_range(path, raw, offset, append, truncate, streamed)
+    finally:
+        stream.discard(streamed)
+
+
+def _write_range(
+    path: str,
+    raw: msgspec.Raw,
+    offset: int | None,
+    append: bool,
+    truncate: bool,
+    streamed: stream.StreamedWrite | None,
+) -> None:
     path = resolve_path(path)
-    # Checked before anything is written: a range small enough to hold
-    # decoded is decoded once; a larger one is checked, then decoded again
-    # a slice at a time while written.
-    slow = b64.decode_whole(raw) if len(raw) <= DECODE_WHOLE_TEXT_BYTES else b64.validate(raw)
+    source = streamed.decoded() if streamed is not None else None
+    slow = None
+    if source is None:
+        # Checked before anything is written: a range small enough to hold
+        # decoded is decoded once; a larger one is checked, then decoded
+        # again a slice at a time while written.
+        small = len(raw) <= DECODE_WHOLE_TEXT_BYTES
+        slow = b64.decode_whole(raw) if small else b64.validate(raw)
     existed = _check_write_target(path) is not None
     extra = os.O_APPEND if append else 0
     fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"), extra)
     try:
-        written = _write_pieces(fd, raw, slow, None if append else offset or 0)
+        at = None if append else offset or 0
+        if source is not None:
+            written = _copy_from(source, fd, at)
+        else:
+            written = _write_pieces(fd, raw, slow, at)
         end = (offset or 0) + written
         # The file ends at the write's end with truncate, and reaches it in
         # any case (an empty write past the end extends the file too).
@@ -540,6 +569,21 @@ def write_range(
         raise
     finally:
         os.close(fd)
+
+
+def _copy_from(source: tuple[int, int], fd: int, offset: int | None) -> int:
+    """Copy the ``(descriptor, size)`` file's bytes into ``fd`` (at ``offset``, or
+    at its position); bytes written."""
+    source_fd, size = source
+    done = 0
+    while done < size:
+        piece = os.pread(source_fd, min(b64.B64_SLICE, size - done), done)
+        if not piece:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))  # (it never shrinks)
+        _write_all(fd, piece, None if offset is None else offset + done)
+        done += len(piece)
+        del piece
+    return done
 
 
 def _remove_created(path: str, fd: int) -> None:

@@ -68,9 +68,6 @@ class _HeadParams(msgspec.Struct, rename="camel"):
     path: str
     data_base64: str
     sandbox: Any = None
-    offset: Any = None
-    append: Any = None
-    truncate: Any = None
 
 
 class _Head(msgspec.Struct):
@@ -100,14 +97,7 @@ def start(run: Runner, locality: Locality, buffer: MappedBuffer) -> StreamedWrit
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     params = parsed.params
-    if (
-        parsed.method != p.FS_WRITE_FILE
-        or params.data_base64 != ""
-        or params.sandbox is not None
-        or params.offset is not None
-        or params.append is not None
-        or params.truncate is not None
-    ):
+    if parsed.method != p.FS_WRITE_FILE or params.data_base64 != "" or params.sandbox is not None:
         return None
     try:
         path = absolute_path(params.path)
@@ -258,6 +248,13 @@ class StreamedWrite:
         if self._failed or self._closing < 0:
             return None
         return self.opening, self._closing
+
+    def decoded(self) -> tuple[int, int] | None:
+        """``(descriptor, size)`` of the complete decoded data, or None; read it on
+        the pool, after the line ended (the descriptor stays this sink's)."""
+        if self._failed or self._closing < 0:
+            return None
+        return self.fd, self.size
 
     def abort(self) -> None:
         self._failed = True
