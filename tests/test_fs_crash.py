@@ -11,12 +11,15 @@ directory, and that server has removed the temporary file.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import select
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tests.raw_server import RawServer
@@ -82,6 +85,12 @@ def _kill_when(server: RawServer, request: int, condition: Callable[[], bool]) -
     raise AssertionError(f"the write was neither seen nor answered within {VISIBLE_WITHIN} s")
 
 
+def _send_quietly(server: RawServer, data: bytes) -> None:
+    """Send ``data``; a server killed meanwhile just ends the sending."""
+    with contextlib.suppress(OSError, ValueError):
+        server.send_raw(data)
+
+
 def _start(state: Path, monkeypatch: pytest.MonkeyPatch) -> RawServer:
     monkeypatch.setenv("EXECSERVER_STATE_DIR", str(state))
     server = RawServer()
@@ -131,10 +140,26 @@ def test_sigkill_during_an_atomic_write_keeps_the_old_file_and_the_next_server_r
         streamed = _unnamed_grown(server, directory)
         return streamed
 
-    for _attempt in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS):
         server = _start(state, monkeypatch)
-        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
-        if _kill_when(server, request, grown):
+        # Sent from a thread: a streamed write (docs/filesystem.md) is
+        # decoded while its line arrives, so it is under way only while
+        # the line is still being sent.
+        request = 1000 + attempt
+        line = msgspec.json.encode(
+            {
+                "id": request,
+                "method": "fs/writeFile",
+                "params": {"path": str(target), "dataBase64": NEW_TEXT},
+            }
+        )
+        sender = threading.Thread(target=_send_quietly, args=(server, line + b"\n"))
+        sender.start()
+        try:
+            killed = _kill_when(server, request, grown)
+        finally:
+            sender.join(VISIBLE_WITHIN)
+        if killed:
             break
         assert server.stop() == 0
         target.write_bytes(OLD)
