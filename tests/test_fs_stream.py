@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from twisted.internet.defer import Deferred
 
 from execserver import codec
 from execserver.codec import LineFramer, MappedBuffer, Oversized, StreamedLine
@@ -398,3 +399,39 @@ def test_replies_keep_their_order_around_a_streamed_write(adoptions: list[bool])
         assert [r["id"] for r in replies] == [1, 2, 3]
         assert replies[2]["result"]["dataBase64"] == text.decode()
         assert adoptions == [True]
+
+
+def test_a_file_opened_late_catches_up_a_slice_at_a_time(
+    adoptions: list[bool], tmp_path: Path
+) -> None:
+    """What arrived before the pool opened the file is decoded in slices, each checked."""
+    pending: list[tuple[Deferred[Any], Any, tuple[Any, ...]]] = []
+
+    def later(func: Any, *args: Any, owner: object = None) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        pending.append((d, func, args))
+        return d
+
+    harness = Harness()
+    harness.handshake()
+    harness.outbound.take()
+    framer = LineFramer(
+        1 << 30, LONG, sink_factory=functools.partial(stream.start, later, TrustAll())
+    )
+    data = os.urandom(3 * stream.TEXT_SLICE)  # 3/4 of it arrives before the file opens
+    line = b'{"id":1,"method":"fs/writeFile","params":{"path":"%s/t","dataBase64":"%s"}}\n' % (
+        str(tmp_path).encode(),
+        base64.b64encode(data),
+    )
+    three_quarters = len(line) * 3 // 4
+    assert framer.feed(line[:three_quarters]) == []
+    assert len(pending) == 1
+    d, func, args = pending.pop()
+    d.callback(func(*args))  # opened: the catch-up, 3 slices
+    items = framer.feed(line[three_quarters:])
+    assert len(items) == 1 and isinstance(items[0], StreamedLine)
+    harness.conn.message_received(items[0])
+    assert harness.outbound.take() == [{"id": 1, "result": {}}]
+    assert adoptions == [True]
+    assert (tmp_path / "t").read_bytes() == data
+    assert list(tmp_path.iterdir()) == [tmp_path / "t"]

@@ -53,14 +53,15 @@ from execserver import protocol as p
 from execserver.codec import SINK_HEAD_BYTES, MappedBuffer
 from execserver.errors import RpcError
 from execserver.fs import local
-from execserver.fs.b64 import noncanonical_tail
+from execserver.fs.b64 import B64_SLICE, noncanonical_tail
 from execserver.fs.local import Locality
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
 
 #: What precedes the data (looked for in a line's first SINK_HEAD_BYTES).
 _NEEDLE: Final = b'"dataBase64":"'
-_QUOTE: Final = ord('"')
+#: Base64 text decoded per call (a multiple of 4: B64_SLICE bytes decoded).
+TEXT_SLICE: Final = B64_SLICE // 3 * 4
 _PAD: Final = ord("=")
 
 
@@ -227,20 +228,26 @@ class StreamedWrite:
             if stop <= self._decoded:
                 return
         try:
-            with buffer.view(self._decoded, stop) as text:
-                if closing < 0 and text[-1] == _PAD:
-                    raise ValueError("padding before the end")
-                data = pybase64.b64decode(text, validate=True)
-                if closing >= 0 and len(text) and noncanonical_tail(bytes(text[-4:]), data):
-                    raise ValueError("non-canonical trailing bits")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.fd, view) :]
+            while self._decoded < stop:
+                # A slice at a time: a catch-up after the file opened late
+                # holds one decoded slice, not all that arrived meanwhile.
+                piece_stop = min(stop, self._decoded + TEXT_SLICE)
+                ends = closing >= 0 and piece_stop == stop
+                with buffer.view(self._decoded, piece_stop) as text:
+                    if not ends and text[-1] == _PAD:
+                        raise ValueError("padding before the end")
+                    data = pybase64.b64decode(text, validate=True)
+                    if ends and len(text) and noncanonical_tail(bytes(text[-4:]), data):
+                        raise ValueError("non-canonical trailing bits")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.fd, view) :]
+                self.size += len(data)
+                self._decoded = piece_stop
+                del data, view
         except (binascii.Error, ValueError, OSError):
             self.abort()  # the whole-line path gives the answer
             return
-        self.size += len(data)
-        self._decoded = stop
         if closing >= 0:
             self._closing = closing
 
