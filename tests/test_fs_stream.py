@@ -435,3 +435,22 @@ def test_a_file_opened_late_catches_up_a_slice_at_a_time(
     assert adoptions == [True]
     assert (tmp_path / "t").read_bytes() == data
     assert list(tmp_path.iterdir()) == [tmp_path / "t"]
+
+
+@pytest.mark.parametrize("cuts", [[], [90, 200]])
+def test_invalid_utf8_in_the_data_is_invalid_params_not_an_internal_error(cuts: list[int]) -> None:
+    """Found by the property test above: the exact decoder's msgspec.DecodeError escaped
+    (an internal error, logged) on both paths."""
+    text = base64.b64encode(b"x" * 300)
+    line = (
+        b'{"id":1,"method":"fs/writeFile","params":{"path":"@DIR@/t","dataBase64":"'
+        + text[:100]
+        + b"\xc3"
+        + text[100:]
+        + b'"}}\n'
+    )
+    whole, streamed, _ = both(line, cuts, None)
+    assert streamed == whole
+    replies, files = whole
+    assert files == {}
+    assert [r["error"]["code"] for r in replies] == [-32602]

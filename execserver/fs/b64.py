@@ -148,6 +148,10 @@ def decode_slow(raw: msgspec.Raw) -> bytes:
         value = msgspec.json.decode(raw, type=str)
     except msgspec.ValidationError as exc:
         raise RpcError.invalid_params(f"{exc} - at `$.dataBase64`") from None
+    except msgspec.DecodeError as exc:
+        # Invalid UTF-8 in the string (the envelope's parse leaves params
+        # raw): what a typed decode of the params says (codec.decode_params).
+        raise RpcError.invalid_params(str(exc)) from None
     encoded = value.encode("utf-8")
     problem = rust_base64_error(encoded)
     if problem is not None:
