@@ -62,8 +62,18 @@ METADATA: Final = b'{"id":%d,"method":"fs/getMetadata","params":{"path":"file://
 GOALS: Final = {"metadata": 1.5, "write": 2.0, "write/fsync": 0.5}
 
 
-def ours() -> StdioClient:
-    client = StdioClient(["--max-message-bytes", str(1024 * MiB)])
+def ours(tree: str | None = None) -> StdioClient:
+    """This server (or, with ``tree``, the one of that source tree)."""
+    saved = os.environ.get("BENCH_SERVER_ROOT")
+    if tree is not None:
+        os.environ["BENCH_SERVER_ROOT"] = tree
+    try:
+        client = StdioClient(["--max-message-bytes", str(1024 * MiB)])
+    finally:
+        if saved is None:
+            os.environ.pop("BENCH_SERVER_ROOT", None)
+        else:
+            os.environ["BENCH_SERVER_ROOT"] = saved
     client.initialize()
     return client
 
@@ -151,7 +161,9 @@ def limits(work: Path, data: bytes, text: bytes) -> tuple[float, float, float]:
     return max(copies), max(decodes), max(writes)
 
 
-def run(work: Path, rounds: int, count: int, size: int, blocks: int = 10) -> list[Ratio]:
+def run(
+    work: Path, rounds: int, count: int, size: int, blocks: int = 10, before: str | None = None
+) -> list[Ratio]:
     home = work / "codex-home"
     home.mkdir(exist_ok=True)
     data = os.urandom(size)
@@ -168,6 +180,8 @@ def run(work: Path, rounds: int, count: int, size: int, blocks: int = 10) -> lis
             "ours w",
             "ref w",
             "ours w cpu",
+            "before w",
+            "before w cpu",
             "ref w cpu",
             "copy",
             "decode",
@@ -175,35 +189,59 @@ def run(work: Path, rounds: int, count: int, size: int, blocks: int = 10) -> lis
         )
     }
     echo_argv = [sys.executable, str(ECHO_SERVER)]
-    with ours() as mine, reference(home) as theirs, StdioClient(argv=echo_argv) as echo:
-        for client in (mine, theirs):
-            pipelined_rate(client, 500, 1, METADATA)  # warm up (the pool, the caches)
-        pipelined_rate(echo, 500, 1, ECHO_METADATA)
-        for _ in range(rounds):
-            (rate, cpu), (ref_rate, ref_cpu), (echo_rate, echo_cpu) = metadata_round(
-                (mine, theirs, echo), count, blocks
-            )
-            series["echo md"].append(echo_rate)
-            series["echo md cpu"].append(echo_cpu)
-            series["ours md"].append(rate)
-            series["ref md"].append(ref_rate)
-            series["ours md cpu"].append(cpu)
-            series["ref md cpu"].append(ref_cpu)
-            for key, client, name in ((("ours w", mine, "ours.bin")), ("ref w", theirs, "ref.bin")):
-                before = client.cpu_seconds()
-                series[key].append(write_rate(client, work / name, text, size))
-                series[key + " cpu"].append((client.cpu_seconds() - before) * 1e3)
-            copy, decode, fsync = limits(work, data, text)
-            series["copy"].append(copy)
-            series["decode"].append(decode)
-            series["fsync"].append(fsync)
+    earlier = ours(before) if before is not None else None
+    try:
+        with ours() as mine, reference(home) as theirs, StdioClient(argv=echo_argv) as echo:
+            for client in (mine, theirs):
+                pipelined_rate(client, 500, 1, METADATA)  # warm up (the pool, the caches)
+            pipelined_rate(echo, 500, 1, ECHO_METADATA)
+            for _ in range(rounds):
+                (rate, cpu), (ref_rate, ref_cpu), (echo_rate, echo_cpu) = metadata_round(
+                    (mine, theirs, echo), count, blocks
+                )
+                series["echo md"].append(echo_rate)
+                series["echo md cpu"].append(echo_cpu)
+                series["ours md"].append(rate)
+                series["ref md"].append(ref_rate)
+                series["ours md cpu"].append(cpu)
+                series["ref md cpu"].append(ref_cpu)
+                writers = [("ours w", mine, "ours.bin"), ("ref w", theirs, "ref.bin")]
+                if earlier is not None:
+                    writers.append(("before w", earlier, "before.bin"))
+                for key, client, name in writers:
+                    cpu_before = client.cpu_seconds()
+                    series[key].append(write_rate(client, work / name, text, size))
+                    series[key + " cpu"].append((client.cpu_seconds() - cpu_before) * 1e3)
+                copy, decode, fsync = limits(work, data, text)
+                series["copy"].append(copy)
+                series["decode"].append(decode)
+                series["fsync"].append(fsync)
+    finally:
+        if earlier is not None:
+            earlier.close()
     mib = size // MiB
 
     def s(key: str, name: str, unit: str) -> Series:
         return Series(name, unit, tuple(series[key]))
 
     ours_w = s("ours w", f"exec-server fs/writeFile {mib} MiB", "MiB/s")
+    compared = []
+    if earlier is not None:
+        compared = [
+            Ratio(
+                f"fs/writeFile {mib} MiB over stdio (exec-server / exec-server --before)",
+                ours_w,
+                s("before w", f"exec-server --before fs/writeFile {mib} MiB", "MiB/s"),
+            ),
+            Ratio(
+                f"fs/writeFile {mib} MiB, server CPU per write (exec-server / --before)",
+                s("ours w cpu", f"exec-server CPU per {mib} MiB fs/writeFile", "ms"),
+                s("before w cpu", f"exec-server --before CPU per {mib} MiB fs/writeFile", "ms"),
+                lower_is_better=True,
+            ),
+        ]
     return [
+        *compared,
         Ratio(
             "fs/getMetadata round trips, depth 1 (exec-server / reference)",
             s("ours md", "exec-server fs/getMetadata depth 1", "req/s"),
@@ -270,18 +308,24 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=10, help="alternating blocks a round")
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--work", type=Path, default=None, help="directory written in")
+    parser.add_argument(
+        "--before",
+        default=None,
+        help="source tree of an earlier version (e.g. a git archive): its writes are measured "
+        "in the same rounds",
+    )
     args = parser.parse_args()
     print_header(f"against the reference ({os.cpu_count()} CPUs)")
     work = Path(tempfile.mkdtemp(prefix="bench-reference-", dir=args.work or Path.cwd()))
     try:
-        results = run(work, args.rounds, args.count, args.mib * MiB, args.blocks)
+        results = run(work, args.rounds, args.count, args.mib * MiB, args.blocks, args.before)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for ratio in results:
         print(ratio.value.describe())
         print(ratio.baseline.describe())
         print(ratio.describe(), flush=True)
-    paired = results[0].paired_ratios
+    paired = next(r for r in results if "getMetadata" in r.name).paired_ratios
     print(
         f"fs/getMetadata depth 1, per-round ratios: min {min(paired):.3f}, "
         f"median {statistics.median(paired):.3f}, max {max(paired):.3f}",

@@ -18,10 +18,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
 import secrets
-from typing import Any, Final, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 import msgspec
@@ -95,12 +97,81 @@ class MappedBuffer:
         buffer[self.size : end] = data
         self.size = end
 
+    @property
+    def taken(self) -> bool:
+        """Whether :meth:`take` has handed the content over."""
+        return self._map is None
+
+    def head(self, size: int) -> bytes:
+        """A copy of the first ``size`` bytes (fewer if it holds fewer)."""
+        assert self._map is not None, "head after take"
+        return self._map[: min(size, self.size)]
+
+    def find(self, sub: bytes, start: int, end: int) -> int:
+        """``mmap.find`` over the content (a ``memchr`` for one byte)."""
+        assert self._map is not None, "find after take"
+        return self._map.find(sub, start, min(end, self.size))
+
+    @contextlib.contextmanager
+    def view(self, start: int, stop: int) -> Iterator[memoryview]:
+        """The content's bytes ``start:stop``, in place; released on exit
+        (a view held would stop the mapping from growing)."""
+        assert self._map is not None, "view after take"
+        with memoryview(self._map) as whole, whole[start : min(stop, self.size)] as part:
+            yield part
+
     def take(self) -> memoryview:
         """The content; the buffer is then empty and unusable."""
         buffer = self._map
         assert buffer is not None, "take twice"
         self._map = None
         return memoryview(buffer)[: self.size]
+
+
+class LongLineSink(Protocol):
+    """Consumes a long line's bytes as they arrive (the streamed ``fs/writeFile`` decode).
+
+    :meth:`advance` is called after each append to the line's
+    :class:`MappedBuffer` (never holding a view of it, which would stop the
+    mapping from growing); :meth:`abort` when the line is dropped or the
+    sink is not used. Neither raises.
+    """
+
+    #: The method of the requests this sink's lines are meant to be.
+    method: str
+
+    def advance(self, buffer: MappedBuffer) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def span(self) -> tuple[int, int] | None:
+        """Offsets of the quotes around the string consumed, once it ended validly."""
+
+
+#: A line is offered to the sink factory when it turns long, and again
+#: after each append while it was shorter than this (its head may have
+#: been incomplete).
+SINK_HEAD_BYTES: Final = 64 * 1024
+
+#: Called when a line turns long, with its buffer so far: a sink, or None.
+SinkFactory = Callable[[MappedBuffer], LongLineSink | None]
+
+
+class StreamedLine:
+    """A long line handed over with the sink that consumed it as it arrived.
+
+    ``line`` is what the framer would have handed over without a sink.
+    """
+
+    __slots__ = ("line", "sink")
+
+    def __init__(self, line: memoryview, sink: LongLineSink) -> None:
+        self.line = line
+        self.sink = sink
+
+
+#: What :class:`LineFramer` hands over.
+Framed = Line | Oversized | StreamedLine
 
 
 class LineFramer:
@@ -120,15 +191,29 @@ class LineFramer:
 
     The lines of a read of up to ``split_max_bytes`` are cut with one
     ``split`` (many small requests); a larger read with a find per line.
+
+    With ``sink_factory`` too, a line that turns long is offered to it; a
+    sink it returns sees every later append (:class:`LongLineSink`) and the
+    line is handed over as a :class:`StreamedLine`.
     """
 
-    __slots__ = ("_discarding", "_long", "_long_after", "_max", "_partial", "_split_max")
+    __slots__ = (
+        "_discarding",
+        "_long",
+        "_long_after",
+        "_max",
+        "_partial",
+        "_sink",
+        "_sink_factory",
+        "_split_max",
+    )
 
     def __init__(
         self,
         max_line_bytes: int,
         long_line_bytes: int | None = None,
         split_max_bytes: int = _SPLIT_MAX_BYTES,
+        sink_factory: SinkFactory | None = None,
     ) -> None:
         self._max = max_line_bytes
         self._split_max = split_max_bytes
@@ -136,6 +221,8 @@ class LineFramer:
         self._discarding = False
         self._long_after = long_line_bytes
         self._long: MappedBuffer | None = None
+        self._sink_factory = sink_factory
+        self._sink: LongLineSink | None = None
 
     @property
     def buffered_bytes(self) -> int:
@@ -144,24 +231,42 @@ class LineFramer:
 
     def _append_long(self, data: bytes | bytearray | memoryview) -> None:
         """Append to the mapped line, moving the line there first if needed."""
-        if self._long is None:
-            self._long = MappedBuffer(2 * (len(self._partial) + len(data)))
-            self._long.append(self._partial)
+        long = self._long
+        if long is None:
+            long = self._long = MappedBuffer(2 * (len(self._partial) + len(data)))
+            long.append(self._partial)
             self._partial = bytearray()
-        self._long.append(data)
+            long.append(data)
+            if self._sink_factory is not None:
+                self._sink = self._sink_factory(long)
+                return  # (a new sink has seen all)
+        else:
+            long.append(data)
+        if self._sink is not None:
+            self._sink.advance(long)
+        elif self._sink_factory is not None and long.size - len(data) < SINK_HEAD_BYTES:
+            # The head may have been incomplete at the last offer.
+            self._sink = self._sink_factory(long)
 
-    def _take_long(self) -> memoryview:
+    def _take_long(self) -> memoryview | StreamedLine:
         assert self._long is not None
         line = self._long.take()
         self._long = None
-        return line
+        sink = self._sink
+        if sink is None:
+            return line
+        self._sink = None
+        return StreamedLine(line, sink)
 
     def _drop_partial(self) -> None:
         self._partial = bytearray()
         self._long = None
+        if self._sink is not None:
+            self._sink.abort()
+            self._sink = None
 
-    def feed(self, data: bytes) -> list[Line | Oversized]:
-        out: list[Line | Oversized] = []
+    def feed(self, data: bytes) -> list[Framed]:
+        out: list[Framed] = []
         start = 0
         if self._discarding or self._partial or self._long is not None:
             # The first newline ends the line begun in an earlier read.
@@ -172,7 +277,7 @@ class LineFramer:
             if self._discarding:
                 self._discarding = False
             else:
-                line: Line
+                line: Line | StreamedLine
                 if self._long is not None:
                     self._append_long(memoryview(data)[:nl])
                     line = self._take_long()
@@ -209,7 +314,7 @@ class LineFramer:
             self._hold(rest, out)
         return out
 
-    def _hold(self, rest: bytes | memoryview, out: list[Line | Oversized]) -> None:
+    def _hold(self, rest: bytes | memoryview, out: list[Framed]) -> None:
         """Keep ``rest``, the start of a line whose newline has not arrived."""
         if self._discarding:
             return
@@ -228,9 +333,9 @@ class LineFramer:
         else:
             self._partial += rest
 
-    def finish(self) -> list[Line | Oversized]:
+    def finish(self) -> list[Framed]:
         """End of stream: a final line without a newline still counts."""
-        out: list[Line | Oversized] = []
+        out: list[Framed] = []
         if not self._discarding:
             if self._long is not None:
                 self._emit(self._take_long(), out)
@@ -240,7 +345,17 @@ class LineFramer:
         self._discarding = False
         return out
 
-    def _emit(self, line: Line, out: list[Line | Oversized]) -> None:
+    def _emit(self, line: Line | StreamedLine, out: list[Framed]) -> None:
+        if isinstance(line, StreamedLine):
+            view = line.line
+            if len(view) and view[-1] == 13:  # \r
+                line.line = view[:-1]
+            if len(line.line) > self._max:
+                line.sink.abort()
+                out.append(OVERSIZED)
+            else:
+                out.append(line)  # a long line: never blank
+            return
         if isinstance(line, memoryview):
             if len(line) and line[-1] == 13:  # \r
                 line = line[:-1]
@@ -445,7 +560,11 @@ def long_string_span(line: Line, key: bytes) -> tuple[int, int] | None:
 
 
 def decode_long_params(
-    line: Line, raw: msgspec.Raw | None, params_type: type[T], key: str, attribute: str
+    line: Line | StreamedLine,
+    raw: msgspec.Raw | None,
+    params_type: type[T],
+    key: str,
+    attribute: str,
 ) -> T:
     """:func:`decode_params` of ``raw`` (the params of the already parsed ``line``),
     without parsing the string value of ``key`` (field ``attribute``, a
@@ -459,7 +578,13 @@ def decode_long_params(
     :func:`decode_params` gives: whenever the cut is not certainly the
     field's value (the parser did not take the stand-in from there), or
     the copy does not decode, ``raw`` is decoded in full.
+
+    A :class:`StreamedLine` (``raw`` from :func:`decode_streamed`) is
+    decoded from the copy already parsed, with the sink attached to the
+    result as ``streamed`` (``params_type`` has ``dict=True``).
     """
+    if isinstance(line, StreamedLine):
+        return _streamed_params(line, raw, params_type, key, attribute)
     span = None
     if raw is not None and len(raw) >= LONG_PARAMS_BYTES:
         span = long_string_span(line, key.encode())
@@ -480,6 +605,66 @@ def decode_long_params(
     data = msgspec.Raw(view[opening : closing + 1])  # a view: no copy
     # (params is a Struct: params_type declares a long string only then.)
     return msgspec.structs.replace(params, **{attribute: data})  # type: ignore[type-var]
+
+
+def _cut(line: memoryview, span: tuple[int, int]) -> bytes:
+    opening, closing = span
+    return b"".join((line[:opening], _STAND_IN, line[closing + 1 :]))
+
+
+def decode_streamed(line: StreamedLine) -> IncomingRequest | None:
+    """The request ``line`` is, parsed with its consumed string cut out; None if not usable.
+
+    The sink checked that every byte between the quotes of :meth:`span` is
+    base64 text (no quote, no backslash, ASCII): the line is valid JSON
+    exactly when the copy with that string replaced by the stand-in is, so
+    this parse of the copy validates the whole line. None (the caller then
+    decodes ``line.line`` as any line, for the exact answer) when the sink
+    did not end validly, the copy does not parse, or it is not a request
+    for the sink's method.
+    """
+    span = line.sink.span()
+    if span is None:
+        return None
+    try:
+        env = _envelope_decoder.decode(_cut(line.line, span))
+    except Exception:  # the full decode gives the exact error
+        return None
+    msg_id = env.id
+    if (
+        env.method != line.sink.method
+        or not isinstance(msg_id, int | str)
+        or (isinstance(msg_id, str) and _STAND_IN[1:-1].decode() in msg_id)
+        or not isinstance(env.params, msgspec.Raw)
+    ):
+        return None
+    return IncomingRequest(msg_id, env.method, env.params)
+
+
+def _streamed_params(
+    line: StreamedLine, raw: msgspec.Raw | None, params_type: type[T], key: str, attribute: str
+) -> T:
+    """:func:`decode_long_params` for a request from :func:`decode_streamed` (``raw``: the
+    params of the copy). The result carries the sink as ``streamed``."""
+    span = line.sink.span()
+    try:
+        assert span is not None
+        params = decode_as(raw, params_type)
+        value = getattr(params, attribute, None)
+        if not isinstance(value, msgspec.Raw) or bytes(value) != _STAND_IN:
+            raise ValueError("the consumed string is not the field")
+        opening, closing = span
+        data = msgspec.Raw(line.line[opening : closing + 1])
+        params = msgspec.structs.replace(params, **{attribute: data})  # type: ignore[type-var]
+        params.streamed = line.sink  # type: ignore[attr-defined]
+    except Exception:
+        # Not the field, or the params do not decode: the line's own
+        # params give the exact answer (the sink is not used).
+        line.sink.abort()
+        full = _envelope_decoder.decode(line.line)
+        whole = full.params if isinstance(full.params, msgspec.Raw) else None
+        return decode_long_params(line.line, whole, params_type, key, attribute)
+    return params
 
 
 _encoder: Final = msgspec.json.Encoder()

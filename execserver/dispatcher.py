@@ -237,6 +237,9 @@ class Dispatcher:
         #: (``app.Application``: the fs methods' state, the sandbox), for the
         #: modules that report on it (``/metrics``); opaque here.
         self.application: object = None
+        #: Offered every long incoming line (codec.LineFramer's sink_factory):
+        #: the streamed fs/writeFile decode, set by the fs routes.
+        self.long_line_sink: codec.SinkFactory | None = None
 
     def add_route(
         self, method: str, params_type: type[Any], handler: Handler, family: str | None = "exec"
@@ -336,8 +339,14 @@ class Connection:
 
     # --- incoming ---------------------------------------------------------------
 
-    def message_received(self, data: bytes | bytearray | memoryview | str) -> None:
+    def message_received(
+        self, data: bytes | bytearray | memoryview | str | codec.StreamedLine
+    ) -> None:
         """Handle one complete message (one line, one frame)."""
+        if isinstance(data, codec.StreamedLine):
+            if self._streamed_received(data):
+                return
+            data = data.line  # decoded as any line: the exact answer
         if not self._open:
             return
         try:
@@ -360,6 +369,16 @@ class Connection:
         else:
             kind = "error" if incoming.is_error else "response"
             self._violation(f"unexpected client {kind} for request id {incoming.id!r}")
+
+    def _streamed_received(self, line: codec.StreamedLine) -> bool:
+        """Handle a long fs/writeFile whose data was decoded as it arrived, if it is one."""
+        req = codec.decode_streamed(line) if self._open else None
+        route = self.dispatcher.routes.get(req.method) if req is not None else None
+        if req is None or route is None or not hasattr(route.params_type, "long_string"):
+            line.sink.abort()
+            return False
+        self._handle_request(req, line)
+        return True
 
     def oversized_message(self) -> None:
         """The transport dropped a message larger than ``max_message_bytes``."""
@@ -384,7 +403,9 @@ class Connection:
         self.initialized = True
 
     def _handle_request(
-        self, req: codec.IncomingRequest, line: bytes | bytearray | memoryview | str = b""
+        self,
+        req: codec.IncomingRequest,
+        line: bytes | bytearray | memoryview | str | codec.StreamedLine = b"",
     ) -> None:
         route = self.dispatcher.routes.get(req.method)
         if (

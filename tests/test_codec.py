@@ -39,10 +39,8 @@ def model_lines(stream: bytes, max_line: int) -> list[codec.Line | Oversized]:
     return out
 
 
-def feed_in_pieces(
-    framer: LineFramer, stream: bytes, cuts: list[int]
-) -> list[codec.Line | Oversized]:
-    out: list[codec.Line | Oversized] = []
+def feed_in_pieces(framer: LineFramer, stream: bytes, cuts: list[int]) -> list[codec.Framed]:
+    out: list[codec.Framed] = []
     last = 0
     for cut in [*sorted(set(cuts)), len(stream)]:
         out.extend(framer.feed(stream[last:cut]))
@@ -127,7 +125,7 @@ def test_a_long_line_across_reads_is_handed_over_from_a_mapping() -> None:
     framer = LineFramer(64 * 1024 * 1024, long_line_bytes=256 * 1024)
     body = bytes(range(256)).replace(b"\n", b"") * 40_000  # ~10 MiB: grows past 4 MiB
     read = 64 * 1024
-    out: list[codec.Line | Oversized] = []
+    out: list[codec.Framed] = []
     stream = body + b"\r\n{}\n"
     for start in range(0, len(stream), read):
         out += framer.feed(stream[start : start + read])
@@ -163,7 +161,7 @@ def test_blank_and_crlf_lines() -> None:
 
 def test_oversized_line_is_reported_once_and_the_stream_resynchronises() -> None:
     framer = LineFramer(10)
-    out: list[codec.Line | Oversized] = []
+    out: list[codec.Framed] = []
     out += framer.feed(b'{"ok":1}\n' + b"z" * 8)
     out += framer.feed(b"z" * 8)  # crosses the limit here
     out += framer.feed(b"z" * 1000)

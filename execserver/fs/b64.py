@@ -88,7 +88,7 @@ _B64_VALUES: Final = {
 }
 
 
-def _noncanonical_tail(tail: bytes, decoded: bytes | bytearray) -> bool:
+def noncanonical_tail(tail: bytes, decoded: bytes | bytearray) -> bool:
     """Whether a padded last quad carries set bits that decoding drops (``YR==``)."""
     leftover = len(decoded) % 3
     if not tail.endswith(b"=") or not leftover:
@@ -134,7 +134,7 @@ def decoded_pieces(raw: msgspec.Raw) -> Iterator[bytes]:
             piece = pybase64.b64decode(chunk, validate=True)
         except (binascii.Error, ValueError):
             raise NotFast from None
-        if last and _noncanonical_tail(bytes(chunk[-4:]), piece):
+        if last and noncanonical_tail(bytes(chunk[-4:]), piece):
             raise NotFast  # non-canonical trailing bits: the slow path names them
         yield piece
         # Not held while the next slice is decoded (nor by the caller's loop
@@ -148,6 +148,10 @@ def decode_slow(raw: msgspec.Raw) -> bytes:
         value = msgspec.json.decode(raw, type=str)
     except msgspec.ValidationError as exc:
         raise RpcError.invalid_params(f"{exc} - at `$.dataBase64`") from None
+    except msgspec.DecodeError as exc:
+        # Invalid UTF-8 in the string (the envelope's parse leaves params
+        # raw): what a typed decode of the params says (codec.decode_params).
+        raise RpcError.invalid_params(str(exc)) from None
     encoded = value.encode("utf-8")
     problem = rust_base64_error(encoded)
     if problem is not None:
@@ -184,7 +188,7 @@ def decode_whole(raw: msgspec.Raw) -> bytes:
         except (binascii.Error, ValueError):
             pass
         else:
-            if not text or not _noncanonical_tail(bytes(text[-4:]), data):
+            if not text or not noncanonical_tail(bytes(text[-4:]), data):
                 return data
     return decode_slow(raw)
 

@@ -7,6 +7,7 @@ the fs package without an import cycle.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -19,7 +20,7 @@ from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
-from execserver.fs import journal, local, ops
+from execserver.fs import journal, local, ops, stream
 from execserver.fs.budget import Charge, Charged, ReplyBudget
 from execserver.fs.local import Locality
 from execserver.fs.paths import FAMILY, absolute_path, invalid
@@ -39,10 +40,12 @@ class ReadFileWire(msgspec.Struct, rename="camel"):
     sandbox: p.SandboxConfig | None = None
 
 
-class WriteFileWire(msgspec.Struct, rename="camel"):
+class WriteFileWire(msgspec.Struct, rename="camel", dict=True):
     """fs/writeFile params as received: ``dataBase64`` stays raw until decoded on the pool.
 
     ``offset``, ``append`` and ``truncate`` are extensions (in-place writes).
+    A streamed line's params carry its sink as the attribute ``streamed``
+    (:mod:`execserver.fs.stream`; not a wire field).
     """
 
     #: (key, field) of the long string the dispatcher does not parse twice
@@ -214,6 +217,16 @@ class FileSystem:
         return self.run(_verified, self.locality, directory, func, *args, owner=owner)
 
     def write_file(self, conn: object, params: WriteFileWire) -> Deferred[Any]:
+        streamed: stream.StreamedWrite | None = params.__dict__.pop("streamed", None)
+        try:
+            return self._write_file(conn, params, streamed)
+        except BaseException:
+            stream.discard(streamed)
+            raise
+
+    def _write_file(
+        self, conn: object, params: WriteFileWire, streamed: stream.StreamedWrite | None
+    ) -> Deferred[Any]:
         path = absolute_path(params.path)
         raw = params.data_base64
         if bytes(memoryview(raw)[:1]) != b'"':
@@ -231,16 +244,18 @@ class FileSystem:
         guarded = self.guard.applies(params.sandbox)
         if params.offset is None and not append:
             if guarded:
+                stream.discard(streamed)  # never streamed under a sandbox
                 done = self._guarded(conn, params.sandbox, (), writes, ops.write_file, path, raw)
             else:
-                done = self.run(ops.write_file, path, raw, owner=conn)
+                done = self.run(ops.write_file, path, raw, streamed, owner=conn)
         else:
             truncate = params.truncate is True
             args = (path, raw, params.offset, append, truncate)
             if guarded:
+                stream.discard(streamed)  # never streamed under a sandbox
                 done = self._guarded(conn, params.sandbox, (), writes, ops.write_range, *args)
             else:
-                done = self.run(ops.write_range, *args, owner=conn)
+                done = self.run(ops.write_range, *args, streamed, owner=conn)
         return done.addCallback(lambda _: p.Empty())
 
     def create_directory(self, conn: object, params: p.FsCreateDirectoryParams) -> Deferred[Any]:
@@ -370,6 +385,16 @@ def register(
     fs = FileSystem(
         config.max_read_file_bytes, run, budget, pool, locality, fsguard.Guard(floor=sandbox_floor)
     )
+    if (
+        pool is not None
+        and locality is not None
+        and (sandbox_floor is None or not sandbox_floor.confined)
+        and hasattr(dispatcher, "long_line_sink")  # (a Dispatcher; not every Router)
+    ):
+        # Long fs/writeFile lines are decoded as they arrive (fs/stream.py).
+        setattr(  # noqa: B010
+            dispatcher, "long_line_sink", functools.partial(stream.start, pool, locality)
+        )
     dispatcher.add_route(p.FS_READ_FILE, ReadFileWire, fs.read_file, FAMILY)
     dispatcher.add_route(p.FS_WRITE_FILE, WriteFileWire, fs.write_file, FAMILY)
     dispatcher.add_route(

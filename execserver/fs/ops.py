@@ -27,7 +27,7 @@ import pybase64
 from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.errors import RpcError
-from execserver.fs import b64
+from execserver.fs import b64, stream
 from execserver.fs.journal import copy_back, journal
 from execserver.fs.paths import (
     ROOT_MESSAGE,
@@ -315,18 +315,22 @@ def _check_write_target(path: str) -> os.stat_result | None:
 
 
 @oserrors
-def write_file(path: str, raw: msgspec.Raw) -> None:
+def write_file(path: str, raw: msgspec.Raw, streamed: stream.StreamedWrite | None = None) -> None:
     """``fs/writeFile`` without a range: atomic replacement (see docs/filesystem.md).
 
-    The text is decoded a slice at a time straight into the temporary file.
+    The text is decoded a slice at a time straight into the temporary file,
+    or was already, as the line arrived (``streamed``, :mod:`.stream`: that
+    file is used if it was written in the target's directory, else closed).
     On any failure the text's own error, if it has one, is reported instead,
     as the reference (which decodes before anything else) would.
     """
     try:
-        _write_file(path, raw)
+        _write_file(path, raw, streamed)
     except (OSError, RpcError):
         b64.validate(raw)  # raises the text's error, which comes first
         raise
+    finally:
+        stream.discard(streamed)  # (a no-op once adopted)
 
 
 def _fill(fd: int, raw: msgspec.Raw) -> int:
@@ -354,7 +358,7 @@ def _create_temp(directory: str) -> tuple[str, int] | None:
     return temp, fd
 
 
-def _write_file(path: str, raw: msgspec.Raw) -> None:
+def _write_file(path: str, raw: msgspec.Raw, streamed: stream.StreamedWrite | None) -> None:
     path = resolve_path(path)
     st = _check_write_target(path)
     # A symlink at the path is followed: its final target is replaced.
@@ -363,7 +367,18 @@ def _write_file(path: str, raw: msgspec.Raw) -> None:
     # Hard links: renaming would detach this name from the others, so the
     # new bytes are copied back into the same inode (under the journal).
     replace = st is None or st.st_nlink == 1
-    created = _create_temp(directory)
+    filled = -1
+    created: tuple[str, int] | None = None
+    if streamed is not None:
+        # Named as _create_temp would have created it; an existing target's
+        # copy is private until its owner and mode are given below.
+        temp = journal().temp_path(directory)
+        fd = streamed.adopt(directory, st is not None, temp)
+        if fd is not None:
+            created = temp, fd
+            filled = streamed.size
+    if created is None:
+        created = _create_temp(directory)
     if created is None:
         # The directory is not writable: the temporary file goes to the
         # state directory, and the target is written in place from it.
@@ -383,7 +398,7 @@ def _write_file(path: str, raw: msgspec.Raw) -> None:
             replace = _keep_owner_and_mode(fd, st)
         if not replace:
             os.fchmod(fd, 0o600)  # only a copy of bytes for the target's own inode
-        size = _fill(fd, raw)
+        size = _fill(fd, raw) if filled < 0 else filled
         if replace and st is not None:
             replace = _keep_attributes(fd, target, st)
         if replace:
@@ -494,7 +509,12 @@ DECODE_WHOLE_TEXT_BYTES: Final = 16 * 1024 * 1024
 
 @oserrors
 def write_range(
-    path: str, raw: msgspec.Raw, offset: int | None, append: bool, truncate: bool
+    path: str,
+    raw: msgspec.Raw,
+    offset: int | None,
+    append: bool,
+    truncate: bool,
+    streamed: stream.StreamedWrite | None = None,
 ) -> None:
     """``fs/writeFile`` with ``offset`` or ``append``: write in place.
 
@@ -503,17 +523,41 @@ def write_range(
     end reads as zeros) or at its end with ``append``. Afterwards the file
     reaches at least the write's end; ``truncate`` with an offset ends it
     there. The file is created if missing; only a regular file is opened.
+    With ``streamed`` (:mod:`.stream`) complete, the text was checked and
+    decoded as it arrived: the bytes are copied from its file instead.
     """
+    try:
+        _write_range(path, raw, offset, append, truncate, streamed)
+    finally:
+        stream.discard(streamed)
+
+
+def _write_range(
+    path: str,
+    raw: msgspec.Raw,
+    offset: int | None,
+    append: bool,
+    truncate: bool,
+    streamed: stream.StreamedWrite | None,
+) -> None:
     path = resolve_path(path)
-    # Checked before anything is written: a range small enough to hold
-    # decoded is decoded once; a larger one is checked, then decoded again
-    # a slice at a time while written.
-    slow = b64.decode_whole(raw) if len(raw) <= DECODE_WHOLE_TEXT_BYTES else b64.validate(raw)
+    source = streamed.decoded() if streamed is not None else None
+    slow = None
+    if source is None:
+        # Checked before anything is written: a range small enough to hold
+        # decoded is decoded once; a larger one is checked, then decoded
+        # again a slice at a time while written.
+        small = len(raw) <= DECODE_WHOLE_TEXT_BYTES
+        slow = b64.decode_whole(raw) if small else b64.validate(raw)
     existed = _check_write_target(path) is not None
     extra = os.O_APPEND if append else 0
     fd = _open_regular_for_writing(path, 0o666, lambda: not_regular("fs/writeFile"), extra)
     try:
-        written = _write_pieces(fd, raw, slow, None if append else offset or 0)
+        at = None if append else offset or 0
+        if source is not None:
+            written = _copy_from(source, fd, at)
+        else:
+            written = _write_pieces(fd, raw, slow, at)
         end = (offset or 0) + written
         # The file ends at the write's end with truncate, and reaches it in
         # any case (an empty write past the end extends the file too).
@@ -525,6 +569,21 @@ def write_range(
         raise
     finally:
         os.close(fd)
+
+
+def _copy_from(source: tuple[int, int], fd: int, offset: int | None) -> int:
+    """Copy the ``(descriptor, size)`` file's bytes into ``fd`` (at ``offset``, or
+    at its position); bytes written."""
+    source_fd, size = source
+    done = 0
+    while done < size:
+        piece = os.pread(source_fd, min(b64.B64_SLICE, size - done), done)
+        if not piece:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))  # (it never shrinks)
+        _write_all(fd, piece, None if offset is None else offset + done)
+        done += len(piece)
+        del piece
+    return done
 
 
 def _remove_created(path: str, fd: int) -> None:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Final
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore, IReactorTime
-from twisted.internet.main import CONNECTION_DONE, CONNECTION_LOST
 from twisted.internet.process import ProcessReader, ProcessWriter
 from twisted.internet.protocol import Protocol
 from twisted.internet.stdio import StandardIO
@@ -21,8 +20,9 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from execserver import writebuffer
-from execserver.codec import LONG_MESSAGE_BYTES, Line, LineFramer, Oversized
+from execserver.codec import LONG_MESSAGE_BYTES, Framed, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
+from execserver.spawn.reading import read_into
 from execserver.waiters import Latch
 from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
 
@@ -54,7 +54,11 @@ class LineProtocol(Protocol):
     def __init__(self, dispatcher: Dispatcher, label: str = "stdio") -> None:
         self._dispatcher = dispatcher
         self._label = label
-        self._framer = LineFramer(dispatcher.config.max_message_bytes, LONG_MESSAGE_BYTES)
+        self._framer = LineFramer(
+            dispatcher.config.max_message_bytes,
+            LONG_MESSAGE_BYTES,
+            sink_factory=getattr(dispatcher, "long_line_sink", None),
+        )
         self.connection: Connection | None = None
         self._finishing = False
         self._write_lost = False
@@ -119,7 +123,7 @@ class LineProtocol(Protocol):
         else:
             self._transport.write(data)
 
-    def _deliver(self, items: list[Line | Oversized]) -> None:
+    def _deliver(self, items: list[Framed]) -> None:
         conn = self.connection
         assert conn is not None
         for item in items:
@@ -288,19 +292,14 @@ def read_large(reader: ProcessReader) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, STDIN_READ_BYTES)
     size = STDIN_SMALL_READ_BYTES
 
-    def do_read() -> object:
+    def deliver(data: bytes) -> None:
         nonlocal size
-        try:
-            data = os.read(fd, size)
-        except BlockingIOError:
-            return None
-        except OSError:
-            return CONNECTION_LOST
-        if not data:
-            return CONNECTION_DONE
         size = STDIN_READ_BYTES if len(data) >= STDIN_SMALL_READ_BYTES else STDIN_SMALL_READ_BYTES
         reader.dataReceived(data)
-        return None
+
+    def do_read() -> object:
+        # The read a child's pipes get (spawn/reading.py), at this size.
+        return read_into(fd, deliver, size)
 
     setattr(reader, "doRead", do_read)  # noqa: B010 (an instance attribute over the method)
 
