@@ -18,8 +18,8 @@ from typing import Any
 import pytest_twisted
 
 from execserver.config import ServerConfig
+from execserver.fdreads import READ_SIZE
 from execserver.retained import CHUNK_OVERHEAD_BYTES
-from execserver.spawn.reading import READ_SIZE
 from tests.fakes import FakeOutbound, Harness, exec_params
 from tests.test_limits import until
 from tests.ws_harness import WsServerProcess, connect, get_request, http_get

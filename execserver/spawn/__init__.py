@@ -15,7 +15,7 @@ descendant):
   the startup probe (:meth:`PosixSpawner.check`) fails.
 
 The rest of the package: :mod:`~execserver.spawn.lookup` (executable and
-cwd, the error texts), :mod:`~execserver.spawn.reading` (the large pipe
+cwd, the error texts), :mod:`~execserver.fdreads` (the large pipe
 reader), :mod:`~execserver.spawn.groups` (process-group helpers),
 :mod:`~execserver.spawn.terminal` (PTY size and EOF character).
 """
@@ -33,12 +33,12 @@ from twisted.logger import Logger
 
 from execserver.containment import Containment, Placing
 from execserver.errors import RpcError
+from execserver.fdreads import READ_SIZE
 from execserver.limits import NO_LIMITS, Limits
 from execserver.spawn import overrides, stock
 from execserver.spawn.groups import group_alive, kill_group, leads_own_group
 from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, os_error_text, resolve_executable
 from execserver.spawn.overrides import PipeProcess, PtyProcess
-from execserver.spawn.reading import READ_SIZE
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
 from execserver.spawn.transport import ChildTransport, TerminalTransport
 

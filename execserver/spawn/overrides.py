@@ -52,9 +52,7 @@ from twisted.internet import process as _twisted_process
 from twisted.internet.interfaces import IProcessProtocol, IReactorProcess
 
 from execserver.containment import ContainmentError, Placing, ProcessTree
-from execserver.private_api_checks import parameters
-from execserver.spawn.lookup import SpawnError, cwd_error, exec_error
-from execserver.spawn.reading import (
+from execserver.fdreads import (
     PIPE_CAPACITY,
     PTY_READ_SIZE,
     READ_SIZE,
@@ -62,6 +60,8 @@ from execserver.spawn.reading import (
     read_coalesced,
     read_into,
 )
+from execserver.private_api_checks import parameters
+from execserver.spawn.lookup import SpawnError, cwd_error, exec_error
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
 
 

@@ -40,9 +40,9 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from execserver.containment import ContainmentError, Placing, ProcessTree
+from execserver.fdreads import PTY_READ_SIZE, READ_SIZE, drain
 from execserver.spawn.groups import wait_until_leader
 from execserver.spawn.lookup import DEFAULT_PATH, SpawnError, check_cwd, exec_error
-from execserver.spawn.reading import PTY_READ_SIZE, READ_SIZE, drain
 from execserver.spawn.terminal import set_window_size, terminal_eof_char
 from execserver.spawn.transport import ChildTransport
 

@@ -22,7 +22,7 @@ from zope.interface import implementer
 from execserver import writebuffer
 from execserver.codec import LONG_MESSAGE_BYTES, Framed, LineFramer, Oversized
 from execserver.dispatcher import Connection, Dispatcher
-from execserver.spawn.reading import read_into
+from execserver.fdreads import read_into
 from execserver.waiters import Latch
 from execserver.writebuffer import LARGE_MESSAGE_BYTES, Outbox, set_high_water, unsent_bytes
 
@@ -298,7 +298,7 @@ def read_large(reader: ProcessReader) -> None:
         reader.dataReceived(data)
 
     def do_read() -> object:
-        # The read a child's pipes get (spawn/reading.py), at this size.
+        # The read a child's pipes get (fdreads.py), at this size.
         return read_into(fd, deliver, size)
 
     setattr(reader, "doRead", do_read)  # noqa: B010 (an instance attribute over the method)

@@ -7,7 +7,7 @@ wakeups and a join per message, which halved the end-to-end rate. So
 :func:`spawn_server` gives the server a stdout pipe of our own (a plain
 ``childFDs`` descriptor) of :data:`STDOUT_PIPE_BYTES`, and the reactor
 watches its read end through the public ``addReader`` with the server's own
-large-pipe reader (:func:`execserver.spawn.reading.read_into`), up to
+large-pipe reader (:func:`execserver.fdreads.read_into`), up to
 :data:`STDOUT_READ_SIZE` per wakeup. Stdin and stderr stay Twisted's.
 """
 
@@ -38,7 +38,7 @@ from execserver.clientcore.framing import (
     server_exited,
 )
 from execserver.exits import exit_status
-from execserver.spawn.reading import read_into
+from execserver.fdreads import read_into
 from execserver.waiters import Latch
 
 log = Logger()
