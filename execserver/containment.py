@@ -996,6 +996,52 @@ class Containment:
 
     # --- spawning -------------------------------------------------------------------
 
+    def trees_of(self, pid: int) -> list[Tree]:
+        """The live trees ``pid`` may belong to (the ``unix://`` listeners' peer check).
+
+        cgroup mode: the tree of its cgroup (one read of ``/proc/PID/cgroup``;
+        a confined member cannot leave it). subreaper mode: the tree it, or
+        an ancestor up its parent chain, is a member, leader or in the
+        session or group of; an orphan the server adopted that no tree
+        claims: every tree born before it (it can only be one of theirs).
+        ``none`` mode, a process that is not ours, or one gone: none.
+        """
+        if self.mode == "cgroup":
+            relative = own_cgroup(f"/proc/{pid}/cgroup")
+            if relative is None or not self._parent:
+                return []
+            path = os.path.normpath(self._cgroup_root + "/" + relative)
+            if not path.startswith(self._parent + "/"):
+                return []
+            return [
+                t
+                for t in (*self._trees, *self._lingering)
+                if isinstance(t, CgroupTree) and t.path == path and not t.released
+            ]
+        scans = [t for t in self._trees if isinstance(t, ScanTree)]
+        if self.mode != "subreaper":
+            return []
+        server = os.getpid()
+        info = read_proc(pid) if scans else None
+        for _hop in range(1024):
+            if info is None:
+                break
+            for tree in scans:
+                if tree.members.get(info.pid) == info.start or (
+                    info.start >= tree.born
+                    and (
+                        info.pid == tree.leader
+                        or (tree.by_session and tree.leader in (info.sid, info.pgrp))
+                    )
+                ):
+                    return [tree]
+            if info.ppid == server:
+                return [t for t in scans if t.born <= info.start]
+            if info.ppid <= 1:
+                break
+            info = read_proc(info.ppid)
+        return []
+
     def placing(self, limits: Limits) -> Placing:
         """This containment, spawning with ``limits`` (checked: -32600 if unenforceable)."""
         self.check_limits(limits)
