@@ -605,6 +605,24 @@ def own_cgroup(path: str = "/proc/self/cgroup") -> str | None:
     return None
 
 
+def _cgroup2_of(pid: int) -> str | None:
+    """``pid``'s cgroup v2 path (as :func:`own_cgroup`, in one unbuffered read)."""
+    try:
+        fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    for line in text.splitlines():
+        if line.startswith(b"0::"):
+            return line[3:].decode(errors="surrogateescape")
+    return None
+
+
 def set_child_subreaper() -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -1007,7 +1025,7 @@ class Containment:
         ``none`` mode, a process that is not ours, or one gone: none.
         """
         if self.mode == "cgroup":
-            relative = own_cgroup(f"/proc/{pid}/cgroup")
+            relative = _cgroup2_of(pid)
             if relative is None or not self._parent:
                 return []
             path = os.path.normpath(self._cgroup_root + "/" + relative)
@@ -1023,8 +1041,10 @@ class Containment:
             return []
         server = os.getpid()
         info = read_proc(pid) if scans else None
+        oldest = min((t.born for t in scans), default=0)
         for _hop in range(1024):
-            if info is None:
+            if info is None or info.start < oldest:
+                # Older than every tree: neither it nor its ancestors are members.
                 break
             for tree in scans:
                 if tree.members.get(info.pid) == info.start or (
