@@ -8,9 +8,15 @@ with a confined tree registered (so the check runs: with none, it returns
 at once), in each containment mode:
 
 - ``cgroup``: ``SO_PEERCRED``, ``SO_PEERPIDFD``, one read of
-  ``/proc/PID/cgroup``, a ``poll`` of the pidfd;
-- ``subreaper``: the same but the lookup walks the peer's parent chain in
-  ``/proc`` (one ``stat`` read per ancestor) against one live tree.
+  ``/proc/PID/stat`` (the client is older than the one live confined
+  tree: neither it nor its parents can be members, the walk stops), a
+  ``poll`` of the pidfd;
+- ``subreaper``: the same, against one live tree (a ``sleep`` child in a
+  session of its own).
+
+A client younger than the oldest confined tree (an ``exec-server-client``
+started after it) costs one read of ``/proc/PID/cgroup`` (cgroup mode) and
+one more ``stat`` per ancestor up to the first one older than that tree.
 
 Containment is not started (no cgroup is created, no prctl): its mode and
 cgroup paths are set as a started one has them, which is all the query
@@ -37,6 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from execserver.containment import (
+    CgroupTree,
     Containment,
     ScanTree,
     boot_ticks,
@@ -58,10 +65,6 @@ class _Transport:
 
     def getHost(self) -> Any:
         return type("Host", (), {"name": self._path})()
-
-
-class _Confined:
-    """A registered confined tree (the check runs only while one exists)."""
 
 
 def _loop(listener: socket.socket, path: str, count: int, peers: ConfinedPeers | None) -> float:
@@ -87,10 +90,10 @@ def _peers(mode: str, child: subprocess.Popen[bytes]) -> ConfinedPeers:
             raise SystemExit("no cgroup v2 hierarchy")
         containment._cgroup_root = root
         containment._parent = os.path.normpath(f"{root}/{own}/exec-server-{os.getpid()}-bench")
-        confined = _Confined()
+        confined = CgroupTree(containment, f"{containment._parent}/1", child.pid)
     else:
         confined = ScanTree(containment, child.pid, boot_ticks())
-        containment._trees.add(confined)
+    containment._trees.add(confined)
     peers = ConfinedPeers(None, containment)
     peers.add(confined)
     peers._keep = confined  # type: ignore[attr-defined]

@@ -65,7 +65,15 @@ def attempt():
     finally:
         ws.close()
 
-if how == "grandchild":
+if how == "leave-cgroup":
+    # Root given the cgroup files moves itself to the hierarchy's root.
+    mount = next(line.split()[1] for line in open("/proc/self/mounts")
+                 if line.split()[2] == "cgroup2")
+    with open(os.path.join(mount, "cgroup.procs"), "w") as f:
+        f.write("0")
+    cgroup = next(line for line in open("/proc/self/cgroup") if line.startswith("0::"))
+    print("RESULT", f"in {cgroup.strip()}:", attempt(), flush=True)
+elif how == "grandchild":
     reader, writer = os.pipe()
     if os.fork() == 0:
         os.setsid()
@@ -164,6 +172,33 @@ async def test_a_landlock_confined_command_cannot_use_the_unix_listener(
     assert not (dirs.outside / "marker").exists(), result
     assert result.startswith(("REFUSED", "DROPPED")), result
     assert "refusing a connection on unix://" in server.stderr.decode(), server.stderr
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_confined_command_that_left_its_cgroup_is_still_refused(
+    dirs: Dirs, sock_dir: Path
+) -> None:
+    # Root (CI runs as root) whose profile makes the cgroup files writable
+    # can leave its cgroup: its lineage still leads to a confined tree.
+    sock = sock_dir / "exec.sock"
+    server = await _server(sock, "landlock", "--process-containment", "cgroup")
+    try:
+        client = await _control(server)
+        try:
+            sandbox = profile_for(dirs, "landlock", network="enabled")
+            sandbox["useLegacyLandlock"] = True
+            sandbox["permissions"]["file_system"]["entries"].append(
+                {"path": {"type": "path", "path": "/sys/fs/cgroup"}, "access": "write"}
+            )
+            result = await _attack(client, dirs, "landlock", sock, how="leave-cgroup",
+                                   sandbox=sandbox)  # fmt: skip
+        finally:
+            await client.close()
+    finally:
+        assert await server.stop() == 0
+    assert not (dirs.outside / "marker").exists(), result
+    assert result.startswith("in 0::/:"), result
+    assert result.split(": ", 1)[1].startswith(("REFUSED", "DROPPED")), result
 
 
 @pytest_twisted.ensureDeferred
