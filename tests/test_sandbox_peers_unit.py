@@ -18,8 +18,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
-from execserver.sandbox.peers import ConfinedPeers
-from execserver.transports.listen import UnixPeer, unix_peer
+from execserver.sandbox.peers import ConfinedPeers, UnixPeer, unix_peer
 
 
 class Tree:

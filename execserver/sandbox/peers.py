@@ -31,19 +31,50 @@ from __future__ import annotations
 
 import os
 import select
+import socket
+import struct
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from execserver.logsink import OncePerInterval
-from execserver.transports.listen import UnixPeer, unix_peer
 
 if TYPE_CHECKING:
     from execserver.containment import Containment
 
 log = Logger()
+
+#: ``getsockopt`` options of a connected Unix socket (``<asm-generic/socket.h>``).
+_SO_PEERCRED: Final = 17
+_SO_PEERPIDFD: Final = 77
+_UCRED: Final = struct.Struct("3i")
+
+
+@attrs.frozen
+class UnixPeer:
+    """Who ``connect()``ed a Unix socket, as the kernel recorded it at that moment."""
+
+    #: In the server's pid namespace (0: a process outside it).
+    pid: int
+    uid: int
+    #: A pidfd of that very process (``SO_PEERPIDFD``, Linux 6.5+; None before):
+    #: it cannot come to mean another process when the pid is reused. The
+    #: caller closes it.
+    pidfd: int | None
+
+
+def unix_peer(sock: socket.socket) -> UnixPeer:
+    """``SO_PEERCRED`` (and ``SO_PEERPIDFD`` where the kernel has it) of an accepted socket."""
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, _UCRED.size))
+    pidfd: int | None
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        pidfd = None  # ENOPROTOOPT: an older kernel
+    return UnixPeer(pid, uid, pidfd)
 
 
 class ConfinedPeers:

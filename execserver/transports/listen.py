@@ -14,7 +14,6 @@ import ipaddress
 import os
 import socket
 import stat
-import struct
 from typing import Any, Final
 
 import attrs
@@ -109,36 +108,6 @@ class UnixAddress:
             f"cannot listen on {self}: Address already in use: another server listens "
             "on this socket"
         )
-
-
-#: ``getsockopt`` options of a connected Unix socket (``<asm-generic/socket.h>``).
-_SO_PEERCRED: Final = 17
-_SO_PEERPIDFD: Final = 77
-_UCRED: Final = struct.Struct("3i")
-
-
-@attrs.frozen
-class UnixPeer:
-    """Who ``connect()``ed a Unix socket, as the kernel recorded it at that moment."""
-
-    #: In the server's pid namespace (0: a process outside it).
-    pid: int
-    uid: int
-    #: A pidfd of that very process (``SO_PEERPIDFD``, Linux 6.5+; None before):
-    #: it cannot come to mean another process when the pid is reused. The
-    #: caller closes it.
-    pidfd: int | None
-
-
-def unix_peer(sock: socket.socket) -> UnixPeer:
-    """``SO_PEERCRED`` (and ``SO_PEERPIDFD`` where the kernel has it) of an accepted socket."""
-    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, _UCRED.size))
-    pidfd: int | None
-    try:
-        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
-    except OSError:
-        pidfd = None  # ENOPROTOOPT: an older kernel
-    return UnixPeer(pid, uid, pidfd)
 
 
 class UnixPathInUse(OSError):
