@@ -33,8 +33,9 @@ __all__ = ["dirs"]
 
 #: The attacker: connect to the socket, initialize, start an unconfined
 #: command that writes MARKER, wait for its exit. One RESULT line says how
-#: far it got. ``grandchild``: the attempt runs in a grandchild of the
-#: command, in a new session, whose parent has exited (an orphan).
+#: far it got. ``child``: the attempt runs in a child of the command;
+#: ``grandchild``: in a grandchild of the command, in a new session, whose
+#: parent has exited (an orphan).
 ATTACK = r"""
 import json, os, sys
 from websockets.sync.client import unix_connect
@@ -73,6 +74,20 @@ if how == "leave-cgroup":
         f.write("0")
     cgroup = next(line for line in open("/proc/self/cgroup") if line.startswith("0::"))
     print("RESULT", f"in {cgroup.strip()}:", attempt(), flush=True)
+elif how == "child":
+    # A child in the command's session, its parent waiting for it.
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(reader)
+        os.write(writer, attempt().encode())
+        os._exit(0)
+    os.close(writer)
+    said = b""
+    while chunk := os.read(reader, 4096):
+        said += chunk
+    os.waitpid(child, 0)
+    print("RESULT", said.decode(), flush=True)
 elif how == "grandchild":
     reader, writer = os.pipe()
     if os.fork() == 0:
@@ -153,8 +168,17 @@ async def _server(sock: Path, mechanism: str, *extra: str) -> WsServerProcess:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("how", ["direct", "grandchild"])
-@pytest.mark.parametrize("containment", ["cgroup", "subreaper"])
+@pytest.mark.parametrize(
+    ("containment", "how"),
+    [
+        ("cgroup", "direct"),
+        ("cgroup", "grandchild"),
+        ("subreaper", "direct"),
+        ("subreaper", "grandchild"),
+        ("none", "direct"),
+        ("none", "child"),
+    ],
+)
 @pytest_twisted.ensureDeferred
 async def test_a_landlock_confined_command_cannot_use_the_unix_listener(
     dirs: Dirs, sock_dir: Path, how: str, containment: str

@@ -26,8 +26,9 @@ class Tree:
 
 
 class FakeContainment:
-    def __init__(self, trees: dict[int, list[Any]]) -> None:
+    def __init__(self, trees: dict[int, list[Any]], mode: str = "cgroup") -> None:
         self.trees = trees
+        self.mode = mode
         self.asked: list[int] = []
 
     def trees_of(self, pid: int) -> list[Any]:
@@ -155,3 +156,20 @@ def test_a_peer_gone_before_its_check_is_refused(with_pidfd: bool) -> None:
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
+
+
+def test_without_containment_the_lineage_of_a_confined_leader_is_refused() -> None:
+    # --process-containment none tracks no tree: the leader recorded at the
+    # start, its session and group, and their descendants are refused.
+    confined = Tree()
+    peers = ConfinedPeers(None, FakeContainment({}, mode="none"))  # type: ignore[arg-type]
+    leader = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        peers.add(confined, leader.pid)
+        assert peers.why_refused(UnixPeer(leader.pid, os.getuid(), None)) is not None
+        # The test process is older than the leader: neither it nor its
+        # parents can be of the tree.
+        assert peers.why_refused(UnixPeer(os.getpid(), os.getuid(), None)) is None
+    finally:
+        leader.kill()
+        leader.wait(timeout=30)

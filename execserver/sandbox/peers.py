@@ -40,6 +40,7 @@ import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from execserver.containment import read_proc
 from execserver.logsink import OncePerInterval
 
 if TYPE_CHECKING:
@@ -86,11 +87,21 @@ class ConfinedPeers:
         #: The server's containment (None: nothing is checked).
         self.containment = containment
         self._trees: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: tree -> (leader pid, its start time): the lineage check of
+        #: ``--process-containment none``, which tracks no tree.
+        self._leaders: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._refusals = OncePerInterval(clock) if clock is not None else None
 
-    def add(self, tree: object) -> None:
-        """Remember the tree of a process started confined (before the reactor turn ends)."""
+    def add(self, tree: object, pid: int | None = None) -> None:
+        """Remember the tree (led by ``pid``) of a process started confined.
+
+        Called in the reactor turn of the spawn: no connection of the new
+        process can have been accepted yet.
+        """
         self._trees.add(tree)
+        info = read_proc(pid) if pid is not None else None
+        if info is not None:
+            self._leaders[tree] = (info.pid, info.start)
 
     def refused(self, transport: Any) -> bool:
         """Whether the connection of ``transport`` must be closed (logs why, if so)."""
@@ -126,7 +137,9 @@ class ConfinedPeers:
             return None
         assert self.containment is not None
         trees = self.containment.trees_of(peer.pid)
-        if any(tree in self._trees for tree in trees):
+        if any(tree in self._trees for tree in trees) or (
+            self.containment.mode == "none" and self._led_by_confined(peer.pid)
+        ):
             return (
                 "it is a sandboxed command of this server (or in its process tree); "
                 "a sandboxed command cannot use the server's listeners"
@@ -136,6 +149,27 @@ class ConfinedPeers:
         if not _running(peer):
             return "the connecting process exited before it could be checked"
         return None
+
+    def _led_by_confined(self, pid: int) -> bool:
+        """Whether ``pid`` or an ancestor is a confined leader, or in its session or group.
+
+        Without containment (``none``) only this: a descendant that left
+        the session and was orphaned (reparented to init) is not found.
+        """
+        leaders = dict(self._leaders.values())
+        if not leaders:
+            return False
+        oldest = min(leaders.values())
+        info = read_proc(pid)
+        for _hop in range(1024):
+            if info is None or info.start < oldest:
+                return False
+            if leaders.get(info.pid) == info.start or info.sid in leaders or info.pgrp in leaders:
+                return True
+            if info.ppid <= 1:
+                return False
+            info = read_proc(info.ppid)
+        return False
 
 
 def _running(peer: UnixPeer) -> bool:
