@@ -1176,6 +1176,7 @@ class Containment:
                                 exc.errno or 0,
                             ) from None
                         v1_entered.append(directory)
+                born = boot_ticks()
                 pid = _with_rlimit(create, limits)
                 if placement is not None and limits.max_processes is not None:
                     # Lowered while the server's thread still counts, so the
@@ -1204,6 +1205,9 @@ class Containment:
                     error=exc,
                 )
         tree = CgroupTree(self, path, pid, placement)
+        # Read before the spawn: the leader's start time (taken at its fork)
+        # is never before it, which the lineage checks rely on.
+        tree.born = born
         self._add(tree)
         if not exact:
             tree.kill()

@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 import pytest_twisted
+from twisted.internet import reactor
 
-from tests.harness import RpcTestClient
+from execserver.client import connect_websocket
+from tests.harness import DEFAULT_TIMEOUT, RpcTestClient, with_timeout
 from tests.test_sandbox_process import CHILD_PATH, Dirs, dirs, env_for, profile_for, uri
 from tests.ws_harness import WsServerProcess, connect
 
@@ -177,6 +179,7 @@ async def _server(sock: Path, mechanism: str, *extra: str) -> WsServerProcess:
         ("subreaper", "grandchild"),
         ("none", "direct"),
         ("none", "child"),
+        ("cgroup/stock", "grandchild"),
     ],
 )
 @pytest_twisted.ensureDeferred
@@ -184,7 +187,10 @@ async def test_a_landlock_confined_command_cannot_use_the_unix_listener(
     dirs: Dirs, sock_dir: Path, how: str, containment: str
 ) -> None:
     sock = sock_dir / "exec.sock"
-    server = await _server(sock, "landlock", "--process-containment", containment)
+    mode, _, spawn_path = containment.partition("/")
+    server = await _server(
+        sock, "landlock", "--process-containment", mode, "--spawn-path", spawn_path or "fast"
+    )
     try:
         client = await _control(server)
         try:
@@ -285,6 +291,12 @@ async def test_an_unconfined_local_client_still_uses_the_socket(dirs: Dirs, sock
                 sandbox=sandbox, pipeStdin=True,
             )  # fmt: skip
             result = await _attack(client, dirs, "landlock", sock, sandbox=None)
+            # And a client outside the server (this test's process).
+            outsider = await with_timeout(
+                connect_websocket(reactor, f"unix://{sock}"), DEFAULT_TIMEOUT, "unix connect"
+            )
+            assert outsider.session_id
+            await outsider.close()
             await client.call("process/terminate", {"processId": "confined-cat"})
             await client.wait_notification("process/exited", "confined-cat", timeout=30)
         finally:
