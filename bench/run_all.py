@@ -118,6 +118,7 @@ def main() -> None:
         ("termination", "bench_terminate.py", ["--rounds", "2"]),
         ("client library", "bench_client.py", ["--rounds", "1", "--mib", "16"]),
         ("asyncio client", "bench_aio_client.py", ["--rounds", "1", "--mib", "16"]),
+        ("unix:// peer check", "bench_peer_check.py", ["--rounds", "2", "--count", "2000"]),
     ]
     for title, script, quick in sections:
         print()

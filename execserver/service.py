@@ -35,6 +35,7 @@ from execserver.limits import check_defaults as check_limit_defaults
 from execserver.limits import parse_spec as parse_limits
 from execserver.sandbox.engine import MECHANISM_CHOICES, SandboxEngine
 from execserver.sandbox.floor import FLOOR_MODES, floor_policy
+from execserver.sandbox.peers import ConfinedPeers
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
@@ -720,6 +721,8 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
     spawn_path: SpawnPath = options["spawn-path"]
     spawner = PosixSpawner(processes, containment, spawn_path)
     sandbox = options.sandbox()
+    # The unix:// listeners refuse the confined processes' trees (sandbox/peers.py).
+    sandbox.peers = ConfinedPeers(clock, containment)
     dispatcher = build_dispatcher(config, clock, spawner, sandbox=sandbox)
     process_wide = ProcessWide(
         tune_malloc=not options["no-tune-malloc"],
@@ -737,7 +740,7 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
                 dispatcher,
                 IReactorTCP(reactor),
                 address,
-                options.websocket_settings(),
+                attrs.evolve(options.websocket_settings(), peer_check=sandbox.peers.refused),
                 metrics=partial(metrics.render, dispatcher),
             )
         child.setServiceParent(root)

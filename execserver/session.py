@@ -374,6 +374,9 @@ class Session:
                     {"kind": "tooManyOpenFiles", "errno": code},
                 ) from None
             raise
+        if confined and self.sandbox is not None and proc.pid is not None:
+            # The unix:// listeners refuse this tree's processes (sandbox/peers.py).
+            self.sandbox.peers.add(proc.tree, proc.pid)
         if not self._held[proc]:
             del self._held[proc]
         else:

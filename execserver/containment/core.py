@@ -41,9 +41,11 @@ from execserver.containment.placement import (
     _WithLimits,
 )
 from execserver.containment.proc import (
+    _cgroup2_of,
     _descendants,
     _kill_recorded,
     _pidns,
+    _quick_proc,
     _signal_pid,
     boot_ticks,
     proc_table,
@@ -297,6 +299,65 @@ class Containment(LimitControllers, Attribution):
 
     # --- spawning -------------------------------------------------------------------
 
+    def trees_of(self, pid: int) -> list[Tree]:
+        """The live trees ``pid`` may belong to (the ``unix://`` listeners' peer check).
+
+        Up ``pid``'s parent chain, the first process that is a tree's: in
+        cgroup mode the one in a tree's cgroup (``pid`` itself unless it left
+        its cgroup: root given the cgroup files can); in subreaper mode a
+        member, the leader, or in the session or group of a tree. An orphan
+        the server adopted that no tree claims: every tree born before it
+        (it can only be one of theirs). The walk stops at a process older
+        than every tree. ``none`` mode, a stranger, a process gone: none.
+        """
+        cgroup_mode = self.mode == "cgroup"
+        trees: list[Tree]
+        if cgroup_mode:
+            trees = [
+                t
+                for t in (*self._trees, *self._lingering)
+                if isinstance(t, CgroupTree) and not t.released
+            ]
+        elif self.mode == "subreaper":
+            trees = [t for t in self._trees if isinstance(t, ScanTree)]
+        else:
+            return []
+        if not trees:
+            return []
+        by_path = {t.path: t for t in trees if isinstance(t, CgroupTree)}
+        oldest = min(t.born for t in trees)
+        server = os.getpid()
+        current = pid
+        for _hop in range(1024):
+            info = _quick_proc(current)
+            if info is None or info.start < oldest:
+                # Older than every tree: neither it nor its ancestors are members.
+                return []
+            if cgroup_mode:
+                relative = _cgroup2_of(current)
+                if relative is not None:
+                    tree = by_path.get(os.path.normpath(self._cgroup_root + "/" + relative))
+                    if tree is not None:
+                        return [tree]
+            for scan in trees:
+                if isinstance(scan, ScanTree) and (
+                    scan.members.get(info.pid) == info.start
+                    or (
+                        info.start >= scan.born
+                        and (
+                            info.pid == scan.leader
+                            or (scan.by_session and scan.leader in (info.sid, info.pgrp))
+                        )
+                    )
+                ):
+                    return [scan]
+            if info.ppid == server:
+                return [t for t in trees if t.born <= info.start]
+            if info.ppid <= 1:
+                return []
+            current = info.ppid
+        return []
+
     def placing(self, limits: Limits, sandbox_processes: int = 0) -> Placing:
         """This containment, spawning with ``limits`` (checked: -32600 if unenforceable).
 
@@ -383,6 +444,7 @@ class Containment(LimitControllers, Attribution):
                                 exc.errno or 0,
                             ) from None
                         v1_entered.append(index)
+                born = boot_ticks()
                 pid = _with_rlimit(create, limits)
                 if placement is not None and limits.max_processes is not None:
                     # Lowered while the server's thread still counts, so the
@@ -414,6 +476,9 @@ class Containment(LimitControllers, Attribution):
                     error=exc,
                 )
         tree = CgroupTree(self, path, pid, placement)
+        # Read before the spawn: the leader's start time (taken at its fork)
+        # is never before it, which the lineage checks rely on.
+        tree.born = born
         self._add(tree)
         if not exact:
             tree.kill()

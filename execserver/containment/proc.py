@@ -78,6 +78,48 @@ def own_children() -> set[int]:
     return children
 
 
+def _proc_bytes(path: str) -> bytes | None:
+    """One unbuffered read of a small ``/proc`` file (a third of ``open()``'s cost)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _quick_proc(pid: int) -> ProcInfo | None:
+    """:func:`read_proc` in one unbuffered read (the peer check's lineage walk)."""
+    text = _proc_bytes(f"/proc/{pid}/stat")
+    try:
+        fields = text.rsplit(b")", 1)[1].split() if text is not None else []
+        return ProcInfo(
+            pid,
+            int(fields[1]),
+            int(fields[2]),
+            int(fields[3]),
+            int(fields[19]),
+            fields[0] in (b"Z", b"X"),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def _cgroup2_of(pid: int) -> str | None:
+    """``pid``'s cgroup v2 path (as :func:`own_cgroup`, in one unbuffered read)."""
+    text = _proc_bytes(f"/proc/{pid}/cgroup")
+    if text is None:
+        return None
+    for line in text.splitlines():
+        if line.startswith(b"0::"):
+            return line[3:].decode(errors="surrogateescape")
+    return None
+
+
 def boot_ticks() -> int:
     """Now, in the clock ticks since boot that ``/proc`` start times use."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK)

@@ -55,6 +55,7 @@ from twisted.logger import Logger
 
 from execserver.errors import RpcError
 from execserver.sandbox import seccomp
+from execserver.sandbox.peers import ConfinedPeers
 from execserver.sandbox.policy import effective
 from execserver.spawn import ProcessSpec
 from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
@@ -358,6 +359,9 @@ class SandboxEngine:
     _filters: dict[bool, str] = attrs.field(init=False, factory=dict)
     _dir: str | None = attrs.field(init=False, default=None)
     _helper: str = attrs.field(init=False, default="")
+    #: The trees of the processes started confined, which the ``unix://``
+    #: listeners refuse (given containment and a clock when the server is composed).
+    peers: ConfinedPeers = attrs.field(init=False, factory=ConfinedPeers)
 
     def start(self) -> None:
         """Probe the host, choose the mechanism, build the filters; log the choice."""

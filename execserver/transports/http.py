@@ -188,6 +188,9 @@ class EdgePolicy:
     max_request_head_bytes: int = MAX_REQUEST_HEAD_BYTES
     #: Seconds a client may take to send its request.
     handshake_timeout: float = 5.0
+    #: Called with each accepted connection's transport first: True closes
+    #: it at once (a ``unix://`` listener's check of confined peers).
+    peer_check: Callable[[Any], bool] | None = None
 
 
 def _send(request: Request, reply: HttpReply) -> bytes:
@@ -392,6 +395,12 @@ class EdgeChannel(HTTPChannel):
             set_no_delay(True)
         site = self.site
         policy = site.policy
+        if policy.peer_check is not None and policy.peer_check(self.transport):
+            # A confined command of this server (unix:// listeners; see
+            # execserver/sandbox/peers.py): closed before anything is read.
+            self._refused = True
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
         stats = policy.dispatcher.stats
         stats.sockets_open += 1
         self._counted = True

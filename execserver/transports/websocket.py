@@ -132,6 +132,9 @@ class WebSocketSettings:
     max_connections: int = 4096
     #: Largest HTTP request head accepted (``--max-request-head-bytes``).
     max_request_head_bytes: int = http.MAX_REQUEST_HEAD_BYTES
+    #: ``unix://`` listeners: refuses a connecting confined command of this
+    #: server (True: close it; :class:`execserver.sandbox.peers.ConfinedPeers`).
+    peer_check: Callable[[Any], bool] | None = None
 
 
 class ExecServerProtocol(WebSocketServerProtocol):
@@ -478,6 +481,7 @@ class ExecServerFactory(WebSocketServerFactory):
         loopback_only: bool = False,
         *,
         metrics: http.MetricsText,
+        peer_check: Callable[[Any], bool] | None = None,
     ) -> None:
         super().__init__(server=f"exec-server/{__version__}", reactor=reactor)
         autobahn_private.install_exact_timers(self, reactor)
@@ -500,6 +504,7 @@ class ExecServerFactory(WebSocketServerFactory):
                 max_connections=settings.max_connections,
                 max_request_head_bytes=settings.max_request_head_bytes,
                 handshake_timeout=settings.open_handshake_timeout,
+                peer_check=peer_check,
             ),
             self.upgrade,
             reactor,
@@ -567,6 +572,7 @@ class WebSocketService(Service):
             # (A browser cannot reach a Unix socket: no Host check there.)
             loopback_only=isinstance(address, WebSocketAddress) and address.is_loopback,
             metrics=metrics,
+            peer_check=self.settings.peer_check if isinstance(address, UnixAddress) else None,
         )
         self._banner = banner or _print_to(sys.stderr)
         self.port: IListeningPort | None = None

@@ -1,0 +1,187 @@
+"""The ``unix://`` listeners refuse the server's own confined commands.
+
+Landlock cannot refuse ``connect()`` on a Unix socket, and bubblewrap's
+mask of the socket's path does not cover another name of the same socket
+(a hard link): a confined command with the network enabled (a restricted
+network's seccomp filter refuses ``connect`` itself) could reach the
+server's ``--listen unix://PATH`` and start an unconfined process there.
+So every accepted connection of a ``unix://`` listener is checked before
+anything is read from it: the kernel's record of the peer (``SO_PEERCRED``:
+the pid of the process that called ``connect()``, in the server's pid
+namespace; with ``SO_PEERPIDFD``, Linux 6.5+, a pidfd of that very process)
+is looked up in containment (:meth:`Containment.trees_of
+<execserver.containment.Containment.trees_of>`): a process whose tree was
+started confined (any descendant: its cgroup, or in subreaper mode its
+lineage) is refused, the connection closed at once, and one warning line
+names the pid (at most one per interval, with a count).
+
+Races: the lookup reads ``/proc/PID`` after the connect. With a pidfd the
+check ends by asking whether that process is still running; if it has
+exited (it may have handed the socket to a child) the connection is refused
+too, so a reused pid can never be read for it. Without ``SO_PEERPIDFD`` the
+pid is only checked to exist: the pid space would have to wrap between the
+``connect()`` and the accept for another process to be read in its place.
+
+Cost: nothing while no confined process lives (the registry is empty);
+otherwise two ``getsockopt``, one ``/proc`` read (cgroup mode), one ``poll``
+of the pidfd (``bench/bench_peer_check.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import weakref
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from execserver.containment import read_proc
+from execserver.logsink import OncePerInterval
+
+if TYPE_CHECKING:
+    from execserver.containment import Containment
+
+log = Logger()
+
+#: ``getsockopt`` options of a connected Unix socket (``<asm-generic/socket.h>``).
+_SO_PEERCRED: Final = 17
+_SO_PEERPIDFD: Final = 77
+_UCRED: Final = struct.Struct("3i")
+
+
+@attrs.frozen
+class UnixPeer:
+    """Who ``connect()``ed a Unix socket, as the kernel recorded it at that moment."""
+
+    #: In the server's pid namespace (0: a process outside it).
+    pid: int
+    uid: int
+    #: A pidfd of that very process (``SO_PEERPIDFD``, Linux 6.5+; None before):
+    #: it cannot come to mean another process when the pid is reused. The
+    #: caller closes it.
+    pidfd: int | None
+
+
+def unix_peer(sock: socket.socket) -> UnixPeer:
+    """``SO_PEERCRED`` (and ``SO_PEERPIDFD`` where the kernel has it) of an accepted socket."""
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, _UCRED.size))
+    pidfd: int | None
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        pidfd = None  # ENOPROTOOPT: an older kernel
+    return UnixPeer(pid, uid, pidfd)
+
+
+class ConfinedPeers:
+    """The trees of confined processes, and the check of a ``unix://`` connection's peer."""
+
+    def __init__(
+        self, clock: IReactorTime | None = None, containment: Containment | None = None
+    ) -> None:
+        #: The server's containment (None: nothing is checked).
+        self.containment = containment
+        self._trees: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: tree -> (leader pid, its start time): the lineage check of
+        #: ``--process-containment none``, which tracks no tree.
+        self._leaders: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self._refusals = OncePerInterval(clock) if clock is not None else None
+
+    def add(self, tree: object, pid: int | None = None) -> None:
+        """Remember the tree (led by ``pid``) of a process started confined.
+
+        Called in the reactor turn of the spawn: no connection of the new
+        process can have been accepted yet.
+        """
+        self._trees.add(tree)
+        info = read_proc(pid) if pid is not None else None
+        if info is not None:
+            self._leaders[tree] = (info.pid, info.start)
+
+    def refused(self, transport: Any) -> bool:
+        """Whether the connection of ``transport`` must be closed (logs why, if so)."""
+        if self.containment is None or not self._trees:
+            return False
+        sock = transport.getHandle()
+        peer = unix_peer(sock)
+        try:
+            why = self.why_refused(peer)
+        finally:
+            if peer.pidfd is not None:
+                os.close(peer.pidfd)
+        if why is None:
+            return False
+        count = self._refusals.hit() if self._refusals is not None else 1
+        if count is not None:
+            name = transport.getHost().name
+            log.warn(
+                "refusing a connection on unix://{path} from pid {pid}: {why} "
+                "({count} such connection(s) refused since the last such line)",
+                path=name.decode(errors="replace") if isinstance(name, bytes) else name,
+                pid=peer.pid,
+                why=why,
+                count=count,
+            )
+        return True
+
+    def why_refused(self, peer: UnixPeer) -> str | None:
+        """Why ``peer`` is refused, or None (it is no confined command of ours)."""
+        if peer.pid <= 0:
+            # Outside the server's pid namespace: never one of its commands,
+            # which all run in it or in namespaces below it.
+            return None
+        assert self.containment is not None
+        trees = self.containment.trees_of(peer.pid)
+        if any(tree in self._trees for tree in trees) or (
+            self.containment.mode == "none" and self._led_by_confined(peer.pid)
+        ):
+            return (
+                "it is a sandboxed command of this server (or in its process tree); "
+                "a sandboxed command cannot use the server's listeners"
+            )
+        # After the lookup: what was read was that process's, unless it is
+        # gone (then the pid may be another's now, and the socket a child's).
+        if not _running(peer):
+            return "the connecting process exited before it could be checked"
+        return None
+
+    def _led_by_confined(self, pid: int) -> bool:
+        """Whether ``pid`` or an ancestor is a confined leader, or in its session or group.
+
+        Without containment (``none``) only this: a descendant that left
+        the session and was orphaned (reparented to init) is not found.
+        """
+        leaders = dict(self._leaders.values())
+        if not leaders:
+            return False
+        oldest = min(leaders.values())
+        info = read_proc(pid)
+        for _hop in range(1024):
+            if info is None or info.start < oldest:
+                return False
+            if leaders.get(info.pid) == info.start or info.sid in leaders or info.pgrp in leaders:
+                return True
+            if info.ppid <= 1:
+                return False
+            info = read_proc(info.ppid)
+        return False
+
+
+def _running(peer: UnixPeer) -> bool:
+    if peer.pidfd is not None:
+        poller = select.poll()
+        poller.register(peer.pidfd, select.POLLIN)
+        # A pidfd is readable once its process has exited.
+        return not poller.poll(0)
+    try:
+        os.kill(peer.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

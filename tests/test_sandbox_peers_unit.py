@@ -1,0 +1,175 @@
+"""The ``unix://`` listeners' peer check, unit by unit (fake containment, real sockets).
+
+The escapes it closes are reproduced through the real server in
+tests/test_sandbox_listener.py; here: what the kernel records of a peer,
+and each decision (a confined tree, another tree, a stranger, a peer gone
+before its check, with and without a pidfd, one outside the pid namespace).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
+
+from execserver.sandbox.peers import ConfinedPeers, UnixPeer, unix_peer
+
+
+class Tree:
+    """Stands for a containment tree (only its identity matters)."""
+
+
+class FakeContainment:
+    def __init__(self, trees: dict[int, list[Any]], mode: str = "cgroup") -> None:
+        self.trees = trees
+        self.mode = mode
+        self.asked: list[int] = []
+
+    def trees_of(self, pid: int) -> list[Any]:
+        self.asked.append(pid)
+        return self.trees.get(pid, [])
+
+
+class Transport:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.handles = 0
+
+    def getHandle(self) -> socket.socket:
+        self.handles += 1
+        return self.sock
+
+    def getHost(self) -> Any:
+        return type("Host", (), {"name": b"/run/x.sock"})()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def warnings() -> Iterator[list[str]]:
+    said: list[str] = []
+
+    def observe(event: dict[str, Any]) -> None:
+        if event.get("log_level") == LogLevel.warn and "refusing" in event.get("log_format", ""):
+            said.append(event["log_format"].format(**event))
+
+    observer = cast(ILogObserver, observe)
+    globalLogPublisher.addObserver(observer)
+    yield said
+    globalLogPublisher.removeObserver(observer)
+
+
+def _pidfd_pid(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pid:"))
+
+
+def test_the_kernel_records_the_connecting_process(pair: tuple[socket.socket, ...]) -> None:
+    peer = unix_peer(pair[0])
+    assert (peer.pid, peer.uid) == (os.getpid(), os.getuid())
+    if peer.pidfd is not None:  # SO_PEERPIDFD: Linux 6.5 and later
+        try:
+            assert _pidfd_pid(peer.pidfd) == os.getpid()
+        finally:
+            os.close(peer.pidfd)
+
+
+def test_nothing_is_read_while_no_confined_process_lives(
+    pair: tuple[socket.socket, ...],
+) -> None:
+    containment = FakeContainment({os.getpid(): [Tree()]})
+    peers = ConfinedPeers(Clock(), containment)  # type: ignore[arg-type]
+    transport = Transport(pair[0])
+    assert not peers.refused(transport)
+    assert (transport.handles, containment.asked) == (0, [])
+
+
+def test_a_peer_in_a_confined_tree_is_refused_and_named(
+    pair: tuple[socket.socket, ...], warnings: list[str]
+) -> None:
+    confined, other = Tree(), Tree()
+    containment = FakeContainment({os.getpid(): [other, confined]})
+    clock = Clock()
+    peers = ConfinedPeers(clock, containment)  # type: ignore[arg-type]
+    peers.add(confined)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    assert peers.refused(Transport(pair[0]))
+    assert peers.refused(Transport(pair[0]))
+    # The pidfd of each check is closed.
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    # One line per interval, however often it is refused.
+    assert len(warnings) == 1, warnings
+    assert f"on unix:///run/x.sock from pid {os.getpid()}:" in warnings[0]
+    assert "sandboxed command of this server" in warnings[0]
+    clock.advance(3600)
+    assert peers.refused(Transport(pair[0]))
+    assert len(warnings) == 2 and "(2 such connection(s)" in warnings[1], warnings
+
+
+def test_a_peer_of_another_tree_or_none_is_admitted(pair: tuple[socket.socket, ...]) -> None:
+    confined = Tree()
+    peers = ConfinedPeers(None, FakeContainment({os.getpid(): [Tree()]}))  # type: ignore[arg-type]
+    peers.add(confined)
+    assert not peers.refused(Transport(pair[0]))
+    peers.containment = FakeContainment({})  # type: ignore[assignment]
+    assert not peers.refused(Transport(pair[0]))
+
+
+def test_a_peer_outside_the_pid_namespace_is_no_command_of_ours() -> None:
+    confined = Tree()
+    peers = ConfinedPeers(None, FakeContainment({0: [confined]}))  # type: ignore[arg-type]
+    peers.add(confined)
+    assert peers.why_refused(UnixPeer(0, 0, None)) is None
+
+
+@pytest.mark.parametrize("with_pidfd", [True, False])
+def test_a_peer_gone_before_its_check_is_refused(with_pidfd: bool) -> None:
+    # It may have handed the connected socket to a child, and its pid may
+    # be another process's by now: nothing read of that pid proves anything.
+    confined = Tree()
+    peers = ConfinedPeers(None, FakeContainment({}))  # type: ignore[arg-type]
+    peers.add(confined)
+    child = subprocess.Popen(["sleep", "60"])
+    pidfd = os.pidfd_open(child.pid) if with_pidfd else None
+    try:
+        alive = UnixPeer(child.pid, os.getuid(), pidfd)
+        assert peers.why_refused(alive) is None
+        child.kill()
+        child.wait(timeout=30)
+        why = peers.why_refused(alive)
+        assert why == "the connecting process exited before it could be checked"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+
+
+def test_without_containment_the_lineage_of_a_confined_leader_is_refused() -> None:
+    # --process-containment none tracks no tree: the leader recorded at the
+    # start, its session and group, and their descendants are refused.
+    confined = Tree()
+    peers = ConfinedPeers(None, FakeContainment({}, mode="none"))  # type: ignore[arg-type]
+    leader = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        peers.add(confined, leader.pid)
+        assert peers.why_refused(UnixPeer(leader.pid, os.getuid(), None)) is not None
+        # The test process is older than the leader: neither it nor its
+        # parents can be of the tree.
+        assert peers.why_refused(UnixPeer(os.getpid(), os.getuid(), None)) is None
+    finally:
+        leader.kill()
+        leader.wait(timeout=30)
