@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 
 from execserver.clientcore.framing import LOCAL_SERVER_LOG_DIR_ENV
-from tests import server_checks
+from tests.support import server_checks
 
 settings.register_profile(
     "ci",

@@ -2,7 +2,7 @@
 
 Every scenario runs over real stdio (a server the client spawns), a real
 WebSocket on 127.0.0.1 and a real Unix socket, in an asyncio event loop on a
-worker thread (tests/aio_harness.py) while the reactor serves the harness.
+worker thread (tests/support/aio_harness.py) while the reactor serves the harness.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from twisted.internet.defer import Deferred
 
 from execserver import aio
 from execserver import protocol as p
-from tests.aio_harness import Stderr, in_asyncio
-from tests.harness import REPO_ROOT, child_env
-from tests.ws_harness import WsServerProcess
+from tests.support.aio_harness import Stderr, in_asyncio
+from tests.support.harness import REPO_ROOT, child_env
+from tests.support.ws_harness import WsServerProcess
 
 TRANSPORTS = ["stdio", "ws", "unix"]
 

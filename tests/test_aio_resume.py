@@ -1,8 +1,8 @@
 """The asyncio client rides through dropped connections as ResumingClient does.
 
-The real server, the test-only cutting proxy (tests/cutting_proxy.py) on the
+The real server, the test-only cutting proxy (tests/support/cutting_proxy.py) on the
 reactor, and the aio client in an event loop on a worker thread
-(tests/aio_harness.py). The child writes a known pseudo-random stream; what
+(tests/support/aio_harness.py). The child writes a known pseudo-random stream; what
 the handle delivers must be exactly that stream, in order, then the exit --
 or, with a tiny retention, a GapEvent naming exactly the lost seqs.
 """
@@ -19,9 +19,10 @@ import pytest
 import pytest_twisted
 
 from execserver import aio
-from tests.aio_harness import in_asyncio, on_reactor
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import REPO_ROOT, child_env, descendants
+from tests.support.aio_harness import in_asyncio, on_reactor
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import REPO_ROOT, child_env, descendants
+from tests.support.ws_harness import WsServerProcess
 from tests.test_resume_client import (
     CHUNK,
     CHUNKS,
@@ -30,7 +31,6 @@ from tests.test_resume_client import (
     chosen_cuts,
     expected_stream,
 )
-from tests.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 

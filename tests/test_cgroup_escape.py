@@ -18,7 +18,7 @@ import pytest
 import pytest_twisted
 
 from execserver.containment import find_cgroup2_mount
-from tests.harness import (
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     ServerProcess,
@@ -26,6 +26,7 @@ from tests.harness import (
     reactor,
     server_env,
 )
+from tests.support.ws_harness import WsServerProcess, connect
 from tests.test_containment import (
     OWN_CGROUP_DIR,
     assert_gone,
@@ -34,7 +35,6 @@ from tests.test_containment import (
     server_args,
     wait_until,
 )
-from tests.ws_harness import WsServerProcess, connect
 
 #: Every hierarchy's root ``cgroup.procs`` (v2 and each mounted v1 one).
 ROOT_PROCS = sorted(

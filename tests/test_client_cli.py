@@ -20,7 +20,8 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from tests.harness import (
+from tests.support.client_fakes import LocalWsServer, wait
+from tests.support.harness import (
     NEUTRAL_CWD,
     console_script,
     pid_alive,
@@ -28,8 +29,7 @@ from tests.harness import (
     refused_port,
     server_env,
 )
-from tests.test_client_support import LocalWsServer, wait
-from tests.ws_harness import WsServerProcess
+from tests.support.ws_harness import WsServerProcess
 
 TIMEOUT = 15.0
 

@@ -2,7 +2,7 @@
 
 The issue's reproduction: a child writes far more than the server's
 ``--retained-output-bytes`` while the client is kept away from its session
-by a connection-cutting proxy (:mod:`tests.cutting_proxy`, which holds the
+by a connection-cutting proxy (:mod:`tests.support.cutting_proxy`, which holds the
 client's new connections until the child has done what the test waits for).
 With the default ``--on-detached-full pause`` the output must be byte-exact
 and the exit status the child's; with ``--on-detached-full drop`` the client
@@ -33,11 +33,11 @@ from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
 from execserver.client.cli.common import EXIT_OUTPUT_LOST
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import child_env, console_script, reactor, server_env, with_timeout
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import child_env, console_script, reactor, server_env, with_timeout
+from tests.support.ws_harness import WsServerProcess, observe
 from tests.test_tls import Pki
 from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess, observe
 
 #: The server keeps this much output per process; the child writes 16 times it.
 RETAINED = 256 * 1024

@@ -35,11 +35,18 @@ from twisted.internet.defer import Deferred
 from execserver import aio
 from execserver.client import ConnectOptions, ExecServerClient
 from execserver.client.reconnect import ReconnectingClient, ResumingClient
-from tests.aio_harness import Stderr, in_asyncio
-from tests.client_adapters import stdio_command
-from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, pid_alive, reactor, server_env, with_timeout
+from tests.support.aio_harness import Stderr, in_asyncio
+from tests.support.client_adapters import stdio_command
+from tests.support.harness import (
+    DEFAULT_TIMEOUT,
+    REPO_ROOT,
+    pid_alive,
+    reactor,
+    server_env,
+    with_timeout,
+)
+from tests.support.ws_harness import WsServerProcess
 from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 #: Longer than any test; the session outlives its connection this long.

@@ -28,7 +28,7 @@ from execserver.client import (
     ProtocolViolation,
     ServerError,
 )
-from tests.test_client_support import ScriptedServer, b64
+from tests.support.client_fakes import ScriptedServer, b64
 
 
 def _failure_of(d: Deferred[Any]) -> BaseException:

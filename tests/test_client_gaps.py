@@ -21,12 +21,12 @@ from twisted.internet.defer import Deferred
 
 from execserver import aio, sync
 from execserver.client import ConnectOptions, OutputEvent, OutputGap, connect_websocket
-from tests.aio_harness import in_asyncio, on_reactor
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
+from tests.support.aio_harness import in_asyncio, on_reactor
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
+from tests.support.ws_harness import WsServerProcess, observe
 from tests.test_resume_client import reconnecting
 from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess, observe
 
 CWD = str(REPO_ROOT)
 

@@ -33,7 +33,7 @@ from execserver.client import (
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.test_client_support import LocalWsServer, _ServerProtocol, eventually
+from tests.support.client_fakes import LocalWsServer, _ServerProtocol, eventually
 
 
 @implementer(IStreamClientEndpoint)

@@ -30,8 +30,8 @@ from execserver.client import (
 from execserver.client.channels.websocket import READ_BYTES, ChannelFactory, WebSocketChannel
 from execserver.client.reconnect import ReconnectingClient
 from execserver.session import session_of
-from tests.harness import REPO_ROOT, reactor, refused_port
-from tests.test_client_support import LocalWsServer, eventually, wait
+from tests.support.client_fakes import LocalWsServer, eventually, wait
+from tests.support.harness import REPO_ROOT, reactor, refused_port
 
 OPTIONS = ConnectOptions("test-client", initialize_timeout=5.0)
 CWD = str(REPO_ROOT)
@@ -315,7 +315,7 @@ async def test_stopping_the_reconnecting_client_fails_waiting_calls() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_reconnecting_client_across_a_real_server_process_restart() -> None:
-    from tests.ws_harness import WsServerProcess
+    from tests.support.ws_harness import WsServerProcess
 
     server = await WsServerProcess.start()
     _host, port = server.host_port

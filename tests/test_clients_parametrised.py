@@ -1,8 +1,8 @@
 """The same behaviour through the three clients: Twisted, asyncio, blocking.
 
-Each test runs once per client (``kind``), through :mod:`tests.client_adapters`,
+Each test runs once per client (``kind``), through :mod:`tests.support.client_adapters`,
 against the real server over real stdio, WebSocket on 127.0.0.1 and Unix
-sockets; resumption through :mod:`tests.cutting_proxy`. What only one or two
+sockets; resumption through :mod:`tests.support.cutting_proxy`. What only one or two
 clients offer (``run``, ``KeyboardInterrupt``, threads) is tested for those.
 Every wait is bounded; every process is checked gone (``/proc``).
 """
@@ -33,9 +33,9 @@ from execserver.clientcore.errors import (
     ServerError,
 )
 from execserver.clientcore.types import GapEvent, OutputEvent
-from tests.client_adapters import KINDS, ClientAdapter, Target, connect, python
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import (
+from tests.support.client_adapters import KINDS, ClientAdapter, Target, connect, python
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     child_env,
@@ -43,8 +43,8 @@ from tests.harness import (
     refused_port,
     server_env,
 )
+from tests.support.ws_harness import WsServerProcess
 from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess
 
 TOKEN = "adapter-test-token-0123456789"
 
@@ -511,7 +511,7 @@ with sync.connect(server_command=sys.argv[2:]) as client:
 
 def test_sync_keyboard_interrupt_cancels_run_and_leaves_no_orphan(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     script = subprocess.Popen(
         [sys.executable, "-c", INTERRUPTED_SCRIPT, str(pid_file), *stdio_command()],
@@ -541,7 +541,7 @@ def test_sync_keyboard_interrupt_cancels_run_and_leaves_no_orphan(tmp_path: Path
 def test_sync_threads_share_one_client_and_the_loop_thread_stops() -> None:
     from execserver import sync
     from execserver.sync._loop import LOOP
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     errors: list[BaseException] = []
     with sync.connect(server_command=stdio_command(), call_timeout=30.0) as client:
@@ -579,7 +579,7 @@ def test_sync_threads_share_one_client_and_the_loop_thread_stops() -> None:
 
 def test_sync_timeouts_bound_every_wait() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command(), call_timeout=10.0) as client:
         proc = client.start(["sleep", "1000"])
@@ -597,7 +597,7 @@ def test_sync_timeouts_bound_every_wait() -> None:
 
 def test_sync_refuses_a_call_from_its_loop_thread() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command()) as client:
         seen: list[BaseException] = []
@@ -674,7 +674,7 @@ async def test_sync_client_left_open_at_exit_is_closed_and_its_process_ended(
 
 def test_sync_transfer_progress_runs_in_the_calling_thread(tmp_path: Path) -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     data = random.Random(3).randbytes(9 * 1024 * 1024)
     (tmp_path / "in.bin").write_bytes(data)
@@ -716,7 +716,7 @@ def test_sync_call_caught_by_a_stopping_loop_fails_instead_of_hanging() -> None:
 
 def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command(), env=server_env()) as client:
         proc = client.start(["sh", "-c", "echo a; read x; echo b"], pipe_stdin=True)
@@ -733,7 +733,7 @@ def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
 
 def test_sync_long_polls_are_bounded_by_their_own_wait_not_the_call_timeout() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command(), env=server_env(), call_timeout=1.0) as c:
         proc = c.start(["sh", "-c", "sleep 2; echo late"])

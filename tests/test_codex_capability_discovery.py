@@ -29,7 +29,7 @@ from execserver.fs.paths import path_to_uri
 from tests import test_codex_dialect as codex_dialect
 from tests.codex import fetch_codex
 from tests.codex.fetch_codex import FetchError, fetch
-from tests.harness import REPO_ROOT, ServerProcess, reactor
+from tests.support.harness import REPO_ROOT, ServerProcess, reactor
 
 CODEX_INIT = codex_dialect.CODEX_INIT
 METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"

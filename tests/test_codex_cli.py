@@ -29,9 +29,9 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from tests.codex.fetch_codex import FetchError, fetch
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import REPO_ROOT, pid_alive, reactor, server_env, with_timeout
-from tests.ws_harness import WsServerProcess, get_request, http_get, observe
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import REPO_ROOT, pid_alive, reactor, server_env, with_timeout
+from tests.support.ws_harness import WsServerProcess, get_request, http_get, observe
 
 #: codex exec's whole run, per scenario (a busy 2-core machine; typically 1-3 s).
 CODEX_TIMEOUT = 90.0

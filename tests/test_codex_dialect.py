@@ -23,7 +23,7 @@ from execserver import environment
 from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.paths import absolute_path, path_to_uri, uri_to_path
-from tests.harness import REPO_ROOT, ServerProcess, b64, child_env
+from tests.support.harness import REPO_ROOT, ServerProcess, b64, child_env
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 

@@ -29,7 +29,7 @@ from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
 from execserver.toml_writer import dumps
 from tests import test_codex_dialect as codex_dialect
-from tests.harness import ServerProcess
+from tests.support.harness import ServerProcess
 
 CODEX_INIT = codex_dialect.CODEX_INIT
 

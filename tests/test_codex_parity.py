@@ -28,11 +28,11 @@ from execserver.fs.paths import path_to_uri
 from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
-from tests.fakes import Harness
-from tests.harness import REPO_ROOT, ServerProcess, pid_alive, server_env, unb64
+from tests.support.fakes import Harness
+from tests.support.harness import REPO_ROOT, ServerProcess, pid_alive, server_env, unb64
+from tests.support.ws_harness import WsServerProcess
+from tests.support.ws_harness import connect as ws_connect
 from tests.test_registry_unit import Second, drop
-from tests.ws_harness import WsServerProcess
-from tests.ws_harness import connect as ws_connect
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 SEED_INIT = {"clientName": "seed-era"}

@@ -24,7 +24,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import task
 
-from tests.harness import reactor, with_timeout
+from tests.support.harness import reactor, with_timeout
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_codex_cli import (
     CODEX_TIMEOUT,
     Run,
@@ -34,7 +35,6 @@ from tests.test_codex_cli import (
     fake_model,
     our_server,
 )
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["codex_binary"]
 

@@ -27,7 +27,7 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.containment import find_cgroup2_mount, own_cgroup
-from tests.harness import (
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     ServerProcess,
     child_env,
@@ -35,8 +35,8 @@ from tests.harness import (
     reactor,
     run_script,
 )
-from tests.raw_server import RawServer
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.raw_server import RawServer
+from tests.support.ws_harness import WsServerProcess, connect
 
 GRACE_MS = 300
 CGROUP2 = find_cgroup2_mount()

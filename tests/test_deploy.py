@@ -32,8 +32,15 @@ import yaml
 from kubernetes_validate import validate as k8s_validate
 from twisted.internet.task import deferLater
 
-from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, descendants, pid_alive, reactor, with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+from tests.support.harness import (
+    DEFAULT_TIMEOUT,
+    REPO_ROOT,
+    descendants,
+    pid_alive,
+    reactor,
+    with_timeout,
+)
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get, observe
 
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"

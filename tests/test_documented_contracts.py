@@ -25,14 +25,14 @@ from twisted.internet.task import Clock
 
 from execserver import auth
 from execserver.transports import http
-from tests.harness import DEFAULT_TIMEOUT, ServerProcess, pid_alive
-from tests.raw_server import RawServer
+from tests.support.harness import DEFAULT_TIMEOUT, ServerProcess, pid_alive
+from tests.support.raw_server import RawServer
+from tests.support.ws_harness import WsServerProcess, connect
 from tests.test_containment import MODES, live, new_marker, server_args, wait_until
 from tests.test_resume import initialize
 from tests.test_websocket_integration import poll_until
 from tests.test_websocket_protocol import UPGRADE, clock, make_factory
 from tests.test_websocket_protocol import http as http_request
-from tests.ws_harness import WsServerProcess, connect
 
 MiB = 1 << 20
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -238,7 +238,7 @@ def test_unsent_output_stops_the_children_at_the_documented_high_water() -> None
 
 
 def _children(pid: int) -> list[int]:
-    from tests.harness import descendants
+    from tests.support.harness import descendants
 
     return descendants(pid)
 

@@ -26,8 +26,8 @@ import pytest
 import pytest_twisted
 
 from execserver.codec import LineFramer
-from tests.bounds import FS_READ_PAUSE_FRACTION
-from tests.harness import RpcFailure, ServerProcess
+from tests.support.bounds import FS_READ_PAUSE_FRACTION
+from tests.support.harness import RpcFailure, ServerProcess
 
 
 def b64(data: bytes) -> str:

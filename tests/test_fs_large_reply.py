@@ -31,7 +31,7 @@ from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from execserver.writebuffer import Outbox, unsent_bytes
-from tests.bounds import FS_READ_FILE_RSS_FACTOR
+from tests.support.bounds import FS_READ_FILE_RSS_FACTOR
 from tests.test_filesystem_stdio import STREAMER
 from tests.test_fs_safety_memory import _rss
 from tests.test_websocket_protocol import clock, make_factory, open_raw, server_frames
@@ -170,8 +170,8 @@ def _big_file(path: Path, size: int) -> bytes:
 @pytest.mark.parametrize("transport", ["stdio", "websocket"])
 @pytest_twisted.ensureDeferred
 async def test_whole_file_read_keeps_one_copy_of_its_text(transport: str, tmp_path: Path) -> None:
-    from tests.harness import ServerProcess
-    from tests.ws_harness import WsServerProcess, connect
+    from tests.support.harness import ServerProcess
+    from tests.support.ws_harness import WsServerProcess, connect
 
     size = 128 * MiB
     path = tmp_path / "big.bin"

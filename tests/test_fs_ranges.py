@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from execserver.config import ServerConfig
-from tests.fakes import Harness
+from tests.support.fakes import Harness
 
 
 def ready(config: ServerConfig | None = None) -> Harness:

@@ -30,8 +30,8 @@ import pytest_twisted
 
 from execserver import filesystem as fs
 from execserver.errors import RpcError
-from tests.harness import ServerProcess, server_env
-from tests.raw_server import RawServer
+from tests.support.harness import ServerProcess, server_env
+from tests.support.raw_server import RawServer
 
 ROOT_ERROR = {
     "code": -32600,

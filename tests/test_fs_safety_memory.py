@@ -21,9 +21,9 @@ import pytest_twisted
 from twisted.internet.task import deferLater
 
 from execserver import filesystem as fs
-from tests.harness import reactor
+from tests.support.harness import reactor
+from tests.support.ws_harness import WsServerProcess, connect
 from tests.test_fs_safety_stall import _metrics
-from tests.ws_harness import WsServerProcess, connect
 
 MiB = 1024 * 1024
 FILE_BYTES = 64 * MiB

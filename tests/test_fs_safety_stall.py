@@ -23,8 +23,8 @@ import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred, gatherResults
 
-from tests.harness import with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.harness import with_timeout
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 NOT_REGULAR_WRITE = {
     "code": -32600,

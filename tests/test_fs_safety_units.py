@@ -36,8 +36,8 @@ from execserver.app import build_dispatcher, file_system
 from execserver.config import ServerConfig
 from execserver.dispatcher import SENT_POLL_SECONDS, Dispatcher
 from execserver.errors import RpcError
-from tests.fakes import FakeSpawner
-from tests.harness import reactor, with_timeout
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import reactor, with_timeout
 
 # --- the pool -------------------------------------------------------------------------
 

@@ -37,10 +37,10 @@ from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
 from execserver.fs import local, paths
 from execserver.fs.local import Locality
-from tests.fakes import FakeSpawner
-from tests.harness import reactor, server_env, with_timeout
+from tests.support.client_fakes import wait
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import reactor, server_env, with_timeout
 from tests.test_client_cli import Cli, run
-from tests.test_client_support import wait
 
 OPTIONS = ConnectOptions("test-transfer", initialize_timeout=5.0)
 MiB = 1024 * 1024
@@ -366,8 +366,8 @@ async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
 async def test_ranged_transfers_keep_the_server_within_64_mib_above_idle(tmp_path: Path) -> None:
     """docs/filesystem.md: a file moved in 8 MiB ranges costs the server one
     range, whatever its size (measured 22 MiB); the promise is 64 MiB."""
+    from tests.support.ws_harness import WsServerProcess, connect
     from tests.test_fs_safety_memory import _rss
-    from tests.ws_harness import WsServerProcess, connect
 
     size = 96 * MiB
     source = tmp_path / "source.bin"

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.bounds import FS_TRANSFER_RSS_FACTOR
-from tests.harness import ServerProcess
+from tests.support.bounds import FS_TRANSFER_RSS_FACTOR
+from tests.support.harness import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
 from tests.test_fs_safety_memory import _rss
-from tests.ws_harness import WsServerProcess, connect
 
 MiB = 1 << 20
 SIZE = 16 * MiB

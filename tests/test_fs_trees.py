@@ -24,8 +24,8 @@ from twisted.internet import reactor, task
 
 from execserver.errors import RpcError
 from execserver.fs import ops, pool
-from tests.raw_server import RawServer
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.raw_server import RawServer
+from tests.support.ws_harness import WsServerProcess, connect
 
 DEPTH = 5000
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.raw_server import RawServer
+from tests.support.raw_server import RawServer
 
 I64_MAX = 2**63 - 1
 

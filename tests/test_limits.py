@@ -14,8 +14,8 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 
-from tests.harness import DEFAULT_TIMEOUT, RpcFailure, with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, with_timeout
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get, observe
 
 TOKEN_A = "token-of-identity-a-0123456789"
 TOKEN_B = "token-of-identity-b-0123456789"

@@ -12,8 +12,8 @@ import time
 import pytest_twisted
 
 from execserver.logsink import REPEAT_INTERVAL_SECONDS
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
 from tests.test_limits import _metric_at_least, open_idle, until
-from tests.ws_harness import WsServerProcess, get_request, http_get
 
 REFUSED = 60
 

@@ -19,7 +19,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import task
 
-from tests.harness import (
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     RpcFailure,
     ServerProcess,

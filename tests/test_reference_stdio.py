@@ -19,7 +19,7 @@ import pytest_twisted
 from twisted.internet import task
 from twisted.internet.defer import Deferred
 
-from tests.harness import (
+from tests.support.harness import (
     REPO_ROOT,
     RpcFailure,
     ServerProcess,

@@ -1,7 +1,7 @@
 """The session registry and TTL expiry on a fake clock (issue 11).
 
 Connections are dispatcher connections over fake outbounds; children are
-fake transports whose signals are recorded (tests/fakes.py). Nothing here
+fake transports whose signals are recorded (tests/support/fakes.py). Nothing here
 sleeps: the clock is advanced by hand.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from execserver.config import ServerConfig
 from execserver.registry import ANONYMOUS
-from tests.fakes import FakeOutbound, Harness
+from tests.support.fakes import FakeOutbound, Harness
 
 
 class Second:

@@ -22,7 +22,7 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.containment import find_cgroup2_mount
-from tests.harness import (
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     RpcFailure,
     ServerProcess,
@@ -30,9 +30,9 @@ from tests.harness import (
     rss_bytes,
     run_script,
 )
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_client_cli import run
 from tests.test_containment import assert_gone, live, new_marker, wait_until
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
 PY = sys.executable
 MiB = 1 << 20

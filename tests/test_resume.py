@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest_twisted
 
-from tests.harness import b64, pid_alive, unb64
+from tests.support.harness import b64, pid_alive, unb64
+from tests.support.ws_harness import WsClientProtocol, WsServerProcess, connect
 from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsClientProtocol, WsServerProcess, connect
 
 
 async def initialize(client: WsClientProtocol, **params: Any) -> dict[str, Any]:
@@ -311,7 +311,7 @@ async def test_pause_keeps_unacknowledged_output_while_detached() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_stdio_grants_no_ttl() -> None:
-    from tests.harness import ServerProcess
+    from tests.support.harness import ServerProcess
 
     server = ServerProcess.start()
     try:

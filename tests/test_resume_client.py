@@ -1,7 +1,7 @@
 """The client library and the CLI ride through dropped connections (issue 11).
 
 Everything runs through the real server and a test-only TCP proxy
-(:mod:`tests.cutting_proxy`) that aborts the live connection at points in
+(:mod:`tests.support.cutting_proxy`) that aborts the live connection at points in
 the server-to-client byte stream chosen by hypothesis. The child writes a
 known pseudo-random stream; what the process handle delivers must be that
 stream exactly, in order, then the exit, then the close -- or, with
@@ -32,8 +32,8 @@ from execserver.client import (
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import (
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     child_env,
@@ -41,8 +41,8 @@ from tests.harness import (
     reactor,
     with_timeout,
 )
+from tests.support.ws_harness import WsServerProcess, observe
 from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess, observe
 
 CHUNK = 4096
 CHUNKS = 96  # 384 KiB
@@ -326,7 +326,7 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
 
 
 def server_children(server: WsServerProcess) -> list[int]:
-    from tests.harness import descendants
+    from tests.support.harness import descendants
 
     assert server.pid is not None
     return descendants(server.pid)

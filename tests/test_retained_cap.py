@@ -20,9 +20,9 @@ import pytest_twisted
 from execserver.config import ServerConfig
 from execserver.retained import CHUNK_OVERHEAD_BYTES
 from execserver.spawn.reading import READ_SIZE
-from tests.fakes import FakeOutbound, Harness, exec_params
+from tests.support.fakes import FakeOutbound, Harness, exec_params
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_limits import until
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
 CHUNK = 1000
 COST = CHUNK + CHUNK_OVERHEAD_BYTES

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.harness import reactor, with_timeout
+from tests.support.harness import reactor, with_timeout
 from tests.test_codex_cli import (
     CODEX_TIMEOUT,
     _codex_home,

@@ -30,7 +30,7 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.sandbox.denied import likely_denied
-from tests.harness import (
+from tests.support.harness import (
     BIN,
     RpcFailure,
     RpcTestClient,
@@ -41,7 +41,7 @@ from tests.harness import (
     run_script,
     server_env,
 )
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.ws_harness import WsServerProcess, connect
 
 CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
 SECRET = "sbx-secret-4f1c9e"

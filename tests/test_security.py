@@ -18,8 +18,8 @@ from twisted.internet.defer import Deferred
 from execserver import auth
 from execserver.service import Options
 from execserver.transports import http
-from tests.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 TOKEN = "s3cret-Token-0123456789abcdef"
 OTHER = "another-token-for-rotation"

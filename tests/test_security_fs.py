@@ -15,7 +15,7 @@
   default security level).
 
 "Promptly" is no documented figure (docs/performance.md promises none for
-it), so it is not a bound in ``tests/bounds.py``: the other client's answer is
+it), so it is not a bound in ``tests/support/bounds.py``: the other client's answer is
 awaited with a generous timeout (:data:`ANSWER_WAIT`), and what shows that no
 pool thread was held is the pool gauges of ``/metrics`` returning to zero.
 """
@@ -39,11 +39,11 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred, gatherResults
 
 from execserver.tls import ServerTls
-from tests.harness import DEFAULT_TIMEOUT, with_timeout
+from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_fs_safety_stall import NOT_REGULAR_READ, _metrics, held_fifo
 from tests.test_limits import until
 from tests.test_tls import Pki, pki, start_wss
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["held_fifo", "pki"]  # fixtures, used by name
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from execserver.cli import SECURITY_NOTE, TTY_HINT
-from tests.harness import REPO_ROOT, console_script, server_env
-from tests.raw_server import RawServer
+from tests.support.harness import REPO_ROOT, console_script, server_env
+from tests.support.raw_server import RawServer
 
 TIMEOUT = 10.0
 README = REPO_ROOT / "README.md"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest_twisted
 
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_limits import until
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
 
 TTL_MS = 600_000
 

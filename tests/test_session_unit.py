@@ -1,7 +1,7 @@
 """Unit tests of the session (process/* semantics) and ManagedProcess, over fakes.
 
 Time is a ``task.Clock``; children are fake transports that deliver Twisted's
-events in the real order; signals go to a recording fake (tests/fakes.py).
+events in the real order; signals go to a recording fake (tests/support/fakes.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from twisted.internet.task import Clock
 from execserver.config import ServerConfig
 from execserver.processes import ChildProcess, ManagedProcess
 from execserver.spawn import ProcessSpec, SpawnError
-from tests.fakes import (
+from tests.support.fakes import (
     FAKE_PID_BASE,
     FakeKill,
     FakeOutbound,

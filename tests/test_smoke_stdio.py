@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest_twisted
 
-from tests.harness import ServerProcess, unb64
+from tests.support.harness import ServerProcess, unb64
 
 
 @pytest_twisted.ensureDeferred

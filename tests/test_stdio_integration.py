@@ -5,7 +5,7 @@ Bounds stated here:
 - a terminated process tree is gone from /proc within TREE_GONE_BOUND seconds
   (the server's default grace is 2 s; ``sleep`` dies at the SIGTERM);
 - while the client reads nothing, the server's peak RSS stays below its idle
-  RSS plus ``tests.bounds.STALL_RSS_GROWTH`` (the documented figure).
+  RSS plus ``tests.support.bounds.STALL_RSS_GROWTH`` (the documented figure).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from twisted.internet.stdio import StandardIO
 from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.transports.stdio import LineProtocol
-from tests.bounds import STALL_RSS_GROWTH
-from tests.fakes import FakeSpawner
-from tests.harness import (
+from tests.support.bounds import STALL_RSS_GROWTH
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import (
     REPO_ROOT,
     ServerProcess,
     b64,
@@ -48,7 +48,7 @@ from tests.harness import (
     reset_peak_rss,
     with_timeout,
 )
-from tests.raw_server import RawServer
+from tests.support.raw_server import RawServer
 
 TREE_GONE_BOUND = 5.0
 MiB = 1024 * 1024

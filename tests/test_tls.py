@@ -27,8 +27,8 @@ from cryptography.x509.oid import NameOID
 from execserver.client import connect_websocket
 from execserver.client.errors import ConnectFailed
 from execserver.tls import ClientTls
-from tests.harness import DEFAULT_TIMEOUT, run_script, with_timeout
-from tests.ws_harness import WsServerProcess
+from tests.support.harness import DEFAULT_TIMEOUT, run_script, with_timeout
+from tests.support.ws_harness import WsServerProcess
 
 Key = ec.EllipticCurvePrivateKey
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest_twisted
 
 from execserver.fs.watch import MAX_SERVER_WATCHES, MAX_WATCHES
-from tests.harness import DEFAULT_TIMEOUT
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.ws_harness import WsClientProtocol, WsServerProcess, connect
 from tests.test_limits import until
-from tests.ws_harness import WsClientProtocol, WsServerProcess, connect
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 

@@ -25,8 +25,8 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from tests.bounds import REPLY_BACKLOG_RSS_GROWTH, STALL_RSS_GROWTH, MiB
-from tests.harness import (
+from tests.support.bounds import REPLY_BACKLOG_RSS_GROWTH, STALL_RSS_GROWTH, MiB
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     descendants,
     peak_rss_bytes,
@@ -36,7 +36,7 @@ from tests.harness import (
     rss_bytes,
     with_timeout,
 )
-from tests.ws_harness import (
+from tests.support.ws_harness import (
     WsClientProtocol,
     WsServerProcess,
     connect,
