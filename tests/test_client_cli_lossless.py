@@ -35,9 +35,9 @@ from twisted.python.failure import Failure
 from execserver.client.cli.common import EXIT_OUTPUT_LOST
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import child_env, console_script, reactor, server_env, with_timeout
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, observe
 from tests.test_tls import Pki
-from tests.test_websocket_integration import poll_until
 
 #: The server keeps this much output per process; the child writes 16 times it.
 RETAINED = 256 * 1024
@@ -173,14 +173,16 @@ async def run_through_cuts(
         proto.transport.write(stdin)
         proto.transport.closeStdin()
     try:
-        await poll_until(
-            lambda: proxy.cuts > cuts or proto.ended.called, 30.0, "the first cut or the end"
+        await until(
+            lambda: proxy.cuts > cuts or proto.ended.called,
+            "the first cut or the end",
+            timeout=30.0,
         )
         assert proxy.cuts > cuts, f"the CLI ended before the cut: {bytes(proto.err)!r}"
         if mode == "drop":
-            await poll_until(lambda: reports.done, 30.0, "the child to finish writing")
+            await until(lambda: reports.done, "the child to finish writing", timeout=30.0)
         else:
-            await poll_until(reports.waiting, 30.0, "the child to be paused")
+            await until(reports.waiting, "the child to be paused", timeout=30.0)
         if second is not None:
             proxy.cut_after(second)
         proxy.release()

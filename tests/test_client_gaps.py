@@ -24,9 +24,9 @@ from execserver.client import ConnectOptions, OutputEvent, OutputGap, connect_we
 from tests.support.aio_harness import in_asyncio, on_reactor
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, observe
 from tests.test_resume_client import reconnecting
-from tests.test_websocket_integration import poll_until
 
 CWD = str(REPO_ROOT)
 
@@ -44,7 +44,7 @@ async def lose_output(proxy: CuttingProxy, go: Path, done: Path) -> None:
     """Keep the client away while the child writes far more than the retention."""
     proxy.stall()
     go.touch()
-    await poll_until(done.exists, 30.0, "the child to finish writing")
+    await until(done.exists, "the child to finish writing", timeout=30.0)
     proxy.cut()
     proxy.unstall()
 

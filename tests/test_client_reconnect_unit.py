@@ -33,7 +33,9 @@ from execserver.client import (
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.support.client_fakes import LocalWsServer, _ServerProtocol, eventually
+from tests.support.client_fakes import LocalWsServer, _ServerProtocol
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.polling import until
 
 
 @implementer(IStreamClientEndpoint)
@@ -228,7 +230,7 @@ async def _suspended_handle(
         endpoint.flush()
         return starting.called
 
-    await eventually(started, "the process to start")
+    await until(started, "the process to start", timeout=DEFAULT_TIMEOUT)
     proc = await starting
     endpoint.up = False
     endpoint.drop_all()

@@ -5,4 +5,14 @@ the integrator switches them to ``tests.support.client_fakes`` and deletes this
 file. New code imports ``tests.support.client_fakes``.
 """
 
+from collections.abc import Callable
+
 from tests.support.client_fakes import *  # noqa: F403
+from tests.support.polling import until
+
+
+async def eventually(
+    predicate: Callable[[], bool], what: str, timeout: float = 10.0, step: float = 0.02
+) -> None:
+    """TRANSITIONAL: the old poll of this module, now ``tests.support.polling.until``."""
+    await until(predicate, what, timeout=timeout, interval=step)

@@ -43,8 +43,8 @@ from tests.support.harness import (
     refused_port,
     server_env,
 )
+from tests.support.polling import until, until_blocking
 from tests.support.ws_harness import WsServerProcess
-from tests.test_websocket_integration import poll_until
 
 TOKEN = "adapter-test-token-0123456789"
 
@@ -96,12 +96,14 @@ def start_kwargs(**extra: Any) -> dict[str, Any]:
 
 
 async def wait_gone(pid: int, what: str) -> None:
-    await poll_until(lambda: not pid_alive(pid), DEFAULT_TIMEOUT, what)
+    await until(lambda: not pid_alive(pid), what, timeout=DEFAULT_TIMEOUT)
 
 
 async def pid_from(path: Path) -> int:
-    await poll_until(
-        lambda: path.exists() and path.read_text().endswith("\n"), DEFAULT_TIMEOUT, "the pid file"
+    await until(
+        lambda: path.exists() and path.read_text().endswith("\n"),
+        "the pid file",
+        timeout=DEFAULT_TIMEOUT,
     )
     return int(path.read_text())
 
@@ -419,8 +421,8 @@ async def test_output_survives_cut_connections_exactly_once_in_order(kind: str) 
             # A "pause" session's acknowledging read (the clients' default
             # since losing output became an error) may still be on its way
             # when the close arrives: answered at once, never left pending.
-            await poll_until(
-                lambda: client.pending_request_count == 0, 5.0, "the last acknowledgement"
+            await until(
+                lambda: client.pending_request_count == 0, "the last acknowledgement", timeout=5.0
             )
     finally:
         await proxy.stop()
@@ -443,11 +445,11 @@ async def test_cancelled_call_leaves_no_pending_request(kind: str, tmp_path: Pat
         waiting = Deferred.fromCoroutine(
             client.call("wait", proc.process_id, 600_000, timeout=60.0)
         )
-        await poll_until(lambda: client.pending_request_count == 1, DEFAULT_TIMEOUT, "the wait")
+        await until(lambda: client.pending_request_count == 1, "the wait", timeout=DEFAULT_TIMEOUT)
         waiting.cancel()
         with pytest.raises(CancelledError):
             await waiting
-        await poll_until(lambda: client.pending_request_count == 0, DEFAULT_TIMEOUT, "forgotten")
+        await until(lambda: client.pending_request_count == 0, "forgotten", timeout=DEFAULT_TIMEOUT)
         # The process is still under control; closing the client ends it.
         assert pid_alive(pid)
     await wait_gone(pid, "the process after close")
@@ -488,7 +490,9 @@ async def test_cancelled_aio_run_leaves_no_orphan(tmp_path: Path) -> None:
         with pytest.raises(CancelledError):
             await running
         await wait_gone(pid, "the cancelled run's process")
-        await poll_until(lambda: client.pending_request_count == 0, DEFAULT_TIMEOUT, "no pending")
+        await until(
+            lambda: client.pending_request_count == 0, "no pending", timeout=DEFAULT_TIMEOUT
+        )
         listed = await client.call("list_processes")
         assert all(not p.running for p in listed.processes)
 
@@ -521,11 +525,12 @@ def test_sync_keyboard_interrupt_cancels_run_and_leaves_no_orphan(tmp_path: Path
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + DEFAULT_TIMEOUT
-        while not (pid_file.exists() and pid_file.read_text().endswith("\n")):
-            assert time.monotonic() < deadline, "the remote process did not start"
+
+        def started() -> bool:
             assert script.poll() is None, script.communicate()
-            time.sleep(0.02)
+            return pid_file.exists() and pid_file.read_text().endswith("\n")
+
+        until_blocking(started, "the remote process to start", timeout=DEFAULT_TIMEOUT)
         pid = int(pid_file.read_text())
         script.send_signal(signal.SIGINT)
         out, err = script.communicate(timeout=30)

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
 from tests.support.harness import reactor, with_timeout
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_codex_cli import (
     CODEX_TIMEOUT,
@@ -235,10 +235,11 @@ def _free_port() -> int:
 
 
 async def _wait_port(port: int) -> None:
-    for _ in range(300):
+    def listening() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
         except OSError:
-            await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError(f"the reference never listened on {port}")
+            return False
+        return True
+
+    await until(listening, f"the reference to listen on {port}", timeout=15, interval=0.05)

@@ -18,13 +18,10 @@ import shlex
 import shutil
 import socket
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
 from execserver.containment import find_cgroup2_mount, own_cgroup
 from tests.support.harness import (
@@ -32,9 +29,9 @@ from tests.support.harness import (
     ServerProcess,
     child_env,
     console_script,
-    reactor,
     run_script,
 )
+from tests.support.polling import until, until_blocking
 from tests.support.raw_server import RawServer
 from tests.support.ws_harness import WsServerProcess, connect
 
@@ -139,21 +136,12 @@ def live(marker: str) -> list[tuple[int, int, str]]:
     return [p for p in marked(marker) if p[2] not in ("Z", "X")]
 
 
-async def wait_until(predicate: Callable[[], bool], what: str, timeout: float) -> None:
-    """Poll a /proc condition (the kernel sends no event for it) with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await task.deferLater(reactor, 0.02, lambda: None)
-
-
 async def wait_started(markers: dict[str, str]) -> None:
     for kind, marker in markers.items():
-        await wait_until(
-            lambda k=kind, m=marker: len(live(m)) >= EXPECTED[k],  # type: ignore[misc]
+        await until(
+            lambda k=kind, m=marker: len(live(m)) >= EXPECTED[k],
             f"the {kind} escapee to start",
-            DEFAULT_TIMEOUT,
+            timeout=DEFAULT_TIMEOUT,
         )
 
 
@@ -164,12 +152,12 @@ async def assert_gone(markers: dict[str, str], server_pid: int | None = None) ->
     SIGKILL at the end of the grace); the wait is generous for a busy host.
     """
     for kind, marker in markers.items():
-        await wait_until(lambda m=marker: not live(m), f"every {kind} process to be gone", 10.0)  # type: ignore[misc]
+        await until(lambda m=marker: not live(m), f"every {kind} process to be gone", timeout=10.0)
         if server_pid is not None:
-            await wait_until(
-                lambda m=marker: not [p for p in marked(m) if p[1] == server_pid],  # type: ignore[misc]
+            await until(
+                lambda m=marker: not [p for p in marked(m) if p[1] == server_pid],
                 f"the server to reap its {kind} zombies",
-                10.0,
+                timeout=10.0,
             )
 
 
@@ -323,15 +311,9 @@ def test_auto_falls_back_to_the_subreaper_and_warns() -> None:
                 "tty": False,
             },
         )
-        deadline = time.monotonic() + DEFAULT_TIMEOUT
-        while not live(marker):
-            assert time.monotonic() < deadline, "the escapee did not start"
-            time.sleep(0.02)
+        until_blocking(lambda: live(marker), "the escapee to start", timeout=DEFAULT_TIMEOUT)
         server.call("process/terminate", {"processId": "p"})
-        deadline = time.monotonic() + 10
-        while live(marker):
-            assert time.monotonic() < deadline, "the escapee survived the terminate"
-            time.sleep(0.02)
+        until_blocking(lambda: not live(marker), "the escapee to die of the terminate", timeout=10)
     finally:
         assert server.stop() == 0
     assert (

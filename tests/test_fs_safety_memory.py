@@ -18,10 +18,9 @@ import os
 from pathlib import Path
 
 import pytest_twisted
-from twisted.internet.task import deferLater
 
 from execserver import filesystem as fs
-from tests.support.harness import reactor
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect
 from tests.test_fs_safety_stall import _metrics
 
@@ -43,14 +42,13 @@ def _rss(pid: int, field: str = "VmRSS") -> int:
 async def _until(server: WsServerProcess, what: str, check: object, timeout: float = 60) -> None:
     """Poll /metrics (every 50 ms, at most ``timeout`` s) until ``check(gauges)`` holds."""
     assert callable(check)
-    waited = 0.0
-    while True:
-        gauges = await _metrics(server)
-        if check(gauges):
-            return
-        assert waited < timeout, f"timed out after {timeout}s waiting for {what}: {gauges}"
-        await deferLater(reactor, 0.05, lambda: None)
-        waited += 0.05
+    seen: list[dict[str, float]] = [{}]
+
+    async def holds() -> bool:
+        seen[0] = await _metrics(server)
+        return bool(check(seen[0]))
+
+    await until(holds, what, timeout=timeout, interval=0.05, detail=lambda: seen[0])
 
 
 @pytest_twisted.ensureDeferred

@@ -24,6 +24,7 @@ import pytest_twisted
 from twisted.internet.defer import Deferred, gatherResults
 
 from tests.support.harness import with_timeout
+from tests.support.polling import until_blocking
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 NOT_REGULAR_WRITE = {
@@ -51,10 +52,12 @@ def held_fifo(tmp_path: Path) -> Iterator[Path]:
     holder = subprocess.Popen(["sh", "-c", 'exec 3<>"$1"; exec sleep 1000000', "sh", str(fifo)])
     try:
         # Wait (bounded) until the holder has the FIFO open.
-        deadline = time.monotonic() + 10
-        while not _holds(holder.pid, fifo):
-            assert holder.poll() is None and time.monotonic() < deadline, "holder did not start"
-            time.sleep(0.01)
+
+        def holding() -> bool:
+            assert holder.poll() is None, "the holder ended"
+            return _holds(holder.pid, fifo)
+
+        until_blocking(holding, "the holder to open the FIFO", timeout=10, interval=0.01)
         yield fifo
     finally:
         holder.kill()

@@ -13,17 +13,15 @@ from __future__ import annotations
 import base64
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor, task
 
 from execserver.errors import RpcError
 from execserver.fs import ops, pool
+from tests.support.polling import until
 from tests.support.raw_server import RawServer
 from tests.support.ws_harness import WsServerProcess, connect
 
@@ -123,14 +121,6 @@ def test_copy_keeps_the_holes_of_a_sparse_file(server: RawServer, tmp_path: Path
 FILES = 20_000
 
 
-async def _wait_until(predicate: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await task.deferLater(reactor, 0.01, lambda: None)
-
-
 @pytest_twisted.ensureDeferred
 async def test_a_copy_stops_and_removes_its_partial_tree_when_its_connection_goes(
     tmp_path: Path,
@@ -153,10 +143,10 @@ async def test_a_copy_stops_and_removes_its_partial_tree_when_its_connection_goe
             except FileNotFoundError:
                 return False
 
-        await _wait_until(started, "the copy to begin")
+        await until(started, "the copy to begin", timeout=60.0)
         client.abort()
         # The copy notices between two entries and removes what it made.
-        await _wait_until(lambda: not copy.exists(), "the partial copy to be removed")
+        await until(lambda: not copy.exists(), "the partial copy to be removed", timeout=60.0)
         other = await connect(server.url)
         await other.handshake()
         assert await other.call("fs/getMetadata", {"path": str(source)}) is not None

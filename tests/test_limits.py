@@ -15,6 +15,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 
 from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, with_timeout
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get, observe
 
 TOKEN_A = "token-of-identity-a-0123456789"
@@ -43,16 +44,6 @@ async def open_idle(host: str, port: int) -> Idle:
     return proto
 
 
-async def until(check: Any, what: str) -> None:
-    async def poll() -> None:
-        while not await check():
-            d: Deferred[None] = Deferred()
-            reactor.callLater(0.02, d.callback, None)
-            await d
-
-    await with_timeout(Deferred.fromCoroutine(poll()), DEFAULT_TIMEOUT, what)
-
-
 @pytest_twisted.ensureDeferred
 async def test_max_connections_answers_503_and_frees_with_a_close() -> None:
     server = await WsServerProcess.start(
@@ -70,7 +61,7 @@ async def test_max_connections_answers_503_and_frees_with_a_close() -> None:
             status, _, _ = await http_get(host, port, get_request("/readyz"))
             return status == 200
 
-        await until(ready, "a free connection slot")
+        await until(ready, "a free connection slot", timeout=DEFAULT_TIMEOUT)
         for proto in idle:
             proto.transport.loseConnection()  # type: ignore[union-attr]
         # (Polls that found every slot taken were refused and counted too.)
@@ -79,6 +70,7 @@ async def test_max_connections_answers_503_and_frees_with_a_close() -> None:
                 host, port, 'exec_server_refused_total{limit="connections"}', 1
             ),
             "the refusal counted",
+            timeout=DEFAULT_TIMEOUT,
         )
     finally:
         assert await server.stop() == 0

@@ -12,8 +12,10 @@ import time
 import pytest_twisted
 
 from execserver.logsink import REPEAT_INTERVAL_SECONDS
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, get_request, http_get
-from tests.test_limits import _metric_at_least, open_idle, until
+from tests.test_limits import _metric_at_least, open_idle
 
 REFUSED = 60
 
@@ -38,6 +40,7 @@ async def test_refused_connections_log_at_most_one_line_per_interval_with_a_coun
                 host, port, 'exec_server_refused_total{limit="connections"}', REFUSED
             ),
             "every refusal counted",
+            timeout=DEFAULT_TIMEOUT,
         )
     finally:
         assert await server.stop() == 0

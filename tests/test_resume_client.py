@@ -41,8 +41,8 @@ from tests.support.harness import (
     reactor,
     with_timeout,
 )
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, observe
-from tests.test_websocket_integration import poll_until
 
 CHUNK = 4096
 CHUNKS = 96  # 384 KiB
@@ -119,10 +119,10 @@ async def stream_through_cuts(
         for offset in cuts:
             before = proxy.cuts
             proxy.cut_after(offset)
-            await poll_until(
-                lambda before=before: proxy.cuts > before or closed.called,  # type: ignore[misc]
-                30.0,
+            await until(
+                lambda before=before: proxy.cuts > before or closed.called,
                 "the cut or the end",
+                timeout=30.0,
             )
         await with_timeout(observe(closed), 60.0, "the process to close")
         # Cuts were made and ridden through (one may hit a reconnection's
@@ -219,11 +219,11 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
         proc.add_output_listener(recorder.output, gaps=True)
         proc.exited().addCallback(lambda code: recorder.events.append(("exit", code)))
         proc.closed().addCallback(lambda _: recorder.events.append("closed"))
-        await poll_until(lambda: recorder.data == b"first", 10.0, "the first output")
+        await until(lambda: recorder.data == b"first", "the first output", timeout=10.0)
         # Nothing reaches the client now; the output piles up in the server.
         proxy.stall()
         go.touch()
-        await poll_until(done.exists, 30.0, "the child to finish writing")
+        await until(done.exists, "the child to finish writing", timeout=30.0)
         proxy.cut()
         proxy.unstall()
         await with_timeout(observe(proc.closed()), 30.0, "the process to close")
@@ -258,7 +258,7 @@ async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> N
         proxy.stall()
         proxy.cut()
         # Longer than the granted TTL: the server ends the session meanwhile.
-        await poll_until(lambda: not server_children(server), 10.0, "the session to expire")
+        await until(lambda: not server_children(server), "the session to expire", timeout=10.0)
         proxy.unstall()
         assert await with_timeout(observe(proc.exited()), 20.0, "the handle to fail") is None
         assert isinstance(proc.lost_reason, SessionLost)
@@ -296,8 +296,8 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
         signalled = client.signal(cat.process_id, "SIGCONT")
         listed = client.list_processes()
         # The write reached the child (its copy shows it); its answer did not.
-        await poll_until(
-            lambda: copy.exists() and copy.read_bytes() == b"once\n", 10.0, "the write"
+        await until(
+            lambda: copy.exists() and copy.read_bytes() == b"once\n", "the write", timeout=10.0
         )
         proxy.cut()
         proxy.unstall()
@@ -364,10 +364,10 @@ async def test_cli_run_over_websocket_survives_cuts_byte_exact() -> None:
         for offset in (20_000, 150_000, 260_000):
             before = proxy.cuts
             proxy.cut_after(offset)
-            await poll_until(
-                lambda before=before: proxy.cuts > before or proto.ended.called,  # type: ignore[misc]
-                30.0,
+            await until(
+                lambda before=before: proxy.cuts > before or proto.ended.called,
                 "the cut or the end",
+                timeout=30.0,
             )
         code = await with_timeout(observe(proto.ended), 60.0, "the CLI to finish")
         assert bytes(proto.out) == expected_stream(), bytes(proto.err)

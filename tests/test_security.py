@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred
 
 from execserver import auth
 from execserver.service import Options
 from execserver.transports import http
-from tests.support.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
+from tests.support.harness import DEFAULT_TIMEOUT, console_script, server_env
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 TOKEN = "s3cret-Token-0123456789abcdef"
@@ -59,13 +58,7 @@ def run_server_expecting_refusal(*args: str, env: dict[str, str] | None = None) 
 
 
 async def wait_stderr(server: WsServerProcess, needle: bytes) -> None:
-    async def poll() -> None:
-        while needle not in server.stderr:
-            d: Deferred[None] = Deferred()
-            reactor.callLater(0.02, d.callback, None)
-            await d
-
-    await with_timeout(Deferred.fromCoroutine(poll()), DEFAULT_TIMEOUT, f"{needle!r} on stderr")
+    await until(lambda: needle in server.stderr, f"{needle!r} on stderr", timeout=DEFAULT_TIMEOUT)
 
 
 @pytest_twisted.ensureDeferred

@@ -40,9 +40,9 @@ from twisted.internet.defer import Deferred, gatherResults
 
 from execserver.tls import ServerTls
 from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
+from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 from tests.test_fs_safety_stall import NOT_REGULAR_READ, _metrics, held_fifo
-from tests.test_limits import until
 from tests.test_tls import Pki, pki, start_wss
 
 __all__ = ["held_fifo", "pki"]  # fixtures, used by name
@@ -73,7 +73,7 @@ async def _gauges_settle(server: WsServerProcess) -> dict[str, float]:
             and found["exec_server_fs_operations_queued"] == 0
         )
 
-    await until(idle, "the fs pool gauges back to zero")
+    await until(idle, "the fs pool gauges back to zero", timeout=DEFAULT_TIMEOUT)
     return found
 
 
@@ -217,7 +217,9 @@ async def test_one_session_holds_only_its_share_of_the_fs_threads(tmp_path: Path
                 gauges["exec_server_fs_operations_queued"],
             ) == (per_session, 5 - per_session)
 
-        await until(attacker_holds_its_share, "two reads running and three waiting")
+        await until(
+            attacker_holds_its_share, "two reads running and three waiting", timeout=DEFAULT_TIMEOUT
+        )
         # The other session's calls take the two threads left, repeatedly.
         for _ in range(5):
             got = await victim.call(

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -48,6 +48,7 @@ from tests.support.harness import (
     reset_peak_rss,
     with_timeout,
 )
+from tests.support.polling import until
 from tests.support.raw_server import RawServer
 
 TREE_GONE_BOUND = 5.0
@@ -63,18 +64,6 @@ async def serving(*args: str) -> AsyncIterator[ServerProcess]:
         yield server
     finally:
         await server.stop()
-
-
-async def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``condition`` every 20 ms; returns the seconds it took."""
-    start = time.monotonic()
-
-    async def loop() -> None:
-        while not condition():
-            await task.deferLater(reactor, 0.02)
-
-    await with_timeout(Deferred.fromCoroutine(loop()), timeout, what)
-    return time.monotonic() - start
 
 
 def sleeps_under(pid: int) -> list[int]:
@@ -100,7 +89,7 @@ async def start_tree(server: ServerProcess, process_id: str = "tree") -> list[in
     def new_sleeps() -> list[int]:
         return [pid for pid in sleeps_under(server_pid) if pid not in known]
 
-    await poll_until(lambda: len(new_sleeps()) == 2, 10, "both sleeps to start")
+    await until(lambda: len(new_sleeps()) == 2, "both sleeps to start", timeout=10)
     pids = new_sleeps()
     assert len(pids) == 2
     return pids
@@ -115,8 +104,10 @@ async def test_terminate_kills_the_whole_process_tree() -> None:
         pids = await start_tree(server)
         result = await server.call("process/terminate", {"processId": "tree"})
         assert result == {"running": True}
-        took = await poll_until(
-            lambda: not any(pid_alive(pid) for pid in pids), TREE_GONE_BOUND, "the tree to die"
+        took = await until(
+            lambda: not any(pid_alive(pid) for pid in pids),
+            "the tree to die",
+            timeout=TREE_GONE_BOUND,
         )
         assert took < TREE_GONE_BOUND
         await server.wait_notification("process/exited", "tree")
