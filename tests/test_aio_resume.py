@@ -23,8 +23,7 @@ from tests.support.aio_harness import in_asyncio, on_reactor
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import REPO_ROOT, child_env, descendants
 from tests.support.polling import until_asyncio
-from tests.support.ws_harness import WsServerProcess
-from tests.test_resume_client import (
+from tests.support.streams import (
     CHUNK,
     CHUNKS,
     EXIT_CODE,
@@ -32,6 +31,7 @@ from tests.test_resume_client import (
     chosen_cuts,
     expected_stream,
 )
+from tests.support.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 

@@ -18,6 +18,7 @@ import pytest
 import pytest_twisted
 
 from execserver.containment import find_cgroup2_mount
+from tests.support.escapees import OWN_CGROUP_DIR, assert_gone, live, new_marker, server_args
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
@@ -28,13 +29,6 @@ from tests.support.harness import (
 )
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect
-from tests.test_containment import (
-    OWN_CGROUP_DIR,
-    assert_gone,
-    live,
-    new_marker,
-    server_args,
-)
 
 #: Every hierarchy's root ``cgroup.procs`` (v2 and each mounted v1 one).
 ROOT_PROCS = sorted(

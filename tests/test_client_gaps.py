@@ -25,8 +25,8 @@ from tests.support.aio_harness import in_asyncio, on_reactor
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
 from tests.support.polling import until
+from tests.support.streams import reconnecting
 from tests.support.ws_harness import WsServerProcess, observe
-from tests.test_resume_client import reconnecting
 
 CWD = str(REPO_ROOT)
 

@@ -26,12 +26,12 @@ from execserver import capability_discovery as cd
 from execserver import environment, skill_yaml
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
-from tests import test_codex_dialect as codex_dialect
 from tests.codex import fetch_codex
 from tests.codex.fetch_codex import FetchError, fetch
+from tests.support import codex_session
 from tests.support.harness import REPO_ROOT, ServerProcess, reactor
 
-CODEX_INIT = codex_dialect.CODEX_INIT
+CODEX_INIT = codex_session.CODEX_INIT
 METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"
 
 
@@ -48,7 +48,7 @@ def _skill(directory: Path, front: str) -> Path:
 def serving(tmp_path: Path, init: Any = CODEX_INIT) -> AbstractAsyncContextManager[ServerProcess]:
     (tmp_path / "codex-home").mkdir(exist_ok=True)
     env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
-    return codex_dialect.serving(init, env)
+    return codex_session.serving(init, env)
 
 
 async def discover(tmp_path: Path) -> Any:

@@ -14,7 +14,6 @@ import pwd
 import socket
 import threading
 import tomllib
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +27,7 @@ from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
 from execserver.toml_writer import dumps
-from tests import test_codex_dialect as codex_dialect
-from tests.support.harness import ServerProcess
-
-CODEX_INIT = codex_dialect.CODEX_INIT
+from tests.support.codex_config import CODEX_INIT, _read, _write, serving
 
 # --- the TOML writer --------------------------------------------------------------------------
 
@@ -103,12 +99,6 @@ def test_selection_keeps_requested_paths_and_drops_empty_layers() -> None:
 
 
 # --- the loader -------------------------------------------------------------------------------
-
-
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
 
 
 def test_layers_in_the_reference_order(tmp_path: Path) -> None:
@@ -255,24 +245,6 @@ def test_validation_order_and_texts() -> None:
 
 
 # --- through the real server ------------------------------------------------------------------
-
-
-def serving(
-    tmp_path: Path, init: Any = CODEX_INIT, **env: str
-) -> AbstractAsyncContextManager[ServerProcess]:
-    server_env = {"HOME": str(tmp_path / "user"), "CODEX_HOME": str(tmp_path / "codex-home")}
-    server_env.update(env)
-    return codex_dialect.serving(init, server_env)
-
-
-def _read(
-    cwd: str, config: Any = (("mcp_servers",),), requirements: Any = (("mcp_servers",),)
-) -> Any:
-    return {
-        "cwd": cwd,
-        "configPaths": [list(path) for path in config],
-        "requirementsPaths": [list(path) for path in requirements],
-    }
 
 
 @pytest_twisted.ensureDeferred

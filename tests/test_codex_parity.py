@@ -27,7 +27,7 @@ from execserver.fs.paths import path_to_uri
 from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
-from tests.support.fakes import Harness
+from tests.support.fakes import Harness, Second, drop
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
@@ -39,7 +39,6 @@ from tests.support.harness import (
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess
 from tests.support.ws_harness import connect as ws_connect
-from tests.test_registry_unit import Second, drop
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 SEED_INIT = {"clientName": "seed-era"}

@@ -23,10 +23,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.support.harness import reactor, with_timeout
-from tests.support.polling import until
-from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
-from tests.test_codex_cli import (
+from tests.support.codex_cli import (
     CODEX_TIMEOUT,
     Run,
     _codex_home,
@@ -35,6 +32,9 @@ from tests.test_codex_cli import (
     fake_model,
     our_server,
 )
+from tests.support.harness import reactor, with_timeout
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["codex_binary"]
 
@@ -170,7 +170,7 @@ DENIAL_SCRIPTS = {
 
 
 async def _denials(url: str, work: Path, outside: Path) -> dict[str, tuple[int, bool]]:
-    from tests.test_sandbox_process import codex_profile, uri
+    from tests.support.sandbox import codex_profile, uri
 
     client = await connect(url)
     try:

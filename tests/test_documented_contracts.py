@@ -25,14 +25,14 @@ from twisted.internet.task import Clock
 
 from execserver import auth
 from execserver.transports import http
+from tests.support.escapees import MODES, live, new_marker, server_args
 from tests.support.harness import DEFAULT_TIMEOUT, ServerProcess, pid_alive
 from tests.support.polling import until
 from tests.support.raw_server import RawServer
+from tests.support.resume_handshake import initialize
 from tests.support.ws_harness import WsServerProcess, connect
-from tests.test_containment import MODES, live, new_marker, server_args
-from tests.test_resume import initialize
-from tests.test_websocket_protocol import UPGRADE, clock, make_factory
-from tests.test_websocket_protocol import http as http_request
+from tests.support.ws_wire import UPGRADE, clock, make_factory
+from tests.support.ws_wire import http as http_request
 
 MiB = 1 << 20
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -114,7 +114,7 @@ async def test_ws_to_a_wss_port_says_use_wss(tmp_path: Path) -> None:
     from execserver.client import connect_websocket
     from execserver.client.errors import ConnectFailed
     from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
-    from tests.test_tls import Pki, start_wss
+    from tests.support.tls import Pki, start_wss
 
     server = await start_wss(Pki(tmp_path))
     plain = server.url.replace("wss://", "ws://")

@@ -22,12 +22,8 @@ import pytest
 import pytest_twisted
 
 from tests.support.bounds import FS_READ_PAUSE_FRACTION
+from tests.support.fs_checks import check_every_fs_method, check_handshake_gate, check_round_trips
 from tests.support.ws_harness import OutputGapObserver, WsClientProtocol, WsServerProcess, connect
-from tests.test_filesystem_stdio import (
-    check_every_fs_method,
-    check_handshake_gate,
-    check_round_trips,
-)
 
 
 @pytest_twisted.ensureDeferred

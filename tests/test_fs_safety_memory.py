@@ -20,23 +20,16 @@ from pathlib import Path
 import pytest_twisted
 
 from execserver import filesystem as fs
+from tests.support.fs_stalls import _metrics
+from tests.support.harness import status_bytes
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect
-from tests.test_fs_safety_stall import _metrics
 
 MiB = 1024 * 1024
 FILE_BYTES = 64 * MiB
 REQUESTS = 6
 #: The documented bound on RSS above idle: 2 x the reply budget in use + 64 MiB.
 SLACK = 64 * MiB
-
-
-def _rss(pid: int, field: str = "VmRSS") -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} for {pid}")
 
 
 async def _until(server: WsServerProcess, what: str, check: object, timeout: float = 60) -> None:
@@ -74,7 +67,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
         small = tmp_path / "small"
         small.write_bytes(b"s" * 1000)
         await client.call("fs/readFile", {"path": str(small)})
-        idle = _rss(server.pid)
+        idle = status_bytes(server.pid)
         # Stop reading, then ask for the large file several times.
         client.transport.pauseProducing()  # type: ignore[union-attr]
         for request_id in range(100, 100 + REQUESTS):
@@ -89,7 +82,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
             ),
         )
         gauges = await _metrics(server)
-        peak = _rss(server.pid, "VmHWM") - idle
+        peak = status_bytes(server.pid, "VmHWM") - idle
         in_use = gauges["exec_server_reply_bytes_queued"]
         print(
             f"\nidle RSS {idle / MiB:.0f} MiB; peak above idle {peak / MiB:.0f} MiB "
@@ -99,7 +92,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
         assert in_use <= budget
         assert peak <= 2 * in_use + SLACK
         # The client goes away without reading: everything is let go at once.
-        held = _rss(server.pid)
+        held = status_bytes(server.pid)
         client.transport.abortConnection()  # type: ignore[union-attr]
         await _until(
             server,
@@ -111,7 +104,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
                 and g["exec_server_connections"] == 0
             ),
         )
-        after = _rss(server.pid)
+        after = status_bytes(server.pid)
         print(
             f"RSS while held {held / MiB:.0f} MiB, after the close {after / MiB:.0f} MiB "
             f"(idle {idle / MiB:.0f} MiB)"

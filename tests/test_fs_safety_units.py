@@ -125,7 +125,7 @@ async def test_readyz_is_503_with_the_reason_while_the_pool_is_wedged(
     blocked_pool: tuple[fs.PoolRunner, Clock, threading.Event],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tests.test_websocket_protocol import http, make_factory
+    from tests.support.ws_wire import http, make_factory
 
     runner, clock, release = blocked_pool
     factory = make_factory(clock)

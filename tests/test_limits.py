@@ -8,40 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest_twisted
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
-from twisted.python.failure import Failure
 
 from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, with_timeout
+from tests.support.metrics_probe import _metric_at_least, open_idle
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get, observe
 
 TOKEN_A = "token-of-identity-a-0123456789"
 TOKEN_B = "token-of-identity-b-0123456789"
-
-
-class Idle(Protocol):
-    """A TCP connection that sends what it is told and records when it ends."""
-
-    def __init__(self) -> None:
-        self.received = b""
-        self.lost: Deferred[None] = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received += data
-
-    def connectionLost(self, reason: Failure | None = None) -> None:
-        self.lost.callback(None)
-
-
-async def open_idle(host: str, port: int) -> Idle:
-    endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=DEFAULT_TIMEOUT)
-    proto: Idle = await with_timeout(
-        endpoint.connect(Factory.forProtocol(Idle)), DEFAULT_TIMEOUT, "TCP connect"
-    )
-    return proto
 
 
 @pytest_twisted.ensureDeferred
@@ -74,15 +48,6 @@ async def test_max_connections_answers_503_and_frees_with_a_close() -> None:
         )
     finally:
         assert await server.stop() == 0
-
-
-async def _metric_at_least(host: str, port: int, name: str, value: int) -> bool:
-    # (/metrics itself takes a slot: retried until the others are gone.)
-    status, _, body = await http_get(host, port, get_request("/metrics"))
-    if status != 200:
-        return False
-    found = re.search(re.escape(name.encode()) + rb" (\d+)\n", body)
-    return found is not None and int(found.group(1)) >= value
 
 
 @pytest_twisted.ensureDeferred

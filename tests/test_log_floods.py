@@ -13,9 +13,9 @@ import pytest_twisted
 
 from execserver.logsink import REPEAT_INTERVAL_SECONDS
 from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.metrics_probe import _metric_at_least, open_idle
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, get_request, http_get
-from tests.test_limits import _metric_at_least, open_idle
 
 REFUSED = 60
 

@@ -22,6 +22,8 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.containment import find_cgroup2_mount
+from tests.support.cli import run
+from tests.support.escapees import assert_gone, live, new_marker
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
     RpcFailure,
@@ -32,8 +34,6 @@ from tests.support.harness import (
 )
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
-from tests.test_client_cli import run
-from tests.test_containment import assert_gone, live, new_marker
 
 PY = sys.executable
 MiB = 1 << 20

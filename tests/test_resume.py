@@ -16,14 +16,8 @@ import pytest_twisted
 
 from tests.support.harness import b64, pid_alive, unb64
 from tests.support.polling import until
+from tests.support.resume_handshake import initialize
 from tests.support.ws_harness import WsClientProtocol, WsServerProcess, connect
-
-
-async def initialize(client: WsClientProtocol, **params: Any) -> dict[str, Any]:
-    response = await client.request("initialize", {"clientName": "resume-test", **params})
-    if "result" in response:
-        client.notify("initialized", {})
-    return response
 
 
 async def session(server: WsServerProcess, **params: Any) -> tuple[WsClientProtocol, str]:

@@ -14,8 +14,7 @@ import pytest
 import pytest_twisted
 
 from tests.support.harness import RpcFailure, b64
-from tests.support.ws_harness import WsServerProcess, connect
-from tests.test_sandbox_process import (
+from tests.support.sandbox import (
     CHILD_PATH,
     MECHANISMS,
     Dirs,
@@ -27,6 +26,7 @@ from tests.test_sandbox_process import (
     stdio_server,
     uri,
 )
+from tests.support.ws_harness import WsServerProcess, connect
 
 __all__ = ["dirs"]
 

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.support.harness import reactor, with_timeout
-from tests.test_codex_cli import (
+from tests.support.codex_cli import (
     CODEX_TIMEOUT,
     _codex_home,
     _Collect,
@@ -30,6 +29,7 @@ from tests.test_codex_cli import (
     fake_model,
     our_server,
 )
+from tests.support.harness import reactor, with_timeout
 
 __all__ = ["codex_binary"]  # the fixture, re-exported for pytest
 

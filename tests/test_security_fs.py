@@ -39,11 +39,11 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred, gatherResults
 
 from execserver.tls import ServerTls
+from tests.support.fs_stalls import NOT_REGULAR_READ, _metrics, held_fifo
 from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
 from tests.support.polling import until
+from tests.support.tls import Pki, pki, start_wss
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
-from tests.test_fs_safety_stall import NOT_REGULAR_READ, _metrics, held_fifo
-from tests.test_tls import Pki, pki, start_wss
 
 __all__ = ["held_fifo", "pki"]  # fixtures, used by name
 

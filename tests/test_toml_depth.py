@@ -27,7 +27,7 @@ from execserver.toml_depth import (
     too_deep,
 )
 from execserver.toml_writer import dumps
-from tests.test_codex_environment_config import _read, _write, serving
+from tests.support.codex_config import _read, _write, serving
 
 
 @pytest.mark.parametrize(

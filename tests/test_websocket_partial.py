@@ -41,7 +41,7 @@ from execserver.transports.websocket import (
 from tests.support.fakes import FakeSpawner
 from tests.support.harness import DEFAULT_TIMEOUT, reactor, with_timeout
 from tests.support.ws_harness import WsServerProcess, get_request, http_get, observe
-from tests.test_websocket_protocol import client_frame as frame
+from tests.support.ws_wire import client_frame as frame
 
 MiB = 1024 * 1024
 OP_CONTINUATION, OP_TEXT, OP_CLOSE = 0x0, 0x1, 0x8

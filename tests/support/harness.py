@@ -390,17 +390,18 @@ def refused_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def _status_field(pid: int, field: str) -> int:
+def status_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A size field (``VmRSS``, ``VmHWM``, ...) of ``/proc/PID/status``, in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    raise KeyError(f"no {field} for {pid}")
 
 
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` now."""
-    return _status_field(pid, "VmRSS")
+    return status_bytes(pid, "VmRSS")
 
 
 def reset_peak_rss(pid: int) -> None:
@@ -413,7 +414,7 @@ def reset_peak_rss(pid: int) -> None:
 
 def peak_rss_bytes(pid: int) -> int:
     """Highest RSS of ``pid`` since it started or since :func:`reset_peak_rss`."""
-    return _status_field(pid, "VmHWM")
+    return status_bytes(pid, "VmHWM")
 
 
 def pid_alive(pid: int) -> bool:
