@@ -6,3 +6,4 @@ file. New code imports ``tests.support.harness``.
 """
 
 from tests.support.harness import *  # noqa: F403
+from tests.support.stdio_server import *  # noqa: F403

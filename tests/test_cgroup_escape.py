@@ -19,15 +19,9 @@ import pytest_twisted
 
 from execserver.containment import find_cgroup2_mount
 from tests.support.escapees import OWN_CGROUP_DIR, assert_gone, live, new_marker, server_args
-from tests.support.harness import (
-    DEFAULT_TIMEOUT,
-    REPO_ROOT,
-    ServerProcess,
-    console_script,
-    reactor,
-    server_env,
-)
+from tests.support.harness import DEFAULT_TIMEOUT, console_script, server_env
 from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect
 
 #: Every hierarchy's root ``cgroup.procs`` (v2 and each mounted v1 one).
@@ -75,19 +69,13 @@ def start_in_cgroup(directory: str, *args: str, env: dict[str, str]) -> ServerPr
     keeps servers of other test runs on this host (which may run older code)
     from cleaning up before the server under test does.
     """
-    proto = ServerProcess()
     script = console_script("exec-server")
     enter = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
-    transport = reactor.spawnProcess(
-        proto,
-        "/bin/sh",
-        ["sh", "-c", enter, "sh", directory, script, *args],
+    return ServerProcess().launch(
+        ["/bin/sh", "-c", enter, "sh", directory, script, *args],
         env=server_env(env),
-        path=str(REPO_ROOT),
+        description=f"exec-server {' '.join(args)} (stdio, in {directory})",
     )
-    proto.pid = transport.pid
-    proto._init_checks(f"exec-server {' '.join(args)} (stdio, pid {proto.pid}, in {directory})")
-    return proto
 
 
 async def start_escapee(server: ServerProcess, shape: str, marker: str) -> None:

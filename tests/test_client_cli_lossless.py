@@ -34,10 +34,17 @@ from twisted.python.failure import Failure
 
 from execserver.client.cli.common import EXIT_OUTPUT_LOST
 from tests.support.cutting_proxy import CuttingProxy
-from tests.support.harness import child_env, console_script, reactor, server_env, with_timeout
+from tests.support.harness import (
+    child_env,
+    console_script,
+    observe,
+    reactor,
+    server_env,
+    with_timeout,
+)
 from tests.support.polling import until
 from tests.support.tls import Pki
-from tests.support.ws_harness import WsServerProcess, observe
+from tests.support.ws_harness import WsServerProcess
 
 #: The server keeps this much output per process; the child writes 16 times it.
 RETAINED = 256 * 1024

@@ -23,10 +23,10 @@ from execserver import aio, sync
 from execserver.client import ConnectOptions, OutputEvent, OutputGap, connect_websocket
 from tests.support.aio_harness import in_asyncio, on_reactor
 from tests.support.cutting_proxy import CuttingProxy
-from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
+from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, observe, reactor, with_timeout
 from tests.support.polling import until
 from tests.support.streams import reconnecting
-from tests.support.ws_harness import WsServerProcess, observe
+from tests.support.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 

@@ -29,7 +29,7 @@ from execserver.fs.paths import path_to_uri
 from tests.codex import fetch_codex
 from tests.codex.fetch_codex import FetchError, fetch
 from tests.support import codex_session
-from tests.support.harness import REPO_ROOT, ServerProcess, reactor
+from tests.support.stdio_server import ServerProcess
 
 CODEX_INIT = codex_session.CODEX_INIT
 METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"
@@ -589,11 +589,8 @@ def _reference_tree(base: Path) -> None:
 class _ReferenceServer(ServerProcess):
     @classmethod
     def start_reference(cls, codex: Path, env: dict[str, str]) -> ServerProcess:
-        proto = cls()
         argv = [str(codex), "exec-server", "--listen", "stdio"]
-        transport = reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
-        proto.pid = transport.pid
-        proto._init_checks(f"codex exec-server (stdio, pid {proto.pid})")
+        proto = cls().launch(argv, env=env, description="codex exec-server (stdio)")
         proto.allow_stderr(".")  # its own warnings (PATH aliases under /tmp)
         return proto
 

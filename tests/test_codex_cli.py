@@ -33,8 +33,8 @@ from tests.support.codex_cli import (
     our_server,
 )
 from tests.support.cutting_proxy import CuttingProxy
-from tests.support.harness import REPO_ROOT, pid_alive, reactor, server_env, with_timeout
-from tests.support.ws_harness import WsServerProcess, get_request, http_get, observe
+from tests.support.harness import observe, pid_alive, reactor, server_env, with_timeout
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
 
 __all__ = ["codex_binary"]  # fixtures, used by name
 
@@ -92,11 +92,8 @@ class _ReferenceWs(WsServerProcess):
 @asynccontextmanager
 async def reference_server(codex: Path, codex_home: Path) -> AsyncIterator[WsServerProcess]:
     env = server_env({"INTEROP_SIDE": "exec-server", "CODEX_HOME": str(codex_home)})
-    proto = _ReferenceWs(1)
     argv = [str(codex), "exec-server", "--listen", "ws://127.0.0.1:0"]
-    transport = reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
-    proto.pid = transport.pid
-    proto._init_checks(f"codex exec-server (ws, pid {proto.pid})")
+    proto = _ReferenceWs(1).launch(argv, env=env, description="codex exec-server (ws)")
     proto.allow_stderr(".")  # its own log lines
     try:
         await with_timeout(observe(proto.listening), CODEX_TIMEOUT, "the reference's URL")

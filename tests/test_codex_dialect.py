@@ -22,7 +22,8 @@ from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.paths import absolute_path, path_to_uri, uri_to_path
 from tests.support.codex_session import CODEX_INIT, serving
-from tests.support.harness import REPO_ROOT, ServerProcess, b64, child_env
+from tests.support.harness import REPO_ROOT, b64, child_env
+from tests.support.stdio_server import ServerProcess
 
 # --- file:// URIs ---------------------------------------------------------------------------
 

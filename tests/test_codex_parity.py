@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
 
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
@@ -28,15 +27,9 @@ from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
 from tests.support.fakes import Harness, Second, drop
-from tests.support.harness import (
-    DEFAULT_TIMEOUT,
-    REPO_ROOT,
-    ServerProcess,
-    pid_alive,
-    server_env,
-    unb64,
-)
+from tests.support.harness import DEFAULT_TIMEOUT, pid_alive, server_env, unb64
 from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess
 from tests.support.ws_harness import connect as ws_connect
 
@@ -92,14 +85,9 @@ class _Reference(ServerProcess):
     @classmethod
     def start_reference(cls, env: dict[str, str]) -> ServerProcess:
         codex = fetch()
-        proto = cls()
         argv = [str(codex), "exec-server", "--listen", "stdio"]
         # The environment ServerProcess.start gives our server.
-        transport = reactor.spawnProcess(
-            proto, argv[0], argv, env=server_env(env), path=str(REPO_ROOT)
-        )
-        proto.pid = transport.pid
-        proto._init_checks(f"codex exec-server (stdio, pid {proto.pid})")
+        proto = cls().launch(argv, env=server_env(env), description="codex exec-server (stdio)")
         proto.allow_stderr(".")  # its own warnings (PATH aliases under /tmp)
         return proto
 

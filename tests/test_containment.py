@@ -33,15 +33,10 @@ from tests.support.escapees import (
     new_marker,
     server_args,
 )
-from tests.support.harness import (
-    DEFAULT_TIMEOUT,
-    ServerProcess,
-    child_env,
-    console_script,
-    run_script,
-)
+from tests.support.harness import DEFAULT_TIMEOUT, child_env, console_script, run_script
 from tests.support.polling import until, until_blocking
 from tests.support.raw_server import RawServer
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect
 
 needs_mount_namespace = pytest.mark.skipif(

@@ -36,11 +36,12 @@ from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     descendants,
+    observe,
     pid_alive,
     reactor,
     with_timeout,
 )
-from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"

@@ -26,10 +26,11 @@ from twisted.internet.task import Clock
 from execserver import auth
 from execserver.transports import http
 from tests.support.escapees import MODES, live, new_marker, server_args
-from tests.support.harness import DEFAULT_TIMEOUT, ServerProcess, pid_alive
+from tests.support.harness import DEFAULT_TIMEOUT, pid_alive
 from tests.support.polling import until
 from tests.support.raw_server import RawServer
 from tests.support.resume_handshake import initialize
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect
 from tests.support.ws_wire import UPGRADE, clock, make_factory
 from tests.support.ws_wire import http as http_request

@@ -32,7 +32,8 @@ from tests.support.fs_checks import (
     check_handshake_gate,
     check_round_trips,
 )
-from tests.support.harness import RpcFailure, ServerProcess
+from tests.support.harness import RpcFailure
+from tests.support.stdio_server import ServerProcess
 
 
 @pytest_twisted.ensureDeferred

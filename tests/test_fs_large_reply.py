@@ -170,7 +170,7 @@ def _big_file(path: Path, size: int) -> bytes:
 @pytest.mark.parametrize("transport", ["stdio", "websocket"])
 @pytest_twisted.ensureDeferred
 async def test_whole_file_read_keeps_one_copy_of_its_text(transport: str, tmp_path: Path) -> None:
-    from tests.support.harness import ServerProcess
+    from tests.support.stdio_server import ServerProcess
     from tests.support.ws_harness import WsServerProcess, connect
 
     size = 128 * MiB

@@ -30,8 +30,9 @@ import pytest_twisted
 
 from execserver import filesystem as fs
 from execserver.errors import RpcError
-from tests.support.harness import ServerProcess, server_env
+from tests.support.harness import server_env
 from tests.support.raw_server import RawServer
+from tests.support.stdio_server import ServerProcess
 
 ROOT_ERROR = {
     "code": -32600,

@@ -23,7 +23,8 @@ import pytest
 import pytest_twisted
 
 from tests.support.bounds import FS_TRANSFER_RSS_FACTOR
-from tests.support.harness import ServerProcess, status_bytes
+from tests.support.harness import status_bytes
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect
 
 MiB = 1 << 20

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest_twisted
 
-from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, with_timeout
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, observe, with_timeout
 from tests.support.metrics_probe import _metric_at_least, open_idle
 from tests.support.polling import until
-from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 TOKEN_A = "token-of-identity-a-0123456789"
 TOKEN_B = "token-of-identity-b-0123456789"

@@ -18,16 +18,9 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.support.harness import (
-    DEFAULT_TIMEOUT,
-    RpcFailure,
-    ServerProcess,
-    b64,
-    descendants,
-    pid_alive,
-    unb64,
-)
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, b64, descendants, pid_alive, unb64
 from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
 
 GRACE_MS = 300
 NEW_METHODS = [

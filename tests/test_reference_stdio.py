@@ -22,13 +22,13 @@ from twisted.internet.defer import Deferred
 from tests.support.harness import (
     REPO_ROOT,
     RpcFailure,
-    ServerProcess,
     b64,
     child_env,
     reactor,
     unb64,
     with_timeout,
 )
+from tests.support.stdio_server import ServerProcess
 
 ECHO_SCRIPT = "printf 'ready\\n'; while IFS= read -r line; do printf 'echo:%s\\n' \"$line\"; done"
 
@@ -173,7 +173,7 @@ async def test_initialized_before_initialize_is_a_protocol_error() -> None:
         server.notify("initialized", {})
         # The reference drops the connection: for stdio the server closes its
         # output and ends without answering anything.
-        await with_timeout(server._ended_copy(), 10, "server exit after protocol error")
+        await with_timeout(server.exited(), 10, "server exit after protocol error")
         assert server.messages == []
     finally:
         await server.stop()
@@ -342,7 +342,7 @@ async def test_unexpected_client_messages_close_the_connection(message: dict[str
     try:
         await server.handshake()
         server.send(message)
-        await with_timeout(server._ended_copy(), 10, "server exit after protocol error")
+        await with_timeout(server.exited(), 10, "server exit after protocol error")
     finally:
         await server.stop()
 

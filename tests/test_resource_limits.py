@@ -24,15 +24,9 @@ from twisted.internet import task
 from execserver.containment import find_cgroup2_mount
 from tests.support.cli import run
 from tests.support.escapees import assert_gone, live, new_marker
-from tests.support.harness import (
-    DEFAULT_TIMEOUT,
-    RpcFailure,
-    ServerProcess,
-    reactor,
-    rss_bytes,
-    run_script,
-)
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, reactor, rss_bytes, run_script
 from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 PY = sys.executable

@@ -305,7 +305,7 @@ async def test_pause_keeps_unacknowledged_output_while_detached() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_stdio_grants_no_ttl() -> None:
-    from tests.support.harness import ServerProcess
+    from tests.support.stdio_server import ServerProcess
 
     server = ServerProcess.start()
     try:

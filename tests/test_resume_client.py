@@ -34,6 +34,7 @@ from tests.support.harness import (
     REPO_ROOT,
     child_env,
     console_script,
+    observe,
     reactor,
     with_timeout,
 )
@@ -47,7 +48,7 @@ from tests.support.streams import (
     expected_stream,
     reconnecting,
 )
-from tests.support.ws_harness import WsServerProcess, observe
+from tests.support.ws_harness import WsServerProcess
 
 
 class Recorder:

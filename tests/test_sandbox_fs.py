@@ -31,7 +31,8 @@ from twisted.python.failure import Failure
 
 from execserver.fs.paths import path_to_uri
 from tests.codex.fetch_codex import fetch
-from tests.support.harness import RpcFailure, ServerProcess, b64, reactor, unb64, with_timeout
+from tests.support.harness import RpcFailure, b64, reactor, unb64, with_timeout
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}

@@ -28,7 +28,6 @@ from execserver.sandbox.denied import likely_denied
 from tests.support.harness import (
     BIN,
     RpcFailure,
-    ServerProcess,
     b64,
     console_script,
     reactor,
@@ -49,6 +48,7 @@ from tests.support.sandbox import (
     temp_dir,
     uri,
 )
+from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess, connect
 
 __all__ = ["dirs"]  # fixtures, used by name
@@ -591,13 +591,13 @@ async def test_neither_bwrap_nor_landlock_is_a_refusal(dirs: Dirs) -> None:
     assert checked.returncode == 1, checked.stderr
     assert "landlock:         NO: the kernel has no Landlock (ENOSYS)" in checked.stdout
     assert "bubblewrap:       NO: bwrap not found on PATH" in checked.stdout
-    server = ServerProcess()
     argv = [sys.executable, "-c", WITHOUT_LANDLOCK, script]
-    transport = reactor.spawnProcess(
-        server, argv[0], argv, env=server_env(env), path=str(dirs.base)
+    server = ServerProcess().launch(
+        argv,
+        env=server_env(env),
+        path=dirs.base,
+        description="exec-server without bwrap or Landlock",
     )
-    server.pid = transport.pid
-    server._init_checks(f"exec-server without bwrap or Landlock (pid {server.pid})")
     try:
         await server.call("initialize", {"clientName": "sandbox-none"})
         server.notify("initialized", {})

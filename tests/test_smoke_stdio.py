@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest_twisted
 
-from tests.support.harness import ServerProcess, unb64
+from tests.support.harness import unb64
+from tests.support.stdio_server import ServerProcess
 
 
 @pytest_twisted.ensureDeferred

@@ -38,7 +38,6 @@ from tests.support.bounds import STALL_RSS_GROWTH
 from tests.support.fakes import FakeSpawner
 from tests.support.harness import (
     REPO_ROOT,
-    ServerProcess,
     b64,
     child_env,
     descendants,
@@ -50,6 +49,7 @@ from tests.support.harness import (
 )
 from tests.support.polling import until
 from tests.support.raw_server import RawServer
+from tests.support.stdio_server import ServerProcess
 
 TREE_GONE_BOUND = 5.0
 MiB = 1024 * 1024
@@ -129,7 +129,7 @@ async def test_stdin_eof_answers_terminates_every_tree_and_exits_zero() -> None:
         )
         server.send_raw(b'{"id":"last","method":"process/read","params":{"processId":"t2"}}')
         server.transport.closeStdin()  # type: ignore[union-attr]
-        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        code = await with_timeout(server.exited(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
         answers = {m["id"]: m for m in server.messages if m.get("id") in ("poll", "last")}
         assert set(answers) == {"poll", "last"}
@@ -148,7 +148,7 @@ async def test_sigterm_to_the_server_leaves_no_process_behind() -> None:
         await server.handshake()
         pids = await start_tree(server)
         server.kill("TERM")
-        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        code = await with_timeout(server.exited(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
         assert not any(pid_alive(pid) for pid in pids)
     finally:
@@ -173,7 +173,7 @@ async def test_sigterm_flushes_exit_notifications_and_pending_answers() -> None:
         # The read is in the server's hands before the signal.
         await server.call("process/terminate", {"processId": "nobody"})
         server.kill("TERM")
-        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        code = await with_timeout(server.exited(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
         exited = [
             m

@@ -26,6 +26,7 @@ from tests.support.bounds import REPLY_BACKLOG_RSS_GROWTH, STALL_RSS_GROWTH, MiB
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
     descendants,
+    observe,
     peak_rss_bytes,
     pid_alive,
     reactor,
@@ -40,7 +41,6 @@ from tests.support.ws_harness import (
     connect,
     get_request,
     http_get,
-    observe,
 )
 
 #: Seconds within which a dead client's processes must be gone.

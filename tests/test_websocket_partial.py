@@ -39,8 +39,8 @@ from execserver.transports.websocket import (
     partial_limit_reason,
 )
 from tests.support.fakes import FakeSpawner
-from tests.support.harness import DEFAULT_TIMEOUT, reactor, with_timeout
-from tests.support.ws_harness import WsServerProcess, get_request, http_get, observe
+from tests.support.harness import DEFAULT_TIMEOUT, observe, reactor, with_timeout
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
 from tests.support.ws_wire import client_frame as frame
 
 MiB = 1024 * 1024

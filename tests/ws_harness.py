@@ -5,4 +5,5 @@ the integrator switches them to ``tests.support.ws_harness`` and deletes this
 file. New code imports ``tests.support.ws_harness``.
 """
 
+from tests.support.harness import *  # noqa: F403  (observe, which lived here)
 from tests.support.ws_harness import *  # noqa: F403

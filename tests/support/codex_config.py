@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import codex_session
-from tests.support.harness import ServerProcess
+from tests.support.stdio_server import ServerProcess
 
 CODEX_INIT = codex_session.CODEX_INIT
 

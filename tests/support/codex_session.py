@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from tests.support.harness import ServerProcess
+from tests.support.stdio_server import ServerProcess
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 

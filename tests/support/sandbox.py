@@ -14,10 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import (
-    RpcTestClient,
-    ServerProcess,
-)
+from tests.support.harness import RpcTestClient
+from tests.support.stdio_server import ServerProcess
 
 CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
 
