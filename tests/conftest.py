@@ -1,3 +1,9 @@
+"""The suite's fixtures and hooks: hypothesis profiles, skips turned into failures
+where ``EXECSERVER_FORBID_SKIPS=1`` (CI), and the teardown checks that fail a test
+on a server's traceback or undeclared exit (``tests/support/server_checks.py``) or
+on an error logged through Twisted's logger.
+"""
+
 from __future__ import annotations
 
 import gc

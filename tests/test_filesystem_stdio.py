@@ -6,8 +6,8 @@ Covers the handshake gate, every method's success path and errors, the
 longest gap between output notifications is printed, and bounded only
 generously).
 
-The same checks run over WebSocket in ``test_filesystem_ws.py``, which
-imports the ``check_*`` helpers from here.
+The same checks run over WebSocket in ``test_filesystem_ws.py``: both use
+the ``check_*`` helpers of ``tests/support/fs_checks.py``.
 """
 
 from __future__ import annotations

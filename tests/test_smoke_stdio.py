@@ -1,3 +1,7 @@
+"""The installed server's shortest path over stdio: ``initialize``, one
+``process/start``, its output and exit notifications, a clean exit at EOF.
+"""
+
 from __future__ import annotations
 
 import pytest_twisted
