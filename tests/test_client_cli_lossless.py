@@ -26,13 +26,12 @@ import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
-from twisted.internet.protocol import Factory, ProcessProtocol
+from twisted.internet.protocol import Factory
 from twisted.protocols.basic import LineOnlyReceiver
-from twisted.python.failure import Failure
 
 from execserver.client.cli.common import EXIT_OUTPUT_LOST
+from tests.support.children import Collected
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import (
     child_env,
@@ -128,22 +127,6 @@ class ChildReports:
         return bool(syscall) and syscall[0] in ("0", "1")  # read, write (x86-64)
 
 
-class Cli(ProcessProtocol):
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.err = bytearray()
-        self.ended: Deferred[int | None] = Deferred()
-
-    def outReceived(self, data: bytes) -> None:
-        self.out += data
-
-    def errReceived(self, data: bytes) -> None:
-        self.err += data
-
-    def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(getattr(reason.value, "exitCode", None))
-
-
 async def run_through_cuts(
     proxy: CuttingProxy,
     reports: ChildReports,
@@ -155,7 +138,7 @@ async def run_through_cuts(
     child: str = CHILD,
     stdin: bytes | None = None,
     url: str | None = None,
-) -> Cli:
+) -> Collected:
     """One ``run`` of ``child``; the client is held away after the first cut until
     the child finished writing (drop) or waits on its pipe (pause); the
     second cut (if any) falls that many bytes into the resumed connection.
@@ -164,7 +147,7 @@ async def run_through_cuts(
     stays open and empty).
     """
     reports.reset()
-    proto = Cli()
+    proto = Collected()
     argv = [console_script("exec-server-client"), "run", "--url", url or proxy.url, *options]
     if mode is not None:
         argv += ["--on-detached-full", mode]

@@ -11,7 +11,6 @@ when it cannot be fetched.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -23,12 +22,14 @@ from typing import Any
 import pytest_twisted
 from twisted.internet.defer import Deferred
 
+from tests.support.children import Collected
 from tests.support.codex_cli import (
     CODEX_TIMEOUT,
     Run,
     _codex_home,
-    _Collect,
     codex_binary,
+    codex_env,
+    codex_exec,
     fake_model,
     our_server,
 )
@@ -41,18 +42,12 @@ __all__ = ["codex_binary"]  # fixtures, used by name
 
 async def run_codex(
     codex: Path, tmp: Path, url: str, model_port: int, extra_args: tuple[str, ...] = ()
-) -> tuple[list[dict[str, Any]], _Collect]:
+) -> tuple[list[dict[str, Any]], Collected]:
     home = tmp / "codex-home"
     _codex_home(home, model_port)
     work = tmp / "work"
     work.mkdir(exist_ok=True)
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(tmp),
-        "CODEX_HOME": str(home),
-        "FAKE_API_KEY": "dummy",
-        "CODEX_EXEC_SERVER_URL": url,
-    }
+    env = codex_env(tmp, home, url)
     argv = [
         str(codex),
         "exec",
@@ -64,18 +59,7 @@ async def run_codex(
         str(work),
         "Run the shell command and report its output.",
     ]
-    proto = _Collect()
-    reactor.spawnProcess(
-        proto, argv[0], argv, env=env, path=str(work), childFDs={0: "w", 1: "r", 2: "r"}
-    )
-    proto.transport.closeStdin()  # type: ignore[union-attr]
-    try:
-        code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
-    finally:
-        proto.kill()
-    assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
-    events = [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
-    return events, proto
+    return await codex_exec(argv, env, work)
 
 
 class _ReferenceWs(WsServerProcess):
@@ -256,7 +240,7 @@ async def test_apply_patch_creates_a_file_in_a_new_directory(
 async def test_connection_cut_mid_command(codex_binary: Path, tmp_path: Path) -> None:
     fifo = tmp_path / "started.fifo"
     os.mkfifo(fifo)
-    reader = _Collect()
+    reader = Collected()
     reactor.spawnProcess(reader, "/bin/cat", ["cat", str(fifo)], env={}, path=str(tmp_path))
     proxy: CuttingProxy | None = None
 

@@ -23,12 +23,13 @@ from typing import Any
 import pytest
 import pytest_twisted
 
+from tests.support.children import Collected
 from tests.support.codex_cli import (
-    CODEX_TIMEOUT,
     Run,
     _codex_home,
-    _Collect,
     codex_binary,
+    codex_env,
+    codex_exec,
     fake_model,
     our_server,
 )
@@ -59,26 +60,10 @@ async def sandboxed(
     log = tmp / "model.jsonl"
     async with fake_model(spec, log) as port, our_server(server_home) as server:
         _codex_home(home, port)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(tmp),
-            "CODEX_HOME": str(home),
-            "FAKE_API_KEY": "dummy",
-            "CODEX_EXEC_SERVER_URL": server.url,
-        }
+        env = codex_env(tmp, home, server.url)
         argv = [str(codex), "exec", *sandbox_args, "--skip-git-repo-check", "--json",
                 "-C", str(work), "Run the shell command and report its output."]  # fmt: skip
-        proto = _Collect()
-        reactor.spawnProcess(
-            proto, argv[0], argv, env=env, path=str(work), childFDs={0: "w", 1: "r", 2: "r"}
-        )
-        proto.transport.closeStdin()  # type: ignore[union-attr]
-        try:
-            code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
-        finally:
-            proto.kill()
-        assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
-        events = [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
+        events, _ = await codex_exec(argv, env, work)
         _, _, body = await http_get(*server.host_port, get_request("/metrics"))
     return Run(events, body.decode()), events
 
@@ -204,7 +189,7 @@ async def test_exit_codes_and_sandbox_denied_match_the_reference(
         port = _free_port()
         # The reference's sandbox helper refuses a CODEX_HOME under TMPDIR.
         env = {"CODEX_HOME": str(home), "TMPDIR": str(tmp_path), "PATH": os.environ["PATH"]}
-        reference = _Collect()
+        reference = Collected()
         argv = [str(codex_binary), "exec-server", "--listen", f"ws://127.0.0.1:{port}"]
         reactor.spawnProcess(reference, argv[0], argv, env=env, path=str(base))
         try:

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest_twisted
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from execserver.client import (
@@ -28,6 +26,7 @@ from execserver.client import (
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
+from tests.support.children import Collected
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
@@ -281,27 +280,11 @@ def server_children(server: WsServerProcess) -> list[int]:
 # --- the CLI --------------------------------------------------------------------
 
 
-class Collect(ProcessProtocol):
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.err = bytearray()
-        self.ended: Deferred[int | None] = Deferred()
-
-    def outReceived(self, data: bytes) -> None:
-        self.out += data
-
-    def errReceived(self, data: bytes) -> None:
-        self.err += data
-
-    def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(getattr(reason.value, "exitCode", None))
-
-
 @pytest_twisted.ensureDeferred
 async def test_cli_run_over_websocket_survives_cuts_byte_exact() -> None:
     server = await WsServerProcess.start("--retained-output-bytes", str(4 * CHUNK * CHUNKS))
     proxy = await CuttingProxy((server.host_port[0], server.host_port[1])).start()
-    proto = Collect()
+    proto = Collected()
     argv = [console_script("exec-server-client"), "run", "--url", proxy.url, "--"]
     argv += [sys.executable, "-c", STREAM_SCRIPT]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -13,12 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessDone
-from twisted.internet.protocol import ProcessProtocol
-from twisted.python.failure import Failure
 
 from tests.codex.fetch_codex import FetchError, fetch
+from tests.support.children import Collected
 from tests.support.harness import REPO_ROOT, reactor, with_timeout
 from tests.support.ws_harness import WsServerProcess
 
@@ -34,36 +31,9 @@ def codex_binary() -> Path:
         pytest.skip(f"THE REAL CODEX CLI IS NOT AVAILABLE, its interop tests did not run: {exc}")
 
 
-class _Collect(ProcessProtocol):
-    """Collects a child's stdout and stderr; ``ended`` fires with its exit code."""
-
-    def __init__(self, on_line: Any = None) -> None:
-        self.out = b""
-        self.err = b""
-        self.ended: Deferred[int | None] = Deferred()
-        self.first_line: Deferred[bytes] = Deferred()
-        self.on_line = on_line
-
-    def outReceived(self, data: bytes) -> None:
-        self.out += data
-        if b"\n" in self.out and not self.first_line.called:
-            self.first_line.callback(self.out.split(b"\n", 1)[0])
-
-    def errReceived(self, data: bytes) -> None:
-        self.err += data
-
-    def processEnded(self, reason: Failure) -> None:
-        code = 0 if reason.check(ProcessDone) else getattr(reason.value, "exitCode", None)
-        self.ended.callback(code)
-
-    def kill(self) -> None:
-        if not self.ended.called and self.transport is not None:
-            self.transport.signalProcess("KILL")
-
-
 @asynccontextmanager
 async def fake_model(spec: dict[str, Any], log: Path) -> AsyncIterator[int]:
-    proto = _Collect()
+    proto = Collected()
     env = dict(os.environ, FAKE_MODEL_SPEC=json.dumps(spec))
     argv = [sys.executable, "-m", "tests.codex.fake_model", str(log)]
     reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
@@ -125,3 +95,33 @@ class Run:
             if line.startswith(line_prefix + " "):
                 return float(line.split()[-1])
         raise AssertionError(f"no {line_prefix} in /metrics:\n{self.metrics}")
+
+
+def codex_env(home: Path, codex_home: Path, url: str) -> dict[str, str]:
+    """The environment ``codex exec`` runs in: its own HOME and CODEX_HOME, our server's URL."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "CODEX_HOME": str(codex_home),
+        "FAKE_API_KEY": "dummy",
+        "CODEX_EXEC_SERVER_URL": url,
+    }
+
+
+async def codex_exec(
+    argv: list[str], env: dict[str, str], cwd: Path
+) -> tuple[list[dict[str, Any]], Collected]:
+    """Run ``codex exec ... --json`` (stdin closed) to a 0 exit within CODEX_TIMEOUT,
+    killed if it overruns; its JSON events and the finished process."""
+    proto = Collected()
+    reactor.spawnProcess(
+        proto, argv[0], argv, env=env, path=str(cwd), childFDs={0: "w", 1: "r", 2: "r"}
+    )
+    proto.transport.closeStdin()  # type: ignore[union-attr]
+    try:
+        code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
+    finally:
+        proto.kill()
+    assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
+    events = [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
+    return events, proto
