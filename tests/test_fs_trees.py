@@ -13,30 +13,19 @@ from __future__ import annotations
 import base64
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import pytest_twisted
 
 from execserver.errors import RpcError
 from execserver.fs import ops, pool
 from tests.support.polling import until
-from tests.support.raw_server import RawServer
+from tests.support.raw_server import RawServer, handshaken_raw_server
 from tests.support.ws_harness import WsServerProcess, connect
 
+__all__ = ["handshaken_raw_server"]  # the fixture ``server``, used by name
+
 DEPTH = 5000
-
-
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawServer]:
-    monkeypatch.setenv("EXECSERVER_STATE_DIR", str(tmp_path / "state"))
-    started = RawServer()
-    started.handshake()
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0
 
 
 def _chain(top: Path, depth: int) -> None:
