@@ -8,6 +8,7 @@ file. New code imports ``tests.support.client_fakes``.
 from collections.abc import Callable
 
 from tests.support.client_fakes import *  # noqa: F403
+from tests.support.harness import *  # noqa: F403  (b64, which lived here)
 from tests.support.polling import until
 
 

@@ -30,7 +30,7 @@ import pytest_twisted
 
 from execserver import filesystem as fs
 from execserver.errors import RpcError
-from tests.support.harness import server_env
+from tests.support.harness import b64, server_env
 from tests.support.raw_server import RawServer
 from tests.support.stdio_server import ServerProcess
 
@@ -58,10 +58,6 @@ PLAIN_ROOT_SPELLINGS = [
     "/usr/bin/../..",
     "/proc/self/root/..",
 ]
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def decide(path: str) -> tuple[str, os.stat_result | None]:

@@ -6,7 +6,6 @@ events in the real order; signals go to a recording fake (tests/support/fakes.py
 
 from __future__ import annotations
 
-import base64
 import json
 import signal
 from typing import Any
@@ -26,6 +25,7 @@ from tests.support.fakes import (
     Harness,
     exec_params,
 )
+from tests.support.harness import b64
 
 
 def ready(config: ServerConfig | None = None, spawner: FakeSpawner | None = None) -> Harness:
@@ -33,10 +33,6 @@ def ready(config: ServerConfig | None = None, spawner: FakeSpawner | None = None
     h.handshake()
     h.outbound.take()
     return h
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 # --- process/start ----------------------------------------------------------------------------

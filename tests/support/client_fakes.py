@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -34,10 +33,6 @@ from tests.support.harness import DEFAULT_TIMEOUT, reactor, with_timeout
 from tests.support.polling import until
 
 TIMEOUT = 10.0
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 async def wait(d: Deferred[Any], what: str, timeout: float = TIMEOUT) -> Any:

@@ -309,3 +309,10 @@ def drop(h: Harness) -> None:
     """What a transport does when its connection is lost."""
     h.conn.transport_closed()
     h.conn.shutdown()
+
+
+def ready(config: ServerConfig | None = None) -> Harness:
+    """A :class:`Harness` past the handshake."""
+    h = Harness(config)
+    h.handshake()
+    return h

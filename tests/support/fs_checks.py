@@ -11,9 +11,7 @@ import stat
 from pathlib import Path
 from typing import Any, Protocol
 
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
+from tests.support.harness import b64
 
 
 class RpcClient(Protocol):
