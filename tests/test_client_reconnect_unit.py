@@ -33,7 +33,7 @@ from execserver.client import (
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.support.client_fakes import LocalWsServer, _ServerProtocol
+from tests.support.client_fakes import LocalServerProtocol, LocalWsServer
 from tests.support.harness import DEFAULT_TIMEOUT
 from tests.support.polling import until
 
@@ -47,7 +47,7 @@ class MemoryEndpoint:
         self.up = True
         self.attempts = 0
         self.pumps: list[iosim.IOPump] = []
-        self.server_protocols: list[_ServerProtocol] = []
+        self.server_protocols: list[LocalServerProtocol] = []
 
     def connect(self, factory: IProtocolFactory) -> Deferred[Any]:
         self.attempts += 1
@@ -57,7 +57,7 @@ class MemoryEndpoint:
         client = factory.buildProtocol(address)
         assert client is not None
 
-        class Proto(_ServerProtocol):
+        class Proto(LocalServerProtocol):
             pass
 
         Proto.server = self.server

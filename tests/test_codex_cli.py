@@ -26,12 +26,12 @@ from tests.support.children import Collected
 from tests.support.codex_cli import (
     CODEX_TIMEOUT,
     Run,
-    _codex_home,
     codex_binary,
     codex_env,
     codex_exec,
     fake_model,
     our_server,
+    write_codex_home,
 )
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.harness import observe, pid_alive, reactor, server_env, with_timeout
@@ -44,7 +44,7 @@ async def run_codex(
     codex: Path, tmp: Path, url: str, model_port: int, extra_args: tuple[str, ...] = ()
 ) -> tuple[list[dict[str, Any]], Collected]:
     home = tmp / "codex-home"
-    _codex_home(home, model_port)
+    write_codex_home(home, model_port)
     work = tmp / "work"
     work.mkdir(exist_ok=True)
     env = codex_env(tmp, home, url)

@@ -26,12 +26,12 @@ import pytest_twisted
 from tests.support.children import Collected
 from tests.support.codex_cli import (
     Run,
-    _codex_home,
     codex_binary,
     codex_env,
     codex_exec,
     fake_model,
     our_server,
+    write_codex_home,
 )
 from tests.support.harness import reactor, with_timeout
 from tests.support.polling import until
@@ -59,7 +59,7 @@ async def sandboxed(
     work.mkdir(exist_ok=True)
     log = tmp / "model.jsonl"
     async with fake_model(spec, log) as port, our_server(server_home) as server:
-        _codex_home(home, port)
+        write_codex_home(home, port)
         env = codex_env(tmp, home, server.url)
         argv = [str(codex), "exec", *sandbox_args, "--skip-git-repo-check", "--json",
                 "-C", str(work), "Run the shell command and report its output."]  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest_twisted
 
 from execserver import filesystem as fs
-from tests.support.fs_stalls import _metrics
+from tests.support.fs_stalls import gauges_of
 from tests.support.harness import status_bytes
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect
@@ -38,7 +38,7 @@ async def _until(server: WsServerProcess, what: str, check: object, timeout: flo
     seen: list[dict[str, float]] = [{}]
 
     async def holds() -> bool:
-        seen[0] = await _metrics(server)
+        seen[0] = await gauges_of(server)
         return bool(check(seen[0]))
 
     await until(holds, what, timeout=timeout, interval=0.05, detail=lambda: seen[0])
@@ -81,7 +81,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
                 and g["exec_server_fs_operations_running"] == 0
             ),
         )
-        gauges = await _metrics(server)
+        gauges = await gauges_of(server)
         peak = status_bytes(server.pid, "VmHWM") - idle
         in_use = gauges["exec_server_reply_bytes_queued"]
         print(

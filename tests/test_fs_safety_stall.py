@@ -20,7 +20,7 @@ from typing import Any
 import pytest_twisted
 from twisted.internet.defer import Deferred, gatherResults
 
-from tests.support.fs_stalls import NOT_REGULAR_READ, _metrics, held_fifo
+from tests.support.fs_stalls import NOT_REGULAR_READ, gauges_of, held_fifo
 from tests.support.harness import with_timeout
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
@@ -71,7 +71,7 @@ async def test_writes_to_a_fifo_nobody_reads_do_not_stall_other_clients(held_fif
         host, port = server.host_port
         status, _, _ = await http_get(host, port, get_request("/readyz"))
         assert status == 200
-        gauges = await _metrics(server)
+        gauges = await gauges_of(server)
         assert gauges["exec_server_fs_operations_running"] == 0
         assert gauges["exec_server_fs_operations_queued"] == 0
         await victim.close()

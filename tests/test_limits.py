@@ -10,7 +10,7 @@ from typing import Any
 import pytest_twisted
 
 from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, observe, with_timeout
-from tests.support.metrics_probe import _metric_at_least, open_idle
+from tests.support.metrics_probe import metric_at_least, open_idle
 from tests.support.polling import until
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
@@ -40,7 +40,7 @@ async def test_max_connections_answers_503_and_frees_with_a_close() -> None:
             proto.transport.loseConnection()  # type: ignore[union-attr]
         # (Polls that found every slot taken were refused and counted too.)
         await until(
-            lambda: _metric_at_least(
+            lambda: metric_at_least(
                 host, port, 'exec_server_refused_total{limit="connections"}', 1
             ),
             "the refusal counted",

@@ -21,12 +21,12 @@ import pytest
 import pytest_twisted
 
 from tests.support.codex_cli import (
-    _codex_home,
     codex_binary,
     codex_env,
     codex_exec,
     fake_model,
     our_server,
+    write_codex_home,
 )
 
 __all__ = ["codex_binary"]  # the fixture, re-exported for pytest
@@ -47,7 +47,7 @@ async def run_sandboxed(codex: Path, base: Path, spec: dict[str, Any]) -> list[d
     server_home.mkdir()
     async with fake_model(spec, base / "model.jsonl") as port, our_server(server_home) as server:
         home = base / "codex-home"
-        _codex_home(home, port)
+        write_codex_home(home, port)
         env = codex_env(base, home, server.url)
         argv = [
             str(codex), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write",

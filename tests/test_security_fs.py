@@ -39,7 +39,7 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred, gatherResults
 
 from execserver.tls import ServerTls
-from tests.support.fs_stalls import NOT_REGULAR_READ, _metrics, held_fifo
+from tests.support.fs_stalls import NOT_REGULAR_READ, gauges_of, held_fifo
 from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
 from tests.support.polling import until
 from tests.support.tls import Pki, pki, start_wss
@@ -67,7 +67,7 @@ async def _gauges_settle(server: WsServerProcess) -> dict[str, float]:
     found: dict[str, float] = {}
 
     async def idle() -> bool:
-        found.update(await _metrics(server))
+        found.update(await gauges_of(server))
         return (
             found["exec_server_fs_operations_running"] == 0
             and found["exec_server_fs_operations_queued"] == 0
@@ -211,7 +211,7 @@ async def test_one_session_holds_only_its_share_of_the_fs_threads(tmp_path: Path
         ]
 
         async def attacker_holds_its_share() -> bool:
-            gauges = await _metrics(server)
+            gauges = await gauges_of(server)
             return (
                 gauges["exec_server_fs_operations_running"],
                 gauges["exec_server_fs_operations_queued"],

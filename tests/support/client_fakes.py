@@ -108,7 +108,7 @@ def make_dispatcher() -> Dispatcher:
     return build_dispatcher(ServerConfig(terminate_grace_ms=500), reactor, PosixSpawner(reactor))
 
 
-class _ServerProtocol(WebSocketServerProtocol):
+class LocalServerProtocol(WebSocketServerProtocol):
     server: LocalWsServer
     connection: Connection | None = None
 
@@ -148,7 +148,7 @@ class LocalWsServer:
         self.silent = silent
         self.port = port
         self.dispatcher = make_dispatcher()
-        self.protocols: set[_ServerProtocol] = set()
+        self.protocols: set[LocalServerProtocol] = set()
         self.connect_count = 0
         self._listening: Any = None
 
@@ -160,7 +160,7 @@ class LocalWsServer:
         factory = WebSocketServerFactory()
         server = self
 
-        class Proto(_ServerProtocol):
+        class Proto(LocalServerProtocol):
             pass
 
         Proto.server = server

@@ -45,7 +45,7 @@ async def fake_model(spec: dict[str, Any], log: Path) -> AsyncIterator[int]:
         await with_timeout(proto.ended, 30, "the fake model's exit")
 
 
-def _codex_home(home: Path, model_port: int) -> None:
+def write_codex_home(home: Path, model_port: int) -> None:
     home.mkdir()
     (home / "config.toml").write_text(
         f"""model = "fake-model"

@@ -12,7 +12,8 @@ from tests.support.stdio_server import ServerProcess
 CODEX_INIT = codex_session.CODEX_INIT
 
 
-def _write(path: Path, text: str) -> Path:
+def write_file(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path``, making its directories; ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
@@ -21,12 +22,13 @@ def _write(path: Path, text: str) -> Path:
 def serving(
     tmp_path: Path, init: Any = CODEX_INIT, **env: str
 ) -> AbstractAsyncContextManager[ServerProcess]:
+    """A stdio server past the Codex handshake, its HOME and CODEX_HOME in ``tmp_path``."""
     server_env = {"HOME": str(tmp_path / "user"), "CODEX_HOME": str(tmp_path / "codex-home")}
     server_env.update(env)
     return codex_session.serving(init, server_env)
 
 
-def _read(
+def read_params(
     cwd: str, config: Any = (("mcp_servers",),), requirements: Any = (("mcp_servers",),)
 ) -> Any:
     return {

@@ -56,7 +56,7 @@ def _holds(pid: int, fifo: Path) -> bool:
     return False
 
 
-async def _metrics(server: WsServerProcess) -> dict[str, float]:
+async def gauges_of(server: WsServerProcess) -> dict[str, float]:
     host, port = server.host_port
     status, _, body = await http_get(host, port, get_request("/metrics"))
     assert status == 200

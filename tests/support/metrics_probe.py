@@ -38,7 +38,7 @@ async def open_idle(host: str, port: int) -> Idle:
     return proto
 
 
-async def _metric_at_least(host: str, port: int, name: str, value: int) -> bool:
+async def metric_at_least(host: str, port: int, name: str, value: int) -> bool:
     # (/metrics itself takes a slot: retried until the others are gone.)
     status, _, body = await http_get(host, port, get_request("/metrics"))
     if status != 200:
