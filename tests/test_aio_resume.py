@@ -95,7 +95,7 @@ async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any)
                 if index == 0:
                     await proc.write(b"go\n")
                 await until_asyncio(
-                    lambda before=before: proxy.cuts > before or proc.is_closed,  # type: ignore[misc]
+                    lambda before=before: proxy.cuts > before or proc.is_closed,
                     "the cut or the end",
                     timeout=30.0,
                 )

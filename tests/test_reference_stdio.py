@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 from twisted.internet.defer import Deferred
 
 from tests.support.harness import (
@@ -24,10 +23,10 @@ from tests.support.harness import (
     RpcFailure,
     b64,
     child_env,
-    reactor,
     unb64,
     with_timeout,
 )
+from tests.support.polling import until
 from tests.support.stdio_server import ServerProcess
 
 ECHO_SCRIPT = "printf 'ready\\n'; while IFS= read -r line; do printf 'echo:%s\\n' \"$line\"; done"
@@ -254,15 +253,14 @@ async def test_terminate_keeps_process_ids_reserved_until_retention_expires() ->
         await server.wait_notification("process/exited", "proc-1")
 
         # Retained, then released: poll with reads (each answered at once).
-        async def released() -> None:
-            while True:
-                response = await server.request("process/read", {"processId": "proc-1"})
-                if "error" in response:
-                    assert response["error"]["message"] == "unknown process id proc-1"
-                    return
-                await task.deferLater(reactor, 0.05)
+        async def released() -> bool:
+            response = await server.request("process/read", {"processId": "proc-1"})
+            if "error" in response:
+                assert response["error"]["message"] == "unknown process id proc-1"
+                return True
+            return False
 
-        await with_timeout(Deferred.fromCoroutine(released()), 10, "proc-1 to be released")
+        await until(released, "proc-1 to be released", timeout=10, interval=0.05)
         assert await server.call("process/start", exec_params()) == {"processId": "proc-1"}
 
 

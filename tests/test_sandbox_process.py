@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
 from execserver.sandbox.denied import likely_denied
 from tests.support.harness import (
@@ -30,10 +29,10 @@ from tests.support.harness import (
     RpcFailure,
     b64,
     console_script,
-    reactor,
     run_script,
     server_env,
 )
+from tests.support.polling import until
 from tests.support.sandbox import (
     CHILD_PATH,
     MECHANISMS,
@@ -349,10 +348,12 @@ async def test_disconnect_kills_the_sandbox(dirs: Dirs, mechanism: str, containm
         client.abort()
         # The server terminates a disconnected session's processes (SIGTERM,
         # SIGKILL after the 2 s grace): all gone well within 10 s.
-        for _ in range(200):
-            if not _marked_processes(marker):
-                break
-            await task.deferLater(reactor, 0.05, lambda: None)
+        await until(
+            lambda: not _marked_processes(marker),
+            "the session's processes to be gone",
+            timeout=10,
+            interval=0.05,
+        )
         assert _marked_processes(marker) == []
     finally:
         assert await server.stop() == 0

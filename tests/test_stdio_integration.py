@@ -47,7 +47,7 @@ from tests.support.harness import (
     reset_peak_rss,
     with_timeout,
 )
-from tests.support.polling import until
+from tests.support.polling import until, until_blocking
 from tests.support.raw_server import RawServer
 from tests.support.stdio_server import ServerProcess
 
@@ -483,10 +483,7 @@ def test_a_client_that_stops_reading_for_good_ends_the_session() -> None:
                 "arg0": None,
             },
         )
-        deadline = time.monotonic() + 10
-        while len(sleeps_under(server.pid)) < 2:
-            assert time.monotonic() < deadline, "the sleeps did not start"
-            time.sleep(0.02)
+        until_blocking(lambda: len(sleeps_under(server.pid)) >= 2, "the sleeps", timeout=10)
         pids = sleeps_under(server.pid)
         assert server.proc.stdout is not None
         server.proc.stdout.close()
@@ -537,11 +534,12 @@ def test_sigterm_with_a_stalled_client_still_exits_and_kills_everything() -> Non
                 "arg0": None,
             },
         )
-        deadline = time.monotonic() + 10
-        while not pids:
-            assert time.monotonic() < deadline, "the child did not start"
-            time.sleep(0.02)
-            pids = [p for p in descendants(server.pid) if pid_alive(p)]
+
+        def started() -> bool:
+            pids[:] = [p for p in descendants(server.pid) if pid_alive(p)]
+            return bool(pids)
+
+        until_blocking(started, "the child to start", timeout=10)
         # Not reading: the server's output pipe fills and stays full.
         server.proc.send_signal(signal.SIGTERM)
         # 0.2 s grace + 2 s flush slack + the force-close second, with margin.

@@ -78,19 +78,26 @@ async def until(
 
 
 async def until_asyncio(
-    condition: Condition,
+    condition: Callable[[], object] | Callable[[], Awaitable[object]],
     what: str,
     *,
     timeout: float,
     interval: float = POLL_INTERVAL,
     detail: Callable[[], object] | None = None,
 ) -> float:
-    """:func:`until` inside an asyncio event loop (``condition`` is a plain function)."""
+    """:func:`until` inside an asyncio event loop (an ``async`` condition too)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
+
+    async def holds() -> bool:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        return bool(result)
+
     try:
         async with asyncio.timeout(timeout):
-            while not condition():
+            while not await holds():
                 await asyncio.sleep(interval)
     except TimeoutError:
         raise TimeoutError(_failure(what, timeout, detail)) from None
