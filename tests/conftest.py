@@ -1,3 +1,9 @@
+"""The suite's fixtures and hooks: hypothesis profiles, skips turned into failures
+where ``EXECSERVER_FORBID_SKIPS=1`` (CI), and the teardown checks that fail a test
+on a server's traceback or undeclared exit (``tests/support/server_checks.py``) or
+on an error logged through Twisted's logger.
+"""
+
 from __future__ import annotations
 
 import gc
@@ -11,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 
 from execserver.clientcore.framing import LOCAL_SERVER_LOG_DIR_ENV
-from tests import server_checks
+from tests.support import server_checks
 
 settings.register_profile(
     "ci",

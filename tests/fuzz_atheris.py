@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of ``tests/fuzz_target.py`` with atheris, where it is installed.
+"""Coverage-guided fuzzing of ``tests/support/fuzz_target.py`` with atheris, where it is installed.
 
     pip install atheris
     python -m tests.fuzz_atheris tests/fuzz_corpus -max_total_time=300
@@ -19,7 +19,7 @@ def main() -> None:
     import atheris
 
     with atheris.instrument_imports():
-        from tests import fuzz_target
+        from tests.support import fuzz_target
 
     atheris.Setup(sys.argv, fuzz_target.run)
     atheris.Fuzz()

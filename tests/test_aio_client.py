@@ -2,7 +2,7 @@
 
 Every scenario runs over real stdio (a server the client spawns), a real
 WebSocket on 127.0.0.1 and a real Unix socket, in an asyncio event loop on a
-worker thread (tests/aio_harness.py) while the reactor serves the harness.
+worker thread (tests/support/aio_harness.py) while the reactor serves the harness.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from twisted.internet.defer import Deferred
 
 from execserver import aio
 from execserver import protocol as p
-from tests.aio_harness import Stderr, in_asyncio
-from tests.harness import REPO_ROOT, child_env
-from tests.ws_harness import WsServerProcess
+from tests.support.aio_harness import Stderr, in_asyncio
+from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, child_env
+from tests.support.polling import until_asyncio
+from tests.support.ws_harness import WsServerProcess
 
 TRANSPORTS = ["stdio", "ws", "unix"]
 
@@ -294,8 +295,12 @@ async def test_call_timeout_and_cancellation_leave_nothing_pending(
                 )
             assert client.pending_request_count == 0
             waiting = asyncio.ensure_future(client.wait(proc.process_id, 60_000))
-            while client.pending_request_count == 0:
-                await asyncio.sleep(0.01)
+            await until_asyncio(
+                lambda: client.pending_request_count > 0,
+                "the wait's request to be sent",
+                timeout=DEFAULT_TIMEOUT,
+                interval=0.01,
+            )
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
@@ -319,11 +324,15 @@ async def test_run_timeout_and_cancellation_terminate_the_process(
             running = asyncio.ensure_future(
                 client.run(["sleep", "30"], cwd=CWD, process_id="cancelled")
             )
-            # Cancelled once the server has started it (polled, bounded by the scenario).
-            while "cancelled" not in [
-                x.process_id for x in (await client.list_processes()).processes
-            ]:
-                await asyncio.sleep(0.01)
+
+            # Cancelled once the server has started it.
+            async def listed() -> bool:
+                processes = (await client.list_processes()).processes
+                return "cancelled" in [x.process_id for x in processes]
+
+            await until_asyncio(
+                listed, "the server to start it", timeout=DEFAULT_TIMEOUT, interval=0.01
+            )
             running.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await running

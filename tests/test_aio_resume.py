@@ -1,8 +1,8 @@
 """The asyncio client rides through dropped connections as ResumingClient does.
 
-The real server, the test-only cutting proxy (tests/cutting_proxy.py) on the
+The real server, the test-only cutting proxy (tests/support/cutting_proxy.py) on the
 reactor, and the aio client in an event loop on a worker thread
-(tests/aio_harness.py). The child writes a known pseudo-random stream; what
+(tests/support/aio_harness.py). The child writes a known pseudo-random stream; what
 the handle delivers must be exactly that stream, in order, then the exit --
 or, with a tiny retention, a GapEvent naming exactly the lost seqs.
 """
@@ -19,10 +19,11 @@ import pytest
 import pytest_twisted
 
 from execserver import aio
-from tests.aio_harness import in_asyncio, on_reactor
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import REPO_ROOT, child_env, descendants
-from tests.test_resume_client import (
+from tests.support.aio_harness import in_asyncio, on_reactor
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import REPO_ROOT, child_env, descendants
+from tests.support.polling import until_asyncio
+from tests.support.streams import (
     CHUNK,
     CHUNKS,
     EXIT_CODE,
@@ -30,7 +31,7 @@ from tests.test_resume_client import (
     chosen_cuts,
     expected_stream,
 )
-from tests.ws_harness import WsServerProcess
+from tests.support.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 
@@ -50,16 +51,6 @@ class Recorder:
         self.data += event.chunk
         if event.seq is not None:
             self.seqs.append(event.seq)
-
-
-async def until(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    """Poll ``condition`` (state owned by another thread) until true, bounded."""
-    try:
-        async with asyncio.timeout(seconds):
-            while not condition():
-                await asyncio.sleep(0.005)
-    except TimeoutError:
-        raise TimeoutError(f"timed out after {seconds}s waiting for {what}") from None
 
 
 async def started(*server_args: str) -> tuple[WsServerProcess, CuttingProxy]:
@@ -103,10 +94,10 @@ async def stream_through_cuts(cuts: list[int], *server_args: str, **kwargs: Any)
                 await on_reactor(proxy.cut_after, offset)
                 if index == 0:
                     await proc.write(b"go\n")
-                await until(
-                    lambda before=before: proxy.cuts > before or proc.is_closed,  # type: ignore[misc]
-                    30.0,
+                await until_asyncio(
+                    lambda before=before: proxy.cuts > before or proc.is_closed,
                     "the cut or the end",
+                    timeout=30.0,
                 )
             assert await proc.wait(timeout=30) == EXIT_CODE
             await proc.closed(timeout=30)
@@ -157,7 +148,7 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
             # Nothing reaches the client now; the output piles up in the server.
             await on_reactor(proxy.stall)
             go.touch()
-            await until(done.exists, 30.0, "the child to finish writing")
+            await until_asyncio(done.exists, "the child to finish writing", timeout=30.0)
             await on_reactor(proxy.cut)
             await on_reactor(proxy.unstall)
             events += [event async for event in stream]
@@ -201,7 +192,9 @@ async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> N
             await on_reactor(proxy.stall)
             await on_reactor(proxy.cut)
             # Longer than the granted TTL: the server ends the session meanwhile.
-            await until(lambda: not descendants(server_pid), 10.0, "the session to expire")
+            await until_asyncio(
+                lambda: not descendants(server_pid), "the session to expire", timeout=10.0
+            )
             await on_reactor(proxy.unstall)
             assert await proc.wait(timeout=20) is None
             assert isinstance(proc.lost_reason, aio.SessionLost)
@@ -234,7 +227,9 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
             waited = asyncio.ensure_future(client.wait(cat.process_id, timeout_ms=60_000))
             signalled = asyncio.ensure_future(cat.send_signal("SIGCONT"))
             listed = asyncio.ensure_future(client.list_processes())
-            await until(lambda: copy.exists() and copy.read_bytes() == b"once\n", 10.0, "the write")
+            await until_asyncio(
+                lambda: copy.exists() and copy.read_bytes() == b"once\n", "the write", timeout=10.0
+            )
             await on_reactor(proxy.cut)
             await on_reactor(proxy.unstall)
             # Safe to repeat: answered on the resumed session (the write once).
@@ -264,7 +259,9 @@ async def test_a_server_that_is_gone_fails_the_session_after_two_seconds_of_refu
             # every later connection is refused.
             started = asyncio.get_running_loop().time()
             await on_reactor(server.stop)
-            await until(lambda: client.lost is not None, 20.0, "the client to give up")
+            await until_asyncio(
+                lambda: client.lost is not None, "the client to give up", timeout=20.0
+            )
             waited = asyncio.get_running_loop().time() - started
             assert "the server is gone (connection refused" in str(client.lost)
             # Refusals are retried for 2 s (REFUSED_GIVE_UP_SECONDS), not the TTL.
@@ -299,9 +296,11 @@ async def test_a_start_in_flight_at_a_drop_is_sent_again_and_its_output_is_whole
                 client.start([sys.executable, "-c", child], cwd=CWD, env=child_env())
             )
             if server_got_it:
-                await until(marker.exists, 10.0, "the child to run")
+                await until_asyncio(marker.exists, "the child to run", timeout=10.0)
             else:
-                await until(lambda: client.pending_request_count == 1, 10.0, "the start sent")
+                await until_asyncio(
+                    lambda: client.pending_request_count == 1, "the start sent", timeout=10.0
+                )
             await on_reactor(proxy.cut)
             await on_reactor(proxy.unstall)
             proc = await starting

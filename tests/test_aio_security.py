@@ -10,11 +10,11 @@ import pytest_twisted
 pytest.importorskip("OpenSSL", reason="wss:// needs twisted[tls] (pyOpenSSL)")
 
 from execserver import aio
-from tests.aio_harness import in_asyncio, on_reactor
-from tests.cutting_proxy import CuttingProxy
-from tests.test_security import NEAR_MISS, OTHER, TOKEN, token_file, wait_stderr
-from tests.test_tls import Pki, pki, start_wss
-from tests.ws_harness import WsServerProcess
+from tests.support.aio_harness import in_asyncio, on_reactor
+from tests.support.auth import NEAR_MISS, OTHER, TOKEN, token_file, wait_stderr
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.tls import Pki, pki, start_wss
+from tests.support.ws_harness import WsServerProcess
 
 __all__ = ["pki"]  # the fixture, used by the tests below
 

@@ -37,7 +37,7 @@ from execserver.transports.autobahn_private import (
     timer_problems,
 )
 from execserver.transports.websocket import ExecServerProtocol
-from tests.test_websocket_protocol import client_frame, make_factory, open_raw, server_frames
+from tests.support.ws_wire import client_frame, make_factory, open_raw, server_frames
 
 
 @pytest.fixture

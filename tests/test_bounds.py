@@ -1,7 +1,7 @@
 """The bounds the tests assert are no looser than the figures the docs promise.
 
 ``docs/performance.md`` ("Promises the tests enforce") lists each bound with
-the name of its constant in ``tests/bounds.py``; every constant there must be
+the name of its constant in ``tests/support/bounds.py``; every constant there must be
 listed, and none may exceed its documented figure.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from tests import bounds
-from tests.harness import REPO_ROOT
+from tests.support import bounds
+from tests.support.harness import REPO_ROOT
 
 UNITS = {"": 1.0, "MiB": float(bounds.MiB), "KiB": 1024.0, "s": 1.0, "ms": 0.001}
 ROW = re.compile(r"^\|[^|]*\|\s*([0-9.]+)\s*(MiB|KiB|ms|s)?\s*\|\s*`([A-Z_]+)`\s*\|", re.M)
@@ -33,9 +33,9 @@ def constants() -> dict[str, float]:
 def test_every_bound_is_documented_and_no_looser_than_the_docs() -> None:
     docs = documented()
     ours = constants()
-    assert ours, "tests/bounds.py defines no bounds"
+    assert ours, "tests/support/bounds.py defines no bounds"
     assert set(ours) == set(docs), (
-        f"tests/bounds.py and docs/performance.md list different bounds: "
+        f"tests/support/bounds.py and docs/performance.md list different bounds: "
         f"{sorted(set(ours) ^ set(docs))}"
     )
     looser = {name: (ours[name], docs[name]) for name in ours if ours[name] > docs[name]}

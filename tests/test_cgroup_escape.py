@@ -18,23 +18,11 @@ import pytest
 import pytest_twisted
 
 from execserver.containment import find_cgroup2_mount
-from tests.harness import (
-    DEFAULT_TIMEOUT,
-    REPO_ROOT,
-    ServerProcess,
-    console_script,
-    reactor,
-    server_env,
-)
-from tests.test_containment import (
-    OWN_CGROUP_DIR,
-    assert_gone,
-    live,
-    new_marker,
-    server_args,
-    wait_until,
-)
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.escapees import OWN_CGROUP_DIR, assert_gone, live, new_marker, server_args
+from tests.support.harness import DEFAULT_TIMEOUT, console_script, server_env
+from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
 
 #: Every hierarchy's root ``cgroup.procs`` (v2 and each mounted v1 one).
 ROOT_PROCS = sorted(
@@ -81,24 +69,18 @@ def start_in_cgroup(directory: str, *args: str, env: dict[str, str]) -> ServerPr
     keeps servers of other test runs on this host (which may run older code)
     from cleaning up before the server under test does.
     """
-    proto = ServerProcess()
     script = console_script("exec-server")
     enter = 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"'
-    transport = reactor.spawnProcess(
-        proto,
-        "/bin/sh",
-        ["sh", "-c", enter, "sh", directory, script, *args],
+    return ServerProcess().launch(
+        ["/bin/sh", "-c", enter, "sh", directory, script, *args],
         env=server_env(env),
-        path=str(REPO_ROOT),
+        description=f"exec-server {' '.join(args)} (stdio, in {directory})",
     )
-    proto.pid = transport.pid
-    proto._init_checks(f"exec-server {' '.join(args)} (stdio, pid {proto.pid}, in {directory})")
-    return proto
 
 
 async def start_escapee(server: ServerProcess, shape: str, marker: str) -> None:
     await server.start_process(shape, argv(shape, marker), cwd="/")
-    await wait_until(lambda: bool(escaped(marker)), "the escapee to leave its cgroup", 10.0)
+    await until(lambda: bool(escaped(marker)), "the escapee to leave its cgroup", timeout=10.0)
 
 
 def test_the_escapes_reach_the_root_cgroup() -> None:
@@ -138,7 +120,7 @@ async def test_disconnect_kills_a_child_that_left_its_cgroup_and_session(
         client = await connect(server.url)
         await client.handshake()
         await client.start_process(shape, argv(shape, marker), cwd="/")
-        await wait_until(lambda: bool(escaped(marker)), "the escapee to leave its cgroup", 10.0)
+        await until(lambda: bool(escaped(marker)), "the escapee to leave its cgroup", timeout=10.0)
         await client.close()
         # The server lives on: the session's end alone must kill it.
         await assert_gone({shape: marker}, server.pid)
@@ -171,7 +153,19 @@ async def test_a_restarted_server_kills_what_left_the_cgroups_of_a_crashed_one(
     try:
         await crash_and_restart(shape, marker, directory, tmp_path, env)
     finally:
+        # A killed member is a zombie until its new parent reaps it, and a
+        # cgroup with a zombie in it is still populated (rmdir: EBUSY).
+        await until(lambda: _unpopulated(directory), f"{directory} to empty", timeout=10.0)
         os.rmdir(directory)
+
+
+def _unpopulated(directory: str) -> bool:
+    try:
+        with open(os.path.join(directory, "cgroup.events")) as events:
+            return "populated 0" in events.read().splitlines()
+    except FileNotFoundError:  # a cgroup v1 hierarchy: no cgroup.events
+        with open(os.path.join(directory, "cgroup.procs")) as procs:
+            return not procs.read().strip()
 
 
 async def crash_and_restart(
@@ -189,7 +183,7 @@ async def crash_and_restart(
         def recorded() -> bool:
             return record.exists() and f"{pid} " in record.read_text()
 
-        await wait_until(recorded, "the server to record the escapee", DEFAULT_TIMEOUT)
+        await until(recorded, "the server to record the escapee", timeout=DEFAULT_TIMEOUT)
     crashed.kill("KILL")
     await crashed.stop()
     assert escaped(marker), "SIGKILL gave the server no chance to kill anything"

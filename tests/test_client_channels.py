@@ -19,8 +19,8 @@ from twisted.python.failure import Failure
 
 from execserver.client import ConnectOptions, ExecServerClient, OutputEvent, RpcClient
 from execserver.client.channels import ServerProcessProtocol
-from tests.harness import reactor
-from tests.test_client_support import wait
+from tests.support.client_fakes import wait
+from tests.support.harness import reactor
 
 
 class _ProcessTransport:

@@ -2,7 +2,7 @@
 
 The issue's reproduction: a child writes far more than the server's
 ``--retained-output-bytes`` while the client is kept away from its session
-by a connection-cutting proxy (:mod:`tests.cutting_proxy`, which holds the
+by a connection-cutting proxy (:mod:`tests.support.cutting_proxy`, which holds the
 client's new connections until the child has done what the test waits for).
 With the default ``--on-detached-full pause`` the output must be byte-exact
 and the exit status the child's; with ``--on-detached-full drop`` the client
@@ -26,18 +26,24 @@ import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
-from twisted.internet.protocol import Factory, ProcessProtocol
+from twisted.internet.protocol import Factory
 from twisted.protocols.basic import LineOnlyReceiver
-from twisted.python.failure import Failure
 
 from execserver.client.cli.common import EXIT_OUTPUT_LOST
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import child_env, console_script, reactor, server_env, with_timeout
-from tests.test_tls import Pki
-from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess, observe
+from tests.support.children import Collected
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import (
+    child_env,
+    console_script,
+    observe,
+    reactor,
+    server_env,
+    with_timeout,
+)
+from tests.support.polling import until
+from tests.support.tls import Pki
+from tests.support.ws_harness import WsServerProcess
 
 #: The server keeps this much output per process; the child writes 16 times it.
 RETAINED = 256 * 1024
@@ -121,22 +127,6 @@ class ChildReports:
         return bool(syscall) and syscall[0] in ("0", "1")  # read, write (x86-64)
 
 
-class Cli(ProcessProtocol):
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.err = bytearray()
-        self.ended: Deferred[int | None] = Deferred()
-
-    def outReceived(self, data: bytes) -> None:
-        self.out += data
-
-    def errReceived(self, data: bytes) -> None:
-        self.err += data
-
-    def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(getattr(reason.value, "exitCode", None))
-
-
 async def run_through_cuts(
     proxy: CuttingProxy,
     reports: ChildReports,
@@ -148,7 +138,7 @@ async def run_through_cuts(
     child: str = CHILD,
     stdin: bytes | None = None,
     url: str | None = None,
-) -> Cli:
+) -> Collected:
     """One ``run`` of ``child``; the client is held away after the first cut until
     the child finished writing (drop) or waits on its pipe (pause); the
     second cut (if any) falls that many bytes into the resumed connection.
@@ -157,7 +147,7 @@ async def run_through_cuts(
     stays open and empty).
     """
     reports.reset()
-    proto = Cli()
+    proto = Collected()
     argv = [console_script("exec-server-client"), "run", "--url", url or proxy.url, *options]
     if mode is not None:
         argv += ["--on-detached-full", mode]
@@ -173,14 +163,16 @@ async def run_through_cuts(
         proto.transport.write(stdin)
         proto.transport.closeStdin()
     try:
-        await poll_until(
-            lambda: proxy.cuts > cuts or proto.ended.called, 30.0, "the first cut or the end"
+        await until(
+            lambda: proxy.cuts > cuts or proto.ended.called,
+            "the first cut or the end",
+            timeout=30.0,
         )
         assert proxy.cuts > cuts, f"the CLI ended before the cut: {bytes(proto.err)!r}"
         if mode == "drop":
-            await poll_until(lambda: reports.done, 30.0, "the child to finish writing")
+            await until(lambda: reports.done, "the child to finish writing", timeout=30.0)
         else:
-            await poll_until(reports.waiting, 30.0, "the child to be paused")
+            await until(reports.waiting, "the child to be paused", timeout=30.0)
         if second is not None:
             proxy.cut_after(second)
         proxy.release()

@@ -22,7 +22,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -35,11 +34,18 @@ from twisted.internet.defer import Deferred
 from execserver import aio
 from execserver.client import ConnectOptions, ExecServerClient
 from execserver.client.reconnect import ReconnectingClient, ResumingClient
-from tests.aio_harness import Stderr, in_asyncio
-from tests.client_adapters import stdio_command
-from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, pid_alive, reactor, server_env, with_timeout
-from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess
+from tests.support.aio_harness import Stderr, in_asyncio
+from tests.support.client_adapters import stdio_command
+from tests.support.harness import (
+    DEFAULT_TIMEOUT,
+    REPO_ROOT,
+    pid_alive,
+    reactor,
+    server_env,
+    with_timeout,
+)
+from tests.support.polling import until, until_blocking
+from tests.support.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 #: Longer than any test; the session outlives its connection this long.
@@ -85,12 +91,14 @@ async def until_sent(client: aio.Client) -> None:
 def until_running(server_pid: int, argv: list[str]) -> None:
     """Blocks the event loop (on purpose: the start's answer stays unread)
     until the server runs ``argv`` past its trap."""
-    deadline = time.monotonic() + DEFAULT_TIMEOUT
     # cmdline() is empty for a process caught between fork and exec, or
     # already a zombie: not yet (or no longer) the sleep.
-    while not any(c.cmdline()[:1] == ["sleep"] for c in running_children(server_pid, argv)):
-        assert time.monotonic() < deadline, f"{argv} did not start"
-        time.sleep(0.01)
+    until_blocking(
+        lambda: any(c.cmdline()[:1] == ["sleep"] for c in running_children(server_pid, argv)),
+        f"{argv} to start",
+        timeout=DEFAULT_TIMEOUT,
+        interval=0.01,
+    )
 
 
 # --- asyncio: close after a cancelled start / run -----------------------------------------
@@ -158,10 +166,12 @@ def test_sync_start_that_timed_out_returns_once_its_process_ended() -> None:
         thread = threading.Thread(target=start)
         try:
             thread.start()
-            deadline = time.monotonic() + DEFAULT_TIMEOUT
-            while thread.is_alive() and c.aio.terminating_count == 0:
-                assert time.monotonic() < deadline, "the start did not time out"
-                time.sleep(0.01)
+            until_blocking(
+                lambda: not thread.is_alive() or c.aio.terminating_count > 0,
+                "the start to time out",
+                timeout=DEFAULT_TIMEOUT,
+                interval=0.01,
+            )
         finally:
             server.resume()
         thread.join(DEFAULT_TIMEOUT + 5)
@@ -247,4 +257,4 @@ async def test_twisted_close_terminates_all_but_detached_processes(how: str) -> 
         finally:
             if kept_pid and pid_alive(kept_pid):
                 os.kill(kept_pid, signal.SIGKILL)
-            await poll_until(lambda: not pid_alive(kept_pid), DEFAULT_TIMEOUT, "the kill")
+            await until(lambda: not pid_alive(kept_pid), "the kill", timeout=DEFAULT_TIMEOUT)

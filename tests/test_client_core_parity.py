@@ -20,10 +20,10 @@ from execserver import aio, sync
 from execserver import protocol as p
 from execserver.clientcore.errors import ConnectFailed, OutputGap
 from execserver.clientcore.process import EventQueue, ProcessCore
-from tests.aio_harness import in_asyncio
-from tests.harness import child_env
-from tests.test_tls import Pki, start_wss
-from tests.ws_harness import WsServerProcess
+from tests.support.aio_harness import in_asyncio
+from tests.support.harness import child_env
+from tests.support.tls import Pki, start_wss
+from tests.support.ws_harness import WsServerProcess
 
 #: The server's default file size limit; the child writes five times as much.
 LIMIT = 1000

@@ -28,7 +28,8 @@ from execserver.client import (
     ProtocolViolation,
     ServerError,
 )
-from tests.test_client_support import ScriptedServer, b64
+from tests.support.client_fakes import ScriptedServer
+from tests.support.harness import b64
 
 
 def _failure_of(d: Deferred[Any]) -> BaseException:

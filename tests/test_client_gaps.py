@@ -21,12 +21,12 @@ from twisted.internet.defer import Deferred
 
 from execserver import aio, sync
 from execserver.client import ConnectOptions, OutputEvent, OutputGap, connect_websocket
-from tests.aio_harness import in_asyncio, on_reactor
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, with_timeout
-from tests.test_resume_client import reconnecting
-from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess, observe
+from tests.support.aio_harness import in_asyncio, on_reactor
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, observe, reactor, with_timeout
+from tests.support.polling import until, until_asyncio
+from tests.support.streams import reconnecting
+from tests.support.ws_harness import WsServerProcess
 
 CWD = str(REPO_ROOT)
 
@@ -44,7 +44,7 @@ async def lose_output(proxy: CuttingProxy, go: Path, done: Path) -> None:
     """Keep the client away while the child writes far more than the retention."""
     proxy.stall()
     go.touch()
-    await poll_until(done.exists, 30.0, "the child to finish writing")
+    await until(done.exists, "the child to finish writing", timeout=30.0)
     proxy.cut()
     proxy.unstall()
 
@@ -167,13 +167,17 @@ async def test_asyncio_run_raises_the_gap_with_what_arrived(tmp_path: Path) -> N
         async with aio.connect(proxy.url, on_detached_full="drop", connect_timeout=5.0) as c:
             argv = ["sh", "-c", gap_script(go, done)]
             running = asyncio.ensure_future(c.run(argv, cwd=CWD, process_id="gap"))
+
             # Its start answered (a read after it is answered after it), its
             # first output written: only then is the connection cut.
-            while True:
+            async def first_output() -> bool:
                 with contextlib.suppress(aio.ServerError):  # not started yet
-                    if (await c.read("gap", 0, wait_ms=1000)).chunks:
-                        break
-                await asyncio.sleep(0.01)
+                    return bool((await c.read("gap", 0, wait_ms=1000)).chunks)
+                return False
+
+            await until_asyncio(
+                first_output, "its first output", timeout=DEFAULT_TIMEOUT, interval=0.01
+            )
             await on_reactor(lambda: Deferred.fromCoroutine(lose_output(proxy, go, done)))
             with pytest.raises(aio.OutputGap) as raised:
                 await running

@@ -23,8 +23,8 @@ from execserver.client import (
     SpawnFailed,
 )
 from execserver.session import session_of
-from tests.harness import REPO_ROOT, pid_alive, reactor, server_env
-from tests.test_client_support import make_dispatcher, wait
+from tests.support.client_fakes import make_dispatcher, wait
+from tests.support.harness import REPO_ROOT, pid_alive, reactor, server_env
 
 OPTIONS = ConnectOptions("test-client", initialize_timeout=5.0)
 CWD = str(REPO_ROOT)

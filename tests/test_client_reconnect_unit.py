@@ -33,7 +33,9 @@ from execserver.client import (
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.test_client_support import LocalWsServer, _ServerProtocol, eventually
+from tests.support.client_fakes import LocalServerProtocol, LocalWsServer
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.polling import until
 
 
 @implementer(IStreamClientEndpoint)
@@ -45,7 +47,7 @@ class MemoryEndpoint:
         self.up = True
         self.attempts = 0
         self.pumps: list[iosim.IOPump] = []
-        self.server_protocols: list[_ServerProtocol] = []
+        self.server_protocols: list[LocalServerProtocol] = []
 
     def connect(self, factory: IProtocolFactory) -> Deferred[Any]:
         self.attempts += 1
@@ -55,7 +57,7 @@ class MemoryEndpoint:
         client = factory.buildProtocol(address)
         assert client is not None
 
-        class Proto(_ServerProtocol):
+        class Proto(LocalServerProtocol):
             pass
 
         Proto.server = self.server
@@ -228,7 +230,7 @@ async def _suspended_handle(
         endpoint.flush()
         return starting.called
 
-    await eventually(started, "the process to start")
+    await until(started, "the process to start", timeout=DEFAULT_TIMEOUT)
     proc = await starting
     endpoint.up = False
     endpoint.drop_all()

@@ -12,7 +12,7 @@ import signal
 import pytest
 import pytest_twisted
 
-from tests.test_client_cli import Cli
+from tests.support.cli import Cli
 
 
 @pytest.mark.parametrize("sig", ["HUP", "TERM"])

@@ -30,8 +30,9 @@ from execserver.client import (
 from execserver.client.channels.websocket import READ_BYTES, ChannelFactory, WebSocketChannel
 from execserver.client.reconnect import ReconnectingClient
 from execserver.session import session_of
-from tests.harness import REPO_ROOT, reactor, refused_port
-from tests.test_client_support import LocalWsServer, eventually, wait
+from tests.support.client_fakes import LocalWsServer, wait
+from tests.support.harness import DEFAULT_TIMEOUT, REPO_ROOT, reactor, refused_port
+from tests.support.polling import until
 
 OPTIONS = ConnectOptions("test-client", initialize_timeout=5.0)
 CWD = str(REPO_ROOT)
@@ -57,7 +58,9 @@ async def test_websocket_handshake_process_and_close() -> None:
         assert await wait(process.exited(), "exit") == 0
         await wait(client.close(), "close")
         assert not client.is_connected
-        await eventually(lambda: not server.protocols, "server to see the close")
+        await until(
+            lambda: not server.protocols, "server to see the close", timeout=DEFAULT_TIMEOUT
+        )
     finally:
         await server.stop()
 
@@ -175,7 +178,11 @@ async def test_autobahns_own_opening_handshake_timeout_is_connect_timeout() -> N
     )
     try:
         client.start()
-        await eventually(lambda: client.last_error is not None, "the first attempt to fail")
+        await until(
+            lambda: client.last_error is not None,
+            "the first attempt to fail",
+            timeout=DEFAULT_TIMEOUT,
+        )
         assert isinstance(client.last_error, ConnectTimeout), client.last_error
         assert client.last_error.timeout == 0.3
     finally:
@@ -189,7 +196,7 @@ async def test_websocket_initialize_timeout_when_the_server_is_silent() -> None:
     try:
         with pytest.raises(InitializeTimeout):
             await _connect(server.url, options=ConnectOptions("t", initialize_timeout=0.3))
-        await eventually(lambda: not server.protocols, "the client to hang up")
+        await until(lambda: not server.protocols, "the client to hang up", timeout=DEFAULT_TIMEOUT)
     finally:
         await server.stop()
 
@@ -315,7 +322,7 @@ async def test_stopping_the_reconnecting_client_fails_waiting_calls() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_reconnecting_client_across_a_real_server_process_restart() -> None:
-    from tests.ws_harness import WsServerProcess
+    from tests.support.ws_harness import WsServerProcess
 
     server = await WsServerProcess.start()
     _host, port = server.host_port
@@ -370,7 +377,11 @@ async def test_dropping_a_websocket_client_ends_its_session() -> None:
         del client
         gc.collect()
         await wait(managed.when_closed(), "the dropped client's process to be terminated")
-        await eventually(lambda: not server.protocols, "the server to see the disconnect")
+        await until(
+            lambda: not server.protocols,
+            "the server to see the disconnect",
+            timeout=DEFAULT_TIMEOUT,
+        )
     finally:
         await server.stop()
 

@@ -36,7 +36,7 @@ from execserver.clientcore.calls import PendingCalls, repeatable
 from execserver.clientcore.errors import ConnectionClosed, OutputLagged, ServerError
 from execserver.clientcore.ordering import SeqOrdering
 from execserver.clientcore.types import GapEvent, OutputEvent
-from tests.aio_harness import RecordingChannel, RecordingSink
+from tests.support.aio_harness import RecordingChannel, RecordingSink
 
 # --- request ids ------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The same behaviour through the three clients: Twisted, asyncio, blocking.
 
-Each test runs once per client (``kind``), through :mod:`tests.client_adapters`,
+Each test runs once per client (``kind``), through :mod:`tests.support.client_adapters`,
 against the real server over real stdio, WebSocket on 127.0.0.1 and Unix
-sockets; resumption through :mod:`tests.cutting_proxy`. What only one or two
+sockets; resumption through :mod:`tests.support.cutting_proxy`. What only one or two
 clients offer (``run``, ``KeyboardInterrupt``, threads) is tested for those.
 Every wait is bounded; every process is checked gone (``/proc``).
 """
@@ -33,9 +33,9 @@ from execserver.clientcore.errors import (
     ServerError,
 )
 from execserver.clientcore.types import GapEvent, OutputEvent
-from tests.client_adapters import KINDS, ClientAdapter, Target, connect, python
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import (
+from tests.support.client_adapters import KINDS, ClientAdapter, Target, connect, python
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     child_env,
@@ -43,8 +43,8 @@ from tests.harness import (
     refused_port,
     server_env,
 )
-from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess
+from tests.support.polling import until, until_blocking
+from tests.support.ws_harness import WsServerProcess
 
 TOKEN = "adapter-test-token-0123456789"
 
@@ -96,12 +96,14 @@ def start_kwargs(**extra: Any) -> dict[str, Any]:
 
 
 async def wait_gone(pid: int, what: str) -> None:
-    await poll_until(lambda: not pid_alive(pid), DEFAULT_TIMEOUT, what)
+    await until(lambda: not pid_alive(pid), what, timeout=DEFAULT_TIMEOUT)
 
 
 async def pid_from(path: Path) -> int:
-    await poll_until(
-        lambda: path.exists() and path.read_text().endswith("\n"), DEFAULT_TIMEOUT, "the pid file"
+    await until(
+        lambda: path.exists() and path.read_text().endswith("\n"),
+        "the pid file",
+        timeout=DEFAULT_TIMEOUT,
     )
     return int(path.read_text())
 
@@ -419,8 +421,8 @@ async def test_output_survives_cut_connections_exactly_once_in_order(kind: str) 
             # A "pause" session's acknowledging read (the clients' default
             # since losing output became an error) may still be on its way
             # when the close arrives: answered at once, never left pending.
-            await poll_until(
-                lambda: client.pending_request_count == 0, 5.0, "the last acknowledgement"
+            await until(
+                lambda: client.pending_request_count == 0, "the last acknowledgement", timeout=5.0
             )
     finally:
         await proxy.stop()
@@ -443,11 +445,11 @@ async def test_cancelled_call_leaves_no_pending_request(kind: str, tmp_path: Pat
         waiting = Deferred.fromCoroutine(
             client.call("wait", proc.process_id, 600_000, timeout=60.0)
         )
-        await poll_until(lambda: client.pending_request_count == 1, DEFAULT_TIMEOUT, "the wait")
+        await until(lambda: client.pending_request_count == 1, "the wait", timeout=DEFAULT_TIMEOUT)
         waiting.cancel()
         with pytest.raises(CancelledError):
             await waiting
-        await poll_until(lambda: client.pending_request_count == 0, DEFAULT_TIMEOUT, "forgotten")
+        await until(lambda: client.pending_request_count == 0, "forgotten", timeout=DEFAULT_TIMEOUT)
         # The process is still under control; closing the client ends it.
         assert pid_alive(pid)
     await wait_gone(pid, "the process after close")
@@ -488,7 +490,9 @@ async def test_cancelled_aio_run_leaves_no_orphan(tmp_path: Path) -> None:
         with pytest.raises(CancelledError):
             await running
         await wait_gone(pid, "the cancelled run's process")
-        await poll_until(lambda: client.pending_request_count == 0, DEFAULT_TIMEOUT, "no pending")
+        await until(
+            lambda: client.pending_request_count == 0, "no pending", timeout=DEFAULT_TIMEOUT
+        )
         listed = await client.call("list_processes")
         assert all(not p.running for p in listed.processes)
 
@@ -511,7 +515,7 @@ with sync.connect(server_command=sys.argv[2:]) as client:
 
 def test_sync_keyboard_interrupt_cancels_run_and_leaves_no_orphan(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     script = subprocess.Popen(
         [sys.executable, "-c", INTERRUPTED_SCRIPT, str(pid_file), *stdio_command()],
@@ -521,11 +525,12 @@ def test_sync_keyboard_interrupt_cancels_run_and_leaves_no_orphan(tmp_path: Path
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + DEFAULT_TIMEOUT
-        while not (pid_file.exists() and pid_file.read_text().endswith("\n")):
-            assert time.monotonic() < deadline, "the remote process did not start"
+
+        def started() -> bool:
             assert script.poll() is None, script.communicate()
-            time.sleep(0.02)
+            return pid_file.exists() and pid_file.read_text().endswith("\n")
+
+        until_blocking(started, "the remote process to start", timeout=DEFAULT_TIMEOUT)
         pid = int(pid_file.read_text())
         script.send_signal(signal.SIGINT)
         out, err = script.communicate(timeout=30)
@@ -541,7 +546,7 @@ def test_sync_keyboard_interrupt_cancels_run_and_leaves_no_orphan(tmp_path: Path
 def test_sync_threads_share_one_client_and_the_loop_thread_stops() -> None:
     from execserver import sync
     from execserver.sync._loop import LOOP
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     errors: list[BaseException] = []
     with sync.connect(server_command=stdio_command(), call_timeout=30.0) as client:
@@ -579,7 +584,7 @@ def test_sync_threads_share_one_client_and_the_loop_thread_stops() -> None:
 
 def test_sync_timeouts_bound_every_wait() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command(), call_timeout=10.0) as client:
         proc = client.start(["sleep", "1000"])
@@ -597,7 +602,7 @@ def test_sync_timeouts_bound_every_wait() -> None:
 
 def test_sync_refuses_a_call_from_its_loop_thread() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command()) as client:
         seen: list[BaseException] = []
@@ -674,7 +679,7 @@ async def test_sync_client_left_open_at_exit_is_closed_and_its_process_ended(
 
 def test_sync_transfer_progress_runs_in_the_calling_thread(tmp_path: Path) -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     data = random.Random(3).randbytes(9 * 1024 * 1024)
     (tmp_path / "in.bin").write_bytes(data)
@@ -716,7 +721,7 @@ def test_sync_call_caught_by_a_stopping_loop_fails_instead_of_hanging() -> None:
 
 def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command(), env=server_env()) as client:
         proc = client.start(["sh", "-c", "echo a; read x; echo b"], pipe_stdin=True)
@@ -733,7 +738,7 @@ def test_sync_output_continues_after_a_timeout_without_losing_events() -> None:
 
 def test_sync_long_polls_are_bounded_by_their_own_wait_not_the_call_timeout() -> None:
     from execserver import sync
-    from tests.client_adapters import stdio_command
+    from tests.support.client_adapters import stdio_command
 
     with sync.connect(server_command=stdio_command(), env=server_env(), call_timeout=1.0) as c:
         proc = c.start(["sh", "-c", "sleep 2; echo late"])

@@ -26,29 +26,24 @@ from execserver.codex import capability_discovery as cd
 from execserver.codex import environment_info, skill_yaml
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
-from tests import test_codex_dialect as codex_dialect
 from tests.codex import fetch_codex
 from tests.codex.fetch_codex import FetchError, fetch
-from tests.harness import REPO_ROOT, ServerProcess, reactor
+from tests.support import codex_session
+from tests.support.codex_config import write_file
+from tests.support.stdio_server import ServerProcess
 
-CODEX_INIT = codex_dialect.CODEX_INIT
+CODEX_INIT = codex_session.CODEX_INIT
 METADATA_WARNING = "some capability metadata could not be loaded; discovery may be incomplete"
 
 
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
-
-
 def _skill(directory: Path, front: str) -> Path:
-    return _write(directory / "SKILL.md", f"---\n{front}---\nbody\n")
+    return write_file(directory / "SKILL.md", f"---\n{front}---\nbody\n")
 
 
 def serving(tmp_path: Path, init: Any = CODEX_INIT) -> AbstractAsyncContextManager[ServerProcess]:
     (tmp_path / "codex-home").mkdir(exist_ok=True)
     env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
-    return codex_dialect.serving(init, env)
+    return codex_session.serving(init, env)
 
 
 async def discover(tmp_path: Path) -> Any:
@@ -79,28 +74,28 @@ async def test_user_skills_plugins_and_warnings_as_the_reference(tmp_path: Path)
     home, codex_home = tmp_path / "home", tmp_path / "codex-home"
     skills, agents = codex_home / "skills", home / ".agents" / "skills"
     alpha = _skill(skills / "alpha", "name: alpha\ndescription: Alpha skill does things\n")
-    _write(skills / "bad" / "SKILL.md", "no frontmatter here\n")  # invalid: one warning
+    write_file(skills / "bad" / "SKILL.md", "no frontmatter here\n")  # invalid: one warning
     spaced = _skill(skills / "my  dir", "description: spaced\n")  # name from the directory
     beta = _skill(
         agents / "beta",
         'description: "quoted: desc"\nmetadata:\n  short-description: short beta\n',
     )
     deps = _skill(skills / "deps", "name: deps\ndescription: with deps\n")
-    _write(
+    write_file(
         skills / "deps" / "agents" / "openai.yaml",
         "interface:\n  display_name: D\ndependencies:\n  tools:\n    - type: mcp\n"
         "      value: github\n      description: gh\npolicy:\n  allow_implicit_invocation: false\n",
     )
     # A plugin nested in a skills root namespaces the skills below it.
-    _write(skills / "tools" / ".codex-plugin" / "plugin.json", '{"name":"tools"}')
+    write_file(skills / "tools" / ".codex-plugin" / "plugin.json", '{"name":"tools"}')
     nested = _skill(skills / "tools" / "skills" / "x", "description: x in tools\n")
     # An installed plugin: the active version (local wins), manifest, MCP file, skills.
     package = codex_home / "plugins" / "cache" / "market" / "plug"
-    _write(package / "1.0.0" / ".codex-plugin" / "plugin.json", '{"name":"old"}')
+    write_file(package / "1.0.0" / ".codex-plugin" / "plugin.json", '{"name":"old"}')
     root = package / "local"
     manifest = '{"name":"plug","interface":{"displayName":"Plug In"},"mcpServers":"./mcp.json"}'
-    _write(root / ".codex-plugin" / "plugin.json", manifest)
-    _write(root / "mcp.json", '{"mcpServers":{}}')
+    write_file(root / ".codex-plugin" / "plugin.json", manifest)
+    write_file(root / "mcp.json", '{"mcpServers":{}}')
     gamma = _skill(root / "skills" / "gamma", "name: gamma\ndescription: Gamma\n")
 
     result = await discover(tmp_path)
@@ -181,16 +176,18 @@ async def test_user_skills_plugins_and_warnings_as_the_reference(tmp_path: Path)
 async def test_inline_mcp_servers_remote_id_and_broken_plugins(tmp_path: Path) -> None:
     cache = tmp_path / "codex-home" / "plugins" / "cache" / "mk"
     # Semver order: 10.0.0 is newer than 9.0.0.
-    _write(cache / "p4" / "9.0.0" / ".codex-plugin" / "plugin.json", '{"name":"v9"}')
+    write_file(cache / "p4" / "9.0.0" / ".codex-plugin" / "plugin.json", '{"name":"v9"}')
     manifest = '{"name":"p4","mcpServers":{"b":{"x":1},"a":2}}'
-    _write(cache / "p4" / "10.0.0" / ".codex-plugin" / "plugin.json", manifest)
-    _write(
+    write_file(cache / "p4" / "10.0.0" / ".codex-plugin" / "plugin.json", manifest)
+    write_file(
         cache / "p4" / ".codex-remote-plugin-install.json",
         '{"schema_version":1,"remote_plugin_id":"  rp-123 "}',
     )
     (cache / "nomanifest" / "1.0.0").mkdir(parents=True)  # a warning, no plugin
-    _write(cache / "inline-apps" / "1.0.0" / ".codex-plugin" / "plugin.json", '{"apps":{"a":1}}')
-    _write(cache / "bad name" / "1.0.0" / ".codex-plugin" / "plugin.json", "{}")  # not an id
+    write_file(
+        cache / "inline-apps" / "1.0.0" / ".codex-plugin" / "plugin.json", '{"apps":{"a":1}}'
+    )
+    write_file(cache / "bad name" / "1.0.0" / ".codex-plugin" / "plugin.json", "{}")  # not an id
     result = await discover(tmp_path)
     [plugin] = result["plugins"]
     manifest_path = path_to_uri(str(cache / "p4" / "10.0.0" / ".codex-plugin" / "plugin.json"))
@@ -577,23 +574,20 @@ _PLUGINS = {
 def _reference_tree(base: Path) -> None:
     skills = base / "codex-home" / "skills"
     for directory, text in _SKILLS.items():
-        _write(skills / directory / "SKILL.md", text)
-    _write(skills / "deps" / "agents" / "openai.yaml", _OPENAI_YAML)
-    _write(skills / "tools" / ".codex-plugin" / "plugin.json", '{"name":"tools"}')
+        write_file(skills / directory / "SKILL.md", text)
+    write_file(skills / "deps" / "agents" / "openai.yaml", _OPENAI_YAML)
+    write_file(skills / "tools" / ".codex-plugin" / "plugin.json", '{"name":"tools"}')
     (skills / "a" / "loop").symlink_to("..")
     _skill(base / "home" / ".agents" / "skills" / "user", "description: user skill\n")
     for relative, text in _PLUGINS.items():
-        _write(base / "codex-home" / "plugins" / "cache" / relative, text)
+        write_file(base / "codex-home" / "plugins" / "cache" / relative, text)
 
 
 class _ReferenceServer(ServerProcess):
     @classmethod
     def start_reference(cls, codex: Path, env: dict[str, str]) -> ServerProcess:
-        proto = cls()
         argv = [str(codex), "exec-server", "--listen", "stdio"]
-        transport = reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
-        proto.pid = transport.pid
-        proto._init_checks(f"codex exec-server (stdio, pid {proto.pid})")
+        proto = cls().launch(argv, env=env, description="codex exec-server (stdio)")
         proto.allow_stderr(".")  # its own warnings (PATH aliases under /tmp)
         return proto
 
@@ -646,7 +640,7 @@ async def test_plugins_come_first_and_count_with_their_skills(tmp_path: Path) ->
     _many_skills(tmp_path / "codex-home" / "skills", "s", 1990)
     _many_skills(tmp_path / "home" / ".agents" / "skills", "u", 60)
     root = tmp_path / "codex-home" / "plugins" / "cache" / "mk" / "p" / "1.0.0"
-    _write(root / ".codex-plugin" / "plugin.json", '{"name":"p"}')
+    write_file(root / ".codex-plugin" / "plugin.json", '{"name":"p"}')
     _many_skills(root / "skills", "k", 20)
     result = await discover(tmp_path)
     [plugin] = result["plugins"]
@@ -662,16 +656,16 @@ def test_files_are_bounded_and_never_block(tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path / "home"), "CODEX_HOME": str(tmp_path / "codex-home")}
     skills = tmp_path / "codex-home" / "skills"
     front = "---\nname: big\ndescription: d\n---\n"
-    _write(skills / "big" / "SKILL.md", front + "x" * (cd.MAX_FILE_BYTES - len(front)))
+    write_file(skills / "big" / "SKILL.md", front + "x" * (cd.MAX_FILE_BYTES - len(front)))
     (skills / "fifo").mkdir()
     os.mkfifo(skills / "fifo" / "SKILL.md")
     result = cd.discover(env, str(tmp_path / "no-system"))
     assert ([s.name for s in result.skills], result.warnings) == (["big"], [])
-    _write(skills / "big" / "SKILL.md", front + "x" * (cd.MAX_FILE_BYTES - len(front) + 1))
+    write_file(skills / "big" / "SKILL.md", front + "x" * (cd.MAX_FILE_BYTES - len(front) + 1))
     result = cd.discover(env, str(tmp_path / "no-system"))
     assert (result.skills, result.warnings) == ([], [METADATA_WARNING])
     package = tmp_path / "codex-home" / "plugins" / "cache" / "mk" / "p"
-    _write(package / "1.0.0" / ".codex-plugin" / "plugin.json", '{"name":"p"}')
+    write_file(package / "1.0.0" / ".codex-plugin" / "plugin.json", '{"name":"p"}')
     os.mkfifo(package / cd.REMOTE_INSTALL_METADATA)
     [plugin] = cd.discover(env, str(tmp_path / "no-system")).plugins
     assert plugin.remote_plugin_id is None
@@ -679,9 +673,9 @@ def test_files_are_bounded_and_never_block(tmp_path: Path) -> None:
         cd._read_remote_plugin_id(str(package / cd.REMOTE_INSTALL_METADATA))
     (package / cd.REMOTE_INSTALL_METADATA).unlink()
     body = '{"schema_version":1,"remote_plugin_id":"r"}'
-    _write(package / cd.REMOTE_INSTALL_METADATA, body.ljust(cd.MAX_REMOTE_METADATA_BYTES))
+    write_file(package / cd.REMOTE_INSTALL_METADATA, body.ljust(cd.MAX_REMOTE_METADATA_BYTES))
     assert cd._read_remote_plugin_id(str(package / cd.REMOTE_INSTALL_METADATA)) == "r"
-    _write(package / cd.REMOTE_INSTALL_METADATA, body.ljust(cd.MAX_REMOTE_METADATA_BYTES + 1))
+    write_file(package / cd.REMOTE_INSTALL_METADATA, body.ljust(cd.MAX_REMOTE_METADATA_BYTES + 1))
     result = cd.discover(env, str(tmp_path / "no-system"))
     assert result.plugins[0].remote_plugin_id is None
     assert result.warnings[0] == cd.LOCATIONS_WARNING

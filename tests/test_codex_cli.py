@@ -11,113 +11,43 @@ when it cannot be fetched.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessDone
-from twisted.internet.protocol import ProcessProtocol
-from twisted.python.failure import Failure
 
-from tests.codex.fetch_codex import FetchError, fetch
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import REPO_ROOT, pid_alive, reactor, server_env, with_timeout
-from tests.ws_harness import WsServerProcess, get_request, http_get, observe
+from tests.support.children import Collected
+from tests.support.codex_cli import (
+    CODEX_TIMEOUT,
+    Run,
+    codex_binary,
+    codex_env,
+    codex_exec,
+    fake_model,
+    our_server,
+    write_codex_home,
+)
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import observe, pid_alive, reactor, server_env, with_timeout
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
 
-#: codex exec's whole run, per scenario (a busy 2-core machine; typically 1-3 s).
-CODEX_TIMEOUT = 90.0
-
-
-@pytest.fixture(scope="module")
-def codex_binary() -> Path:
-    try:
-        return fetch()
-    except FetchError as exc:
-        pytest.skip(f"THE REAL CODEX CLI IS NOT AVAILABLE, its interop tests did not run: {exc}")
-
-
-class _Collect(ProcessProtocol):
-    """Collects a child's stdout and stderr; ``ended`` fires with its exit code."""
-
-    def __init__(self, on_line: Any = None) -> None:
-        self.out = b""
-        self.err = b""
-        self.ended: Deferred[int | None] = Deferred()
-        self.first_line: Deferred[bytes] = Deferred()
-        self.on_line = on_line
-
-    def outReceived(self, data: bytes) -> None:
-        self.out += data
-        if b"\n" in self.out and not self.first_line.called:
-            self.first_line.callback(self.out.split(b"\n", 1)[0])
-
-    def errReceived(self, data: bytes) -> None:
-        self.err += data
-
-    def processEnded(self, reason: Failure) -> None:
-        code = 0 if reason.check(ProcessDone) else getattr(reason.value, "exitCode", None)
-        self.ended.callback(code)
-
-    def kill(self) -> None:
-        if not self.ended.called and self.transport is not None:
-            self.transport.signalProcess("KILL")
-
-
-@asynccontextmanager
-async def fake_model(spec: dict[str, Any], log: Path) -> AsyncIterator[int]:
-    proto = _Collect()
-    env = dict(os.environ, FAKE_MODEL_SPEC=json.dumps(spec))
-    argv = [sys.executable, "-m", "tests.codex.fake_model", str(log)]
-    reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
-    try:
-        line = await with_timeout(proto.first_line, 30, "the fake model's port")
-        yield int(line)
-    finally:
-        proto.kill()
-        await with_timeout(proto.ended, 30, "the fake model's exit")
-
-
-def _codex_home(home: Path, model_port: int) -> None:
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f"""model = "fake-model"
-model_provider = "fake"
-check_for_update_on_startup = false
-
-[model_providers.fake]
-name = "fake"
-base_url = "http://127.0.0.1:{model_port}/v1"
-wire_api = "responses"
-env_key = "FAKE_API_KEY"
-request_max_retries = 0
-stream_max_retries = 0
-"""
-    )
+__all__ = ["codex_binary"]  # fixtures, used by name
 
 
 async def run_codex(
     codex: Path, tmp: Path, url: str, model_port: int, extra_args: tuple[str, ...] = ()
-) -> tuple[list[dict[str, Any]], _Collect]:
+) -> tuple[list[dict[str, Any]], Collected]:
     home = tmp / "codex-home"
-    _codex_home(home, model_port)
+    write_codex_home(home, model_port)
     work = tmp / "work"
     work.mkdir(exist_ok=True)
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(tmp),
-        "CODEX_HOME": str(home),
-        "FAKE_API_KEY": "dummy",
-        "CODEX_EXEC_SERVER_URL": url,
-    }
+    env = codex_env(tmp, home, url)
     argv = [
         str(codex),
         "exec",
@@ -129,31 +59,7 @@ async def run_codex(
         str(work),
         "Run the shell command and report its output.",
     ]
-    proto = _Collect()
-    reactor.spawnProcess(
-        proto, argv[0], argv, env=env, path=str(work), childFDs={0: "w", 1: "r", 2: "r"}
-    )
-    proto.transport.closeStdin()  # type: ignore[union-attr]
-    try:
-        code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
-    finally:
-        proto.kill()
-    assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
-    events = [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
-    return events, proto
-
-
-@asynccontextmanager
-async def our_server(codex_home: Path) -> AsyncIterator[WsServerProcess]:
-    # The child inherits INTEROP_SIDE through Codex's envPolicy: output that
-    # names it proves the command ran on this server, not locally in Codex.
-    # CODEX_HOME is the server's own Codex config (environmentConfig/read).
-    env = {"INTEROP_SIDE": "exec-server", "CODEX_HOME": str(codex_home)}
-    server = await WsServerProcess.start(env=env)
-    try:
-        yield server
-    finally:
-        await server.stop()
+    return await codex_exec(argv, env, work)
 
 
 class _ReferenceWs(WsServerProcess):
@@ -170,11 +76,8 @@ class _ReferenceWs(WsServerProcess):
 @asynccontextmanager
 async def reference_server(codex: Path, codex_home: Path) -> AsyncIterator[WsServerProcess]:
     env = server_env({"INTEROP_SIDE": "exec-server", "CODEX_HOME": str(codex_home)})
-    proto = _ReferenceWs(1)
     argv = [str(codex), "exec-server", "--listen", "ws://127.0.0.1:0"]
-    transport = reactor.spawnProcess(proto, argv[0], argv, env=env, path=str(REPO_ROOT))
-    proto.pid = transport.pid
-    proto._init_checks(f"codex exec-server (ws, pid {proto.pid})")
+    proto = _ReferenceWs(1).launch(argv, env=env, description="codex exec-server (ws)")
     proto.allow_stderr(".")  # its own log lines
     try:
         await with_timeout(observe(proto.listening), CODEX_TIMEOUT, "the reference's URL")
@@ -193,27 +96,6 @@ async def reference_scenario(codex: Path, tmp: Path, spec: dict[str, Any]) -> li
     ):
         events, _ = await run_codex(codex, tmp, server.url, port)
     return Run(events, "").items("command_execution")
-
-
-class Run:
-    """What one scenario left: Codex's --json events and the server's /metrics."""
-
-    def __init__(self, events: list[dict[str, Any]], metrics: str) -> None:
-        self.events = events
-        self.metrics = metrics
-
-    def items(self, kind: str) -> list[dict[str, Any]]:
-        return [
-            e["item"]
-            for e in self.events
-            if e.get("type") == "item.completed" and e.get("item", {}).get("type") == kind
-        ]
-
-    def metric(self, line_prefix: str) -> float:
-        for line in self.metrics.splitlines():
-            if line.startswith(line_prefix + " "):
-                return float(line.split()[-1])
-        raise AssertionError(f"no {line_prefix} in /metrics:\n{self.metrics}")
 
 
 async def scenario(
@@ -358,7 +240,7 @@ async def test_apply_patch_creates_a_file_in_a_new_directory(
 async def test_connection_cut_mid_command(codex_binary: Path, tmp_path: Path) -> None:
     fifo = tmp_path / "started.fifo"
     os.mkfifo(fifo)
-    reader = _Collect()
+    reader = Collected()
     reactor.spawnProcess(reader, "/bin/cat", ["cat", str(fifo)], env={}, path=str(tmp_path))
     proxy: CuttingProxy | None = None
 

@@ -9,8 +9,6 @@ fields and codes; a seed-era client sees the seed behaviour
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +21,9 @@ from execserver import env_policy
 from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.paths import absolute_path, path_to_uri, uri_to_path
-from tests.harness import REPO_ROOT, ServerProcess, b64, child_env
-
-CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
-
-
-@asynccontextmanager
-async def serving(
-    init: dict[str, Any] | None, env: dict[str, str] | None = None
-) -> AsyncIterator[ServerProcess]:
-    """A server over stdio, past the handshake with ``init`` (none if None)."""
-    server = ServerProcess.start(env=env)
-    try:
-        if init is not None:
-            server.last_init = await server.call("initialize", init)  # type: ignore[attr-defined]
-            server.notify("initialized", {})
-        yield server
-    finally:
-        await server.stop()
-
+from tests.support.codex_session import CODEX_INIT, serving
+from tests.support.harness import REPO_ROOT, b64, child_env
+from tests.support.stdio_server import ServerProcess
 
 # --- file:// URIs ---------------------------------------------------------------------------
 

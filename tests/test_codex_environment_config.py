@@ -14,7 +14,6 @@ import pwd
 import socket
 import threading
 import tomllib
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +27,7 @@ from execserver.codex import environment_config as ec
 from execserver.codex.toml_writer import dumps
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
-from tests import test_codex_dialect as codex_dialect
-from tests.harness import ServerProcess
-
-CODEX_INIT = codex_dialect.CODEX_INIT
+from tests.support.codex_config import CODEX_INIT, read_params, serving, write_file
 
 # --- the TOML writer --------------------------------------------------------------------------
 
@@ -105,24 +101,22 @@ def test_selection_keeps_requested_paths_and_drops_empty_layers() -> None:
 # --- the loader -------------------------------------------------------------------------------
 
 
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
-
-
 def test_layers_in_the_reference_order(tmp_path: Path) -> None:
     system = tmp_path / "etc"
     home = tmp_path / "home" / ".codex"
     work = tmp_path / "repo" / "sub"
     (tmp_path / "repo" / ".git").mkdir(parents=True)
-    _write(system / "config.toml", 'model = "system"\n')
-    _write(system / "requirements.toml", 'allowed_sandbox_modes = ["read-only"]\n')
-    _write(system / "managed_config.toml", 'model = "managed"\nsandbox_mode = "workspace-write"\n')
+    write_file(system / "config.toml", 'model = "system"\n')
+    write_file(system / "requirements.toml", 'allowed_sandbox_modes = ["read-only"]\n')
+    write_file(
+        system / "managed_config.toml", 'model = "managed"\nsandbox_mode = "workspace-write"\n'
+    )
     repo = tmp_path / "repo"
-    _write(home / "config.toml", f'model = "user"\n[projects."{repo}"]\ntrust_level = "trusted"\n')
-    _write(repo / ".codex" / "config.toml", 'model = "repo"\nmodel_provider = "evil"\n')
-    _write(work / ".codex" / "config.toml", 'model = "sub"\n')
+    write_file(
+        home / "config.toml", f'model = "user"\n[projects."{repo}"]\ntrust_level = "trusted"\n'
+    )
+    write_file(repo / ".codex" / "config.toml", 'model = "repo"\nmodel_provider = "evil"\n')
+    write_file(work / ".codex" / "config.toml", 'model = "sub"\n')
     config, requirements = ec.load_layers(str(work), str(home), str(system))
     assert [(layer.source, layer.base_dir, layer.toml.get("model")) for layer in config.layers] == [
         (f"system ({system}/config.toml)", str(system), "system"),
@@ -156,13 +150,13 @@ def test_untrusted_projects_and_markers(tmp_path: Path) -> None:
     home = tmp_path / "home"
     repo = tmp_path / "repo"
     (repo / ".git").mkdir(parents=True)
-    _write(repo / ".codex" / "config.toml", 'model = "repo"\n')
+    write_file(repo / ".codex" / "config.toml", 'model = "repo"\n')
     config, requirements = ec.load_layers(str(repo), str(home), str(system))
     assert [layer.source.split(" ")[0] for layer in config.layers] == ["system", "user"]
     assert requirements == ec.Stack([], 0)
     # Marked untrusted: still not loaded; a broken file there is not an error...
-    _write(home / "config.toml", f'[projects."{repo}"]\ntrust_level = "untrusted"\n')
-    _write(repo / ".codex" / "config.toml", "model = \n")
+    write_file(home / "config.toml", f'[projects."{repo}"]\ntrust_level = "untrusted"\n')
+    write_file(repo / ".codex" / "config.toml", "model = \n")
     assert len(ec.load_layers(str(repo), str(home), str(system))[0].layers) == 2
     # ...but one that cannot be read at all is, as in the reference.
     (repo / ".codex" / "config.toml").unlink()
@@ -175,8 +169,8 @@ def test_untrusted_projects_and_markers(tmp_path: Path) -> None:
     )
     # Trusted and broken: an error naming the file and the position.
     (repo / ".codex" / "config.toml").rmdir()
-    _write(repo / ".codex" / "config.toml", "model = \n")
-    _write(home / "config.toml", f'[projects."{repo}"]\ntrust_level = "trusted"\n')
+    write_file(repo / ".codex" / "config.toml", "model = \n")
+    write_file(home / "config.toml", f'[projects."{repo}"]\ntrust_level = "trusted"\n')
     with pytest.raises(ec.ConfigLoadError) as caught:
         ec.load_layers(str(repo), str(home), str(system))
     assert str(caught.value).startswith(
@@ -184,14 +178,14 @@ def test_untrusted_projects_and_markers(tmp_path: Path) -> None:
         f"{repo}/.codex/config.toml:1:9: "
     )
     # No markers: the project is cwd alone, so the parent's .codex is not read.
-    _write(repo / ".codex" / "config.toml", 'model = "repo"\n')
+    write_file(repo / ".codex" / "config.toml", 'model = "repo"\n')
     (repo / "sub").mkdir()
-    _write(
+    write_file(
         home / "config.toml",
         f'project_root_markers = []\n[projects."{repo}/sub"]\ntrust_level = "trusted"\n',
     )
     assert len(ec.load_layers(str(repo / "sub"), str(home), str(system))[0].layers) == 2
-    _write(home / "config.toml", "project_root_markers = [1]\n")
+    write_file(home / "config.toml", "project_root_markers = [1]\n")
     with pytest.raises(ec.ConfigLoadError, match=r"^project_root_markers must be an array"):
         ec.load_layers(str(repo), str(home), str(system))
 
@@ -199,7 +193,7 @@ def test_untrusted_projects_and_markers(tmp_path: Path) -> None:
 def test_the_codex_home_is_not_a_project_layer(tmp_path: Path) -> None:
     home = tmp_path / ".codex"
     (tmp_path / ".git").mkdir()
-    _write(
+    write_file(
         home / "config.toml", f'model = "user"\n[projects."{tmp_path}"]\ntrust_level = "trusted"\n'
     )
     config, _ = ec.load_layers(str(tmp_path), str(home), str(tmp_path / "etc"))
@@ -209,12 +203,12 @@ def test_the_codex_home_is_not_a_project_layer(tmp_path: Path) -> None:
 def test_a_worktree_is_trusted_through_its_main_checkout(tmp_path: Path) -> None:
     main = tmp_path / "main"
     (main / ".git" / "worktrees" / "wt").mkdir(parents=True)
-    _write(main / ".git" / "worktrees" / "wt" / "commondir", "../..\n")
+    write_file(main / ".git" / "worktrees" / "wt" / "commondir", "../..\n")
     tree = tmp_path / "wt"
-    _write(tree / ".git", f"gitdir: {main}/.git/worktrees/wt\n")
-    _write(tree / ".codex" / "config.toml", 'model = "wt"\n')
+    write_file(tree / ".git", f"gitdir: {main}/.git/worktrees/wt\n")
+    write_file(tree / ".codex" / "config.toml", 'model = "wt"\n')
     home = tmp_path / "home"
-    _write(home / "config.toml", f'[projects."{main}"]\ntrust_level = "trusted"\n')
+    write_file(home / "config.toml", f'[projects."{main}"]\ntrust_level = "trusted"\n')
     assert ec.find_repo_root(str(tree)) == str(main)
     config, _ = ec.load_layers(str(tree), str(home), str(tmp_path / "etc"))
     assert config.layers[-1].toml == {"model": "wt"}
@@ -230,7 +224,7 @@ def test_codex_home_errors(tmp_path: Path) -> None:
         ec.find_codex_home({"CODEX_HOME": missing})
     quoted = missing.replace('"', '\\"')
     assert str(caught.value) == f'CODEX_HOME points to "{quoted}", but that path does not exist'
-    file = _write(tmp_path / "file", "")
+    file = write_file(tmp_path / "file", "")
     with pytest.raises(ec.ConfigLoadError) as caught:
         ec.find_codex_home({"CODEX_HOME": str(file)})
     assert str(caught.value) == f'CODEX_HOME points to "{file}", but that path is not a directory'
@@ -257,41 +251,23 @@ def test_validation_order_and_texts() -> None:
 # --- through the real server ------------------------------------------------------------------
 
 
-def serving(
-    tmp_path: Path, init: Any = CODEX_INIT, **env: str
-) -> AbstractAsyncContextManager[ServerProcess]:
-    server_env = {"HOME": str(tmp_path / "user"), "CODEX_HOME": str(tmp_path / "codex-home")}
-    server_env.update(env)
-    return codex_dialect.serving(init, server_env)
-
-
-def _read(
-    cwd: str, config: Any = (("mcp_servers",),), requirements: Any = (("mcp_servers",),)
-) -> Any:
-    return {
-        "cwd": cwd,
-        "configPaths": [list(path) for path in config],
-        "requirementsPaths": [list(path) for path in requirements],
-    }
-
-
 @pytest_twisted.ensureDeferred
 async def test_codex_request_with_layers_every_field(tmp_path: Path) -> None:
     home = tmp_path / "codex-home"
     work = tmp_path / "work dir"
     (work / ".git").mkdir(parents=True)
-    _write(
+    write_file(
         home / "config.toml",
         'model = "gpt"\n[mcp_servers.docs]\nurl = "http://127.0.0.1:9/mcp"\n'
         f'[projects."{work}"]\ntrust_level = "trusted"\n',
     )
-    _write(
+    write_file(
         work / ".codex" / "config.toml", '[mcp_servers.local]\ncommand = "tool"\nargs = ["-v"]\n'
     )
     async with serving(tmp_path) as server:
         info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
         assert info["capabilities"]["environmentConfigRead"] is True
-        result = await server.call("environmentConfig/read", _read(path_to_uri(str(work))))
+        result = await server.call("environmentConfig/read", read_params(path_to_uri(str(work))))
     assert result == {
         "userHomeDir": path_to_uri(str(tmp_path / "user")),
         "codexHomeDir": path_to_uri(str(home)),
@@ -320,7 +296,7 @@ async def test_codex_request_with_layers_every_field(tmp_path: Path) -> None:
 async def test_missing_config_is_empty_layers_as_in_the_reference_trace(tmp_path: Path) -> None:
     (tmp_path / "codex-home").mkdir()
     async with serving(tmp_path) as server:
-        result = await server.call("environmentConfig/read", _read(str(tmp_path)))
+        result = await server.call("environmentConfig/read", read_params(str(tmp_path)))
     # What the reference answered Codex in the recorded trace.
     assert result["config"] == {"layers": [], "cloudInsertionIndex": 0}
     assert result["requirements"] == {"layers": [], "cloudInsertionIndex": 0}
@@ -334,15 +310,15 @@ async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
         async def error(params: Any) -> Any:
             return (await server.request("environmentConfig/read", params))["error"]
 
-        assert await error(_read("/tmp", (), ())) == {
+        assert await error(read_params("/tmp", (), ())) == {
             "code": -32602,
             "message": "at least one config or requirements path is required",
         }
-        assert await error(_read("/tmp", (("a",), ()), ())) == {
+        assert await error(read_params("/tmp", (("a",), ()), ())) == {
             "code": -32602,
             "message": "TOML paths must contain at least one key segment",
         }
-        relative = await error(_read("work"))
+        relative = await error(read_params("work"))
         assert relative["code"] == -32602
         assert relative["message"] == "AbsolutePathBuf deserialized without a base path"
         assert relative["data"] == {"kind": "relativePath", "field": "cwd", "path": "work"}
@@ -362,13 +338,13 @@ async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
 @pytest_twisted.ensureDeferred
 async def test_handshake_first(tmp_path: Path) -> None:
     async with serving(tmp_path, init=None) as server:
-        error = (await server.request("environmentConfig/read", _read("/tmp")))["error"]
+        error = (await server.request("environmentConfig/read", read_params("/tmp")))["error"]
         assert error == {
             "code": -32600,
             "message": "client must call initialize before using environment config methods",
         }
         await server.call("initialize", CODEX_INIT)
-        error = (await server.request("environmentConfig/read", _read("/tmp")))["error"]
+        error = (await server.request("environmentConfig/read", read_params("/tmp")))["error"]
         assert error["message"] == (
             "client must send initialized before using environment config methods"
         )
@@ -379,26 +355,26 @@ async def test_unreadable_or_broken_config_and_a_missing_codex_home(tmp_path: Pa
     home = tmp_path / "codex-home"
     (home / "config.toml").mkdir(parents=True)
     async with serving(tmp_path) as server:
-        error = (await server.request("environmentConfig/read", _read("/tmp")))["error"]
+        error = (await server.request("environmentConfig/read", read_params("/tmp")))["error"]
         assert error == {
             "code": -32603,
             "message": "failed to load executor-local config: Failed to read config file "
             f"{home}/config.toml: Is a directory (os error 21)",
         }
         (home / "config.toml").rmdir()
-        _write(home / "config.toml", "[mcp_servers\n")
-        error = (await server.request("environmentConfig/read", _read("/tmp")))["error"]
+        write_file(home / "config.toml", "[mcp_servers\n")
+        error = (await server.request("environmentConfig/read", read_params("/tmp")))["error"]
         assert error["code"] == -32603
         assert error["message"].startswith(
             f"failed to load executor-local config: {home}/config.toml:1:"
         )
-        _write(home / "config.toml", 'model = "fixed"\n')
-        assert (await server.call("environmentConfig/read", _read("/tmp")))["config"][
+        write_file(home / "config.toml", 'model = "fixed"\n')
+        assert (await server.call("environmentConfig/read", read_params("/tmp")))["config"][
             "layers"
         ] == []
     missing = tmp_path / "nowhere"
     async with serving(tmp_path, CODEX_HOME=str(missing)) as server:
-        error = (await server.request("environmentConfig/read", _read("/tmp")))["error"]
+        error = (await server.request("environmentConfig/read", read_params("/tmp")))["error"]
         assert error == {
             "code": -32603,
             "message": f'failed to find Codex home: CODEX_HOME points to "{missing}", '
@@ -413,7 +389,7 @@ async def test_a_seed_client_is_not_offered_environment_info(tmp_path: Path) -> 
     (tmp_path / "codex-home").mkdir()
     async with serving(tmp_path, init={"clientName": "seed"}) as server:
         assert "environmentInfo" not in server.last_init  # type: ignore[attr-defined]
-        result = await server.call("environmentConfig/read", _read(os.fspath(tmp_path)))
+        result = await server.call("environmentConfig/read", read_params(os.fspath(tmp_path)))
         assert result["config"] == {"layers": [], "cloudInsertionIndex": 0}
 
 
@@ -435,7 +411,7 @@ def test_undecodable_or_malformed_user_config(tmp_path: Path) -> None:
             "unknown variant `maybe`, expected `trusted` or `untrusted`",
         ),
     ]:
-        _write(home / "config.toml", text)
+        write_file(home / "config.toml", text)
         with pytest.raises(ec.ConfigLoadError) as caught:
             ec.load_layers(str(tmp_path), str(home), etc)
         assert str(caught.value) == message
@@ -495,7 +471,7 @@ async def test_an_empty_home_is_the_password_database_home_in_both_answers(
     (tmp_path / "codex-home").mkdir()
     async with serving(tmp_path, HOME="") as server:
         info = server.last_init["environmentInfo"]  # type: ignore[attr-defined]
-        result = await server.call("environmentConfig/read", _read(str(tmp_path)))
+        result = await server.call("environmentConfig/read", read_params(str(tmp_path)))
     home = path_to_uri(pwd.getpwuid(os.getuid()).pw_dir)
     assert info["userHomeDir"] == home
     assert result["userHomeDir"] == home

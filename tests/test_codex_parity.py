@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
-from twisted.internet.task import deferLater
 
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
@@ -28,11 +26,12 @@ from execserver.fs.paths import path_to_uri
 from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
-from tests.fakes import Harness
-from tests.harness import REPO_ROOT, ServerProcess, pid_alive, server_env, unb64
-from tests.test_registry_unit import Second, drop
-from tests.ws_harness import WsServerProcess
-from tests.ws_harness import connect as ws_connect
+from tests.support.fakes import Harness, Second, drop
+from tests.support.harness import DEFAULT_TIMEOUT, pid_alive, server_env, unb64
+from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess
+from tests.support.ws_harness import connect as ws_connect
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 SEED_INIT = {"clientName": "seed-era"}
@@ -86,14 +85,9 @@ class _Reference(ServerProcess):
     @classmethod
     def start_reference(cls, env: dict[str, str]) -> ServerProcess:
         codex = fetch()
-        proto = cls()
         argv = [str(codex), "exec-server", "--listen", "stdio"]
         # The environment ServerProcess.start gives our server.
-        transport = reactor.spawnProcess(
-            proto, argv[0], argv, env=server_env(env), path=str(REPO_ROOT)
-        )
-        proto.pid = transport.pid
-        proto._init_checks(f"codex exec-server (stdio, pid {proto.pid})")
+        proto = cls().launch(argv, env=server_env(env), description="codex exec-server (stdio)")
         proto.allow_stderr(".")  # its own warnings (PATH aliases under /tmp)
         return proto
 
@@ -184,13 +178,13 @@ async def test_interrupt_ends_a_pipe_command_with_130(tmp_path: Path) -> None:
     cwd = path_to_uri(str(tmp_path))
     async with serving() as server:
         await server.call("process/start", _start("p", SLEEPER, cwd))
-        await _until(_sleeper_running, "sleep runs")
+        await until(_sleeper_running, "sleep runs", timeout=DEFAULT_TIMEOUT)
         assert await server.call("process/signal", {"processId": "p", "signal": "interrupt"}) == {}
         read = (await _closed_read(server, "p"))["result"]
         assert read["exitCode"] == 130 and read["signal"] == "SIGINT"
         # The reference's other form, and an unknown or exited process: {} too.
         await server.call("process/start", _start("q", SLEEPER, cwd))
-        await _until(_sleeper_running, "sleep runs")
+        await until(_sleeper_running, "sleep runs", timeout=DEFAULT_TIMEOUT)
         params = {"processId": "q", "signal": {"interrupt": None}}
         assert await server.call("process/signal", params) == {}
         assert (await _closed_read(server, "q"))["result"]["exitCode"] == 130
@@ -209,7 +203,7 @@ async def test_interrupt_ends_a_pipe_command_with_130(tmp_path: Path) -> None:
 async def test_seed_clients_may_interrupt_too_with_their_answer(tmp_path: Path) -> None:
     async with serving(SEED_INIT) as server:
         await server.call("process/start", _start("p", SLEEPER, str(tmp_path)))
-        await _until(_sleeper_running, "sleep runs")
+        await until(_sleeper_running, "sleep runs", timeout=DEFAULT_TIMEOUT)
         signalled = await server.call("process/signal", {"processId": "p", "signal": "interrupt"})
         assert signalled == {"delivered": True}
         assert (await _closed_read(server, "p"))["result"]["exitCode"] == 130
@@ -500,22 +494,17 @@ async def test_background_jobs_outlive_their_command_until_the_session_ends(
         # Asked for, they end.
         terminate = {"processId": "b", "descendants": True}
         assert await server.call("process/terminate", terminate) == {"running": False}
-        await _until(lambda: not pid_alive(background), "the background job ended")
+        await until(
+            lambda: not pid_alive(background), "the background job ended", timeout=DEFAULT_TIMEOUT
+        )
         # Another one ends with the session.
         await server.call("process/start", _start("c", ["/bin/sh", "-c", script], str(tmp_path)))
         await server.wait_closed("c")
         second = int(pid_file.read_text())
         assert second != background and pid_alive(second)
-    await _until(lambda: not pid_alive(second), "the job ended with the session")
-
-
-async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll ``check`` (a process's end is seen only in /proc) for at most ``timeout`` s."""
-    clock: Any = reactor
-    end = clock.seconds() + timeout
-    while not check():
-        assert clock.seconds() < end, f"timed out waiting: {what}"
-        await deferLater(clock, 0.05, lambda: None)
+    await until(
+        lambda: not pid_alive(second), "the job ended with the session", timeout=DEFAULT_TIMEOUT
+    )
 
 
 # --- the differential test -----------------------------------------------------------------
@@ -533,7 +522,7 @@ async def _script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, dict
         return response
 
     await ask("start", "process/start", _start("i", SLEEPER, cwd))
-    await _until(_sleeper_running, "sleep runs")
+    await until(_sleeper_running, "sleep runs", timeout=DEFAULT_TIMEOUT)
     await ask("interrupt", "process/signal", {"processId": "i", "signal": "interrupt"})
     await server.wait_closed("i")
     await ask("interrupted read", "process/read", {"processId": "i", "afterSeq": 0})

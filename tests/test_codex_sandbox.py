@@ -22,19 +22,20 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
-from tests.harness import reactor, with_timeout
-from tests.test_codex_cli import (
-    CODEX_TIMEOUT,
+from tests.support.children import Collected
+from tests.support.codex_cli import (
     Run,
-    _codex_home,
-    _Collect,
     codex_binary,
+    codex_env,
+    codex_exec,
     fake_model,
     our_server,
+    write_codex_home,
 )
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.harness import reactor, with_timeout
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["codex_binary"]
 
@@ -58,27 +59,11 @@ async def sandboxed(
     work.mkdir(exist_ok=True)
     log = tmp / "model.jsonl"
     async with fake_model(spec, log) as port, our_server(server_home) as server:
-        _codex_home(home, port)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(tmp),
-            "CODEX_HOME": str(home),
-            "FAKE_API_KEY": "dummy",
-            "CODEX_EXEC_SERVER_URL": server.url,
-        }
+        write_codex_home(home, port)
+        env = codex_env(tmp, home, server.url)
         argv = [str(codex), "exec", *sandbox_args, "--skip-git-repo-check", "--json",
                 "-C", str(work), "Run the shell command and report its output."]  # fmt: skip
-        proto = _Collect()
-        reactor.spawnProcess(
-            proto, argv[0], argv, env=env, path=str(work), childFDs={0: "w", 1: "r", 2: "r"}
-        )
-        proto.transport.closeStdin()  # type: ignore[union-attr]
-        try:
-            code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
-        finally:
-            proto.kill()
-        assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
-        events = [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
+        events, _ = await codex_exec(argv, env, work)
         _, _, body = await http_get(*server.host_port, get_request("/metrics"))
     return Run(events, body.decode()), events
 
@@ -170,7 +155,7 @@ DENIAL_SCRIPTS = {
 
 
 async def _denials(url: str, work: Path, outside: Path) -> dict[str, tuple[int, bool]]:
-    from tests.test_sandbox_process import codex_profile, uri
+    from tests.support.sandbox import codex_profile, uri
 
     client = await connect(url)
     try:
@@ -204,7 +189,7 @@ async def test_exit_codes_and_sandbox_denied_match_the_reference(
         port = _free_port()
         # The reference's sandbox helper refuses a CODEX_HOME under TMPDIR.
         env = {"CODEX_HOME": str(home), "TMPDIR": str(tmp_path), "PATH": os.environ["PATH"]}
-        reference = _Collect()
+        reference = Collected()
         argv = [str(codex_binary), "exec-server", "--listen", f"ws://127.0.0.1:{port}"]
         reactor.spawnProcess(reference, argv[0], argv, env=env, path=str(base))
         try:
@@ -235,10 +220,11 @@ def _free_port() -> int:
 
 
 async def _wait_port(port: int) -> None:
-    for _ in range(300):
+    def listening() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
         except OSError:
-            await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError(f"the reference never listened on {port}")
+            return False
+        return True
+
+    await until(listening, f"the reference to listen on {port}", timeout=15, interval=0.05)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.harness import server_env
+from tests.support.harness import server_env
 
 IMPORT_EVERY_MODULE = """
 import importlib, pkgutil, sys

@@ -13,48 +13,37 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
 import shlex
 import shutil
 import socket
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
-from execserver.containment import find_cgroup2_mount, own_cgroup
-from tests.harness import (
-    DEFAULT_TIMEOUT,
-    ServerProcess,
-    child_env,
-    console_script,
-    reactor,
-    run_script,
+from tests.support.escapees import (
+    CGROUP2,
+    GRACE_MS,
+    MODES,
+    OWN_CGROUP_DIR,
+    assert_gone,
+    live,
+    needs_cgroup,
+    new_marker,
+    server_args,
 )
-from tests.raw_server import RawServer
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.harness import DEFAULT_TIMEOUT, child_env, console_script, run_script
+from tests.support.polling import until, until_blocking
+from tests.support.raw_server import RawServer
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
 
-GRACE_MS = 300
-CGROUP2 = find_cgroup2_mount()
-_OWN = own_cgroup()
-#: The cgroup the test (and so every server it starts) runs in.
-OWN_CGROUP_DIR = os.path.normpath(f"{CGROUP2}/{_OWN}") if CGROUP2 and _OWN is not None else ""
-needs_cgroup = pytest.mark.skipif(
-    not OWN_CGROUP_DIR or not os.access(OWN_CGROUP_DIR, os.W_OK),
-    reason="no writable cgroup v2 here",
-)
 needs_mount_namespace = pytest.mark.skipif(
     CGROUP2 is None or os.geteuid() != 0 or shutil.which("unshare") is None,
     reason="needs root, unshare and a cgroup v2 mount to hide",
 )
 
-# The cgroup mode refuses to start where cgroup v2 is not writable (e.g. an
-# unprivileged container): its half of the matrix is skipped there.
-MODES = [pytest.param("cgroup", marks=needs_cgroup), "subreaper"]
 PY = sys.executable
 
 # Each escapes the process group of the leader it was started from; the
@@ -111,71 +100,13 @@ KINDS = ["setsid", "setpgid", "timeout", "double-fork", "daemon"]
 EXPECTED = {"setsid": 1, "setpgid": 1, "timeout": 2, "double-fork": 2, "daemon": 1}
 
 
-def new_marker() -> str:
-    # A valid sleep duration no other process on the machine uses.
-    return f"1000.{secrets.randbelow(10**9):09d}"
-
-
-def marked(marker: str) -> list[tuple[int, int, str]]:
-    """(pid, ppid, state) of every process whose argv contains ``marker``."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if needle in cmdline:
-            found.append((int(entry), int(fields[1]), fields[0]))
-    return found
-
-
-def live(marker: str) -> list[tuple[int, int, str]]:
-    return [p for p in marked(marker) if p[2] not in ("Z", "X")]
-
-
-async def wait_until(predicate: Callable[[], bool], what: str, timeout: float) -> None:
-    """Poll a /proc condition (the kernel sends no event for it) with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await task.deferLater(reactor, 0.02, lambda: None)
-
-
 async def wait_started(markers: dict[str, str]) -> None:
     for kind, marker in markers.items():
-        await wait_until(
-            lambda k=kind, m=marker: len(live(m)) >= EXPECTED[k],  # type: ignore[misc]
+        await until(
+            lambda k=kind, m=marker: len(live(m)) >= EXPECTED[k],
             f"the {kind} escapee to start",
-            DEFAULT_TIMEOUT,
+            timeout=DEFAULT_TIMEOUT,
         )
-
-
-async def assert_gone(markers: dict[str, str], server_pid: int | None = None) -> None:
-    """Nothing marked runs; the server's own zombies of them are reaped too.
-
-    The bound is the grace plus the time to notice (the docs promise the
-    SIGKILL at the end of the grace); the wait is generous for a busy host.
-    """
-    for kind, marker in markers.items():
-        await wait_until(lambda m=marker: not live(m), f"every {kind} process to be gone", 10.0)  # type: ignore[misc]
-        if server_pid is not None:
-            await wait_until(
-                lambda m=marker: not [p for p in marked(m) if p[1] == server_pid],  # type: ignore[misc]
-                f"the server to reap its {kind} zombies",
-                10.0,
-            )
-
-
-def server_args(mode: str) -> list[str]:
-    # -v: the line naming the mode in force is informational.
-    return ["-v", "--process-containment", mode, "--terminate-grace-ms", str(GRACE_MS)]
 
 
 async def start_all(client: Any, markers: dict[str, str], **extra: Any) -> None:
@@ -323,15 +254,9 @@ def test_auto_falls_back_to_the_subreaper_and_warns() -> None:
                 "tty": False,
             },
         )
-        deadline = time.monotonic() + DEFAULT_TIMEOUT
-        while not live(marker):
-            assert time.monotonic() < deadline, "the escapee did not start"
-            time.sleep(0.02)
+        until_blocking(lambda: live(marker), "the escapee to start", timeout=DEFAULT_TIMEOUT)
         server.call("process/terminate", {"processId": "p"})
-        deadline = time.monotonic() + 10
-        while live(marker):
-            assert time.monotonic() < deadline, "the escapee survived the terminate"
-            time.sleep(0.02)
+        until_blocking(lambda: not live(marker), "the escapee to die of the terminate", timeout=10)
     finally:
         assert server.stop() == 0
     assert (

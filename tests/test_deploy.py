@@ -30,10 +30,17 @@ import pytest
 import pytest_twisted
 import yaml
 from kubernetes_validate import validate as k8s_validate
-from twisted.internet.task import deferLater
 
-from tests.harness import DEFAULT_TIMEOUT, REPO_ROOT, descendants, pid_alive, reactor, with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+from tests.support.harness import (
+    DEFAULT_TIMEOUT,
+    REPO_ROOT,
+    descendants,
+    observe,
+    pid_alive,
+    with_timeout,
+)
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
@@ -240,12 +247,14 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         assert await _readyz(server) == (200, b"ready\n")
         started = time.monotonic()
         server.signal("TERM")
-        while True:
-            status, body = await _readyz(server)
-            if status == 503:
-                break
-            assert time.monotonic() - started < grace_ms / 1000, "no 503 within the grace"
-            await deferLater(reactor, 0.02, lambda: None)
+        answer: list[tuple[int, bytes]] = []
+
+        async def refusing() -> bool:
+            answer[:] = [await _readyz(server)]
+            return answer[0][0] == 503
+
+        await until(refusing, "a 503 within the grace", timeout=grace_ms / 1000)
+        [(status, body)] = answer
         assert body == b"exec-server is shutting down; connect again later\n"
         # An upgrade is refused the same way (a client retries elsewhere).
         host, port = server.host_port

@@ -1,6 +1,6 @@
 """Unit tests of the dispatcher: envelopes, routing, handshake gating, concurrency.
 
-Everything runs over fakes (tests/fakes.py): a recording outbound, a fake
+Everything runs over fakes (tests/support/fakes.py): a recording outbound, a fake
 spawner and a ``task.Clock``; no reactor, no real process.
 """
 
@@ -17,7 +17,7 @@ from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.errors import RpcError
 from execserver.registry import ResumableSession
-from tests.fakes import FakeOutbound, Harness, exec_params
+from tests.support.fakes import FakeOutbound, Harness, exec_params
 
 EXEC_METHODS = ["process/start", "process/read", "process/write", "process/terminate"]
 

@@ -25,14 +25,15 @@ from twisted.internet.task import Clock
 
 from execserver import auth
 from execserver.transports import http
-from tests.harness import DEFAULT_TIMEOUT, ServerProcess, pid_alive
-from tests.raw_server import RawServer
-from tests.test_containment import MODES, live, new_marker, server_args, wait_until
-from tests.test_resume import initialize
-from tests.test_websocket_integration import poll_until
-from tests.test_websocket_protocol import UPGRADE, clock, make_factory
-from tests.test_websocket_protocol import http as http_request
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.escapees import MODES, live, new_marker, server_args
+from tests.support.harness import DEFAULT_TIMEOUT, pid_alive
+from tests.support.polling import until
+from tests.support.raw_server import RawServer
+from tests.support.resume_handshake import initialize
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
+from tests.support.ws_wire import UPGRADE, clock, make_factory
+from tests.support.ws_wire import http as http_request
 
 MiB = 1 << 20
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -72,15 +73,15 @@ async def test_terminate_kills_a_setsid_descendant_that_ignores_sigterm_after_th
         def escapee() -> list[int]:
             return [pid for pid, _, _ in live(marker) if _name(pid) == "sleep"]
 
-        await wait_until(lambda: bool(escapee()), "the escapee to start", DEFAULT_TIMEOUT)
+        await until(lambda: bool(escapee()), "the escapee to start", timeout=DEFAULT_TIMEOUT)
         [pid] = escapee()
         with open(f"/proc/{pid}/status") as f:
             ignored = int(re.search(r"SigIgn:\s*([0-9a-f]+)", f.read()).group(1), 16)  # type: ignore[union-attr]
         assert ignored & (1 << (15 - 1)), "the escapee must ignore SIGTERM"
         await server.call("process/terminate", {"processId": "p"})
         # The grace (300 ms), then SIGKILL; the margin for a loaded machine.
-        await wait_until(
-            lambda: not escapee(), "the SIGTERM-proof escapee to die", 0.3 + LATENESS_MARGIN
+        await until(
+            lambda: not escapee(), "the SIGTERM-proof escapee to die", timeout=0.3 + LATENESS_MARGIN
         )
     finally:
         await server.stop()
@@ -238,7 +239,7 @@ def test_unsent_output_stops_the_children_at_the_documented_high_water() -> None
 
 
 def _children(pid: int) -> list[int]:
-    from tests.harness import descendants
+    from tests.support.harness import descendants
 
     return descendants(pid)
 
@@ -317,7 +318,7 @@ async def assert_terminated_by_the_drop(
 ) -> None:
     client.abort()  # TCP gone, no close frame
     grace = DROP_GRACE_MS / 1000
-    await poll_until(lambda: not pid_alive(pid), grace + LATENESS_MARGIN, "the process to end")
+    await until(lambda: not pid_alive(pid), "the process to end", timeout=grace + LATENESS_MARGIN)
     assert got_term.read_text() == "TERM\n"
     # The server lives on, with nothing of the dropped session left.
     assert (await bystander.call("process/list", {}))["processes"] == []

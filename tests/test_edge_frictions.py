@@ -18,8 +18,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 
-from tests.harness import run_script
-from tests.ws_harness import WsServerProcess, get_request, http_get
+from tests.support.harness import run_script
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
 
 TOKEN = "token-of-the-edge-tests-0123456789"
 
@@ -113,8 +113,8 @@ def test_an_unsupported_listen_url_lists_every_accepted_form() -> None:
 async def test_ws_to_a_wss_port_says_use_wss(tmp_path: Path) -> None:
     from execserver.client import connect_websocket
     from execserver.client.errors import ConnectFailed
-    from tests.harness import DEFAULT_TIMEOUT, with_timeout
-    from tests.test_tls import Pki, start_wss
+    from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
+    from tests.support.tls import Pki, start_wss
 
     server = await start_wss(Pki(tmp_path))
     plain = server.url.replace("wss://", "ws://")

@@ -19,9 +19,9 @@ import pytest
 from execserver import fdlimit
 from execserver.config import ServerConfig
 from execserver.spawn import SpawnError
-from tests.fakes import FakeSpawner, Harness, exec_params
-from tests.harness import console_script
-from tests.raw_server import RawServer
+from tests.support.fakes import FakeSpawner, Harness, exec_params
+from tests.support.harness import console_script
+from tests.support.raw_server import RawServer
 
 HARD_LIMIT = 256
 

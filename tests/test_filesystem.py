@@ -33,8 +33,8 @@ from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.fs.b64 import B64_SLICE, decoded_pieces, validate
 from execserver.fs.ops import read_file
-from tests.fakes import Harness
-from tests.harness import with_timeout
+from tests.support.fakes import Harness, ready
+from tests.support.harness import b64, with_timeout
 
 FS_METHODS = [
     ("fs/readFile", {"path": "/"}),
@@ -56,16 +56,6 @@ def tmp(tmp_path: Path) -> Iterator[Path]:
             full = os.path.join(root, name)
             if not os.path.islink(full):
                 os.chmod(full, 0o755)
-
-
-def ready(config: ServerConfig | None = None) -> Harness:
-    h = Harness(config)
-    h.handshake()
-    return h
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 # --- routing (the reference's routing and handshake tests, for fs/*) -----------
@@ -728,7 +718,7 @@ def test_base64_acceptance_matches_strict_canonical_decoding(text: str) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_blocking_work_runs_on_a_bounded_pool_off_the_reactor_thread() -> None:
-    from tests.harness import reactor
+    from tests.support.harness import reactor
 
     run = fs.thread_pool_runner(reactor, threads=2)
     started: list[int] = []

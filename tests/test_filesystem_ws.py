@@ -4,7 +4,7 @@ The same checks as over stdio (handshake gate, every method's success path
 and errors, round trips), plus the issue's concurrency check: a 200 MiB
 ``fs/readFile`` by one client while another client streams process output.
 The longest pause of that second client's output (timed in processes of its
-own) must stay within ``tests.bounds.FS_READ_PAUSE_FRACTION`` of the read's
+own) must stay within ``tests.support.bounds.FS_READ_PAUSE_FRACTION`` of the read's
 duration, which a server reading and encoding the file on its event loop
 cannot meet.
 """
@@ -21,13 +21,9 @@ from pathlib import Path
 import pytest
 import pytest_twisted
 
-from tests.bounds import FS_READ_PAUSE_FRACTION
-from tests.test_filesystem_stdio import (
-    check_every_fs_method,
-    check_handshake_gate,
-    check_round_trips,
-)
-from tests.ws_harness import OutputGapObserver, WsClientProtocol, WsServerProcess, connect
+from tests.support.bounds import FS_READ_PAUSE_FRACTION
+from tests.support.fs_checks import check_every_fs_method, check_handshake_gate, check_round_trips
+from tests.support.ws_harness import OutputGapObserver, WsClientProtocol, WsServerProcess, connect
 
 
 @pytest_twisted.ensureDeferred

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.raw_server import RawServer
+from tests.support.raw_server import RawServer
 
 SIZE = 64 * 1024 * 1024
 #: How long the write may take to become visible (two busy cores: generous).

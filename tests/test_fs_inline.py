@@ -4,7 +4,6 @@ the pool's single wake-up for a batch of results.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from twisted.internet.task import Clock
 from execserver.fs import local
 from execserver.fs.local import Locality, remote_mounts
 from execserver.fs.pool import PoolRunner
+from tests.support.polling import until_blocking
 
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw
@@ -99,12 +99,12 @@ def test_results_finished_before_the_reactor_runs_come_back_in_one_wake_up() -> 
     runner = PoolRunner(fake, threads=2, clock=Clock())
     try:
         deferreds = [runner(lambda n=n: n * n) for n in range(8)]
-        finished = threading.Event()
-        for _ in range(1000):  # at most 10 s
+
+        def all_done() -> bool:
             with runner._lock:
-                if len(runner._done) == 8:
-                    break
-            finished.wait(0.01)
+                return len(runner._done) == 8
+
+        until_blocking(all_done, "the eight results", timeout=10, interval=0.01)
         assert len(runner._done) == 8
         assert len(fake.calls) == 1  # one wake-up for eight results
         func, args = fake.calls[0]

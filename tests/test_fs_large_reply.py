@@ -31,10 +31,10 @@ from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from execserver.writebuffer import Outbox, unsent_bytes
-from tests.bounds import FS_READ_FILE_RSS_FACTOR
-from tests.test_filesystem_stdio import STREAMER
-from tests.test_fs_safety_memory import _rss
-from tests.test_websocket_protocol import clock, make_factory, open_raw, server_frames
+from tests.support.bounds import FS_READ_FILE_RSS_FACTOR
+from tests.support.fs_checks import STREAMER
+from tests.support.harness import status_bytes
+from tests.support.ws_wire import clock, make_factory, open_raw, server_frames
 
 MiB = 1 << 20
 
@@ -170,8 +170,8 @@ def _big_file(path: Path, size: int) -> bytes:
 @pytest.mark.parametrize("transport", ["stdio", "websocket"])
 @pytest_twisted.ensureDeferred
 async def test_whole_file_read_keeps_one_copy_of_its_text(transport: str, tmp_path: Path) -> None:
-    from tests.harness import ServerProcess
-    from tests.ws_harness import WsServerProcess, connect
+    from tests.support.stdio_server import ServerProcess
+    from tests.support.ws_harness import WsServerProcess, connect
 
     size = 128 * MiB
     path = tmp_path / "big.bin"
@@ -191,9 +191,9 @@ async def test_whole_file_read_keeps_one_copy_of_its_text(transport: str, tmp_pa
         await client.call("fs/readFile", {"path": str(path), "offset": 0, "length": 1000})
         await client.start_process("streamer", ["python3", "-u", "-c", STREAMER])
         await client.wait_notification("process/output", "streamer")
-        idle = _rss(server.pid)
+        idle = status_bytes(server.pid)
         result = await client.call("fs/readFile", {"path": str(path)}, timeout=120)
-        peak = _rss(server.pid, "VmHWM") - idle
+        peak = status_bytes(server.pid, "VmHWM") - idle
         # Output keeps coming after the read: the stream was not broken by it.
         seen = len(client.notifications)
         await client.wait_for(

@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 from execserver import fs
 from execserver.errors import RpcError
 from execserver.service import Options
-from tests.harness import reactor, with_timeout
+from tests.support.harness import reactor, with_timeout
 
 
 @pytest.fixture

@@ -22,17 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from execserver.config import ServerConfig
-from tests.fakes import Harness
-
-
-def ready(config: ServerConfig | None = None) -> Harness:
-    h = Harness(config)
-    h.handshake()
-    return h
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
+from tests.support.fakes import ready
+from tests.support.harness import b64
 
 
 @pytest.fixture

@@ -30,8 +30,9 @@ import pytest_twisted
 
 from execserver import fs
 from execserver.errors import RpcError
-from tests.harness import ServerProcess, server_env
-from tests.raw_server import RawServer
+from tests.support.harness import b64, server_env
+from tests.support.raw_server import RawServer
+from tests.support.stdio_server import ServerProcess
 
 ROOT_ERROR = {
     "code": -32600,
@@ -57,10 +58,6 @@ PLAIN_ROOT_SPELLINGS = [
     "/usr/bin/../..",
     "/proc/self/root/..",
 ]
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def decide(path: str) -> tuple[str, os.stat_result | None]:

@@ -18,12 +18,12 @@ import os
 from pathlib import Path
 
 import pytest_twisted
-from twisted.internet.task import deferLater
 
 from execserver import fs
-from tests.harness import reactor
-from tests.test_fs_safety_stall import _metrics
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.fs_stalls import gauges_of
+from tests.support.harness import status_bytes
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect
 
 MiB = 1024 * 1024
 FILE_BYTES = 64 * MiB
@@ -32,25 +32,16 @@ REQUESTS = 6
 SLACK = 64 * MiB
 
 
-def _rss(pid: int, field: str = "VmRSS") -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} for {pid}")
-
-
 async def _until(server: WsServerProcess, what: str, check: object, timeout: float = 60) -> None:
     """Poll /metrics (every 50 ms, at most ``timeout`` s) until ``check(gauges)`` holds."""
     assert callable(check)
-    waited = 0.0
-    while True:
-        gauges = await _metrics(server)
-        if check(gauges):
-            return
-        assert waited < timeout, f"timed out after {timeout}s waiting for {what}: {gauges}"
-        await deferLater(reactor, 0.05, lambda: None)
-        waited += 0.05
+    seen: list[dict[str, float]] = [{}]
+
+    async def holds() -> bool:
+        seen[0] = await gauges_of(server)
+        return bool(check(seen[0]))
+
+    await until(holds, what, timeout=timeout, interval=0.05, detail=lambda: seen[0])
 
 
 @pytest_twisted.ensureDeferred
@@ -76,7 +67,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
         small = tmp_path / "small"
         small.write_bytes(b"s" * 1000)
         await client.call("fs/readFile", {"path": str(small)})
-        idle = _rss(server.pid)
+        idle = status_bytes(server.pid)
         # Stop reading, then ask for the large file several times.
         client.transport.pauseProducing()  # type: ignore[union-attr]
         for request_id in range(100, 100 + REQUESTS):
@@ -90,8 +81,8 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
                 and g["exec_server_fs_operations_running"] == 0
             ),
         )
-        gauges = await _metrics(server)
-        peak = _rss(server.pid, "VmHWM") - idle
+        gauges = await gauges_of(server)
+        peak = status_bytes(server.pid, "VmHWM") - idle
         in_use = gauges["exec_server_reply_bytes_queued"]
         print(
             f"\nidle RSS {idle / MiB:.0f} MiB; peak above idle {peak / MiB:.0f} MiB "
@@ -101,7 +92,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
         assert in_use <= budget
         assert peak <= 2 * in_use + SLACK
         # The client goes away without reading: everything is let go at once.
-        held = _rss(server.pid)
+        held = status_bytes(server.pid)
         client.transport.abortConnection()  # type: ignore[union-attr]
         await _until(
             server,
@@ -113,7 +104,7 @@ async def test_replies_to_a_client_that_does_not_read_stay_within_the_budget(
                 and g["exec_server_connections"] == 0
             ),
         )
-        after = _rss(server.pid)
+        after = status_bytes(server.pid)
         print(
             f"RSS while held {held / MiB:.0f} MiB, after the close {after / MiB:.0f} MiB "
             f"(idle {idle / MiB:.0f} MiB)"

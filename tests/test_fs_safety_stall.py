@@ -13,27 +13,23 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred, gatherResults
 
-from tests.harness import with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.fs_stalls import NOT_REGULAR_READ, gauges_of, held_fifo
+from tests.support.harness import with_timeout
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
+
+__all__ = ["held_fifo"]  # fixtures, used by name
+
 
 NOT_REGULAR_WRITE = {
     "code": -32600,
     "message": "fs/writeFile only supports regular files",
-    "data": {"kind": "notRegularFile"},
-}
-NOT_REGULAR_READ = {
-    "code": -32600,
-    "message": "fs/readFile only supports regular files",
     "data": {"kind": "notRegularFile"},
 }
 UNSUPPORTED_COPY = {
@@ -41,51 +37,6 @@ UNSUPPORTED_COPY = {
     "message": "fs/copy only supports regular files, directories, and symlinks",
     "data": {"kind": "unsupportedFileType"},
 }
-
-
-@pytest.fixture
-def held_fifo(tmp_path: Path) -> Iterator[Path]:
-    """A FIFO opened read-write by a process that never reads it."""
-    fifo = tmp_path / "f"
-    os.mkfifo(fifo)
-    holder = subprocess.Popen(["sh", "-c", 'exec 3<>"$1"; exec sleep 1000000', "sh", str(fifo)])
-    try:
-        # Wait (bounded) until the holder has the FIFO open.
-        deadline = time.monotonic() + 10
-        while not _holds(holder.pid, fifo):
-            assert holder.poll() is None and time.monotonic() < deadline, "holder did not start"
-            time.sleep(0.01)
-        yield fifo
-    finally:
-        holder.kill()
-        holder.wait(10)
-    assert not os.path.exists(f"/proc/{holder.pid}/status") or holder.returncode is not None
-
-
-def _holds(pid: int, fifo: Path) -> bool:
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except FileNotFoundError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(fifo):
-                return True
-        except OSError:
-            continue
-    return False
-
-
-async def _metrics(server: WsServerProcess) -> dict[str, float]:
-    host, port = server.host_port
-    status, _, body = await http_get(host, port, get_request("/metrics"))
-    assert status == 200
-    values: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
 
 
 @pytest_twisted.ensureDeferred
@@ -120,7 +71,7 @@ async def test_writes_to_a_fifo_nobody_reads_do_not_stall_other_clients(held_fif
         host, port = server.host_port
         status, _, _ = await http_get(host, port, get_request("/readyz"))
         assert status == 200
-        gauges = await _metrics(server)
+        gauges = await gauges_of(server)
         assert gauges["exec_server_fs_operations_running"] == 0
         assert gauges["exec_server_fs_operations_queued"] == 0
         await victim.close()

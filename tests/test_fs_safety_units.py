@@ -35,8 +35,8 @@ from execserver.app import build_dispatcher, file_system
 from execserver.config import ServerConfig
 from execserver.dispatcher import SENT_POLL_SECONDS, Dispatcher
 from execserver.errors import RpcError
-from tests.fakes import FakeSpawner
-from tests.harness import reactor, with_timeout
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import reactor, with_timeout
 
 # --- the pool -------------------------------------------------------------------------
 
@@ -124,7 +124,7 @@ async def test_readyz_is_503_with_the_reason_while_the_pool_is_wedged(
     blocked_pool: tuple[fs.PoolRunner, Clock, threading.Event],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tests.test_websocket_protocol import http, make_factory
+    from tests.support.ws_wire import http, make_factory
 
     runner, clock, release = blocked_pool
     factory = make_factory(clock)

@@ -28,7 +28,7 @@ from execserver.codec import LineFramer, MappedBuffer, Oversized, StreamedLine
 from execserver.fs import ops, stream
 from execserver.fs.local import Locality
 from execserver.fs.pool import inline_runner
-from tests.fakes import Harness
+from tests.support.fakes import Harness
 
 #: Lines past this many bytes go long (and may stream) in these tests.
 LONG = 64

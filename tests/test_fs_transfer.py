@@ -37,10 +37,10 @@ from execserver.config import ServerConfig
 from execserver.dispatcher import Dispatcher
 from execserver.fs import local, paths
 from execserver.fs.local import Locality
-from tests.fakes import FakeSpawner
-from tests.harness import reactor, server_env, with_timeout
-from tests.test_client_cli import Cli, run
-from tests.test_client_support import wait
+from tests.support.cli import Cli, run
+from tests.support.client_fakes import wait
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import reactor, server_env, with_timeout
 
 OPTIONS = ConnectOptions("test-transfer", initialize_timeout=5.0)
 MiB = 1024 * 1024
@@ -372,8 +372,8 @@ async def test_a_slow_stat_holds_one_pool_thread_and_no_one_else(
 async def test_ranged_transfers_keep_the_server_within_64_mib_above_idle(tmp_path: Path) -> None:
     """docs/filesystem.md: a file moved in 8 MiB ranges costs the server one
     range, whatever its size (measured 22 MiB); the promise is 64 MiB."""
-    from tests.test_fs_safety_memory import _rss
-    from tests.ws_harness import WsServerProcess, connect
+    from tests.support.harness import status_bytes
+    from tests.support.ws_harness import WsServerProcess, connect
 
     size = 96 * MiB
     source = tmp_path / "source.bin"
@@ -387,7 +387,7 @@ async def test_ranged_transfers_keep_the_server_within_64_mib_above_idle(tmp_pat
         client = await connect(server.url)
         await client.handshake()
         await client.call("fs/readFile", {"path": str(source), "offset": 0, "length": 1000})
-        idle = _rss(server.pid)
+        idle = status_bytes(server.pid)
         digest = hashlib.sha256()
         for offset in range(0, size, 8 * MiB):
             got = await client.call(
@@ -399,7 +399,7 @@ async def test_ranged_transfers_keep_the_server_within_64_mib_above_idle(tmp_pat
             params = {"path": str(target), "dataBase64": got["dataBase64"], "offset": offset}
             assert await client.call("fs/writeFile", params) == {}
             del got, chunk, params
-        peak = _rss(server.pid, "VmHWM") - idle
+        peak = status_bytes(server.pid, "VmHWM") - idle
         print(f"\nserver peak RSS above idle: {peak / MiB:.0f} MiB for {size // MiB} MiB each way")
         assert peak <= 64 * MiB
         assert digest.hexdigest() == _digest(source) == _digest(target)

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.bounds import FS_TRANSFER_RSS_FACTOR
-from tests.harness import ServerProcess
-from tests.test_fs_safety_memory import _rss
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.bounds import FS_TRANSFER_RSS_FACTOR
+from tests.support.harness import status_bytes
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
 
 MiB = 1 << 20
 SIZE = 16 * MiB
@@ -63,14 +63,14 @@ async def test_a_16_mib_transfer_holds_its_text_about_once(
         # Warm up both paths (pool threads, code), then measure from here.
         await client.call("fs/readFile", {"path": str(source), "offset": 0, "length": 1000})
         await client.call("fs/writeFile", {"path": str(target), "dataBase64": text[:1000]})
-        idle = _rss(server.pid)
+        idle = status_bytes(server.pid)
         if method == "fs/readFile":
             result = await client.call(method, {"path": str(source)}, timeout=120)
             assert result["dataBase64"] == text
         else:
             await client.call(method, {"path": str(target), "dataBase64": text}, timeout=120)
             assert target.read_bytes() == data
-        peak = _rss(server.pid, "VmHWM") - idle
+        peak = status_bytes(server.pid, "VmHWM") - idle
         print(
             f"\n{transport} {method} of 16 MiB: server peak RSS above idle "
             f"{peak / MiB:.1f} MiB = {peak / SIZE:.2f}x the file"

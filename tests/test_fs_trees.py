@@ -13,32 +13,19 @@ from __future__ import annotations
 import base64
 import os
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import pytest
 import pytest_twisted
-from twisted.internet import reactor, task
 
 from execserver.errors import RpcError
 from execserver.fs import ops, pool
-from tests.raw_server import RawServer
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.polling import until
+from tests.support.raw_server import RawServer, handshaken_raw_server
+from tests.support.ws_harness import WsServerProcess, connect
+
+__all__ = ["handshaken_raw_server"]  # the fixture ``server``, used by name
 
 DEPTH = 5000
-
-
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawServer]:
-    monkeypatch.setenv("EXECSERVER_STATE_DIR", str(tmp_path / "state"))
-    started = RawServer()
-    started.handshake()
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0
 
 
 def _chain(top: Path, depth: int) -> None:
@@ -123,14 +110,6 @@ def test_copy_keeps_the_holes_of_a_sparse_file(server: RawServer, tmp_path: Path
 FILES = 20_000
 
 
-async def _wait_until(predicate: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await task.deferLater(reactor, 0.01, lambda: None)
-
-
 @pytest_twisted.ensureDeferred
 async def test_a_copy_stops_and_removes_its_partial_tree_when_its_connection_goes(
     tmp_path: Path,
@@ -153,10 +132,10 @@ async def test_a_copy_stops_and_removes_its_partial_tree_when_its_connection_goe
             except FileNotFoundError:
                 return False
 
-        await _wait_until(started, "the copy to begin")
+        await until(started, "the copy to begin", timeout=60.0)
         client.abort()
         # The copy notices between two entries and removes what it made.
-        await _wait_until(lambda: not copy.exists(), "the partial copy to be removed")
+        await until(lambda: not copy.exists(), "the partial copy to be removed", timeout=60.0)
         other = await connect(server.url)
         await other.handshake()
         assert await other.call("fs/getMetadata", {"path": str(source)}) is not None

@@ -13,25 +13,13 @@ from __future__ import annotations
 import base64
 import os
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.support.raw_server import RawServer, handshaken_raw_server
 
-from tests.raw_server import RawServer
+__all__ = ["handshaken_raw_server"]  # the fixture ``server``, used by name
 
 I64_MAX = 2**63 - 1
-
-
-@pytest.fixture
-def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawServer]:
-    monkeypatch.setenv("EXECSERVER_STATE_DIR", str(tmp_path / "state"))
-    started = RawServer()
-    started.handshake()
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0
 
 
 def _error(server: RawServer, method: str, params: dict[str, object]) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""Fuzzing the codec and the dispatcher (``tests/fuzz_target.py``) with hypothesis.
+"""Fuzzing the codec and the dispatcher (``tests/support/fuzz_target.py``) with hypothesis.
 
 Two generators: raw bytes (anything at all, cut into random reads), and
 JSON-RPC-shaped lines built from the real method names and field names with
@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from execserver.app import build_dispatcher
-from tests import fuzz_target
-from tests.fakes import FakeSpawner
-from tests.fuzz_target import CUT, FUZZ_CONFIG
+from tests.support import fuzz_target
+from tests.support.fakes import FakeSpawner
+from tests.support.fuzz_target import CUT, FUZZ_CONFIG
 
 EXAMPLES = int(os.environ.get("EXEC_SERVER_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(

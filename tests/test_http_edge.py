@@ -19,7 +19,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from execserver.transports.websocket import ExecServerProtocol
-from tests.test_websocket_protocol import (
+from tests.support.ws_wire import (
     UPGRADE,
     client_frame,
     http,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import execserver
-from tests.harness import BIN, REPO_ROOT, console_script, server_env
+from tests.support.harness import BIN, REPO_ROOT, console_script, server_env
 
 REQUIRED = os.environ.get("EXECSERVER_TEST_INSTALLED") == "1"
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from execserver import protocol as p
-from tests.fakes import Harness, exec_params
+from tests.support.fakes import Harness, exec_params
 
 I64_MIN = -(1 << 63)
 

@@ -8,49 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest_twisted
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
-from twisted.python.failure import Failure
 
-from tests.harness import DEFAULT_TIMEOUT, RpcFailure, with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get, observe
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, observe, with_timeout
+from tests.support.metrics_probe import metric_at_least, open_idle
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 TOKEN_A = "token-of-identity-a-0123456789"
 TOKEN_B = "token-of-identity-b-0123456789"
-
-
-class Idle(Protocol):
-    """A TCP connection that sends what it is told and records when it ends."""
-
-    def __init__(self) -> None:
-        self.received = b""
-        self.lost: Deferred[None] = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received += data
-
-    def connectionLost(self, reason: Failure | None = None) -> None:
-        self.lost.callback(None)
-
-
-async def open_idle(host: str, port: int) -> Idle:
-    endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=DEFAULT_TIMEOUT)
-    proto: Idle = await with_timeout(
-        endpoint.connect(Factory.forProtocol(Idle)), DEFAULT_TIMEOUT, "TCP connect"
-    )
-    return proto
-
-
-async def until(check: Any, what: str) -> None:
-    async def poll() -> None:
-        while not await check():
-            d: Deferred[None] = Deferred()
-            reactor.callLater(0.02, d.callback, None)
-            await d
-
-    await with_timeout(Deferred.fromCoroutine(poll()), DEFAULT_TIMEOUT, what)
 
 
 @pytest_twisted.ensureDeferred
@@ -70,27 +35,19 @@ async def test_max_connections_answers_503_and_frees_with_a_close() -> None:
             status, _, _ = await http_get(host, port, get_request("/readyz"))
             return status == 200
 
-        await until(ready, "a free connection slot")
+        await until(ready, "a free connection slot", timeout=DEFAULT_TIMEOUT)
         for proto in idle:
             proto.transport.loseConnection()  # type: ignore[union-attr]
         # (Polls that found every slot taken were refused and counted too.)
         await until(
-            lambda: _metric_at_least(
+            lambda: metric_at_least(
                 host, port, 'exec_server_refused_total{limit="connections"}', 1
             ),
             "the refusal counted",
+            timeout=DEFAULT_TIMEOUT,
         )
     finally:
         assert await server.stop() == 0
-
-
-async def _metric_at_least(host: str, port: int, name: str, value: int) -> bool:
-    # (/metrics itself takes a slot: retried until the others are gone.)
-    status, _, body = await http_get(host, port, get_request("/metrics"))
-    if status != 200:
-        return False
-    found = re.search(re.escape(name.encode()) + rb" (\d+)\n", body)
-    return found is not None and int(found.group(1)) >= value
 
 
 @pytest_twisted.ensureDeferred

@@ -12,8 +12,10 @@ import time
 import pytest_twisted
 
 from execserver.logsink import REPEAT_INTERVAL_SECONDS
-from tests.test_limits import _metric_at_least, open_idle, until
-from tests.ws_harness import WsServerProcess, get_request, http_get
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.metrics_probe import metric_at_least, open_idle
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
 
 REFUSED = 60
 
@@ -34,10 +36,11 @@ async def test_refused_connections_log_at_most_one_line_per_interval_with_a_coun
         for proto in idle:
             proto.transport.loseConnection()  # type: ignore[union-attr]
         await until(
-            lambda: _metric_at_least(
+            lambda: metric_at_least(
                 host, port, 'exec_server_refused_total{limit="connections"}', REFUSED
             ),
             "every refusal counted",
+            timeout=DEFAULT_TIMEOUT,
         )
     finally:
         assert await server.stop() == 0

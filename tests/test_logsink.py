@@ -32,8 +32,8 @@ from execserver.logsink import (
     cut_text,
     format_event,
 )
-from tests.fakes import Harness
-from tests.harness import console_script, server_env
+from tests.support.fakes import Harness
+from tests.support.harness import console_script, server_env
 
 #: Every wait on the server in the stdio test.
 WAIT_SECONDS = 20.0

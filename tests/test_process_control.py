@@ -17,18 +17,10 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
-from tests.harness import (
-    DEFAULT_TIMEOUT,
-    RpcFailure,
-    ServerProcess,
-    b64,
-    descendants,
-    pid_alive,
-    reactor,
-    unb64,
-)
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, b64, descendants, pid_alive, unb64
+from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
 
 GRACE_MS = 300
 NEW_METHODS = [
@@ -60,15 +52,6 @@ async def wait_output(server: ServerProcess, process_id: str, needle: bytes) -> 
     return server.output_of(process_id)
 
 
-async def wait_until(predicate: Any, what: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Poll a /proc condition (the kernel sends no event for it) with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await task.deferLater(reactor, 0.02, lambda: None)
-
-
 async def process_tree(server: ServerProcess, process_id: str) -> list[int]:
     """The leader's pid and every live descendant of it."""
     listed = await server.call("process/list", {})
@@ -78,7 +61,11 @@ async def process_tree(server: ServerProcess, process_id: str) -> list[int]:
 
 
 async def assert_tree_gone(pids: list[int]) -> None:
-    await wait_until(lambda: not any(pid_alive(pid) for pid in pids), f"{pids} to be gone")
+    await until(
+        lambda: not any(pid_alive(pid) for pid in pids),
+        f"{pids} to be gone",
+        timeout=DEFAULT_TIMEOUT,
+    )
 
 
 def closed_output(server: ServerProcess, process_id: str) -> bytes:
@@ -508,7 +495,9 @@ async def test_grandchild_holding_the_pipe_delays_closed_not_exited() -> None:
         await server.wait_closed("h")
         read = await server.call("process/read", {"processId": "h"})
         assert read["closed"] is True
-        await wait_until(lambda: not _group_alive(leader), "the group to be gone")
+        await until(
+            lambda: not _group_alive(leader), "the group to be gone", timeout=DEFAULT_TIMEOUT
+        )
 
 
 def _group_alive(pgid: int) -> bool:

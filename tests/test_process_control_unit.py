@@ -22,6 +22,7 @@ from execserver.processes import ManagedProcess
 from execserver.protocol import OutputStream
 from execserver.session import Session, parse_signal
 from execserver.spawn import ProcessSpec
+from tests.support.polling import until_blocking
 
 PID = 4242
 
@@ -529,7 +530,6 @@ def test_idle_timeout_waits_while_flow_control_stops_reading() -> None:
 def test_group_alive_ignores_zombies(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
     import subprocess
-    import time
 
     from execserver.spawn import groups as spawn
 
@@ -547,10 +547,12 @@ def test_group_alive_ignores_zombies(monkeypatch: pytest.MonkeyPatch) -> None:
         leader.wait(10)
         # The orphaned sleep may linger as a zombie (this container's init
         # reaps late): it must not count. Poll past the scan cache's lifetime.
-        deadline = time.monotonic() + 10
-        while spawn.group_alive(leader.pid):
-            assert time.monotonic() < deadline, "group still reported alive"
-            time.sleep(spawn.GROUP_SCAN_TTL)
+        until_blocking(
+            lambda: not spawn.group_alive(leader.pid),
+            "the group to be reported gone",
+            timeout=10,
+            interval=spawn.GROUP_SCAN_TTL,
+        )
     finally:
         if leader.poll() is None:
             os.killpg(leader.pid, signal.SIGKILL)

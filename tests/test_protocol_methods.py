@@ -23,7 +23,7 @@ from execserver.app import build_dispatcher
 from execserver.client.api import ClientApi
 from execserver.clientcore.calls import REPEATABLE, repeatable
 from execserver.config import ServerConfig
-from tests.fakes import FakeSpawner
+from tests.support.fakes import FakeSpawner
 
 T = TypeVar("T")
 

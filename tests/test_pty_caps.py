@@ -16,7 +16,8 @@ import pytest_twisted
 
 from execserver import ptys
 from execserver.service import Options
-from tests.harness import RpcFailure, ServerProcess
+from tests.support.harness import RpcFailure
+from tests.support.stdio_server import ServerProcess
 
 
 async def _start_tty(server: ServerProcess, process_id: str) -> None:

@@ -16,19 +16,18 @@ from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 from twisted.internet.defer import Deferred
 
-from tests.harness import (
+from tests.support.harness import (
     REPO_ROOT,
     RpcFailure,
-    ServerProcess,
     b64,
     child_env,
-    reactor,
     unb64,
     with_timeout,
 )
+from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
 
 ECHO_SCRIPT = "printf 'ready\\n'; while IFS= read -r line; do printf 'echo:%s\\n' \"$line\"; done"
 
@@ -173,7 +172,7 @@ async def test_initialized_before_initialize_is_a_protocol_error() -> None:
         server.notify("initialized", {})
         # The reference drops the connection: for stdio the server closes its
         # output and ends without answering anything.
-        await with_timeout(server._ended_copy(), 10, "server exit after protocol error")
+        await with_timeout(server.exited(), 10, "server exit after protocol error")
         assert server.messages == []
     finally:
         await server.stop()
@@ -254,15 +253,14 @@ async def test_terminate_keeps_process_ids_reserved_until_retention_expires() ->
         await server.wait_notification("process/exited", "proc-1")
 
         # Retained, then released: poll with reads (each answered at once).
-        async def released() -> None:
-            while True:
-                response = await server.request("process/read", {"processId": "proc-1"})
-                if "error" in response:
-                    assert response["error"]["message"] == "unknown process id proc-1"
-                    return
-                await task.deferLater(reactor, 0.05)
+        async def released() -> bool:
+            response = await server.request("process/read", {"processId": "proc-1"})
+            if "error" in response:
+                assert response["error"]["message"] == "unknown process id proc-1"
+                return True
+            return False
 
-        await with_timeout(Deferred.fromCoroutine(released()), 10, "proc-1 to be released")
+        await until(released, "proc-1 to be released", timeout=10, interval=0.05)
         assert await server.call("process/start", exec_params()) == {"processId": "proc-1"}
 
 
@@ -342,7 +340,7 @@ async def test_unexpected_client_messages_close_the_connection(message: dict[str
     try:
         await server.handshake()
         server.send(message)
-        await with_timeout(server._ended_copy(), 10, "server exit after protocol error")
+        await with_timeout(server.exited(), 10, "server exit after protocol error")
     finally:
         await server.stop()
 

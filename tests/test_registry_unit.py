@@ -1,7 +1,7 @@
 """The session registry and TTL expiry on a fake clock (issue 11).
 
 Connections are dispatcher connections over fake outbounds; children are
-fake transports whose signals are recorded (tests/fakes.py). Nothing here
+fake transports whose signals are recorded (tests/support/fakes.py). Nothing here
 sleeps: the clock is advanced by hand.
 """
 
@@ -12,34 +12,7 @@ from typing import Any
 
 from execserver.config import ServerConfig
 from execserver.registry import ANONYMOUS
-from tests.fakes import FakeOutbound, Harness
-
-
-class Second:
-    """Another connection to the harness's dispatcher."""
-
-    def __init__(self, h: Harness, identity: object = None) -> None:
-        self.outbound = FakeOutbound()
-        if identity is not None:
-            self.outbound.identity = identity  # type: ignore[attr-defined]
-        self.conn = h.dispatcher.connect(self.outbound, "second")
-        self._id = 1000
-
-    def call(self, method: str, params: Any) -> dict[str, Any]:
-        import json
-
-        self._id += 1
-        self.conn.message_received(
-            json.dumps({"id": self._id, "method": method, "params": params}).encode()
-        )
-        response: dict[str, Any] = self.outbound.responses()[self._id]
-        return response
-
-
-def drop(h: Harness) -> None:
-    """What a transport does when its connection is lost."""
-    h.conn.transport_closed()
-    h.conn.shutdown()
+from tests.support.fakes import Harness, Second, drop
 
 
 class Resumable(Harness):

@@ -22,17 +22,12 @@ import pytest_twisted
 from twisted.internet import task
 
 from execserver.containment import find_cgroup2_mount
-from tests.harness import (
-    DEFAULT_TIMEOUT,
-    RpcFailure,
-    ServerProcess,
-    reactor,
-    rss_bytes,
-    run_script,
-)
-from tests.test_client_cli import run
-from tests.test_containment import assert_gone, live, new_marker, wait_until
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.cli import run
+from tests.support.escapees import assert_gone, live, new_marker
+from tests.support.harness import DEFAULT_TIMEOUT, RpcFailure, reactor, rss_bytes, run_script
+from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 PY = sys.executable
 MiB = 1 << 20
@@ -166,7 +161,7 @@ async def test_children_are_the_oom_killers_first_choice() -> None:
         await server.handshake()
         marker = new_marker()
         await server.start_process("p", ["sleep", marker])
-        await wait_until(lambda: bool(live(marker)), "the child to start", DEFAULT_TIMEOUT)
+        await until(lambda: bool(live(marker)), "the child to start", timeout=DEFAULT_TIMEOUT)
         ((pid, _ppid, _state),) = live(marker)
         assert server.pid is not None
         own = int(Path(f"/proc/{server.pid}/oom_score_adj").read_text())
@@ -204,11 +199,11 @@ async def test_a_fork_loop_never_exceeds_max_processes_and_terminates_cleanly(
         await server.start_process(
             "forks", [PY, "-c", FORK_LOOP, marker], limits={"maxProcesses": 50}
         )
-        await wait_until(lambda: bool(live(marker)), "the loop to start", DEFAULT_TIMEOUT)
+        await until(lambda: bool(live(marker)), "the loop to start", timeout=DEFAULT_TIMEOUT)
         leader = min(pid for pid, _ppid, _state in live(marker))
         pids = controller_dir(leader, "pids")
         # The kernel refuses forks at the limit (its own counter says so).
-        await wait_until(lambda: pids_refused(leader) > 0, "a refused fork", DEFAULT_TIMEOUT)
+        await until(lambda: pids_refused(leader) > 0, "a refused fork", timeout=DEFAULT_TIMEOUT)
         for _ in range(20):
             assert int(Path(pids, "pids.current").read_text()) <= 50
             assert len(Path(pids, "cgroup.procs").read_text().split()) <= 50
@@ -284,7 +279,7 @@ async def test_cpu_percent_holds_a_busy_loop_to_its_share() -> None:
             [PY, "-c", "while True: pass", marker],
             limits={"cpuPercent": 25},
         )
-        await wait_until(lambda: bool(live(marker)), "the loop to start", DEFAULT_TIMEOUT)
+        await until(lambda: bool(live(marker)), "the loop to start", timeout=DEFAULT_TIMEOUT)
         ((pid, _ppid, _state),) = live(marker)
         used_before, wall_before = cpu_usec(pid), time.monotonic()
         await delay(3.0)

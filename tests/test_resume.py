@@ -14,16 +14,10 @@ from typing import Any
 
 import pytest_twisted
 
-from tests.harness import b64, pid_alive, unb64
-from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsClientProtocol, WsServerProcess, connect
-
-
-async def initialize(client: WsClientProtocol, **params: Any) -> dict[str, Any]:
-    response = await client.request("initialize", {"clientName": "resume-test", **params})
-    if "result" in response:
-        client.notify("initialized", {})
-    return response
+from tests.support.harness import b64, pid_alive, unb64
+from tests.support.polling import until
+from tests.support.resume_handshake import initialize
+from tests.support.ws_harness import WsClientProtocol, WsServerProcess, connect
 
 
 async def session(server: WsServerProcess, **params: Any) -> tuple[WsClientProtocol, str]:
@@ -128,7 +122,7 @@ async def test_expiry_terminates_the_whole_tree_and_forgets_the_id() -> None:
         grandchild = await start_tree(client)
         assert pid_alive(grandchild)
         await dropped(client)
-        await poll_until(lambda: not pid_alive(grandchild), 10.0, "the tree to be terminated")
+        await until(lambda: not pid_alive(grandchild), "the tree to be terminated", timeout=10.0)
 
         again, response = await resume(server, session_id)
         assert response["error"] == {"code": -32600, "message": f"unknown session id {session_id}"}
@@ -144,7 +138,7 @@ async def test_without_a_ttl_a_disconnect_ends_the_session_as_before() -> None:
         client, session_id = await session(server)
         grandchild = await start_tree(client)
         await dropped(client)
-        await poll_until(lambda: not pid_alive(grandchild), 10.0, "the tree to be terminated")
+        await until(lambda: not pid_alive(grandchild), "the tree to be terminated", timeout=10.0)
         again, response = await resume(server, session_id)
         assert response["error"]["message"] == f"unknown session id {session_id}"
         await again.close()
@@ -198,7 +192,7 @@ async def test_server_shutdown_terminates_detached_sessions() -> None:
         assert pid_alive(grandchild)
         assert await server.stop() == 0
         stopped = True
-        await poll_until(lambda: not pid_alive(grandchild), 5.0, "the detached tree to be ended")
+        await until(lambda: not pid_alive(grandchild), "the detached tree to be ended", timeout=5.0)
     finally:
         if not stopped:
             await server.stop()
@@ -311,7 +305,7 @@ async def test_pause_keeps_unacknowledged_output_while_detached() -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_stdio_grants_no_ttl() -> None:
-    from tests.harness import ServerProcess
+    from tests.support.stdio_server import ServerProcess
 
     server = ServerProcess.start()
     try:

@@ -1,7 +1,7 @@
 """The client library and the CLI ride through dropped connections (issue 11).
 
 Everything runs through the real server and a test-only TCP proxy
-(:mod:`tests.cutting_proxy`) that aborts the live connection at points in
+(:mod:`tests.support.cutting_proxy`) that aborts the live connection at points in
 the server-to-client byte stream chosen by hypothesis. The child writes a
 known pseudo-random stream; what the process handle delivers must be that
 stream exactly, in order, then the exit, then the close -- or, with
@@ -12,71 +12,42 @@ seqs that never arrived.
 from __future__ import annotations
 
 import os
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest_twisted
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from execserver.client import (
-    ConnectOptions,
     GapEvent,
     OutcomeUnknown,
     OutputEvent,
     SessionLost,
 )
 from execserver.client.reconnect import ReconnectingClient
-from tests.cutting_proxy import CuttingProxy
-from tests.harness import (
+from tests.support.children import Collected
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     child_env,
     console_script,
+    observe,
     reactor,
     with_timeout,
 )
-from tests.test_websocket_integration import poll_until
-from tests.ws_harness import WsServerProcess, observe
-
-CHUNK = 4096
-CHUNKS = 96  # 384 KiB
-SEED = 1107
-EXIT_CODE = 3
-
-#: A child writing CHUNKS pseudo-random chunks of CHUNK bytes, then exiting 3.
-STREAM_SCRIPT = (
-    "import random, sys\n"
-    f"r = random.Random({SEED})\n"
-    "out = sys.stdout.buffer\n"
-    f"for _ in range({CHUNKS}):\n"
-    f"    out.write(r.randbytes({CHUNK})); out.flush()\n"
-    f"sys.exit({EXIT_CODE})\n"
+from tests.support.polling import until
+from tests.support.streams import (
+    CHUNK,
+    CHUNKS,
+    EXIT_CODE,
+    STREAM_SCRIPT,
+    chosen_cuts,
+    expected_stream,
+    reconnecting,
 )
-
-
-def expected_stream() -> bytes:
-    r = random.Random(SEED)
-    return b"".join(r.randbytes(CHUNK) for _ in range(CHUNKS))
-
-
-def reconnecting(url: str, **kwargs: Any) -> ReconnectingClient:
-    return ReconnectingClient(
-        reactor,
-        url,
-        ConnectOptions("resume-test", initialize_timeout=10.0),
-        initial_delay=0.02,
-        max_delay=0.2,
-        factor=1.5,
-        jitter=lambda: 0,
-        call_timeout=20.0,
-        **{"connect_timeout": 5.0, **kwargs},
-    )
+from tests.support.ws_harness import WsServerProcess
 
 
 class Recorder:
@@ -119,10 +90,10 @@ async def stream_through_cuts(
         for offset in cuts:
             before = proxy.cuts
             proxy.cut_after(offset)
-            await poll_until(
-                lambda before=before: proxy.cuts > before or closed.called,  # type: ignore[misc]
-                30.0,
+            await until(
+                lambda before=before: proxy.cuts > before or closed.called,
                 "the cut or the end",
+                timeout=30.0,
             )
         await with_timeout(observe(closed), 60.0, "the process to close")
         # Cuts were made and ridden through (one may hit a reconnection's
@@ -143,32 +114,6 @@ def check_complete(recorder: Recorder, proc: Any) -> None:
     assert recorder.seqs == sorted(set(recorder.seqs)), "in order, never twice"
     assert recorder.events[-2:] == [("exit", EXIT_CODE), "closed"]
     assert proc.exit_code == EXIT_CODE
-
-
-cut_points = st.lists(st.integers(min_value=1, max_value=300_000), min_size=1, max_size=3)
-
-
-def chosen_cuts() -> list[list[int]]:
-    """Cut points chosen by hypothesis (a few: each example runs a real server).
-
-    The scenario runs on the reactor, where hypothesis cannot drive a test
-    itself, so hypothesis draws the examples and the test runs each in turn
-    (reporting the failing one).
-    """
-    picked: list[list[int]] = []
-
-    @settings(
-        max_examples=min(5, settings().max_examples),
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(cuts=cut_points)
-    def pick(cuts: list[int]) -> None:
-        picked.append(cuts)
-
-    pick()
-    return picked
 
 
 @pytest_twisted.ensureDeferred
@@ -219,11 +164,11 @@ async def test_drop_reports_the_exact_gap(tmp_path: Path) -> None:
         proc.add_output_listener(recorder.output, gaps=True)
         proc.exited().addCallback(lambda code: recorder.events.append(("exit", code)))
         proc.closed().addCallback(lambda _: recorder.events.append("closed"))
-        await poll_until(lambda: recorder.data == b"first", 10.0, "the first output")
+        await until(lambda: recorder.data == b"first", "the first output", timeout=10.0)
         # Nothing reaches the client now; the output piles up in the server.
         proxy.stall()
         go.touch()
-        await poll_until(done.exists, 30.0, "the child to finish writing")
+        await until(done.exists, "the child to finish writing", timeout=30.0)
         proxy.cut()
         proxy.unstall()
         await with_timeout(observe(proc.closed()), 30.0, "the process to close")
@@ -258,7 +203,7 @@ async def test_a_session_that_expired_fails_every_handle_naming_the_cause() -> N
         proxy.stall()
         proxy.cut()
         # Longer than the granted TTL: the server ends the session meanwhile.
-        await poll_until(lambda: not server_children(server), 10.0, "the session to expire")
+        await until(lambda: not server_children(server), "the session to expire", timeout=10.0)
         proxy.unstall()
         assert await with_timeout(observe(proc.exited()), 20.0, "the handle to fail") is None
         assert isinstance(proc.lost_reason, SessionLost)
@@ -296,8 +241,8 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
         signalled = client.signal(cat.process_id, "SIGCONT")
         listed = client.list_processes()
         # The write reached the child (its copy shows it); its answer did not.
-        await poll_until(
-            lambda: copy.exists() and copy.read_bytes() == b"once\n", 10.0, "the write"
+        await until(
+            lambda: copy.exists() and copy.read_bytes() == b"once\n", "the write", timeout=10.0
         )
         proxy.cut()
         proxy.unstall()
@@ -326,7 +271,7 @@ async def test_calls_in_flight_at_a_drop_are_retried_or_fail_as_outcome_unknown(
 
 
 def server_children(server: WsServerProcess) -> list[int]:
-    from tests.harness import descendants
+    from tests.support.harness import descendants
 
     assert server.pid is not None
     return descendants(server.pid)
@@ -335,27 +280,11 @@ def server_children(server: WsServerProcess) -> list[int]:
 # --- the CLI --------------------------------------------------------------------
 
 
-class Collect(ProcessProtocol):
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.err = bytearray()
-        self.ended: Deferred[int | None] = Deferred()
-
-    def outReceived(self, data: bytes) -> None:
-        self.out += data
-
-    def errReceived(self, data: bytes) -> None:
-        self.err += data
-
-    def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(getattr(reason.value, "exitCode", None))
-
-
 @pytest_twisted.ensureDeferred
 async def test_cli_run_over_websocket_survives_cuts_byte_exact() -> None:
     server = await WsServerProcess.start("--retained-output-bytes", str(4 * CHUNK * CHUNKS))
     proxy = await CuttingProxy((server.host_port[0], server.host_port[1])).start()
-    proto = Collect()
+    proto = Collected()
     argv = [console_script("exec-server-client"), "run", "--url", proxy.url, "--"]
     argv += [sys.executable, "-c", STREAM_SCRIPT]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -364,10 +293,10 @@ async def test_cli_run_over_websocket_survives_cuts_byte_exact() -> None:
         for offset in (20_000, 150_000, 260_000):
             before = proxy.cuts
             proxy.cut_after(offset)
-            await poll_until(
-                lambda before=before: proxy.cuts > before or proto.ended.called,  # type: ignore[misc]
-                30.0,
+            await until(
+                lambda before=before: proxy.cuts > before or proto.ended.called,
                 "the cut or the end",
+                timeout=30.0,
             )
         code = await with_timeout(observe(proto.ended), 60.0, "the CLI to finish")
         assert bytes(proto.out) == expected_stream(), bytes(proto.err)

@@ -22,8 +22,8 @@ from execserver.client.cli import build_parser
 from execserver.client.cli.common import connect
 from execserver.client.reconnect import ResumingClient
 from execserver.clientcore.resume import REFUSED_GIVE_UP_SECONDS
-from tests.harness import reactor, refused_port
-from tests.test_client_support import LocalWsServer, ScriptedServer
+from tests.support.client_fakes import LocalWsServer, ScriptedServer
+from tests.support.harness import reactor, refused_port
 
 URL = "ws://127.0.0.1:1"
 

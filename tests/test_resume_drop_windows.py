@@ -4,7 +4,7 @@ CLI flake: ``exec-server-client run`` exited with "exec-server connection
 closed: peer dropped the TCP connection ..." instead of resuming).
 
 Each case drives one ordering deterministically: scripted servers
-(:class:`tests.test_client_support.ScriptedServer`) on a fake clock, the drop
+(:class:`tests.support.client_fakes.ScriptedServer`) on a fake clock, the drop
 made where the case needs it, no sleeps.
 """
 
@@ -21,7 +21,7 @@ from execserver.client import ExecServerClient, SessionLost
 from execserver.client.process import RemoteProcess
 from execserver.client.reconnect import ResumingClient
 from execserver.client.types import OutputEvent
-from tests.test_client_support import ScriptedServer
+from tests.support.client_fakes import ScriptedServer
 
 INIT = {
     "protocolVersion": "exec-server.v0",

@@ -27,7 +27,7 @@ from execserver.client.client import ExecServerClient
 from execserver.client.process import RemoteProcess
 from execserver.client.rpc import RpcClient
 from execserver.clientcore.types import InitializeResult
-from tests.aio_harness import RecordingChannel, RecordingSink
+from tests.support.aio_harness import RecordingChannel, RecordingSink
 
 RESULT = InitializeResult(
     "exec-server.v0",

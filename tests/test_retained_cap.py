@@ -20,9 +20,10 @@ import pytest_twisted
 from execserver.config import ServerConfig
 from execserver.fdreads import READ_SIZE
 from execserver.retained import CHUNK_OVERHEAD_BYTES
-from tests.fakes import FakeOutbound, Harness, exec_params
-from tests.test_limits import until
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.fakes import FakeOutbound, Harness, exec_params
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 CHUNK = 1000
 COST = CHUNK + CHUNK_OVERHEAD_BYTES
@@ -156,7 +157,7 @@ async def test_detached_chatty_sessions_stay_within_the_server_cap(tmp_path: Pat
             status, _, body = await http_get(host, port, get_request("/metrics"))
             return status == 200 and b"\nexec_server_processes_running 0\n" in body
 
-        await until(all_closed, "every chatty process ended")
+        await until(all_closed, "every chatty process ended", timeout=DEFAULT_TIMEOUT)
         # The cap plus at most the newest chunk of each process (one pipe
         # read), the bound operations.md gives; each process alone may keep
         # 1 MiB (--retained-output-bytes): 12 MiB without the server's cap.

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.harness import RpcFailure, b64
-from tests.test_sandbox_process import (
+from tests.support.harness import RpcFailure, b64
+from tests.support.sandbox import (
     CHILD_PATH,
     MECHANISMS,
     Dirs,
@@ -26,7 +26,7 @@ from tests.test_sandbox_process import (
     stdio_server,
     uri,
 )
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.ws_harness import WsServerProcess, connect
 
 __all__ = ["dirs"]
 

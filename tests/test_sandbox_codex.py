@@ -10,7 +10,6 @@ workspace-write profile makes /tmp writable.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -21,14 +20,13 @@ from typing import Any
 import pytest
 import pytest_twisted
 
-from tests.harness import reactor, with_timeout
-from tests.test_codex_cli import (
-    CODEX_TIMEOUT,
-    _codex_home,
-    _Collect,
+from tests.support.codex_cli import (
     codex_binary,
+    codex_env,
+    codex_exec,
     fake_model,
     our_server,
+    write_codex_home,
 )
 
 __all__ = ["codex_binary"]  # the fixture, re-exported for pytest
@@ -49,30 +47,14 @@ async def run_sandboxed(codex: Path, base: Path, spec: dict[str, Any]) -> list[d
     server_home.mkdir()
     async with fake_model(spec, base / "model.jsonl") as port, our_server(server_home) as server:
         home = base / "codex-home"
-        _codex_home(home, port)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(base),
-            "CODEX_HOME": str(home),
-            "FAKE_API_KEY": "dummy",
-            "CODEX_EXEC_SERVER_URL": server.url,
-        }
+        write_codex_home(home, port)
+        env = codex_env(base, home, server.url)
         argv = [
             str(codex), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write",
             "--json", "-C", str(base / "work"), "Apply the patch.",
         ]  # fmt: skip
-        proto = _Collect()
-        reactor.spawnProcess(
-            proto, argv[0], argv, env=env, path=str(base / "work"),
-            childFDs={0: "w", 1: "r", 2: "r"},
-        )  # fmt: skip
-        proto.transport.closeStdin()  # type: ignore[union-attr]
-        try:
-            code = await with_timeout(proto.ended, CODEX_TIMEOUT, "codex exec")
-        finally:
-            proto.kill()
-        assert code == 0, (code, proto.out[-4000:], proto.err[-4000:])
-        return [json.loads(line) for line in proto.out.splitlines() if line.startswith(b"{")]
+        events, _ = await codex_exec(argv, env, base / "work")
+        return events
 
 
 def _changes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

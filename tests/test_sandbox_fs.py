@@ -16,7 +16,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,8 +30,10 @@ from twisted.python.failure import Failure
 
 from execserver.fs.paths import path_to_uri
 from tests.codex.fetch_codex import fetch
-from tests.harness import RpcFailure, ServerProcess, b64, reactor, unb64, with_timeout
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.harness import RpcFailure, b64, reactor, unb64, with_timeout
+from tests.support.races import symlink_race
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 #: Codex's workspace-write profile makes /tmp (and $TMPDIR) writable: the
@@ -608,42 +609,26 @@ async def test_a_renamed_directory_is_judged_where_it_is_now(tmp_path: Path) -> 
 async def test_a_racing_symlink_swap_lets_no_byte_out_through_the_server(
     kind: str, tmp_path: Path
 ) -> None:
-    work, inside, outside = tmp_path / "work", tmp_path / "work" / "inside", tmp_path / "outside"
-    inside.mkdir(parents=True)
-    outside.mkdir()
-    flip = work / "flip"
-    os.symlink(inside, flip)
-    stop = threading.Event()
-
-    def flipper() -> None:
-        to_in, to_out = str(work / ".to-in"), str(work / ".to-out")
-        while not stop.is_set():
-            for target, link in ((outside, to_out), (inside, to_in)):
-                with contextlib.suppress(FileExistsError):
-                    os.symlink(target, link)
-                os.replace(link, flip)
-
-    sandbox = codex_workspace_write(work)
-    thread = threading.Thread(target=flipper)
     outcomes = {"ok": 0, "refused": 0}
-    async with serving(kind, tmp_path / "home") as client:
-        thread.start()
-        try:
+    with symlink_race(tmp_path) as race:
+        sandbox = codex_workspace_write(race.work)
+        async with serving(kind, tmp_path / "home") as client:
+            race.start()
             for i in range(200):
                 response = await client.request(
                     "fs/writeFile",
-                    {"path": _u(flip) + f"/f{i}", "dataBase64": b64(b"x" * 64), "sandbox": sandbox},
+                    {
+                        "path": _u(race.flip) + f"/f{i}",
+                        "dataBase64": b64(b"x" * 64),
+                        "sandbox": sandbox,
+                    },
                 )
                 if "error" in response:
                     assert response["error"]["message"] in (EROFS[1], EACCES[1]), response
                     outcomes["refused"] += 1
                 else:
                     outcomes["ok"] += 1
-        finally:
-            stop.set()
-            thread.join(timeout=30)
-    assert not thread.is_alive()
-    assert os.listdir(outside) == []
-    assert len(os.listdir(inside)) == outcomes["ok"]
+    assert os.listdir(race.outside) == []
+    assert len(os.listdir(race.inside)) == outcomes["ok"]
     # Both ways happened: the race was real.
     assert outcomes["ok"] > 0 and outcomes["refused"] > 0, outcomes

@@ -7,9 +7,7 @@ land outside, whichever mechanism enforces the policy.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from pathlib import Path
 
 import msgspec
@@ -23,6 +21,7 @@ from execserver.fs import ops
 from execserver.sandbox import fsguard
 from execserver.sandbox.fsguard import Guard, Mechanism
 from execserver.sandbox.policy import SandboxPolicy, effective, resolve
+from tests.support.races import symlink_race
 
 MECHANISMS: tuple[Mechanism, ...] = ("mount-namespace", "landlock")
 
@@ -219,29 +218,13 @@ def test_a_racing_symlink_swap_never_lets_a_byte_out(
     tmp_path_factory: pytest.TempPathFactory, how: Mechanism, writes: list[bytes], ranged: bool
 ) -> None:
     base = tmp_path_factory.mktemp("race")
-    work, inside, outside = base / "work", base / "work" / "inside", base / "outside"
-    inside.mkdir(parents=True)
-    outside.mkdir()
-    flip = work / "flip"
-    os.symlink(inside, flip)
-    stop = threading.Event()
-
-    def flipper() -> None:
-        to_in, to_out = str(work / ".to-in"), str(work / ".to-out")
-        while not stop.is_set():
-            for target, link in ((outside, to_out), (inside, to_in)):
-                with contextlib.suppress(FileExistsError):
-                    os.symlink(target, link)
-                os.replace(link, flip)
-
-    thread = threading.Thread(target=flipper)
-    thread.start()
-    guard = Guard(how=how)
-    sandbox = _workspace_write(work)
-    landed = 0
-    try:
+    with symlink_race(base) as race:
+        race.start()
+        guard = Guard(how=how)
+        sandbox = _workspace_write(race.work)
+        landed = 0
         for i, data in enumerate(writes):
-            path = f"{flip}/f{i}"
+            path = f"{race.flip}/f{i}"
             try:
                 if ranged:
                     guard.run(
@@ -264,12 +247,8 @@ def test_a_racing_symlink_swap_never_lets_a_byte_out(
                     "Permission denied (os error 13)",
                     "No such file or directory (os error 2)",
                 ), exc.message
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-    assert not thread.is_alive()
-    assert os.listdir(outside) == []
-    assert len(os.listdir(inside)) == landed
+    assert os.listdir(race.outside) == []
+    assert len(os.listdir(race.inside)) == landed
 
 
 def _floor(root: Path) -> SandboxPolicy:

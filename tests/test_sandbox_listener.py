@@ -27,9 +27,9 @@ import pytest_twisted
 from twisted.internet import reactor
 
 from execserver.client import connect_websocket
-from tests.harness import DEFAULT_TIMEOUT, RpcTestClient, with_timeout
-from tests.test_sandbox_process import CHILD_PATH, Dirs, dirs, env_for, profile_for, uri
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.harness import DEFAULT_TIMEOUT, RpcTestClient, with_timeout
+from tests.support.sandbox import CHILD_PATH, Dirs, dirs, env_for, profile_for, uri
+from tests.support.ws_harness import WsServerProcess, connect
 
 __all__ = ["dirs"]
 

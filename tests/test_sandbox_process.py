@@ -13,162 +13,45 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_twisted
-from twisted.internet import task
 
 from execserver.sandbox.denied import likely_denied
-from tests.harness import (
+from tests.support.harness import (
     BIN,
     RpcFailure,
-    RpcTestClient,
-    ServerProcess,
     b64,
     console_script,
-    reactor,
     run_script,
     server_env,
 )
-from tests.ws_harness import WsServerProcess, connect
+from tests.support.polling import until
+from tests.support.sandbox import (
+    CHILD_PATH,
+    MECHANISMS,
+    SECRET,
+    Dirs,
+    codex_profile,
+    dirs,
+    env_for,
+    profile_for,
+    run,
+    stdio_server,
+    temp_dir,
+    uri,
+)
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
 
-CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"
-SECRET = "sbx-secret-4f1c9e"
-MECHANISMS = ("bwrap", "landlock")
-
-
-def uri(path: Path | str) -> str:
-    return f"file://{path}"
-
-
-def codex_profile(
-    work: Path, *, write: bool = True, network: str = "restricted", slash_tmp: bool = True
-) -> Any:
-    """What Codex 0.171 sends for workspace-write (read-only: only the root entry).
-
-    ``slash_tmp=False`` leaves /tmp out (Landlock refuses a profile whose
-    carve-outs exist, and other programs may leave a /tmp/.agents or
-    /tmp/.git behind on a shared machine): the ``tmpdir`` entry then stands
-    for it, with ``TMPDIR`` in the child's environment.
-    """
-    entries: list[dict[str, Any]] = [
-        {"path": {"type": "special", "value": {"kind": "root"}}, "access": "read"}
-    ]
-    if write:
-        entries += [
-            {"path": {"type": "special", "value": {"kind": "project_roots"}}, "access": "write"},
-        ]
-        if slash_tmp:
-            entries.append(
-                {"path": {"type": "special", "value": {"kind": "slash_tmp"}}, "access": "write"}
-            )
-        entries += [
-            {"path": {"type": "special", "value": {"kind": "tmpdir"}}, "access": "write"},
-        ] + [
-            {
-                "path": {
-                    "type": "special",
-                    "value": {"kind": "project_roots", "subpath": sub},
-                },
-                "access": "read",
-                "missing_path_behavior": "skip",
-            }
-            for sub in (".git", ".agents", ".codex", ".aws")
-        ]
-    return {
-        "permissions": {
-            "type": "managed",
-            "file_system": {"type": "restricted", "entries": entries},
-            "network": network,
-        },
-        "cwd": uri(work),
-        "workspaceRoots": [uri(work)],
-        "windowsSandboxLevel": "disabled",
-        "windowsSandboxProxySettingsMode": "reconcile",
-        "useLegacyLandlock": False,
-    }
-
-
-@dataclass
-class Dirs:
-    base: Path
-    work: Path
-    outside: Path
-
-
-@pytest.fixture
-def dirs() -> Iterator[Dirs]:
-    # Outside /tmp (writable under workspace-write) so "outside" is outside
-    # every writable root.
-    base = Path(tempfile.mkdtemp(prefix="exec-server-sbx-", dir="/var/tmp"))
-    work = base / "work"
-    outside = base / "outside"
-    work.mkdir()
-    outside.mkdir()
-    yield Dirs(base, work, outside)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@dataclass
-class Ran:
-    exit_code: int
-    output: bytes
-    denied: bool
-    read: dict[str, Any]
-    exited: dict[str, Any]
-
-
-_counter = iter(range(1_000_000))
-
-
-async def run(
-    client: RpcTestClient,
-    script: str,
-    cwd: Path,
-    sandbox: Any,
-    env: dict[str, str] | None = None,
-    confined: bool | None = None,
-    **extra: Any,
-) -> Ran:
-    pid = f"sbx-{next(_counter)}"
-    started = await client.start_process(
-        pid,
-        ["sh", "-c", script],
-        cwd=uri(cwd),
-        env=env or {"PATH": CHILD_PATH, "LANG": "C.UTF-8"},
-        sandbox=sandbox,
-        **extra,
-    )
-    if confined is None:
-        confined = sandbox is not None
-    assert started["sandboxType"] == ("linuxSeccomp" if confined else "none")
-    exited = await client.wait_notification("process/exited", pid, timeout=30)
-    await client.wait_closed(pid, timeout=30)
-    read = await client.call("process/read", {"processId": pid, "afterSeq": 0})
-    assert read["sandboxDenied"] == exited["sandboxDenied"], (script, read, exited)
-    return Ran(exited["exitCode"], client.output_of(pid), exited["sandboxDenied"], read, exited)
-
-
-@asynccontextmanager
-async def stdio_server(*args: str) -> AsyncIterator[ServerProcess]:
-    server = ServerProcess.start(*args, env={"SBX_SECRET": SECRET})
-    try:
-        await server.call("initialize", {"clientName": "sandbox-test"})
-        server.notify("initialized", {})
-        yield server
-    finally:
-        await server.stop()
+__all__ = ["dirs"]  # fixtures, used by name
 
 
 # --- the escape matrix ------------------------------------------------------------------------
@@ -237,23 +120,6 @@ def matrix(d: Dirs, server_pid: int, mechanism: str) -> list[Case]:
             Case("read .git", f"cat {w}/.git/HEAD", True),
         ]
     return cases
-
-
-def temp_dir(d: Dirs, mechanism: str) -> str:
-    """/tmp under bwrap (Codex's slash_tmp); under Landlock, a TMPDIR of the test's."""
-    if mechanism == "bwrap":
-        return "/tmp"
-    path = d.base / "tmp"
-    path.mkdir(exist_ok=True)
-    return str(path)
-
-
-def profile_for(d: Dirs, mechanism: str, **kwargs: Any) -> Any:
-    return codex_profile(d.work, slash_tmp=mechanism == "bwrap", **kwargs)
-
-
-def env_for(d: Dirs, mechanism: str, **extra: str) -> dict[str, str]:
-    return {"PATH": CHILD_PATH, "LANG": "C.UTF-8", "TMPDIR": temp_dir(d, mechanism), **extra}
 
 
 def prepare(d: Dirs, mechanism: str) -> None:
@@ -483,10 +349,12 @@ async def test_disconnect_kills_the_sandbox(dirs: Dirs, mechanism: str, containm
         client.abort()
         # The server terminates a disconnected session's processes (SIGTERM,
         # SIGKILL after the 2 s grace): all gone well within 10 s.
-        for _ in range(200):
-            if not _marked_processes(marker):
-                break
-            await task.deferLater(reactor, 0.05, lambda: None)
+        await until(
+            lambda: not _marked_processes(marker),
+            "the session's processes to be gone",
+            timeout=10,
+            interval=0.05,
+        )
         assert _marked_processes(marker) == []
     finally:
         assert await server.stop() == 0
@@ -526,14 +394,16 @@ async def test_max_processes_counts_the_commands_processes_not_the_sandboxs(
             sandbox=sandbox, limits=two,
         )  # fmt: skip
         try:
-            # Bounded (10 s): the background sleep is forked right after the start.
-            for _ in range(200):
+            seen: dict[str, Any] = {}
+
+            async def counted_two() -> bool:
                 listed = await server.call("process/list", {})
                 (entry,) = [p for p in listed["processes"] if p["processId"] == "counted"]
-                if entry["usage"].get("processes") == 2:
-                    break
-                await task.deferLater(reactor, 0.05, lambda: None)
-            assert entry["usage"]["processes"] == 2, entry
+                seen.update(entry)
+                return bool(entry["usage"].get("processes") == 2)
+
+            # The background sleep is forked right after the start.
+            await until(counted_two, "process/list to count 2", timeout=10.0, detail=lambda: seen)
         finally:
             await server.call("process/terminate", {"processId": "counted"})
             await server.wait_closed("counted", timeout=30)
@@ -769,13 +639,13 @@ async def test_neither_bwrap_nor_landlock_is_a_refusal(dirs: Dirs) -> None:
     assert checked.returncode == 1, checked.stderr
     assert "landlock:         NO: the kernel has no Landlock (ENOSYS)" in checked.stdout
     assert "bubblewrap:       NO: bwrap not found on PATH" in checked.stdout
-    server = ServerProcess()
     argv = [sys.executable, "-c", WITHOUT_LANDLOCK, script]
-    transport = reactor.spawnProcess(
-        server, argv[0], argv, env=server_env(env), path=str(dirs.base)
+    server = ServerProcess().launch(
+        argv,
+        env=server_env(env),
+        path=dirs.base,
+        description="exec-server without bwrap or Landlock",
     )
-    server.pid = transport.pid
-    server._init_checks(f"exec-server without bwrap or Landlock (pid {server.pid})")
     try:
         await server.call("initialize", {"clientName": "sandbox-none"})
         server.notify("initialized", {})

@@ -12,19 +12,13 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
-from twisted.internet.defer import Deferred
 
 from execserver import auth
 from execserver.service import Options
 from execserver.transports import http
-from tests.harness import DEFAULT_TIMEOUT, console_script, server_env, with_timeout
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
-
-TOKEN = "s3cret-Token-0123456789abcdef"
-OTHER = "another-token-for-rotation"
-#: The right token but for its last byte.
-NEAR_MISS = TOKEN[:-1] + ("g" if TOKEN[-1] != "g" else "h")
+from tests.support.auth import NEAR_MISS, OTHER, TOKEN, token_file, wait_stderr
+from tests.support.harness import console_script, server_env
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 
 def upgrade_request(extra: str = "", host: str = "127.0.0.1") -> bytes:
@@ -33,13 +27,6 @@ def upgrade_request(extra: str = "", host: str = "127.0.0.1") -> bytes:
         "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
         f"{extra}\r\n"
     ).encode()
-
-
-def token_file(tmp_path: Path, *tokens: str, mode: int = 0o600) -> Path:
-    path = tmp_path / "tokens"
-    path.write_text("# rotation: new token first\n" + "".join(t + "\n" for t in tokens))
-    path.chmod(mode)
-    return path
 
 
 def run_server_expecting_refusal(*args: str, env: dict[str, str] | None = None) -> str:
@@ -56,16 +43,6 @@ def run_server_expecting_refusal(*args: str, env: dict[str, str] | None = None) 
     assert done.returncode != 0, done.stderr
     assert "Traceback" not in done.stderr
     return done.stderr
-
-
-async def wait_stderr(server: WsServerProcess, needle: bytes) -> None:
-    async def poll() -> None:
-        while needle not in server.stderr:
-            d: Deferred[None] = Deferred()
-            reactor.callLater(0.02, d.callback, None)
-            await d
-
-    await with_timeout(Deferred.fromCoroutine(poll()), DEFAULT_TIMEOUT, f"{needle!r} on stderr")
 
 
 @pytest_twisted.ensureDeferred

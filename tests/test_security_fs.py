@@ -15,7 +15,7 @@
   default security level).
 
 "Promptly" is no documented figure (docs/performance.md promises none for
-it), so it is not a bound in ``tests/bounds.py``: the other client's answer is
+it), so it is not a bound in ``tests/support/bounds.py``: the other client's answer is
 awaited with a generous timeout (:data:`ANSWER_WAIT`), and what shows that no
 pool thread was held is the pool gauges of ``/metrics`` returning to zero.
 """
@@ -39,11 +39,11 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred, gatherResults
 
 from execserver.tls import ServerTls
-from tests.harness import DEFAULT_TIMEOUT, with_timeout
-from tests.test_fs_safety_stall import NOT_REGULAR_READ, _metrics, held_fifo
-from tests.test_limits import until
-from tests.test_tls import Pki, pki, start_wss
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.fs_stalls import NOT_REGULAR_READ, gauges_of, held_fifo
+from tests.support.harness import DEFAULT_TIMEOUT, with_timeout
+from tests.support.polling import until
+from tests.support.tls import Pki, pki, start_wss
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["held_fifo", "pki"]  # fixtures, used by name
 
@@ -67,13 +67,13 @@ async def _gauges_settle(server: WsServerProcess) -> dict[str, float]:
     found: dict[str, float] = {}
 
     async def idle() -> bool:
-        found.update(await _metrics(server))
+        found.update(await gauges_of(server))
         return (
             found["exec_server_fs_operations_running"] == 0
             and found["exec_server_fs_operations_queued"] == 0
         )
 
-    await until(idle, "the fs pool gauges back to zero")
+    await until(idle, "the fs pool gauges back to zero", timeout=DEFAULT_TIMEOUT)
     return found
 
 
@@ -211,13 +211,15 @@ async def test_one_session_holds_only_its_share_of_the_fs_threads(tmp_path: Path
         ]
 
         async def attacker_holds_its_share() -> bool:
-            gauges = await _metrics(server)
+            gauges = await gauges_of(server)
             return (
                 gauges["exec_server_fs_operations_running"],
                 gauges["exec_server_fs_operations_queued"],
             ) == (per_session, 5 - per_session)
 
-        await until(attacker_holds_its_share, "two reads running and three waiting")
+        await until(
+            attacker_holds_its_share, "two reads running and three waiting", timeout=DEFAULT_TIMEOUT
+        )
         # The other session's calls take the two threads left, repeatedly.
         for _ in range(5):
             got = await victim.call(

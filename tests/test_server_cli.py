@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from execserver.cli import SECURITY_NOTE, TTY_HINT
-from tests.harness import REPO_ROOT, console_script, server_env
-from tests.raw_server import RawServer
+from tests.support.harness import REPO_ROOT, console_script, server_env
+from tests.support.polling import until_blocking
+from tests.support.raw_server import RawServer
 
 TIMEOUT = 10.0
 README = REPO_ROOT / "README.md"
@@ -107,14 +108,15 @@ def server_on_a_terminal(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], 
 
 def wait_for_sigterm_handler(pid: int) -> None:
     """Until ``pid`` catches SIGTERM (its ``SigCgt`` mask in /proc), bounded."""
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
+
+    def catches_sigterm() -> bool:
         with open(f"/proc/{pid}/status") as status:
             caught = next(line for line in status if line.startswith("SigCgt:"))
-        if int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)):
-            return
-        select.select([], [], [], 0.01)
-    raise TimeoutError(f"pid {pid} installed no SIGTERM handler within {TIMEOUT}s")
+        return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+    until_blocking(
+        catches_sigterm, f"pid {pid} to install a SIGTERM handler", timeout=TIMEOUT, interval=0.01
+    )
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess[str]:

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest_twisted
 
-from tests.test_limits import until
-from tests.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 TTL_MS = 600_000
 
@@ -55,7 +56,7 @@ async def test_detached_sessions_are_counted_by_the_sessions_gauges() -> None:
             gauges = await _gauges(server)
             return gauges.get("exec_server_connections") == 0
 
-        await until(counted, "the parkers' connections closed")
+        await until(counted, "the parkers' connections closed", timeout=DEFAULT_TIMEOUT)
         gauges = await _gauges(server)
         assert gauges["exec_server_sessions"] == 3
         assert gauges["exec_server_sessions_detached"] == 3

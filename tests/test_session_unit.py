@@ -1,12 +1,11 @@
 """Unit tests of the session (process/* semantics) and ManagedProcess, over fakes.
 
 Time is a ``task.Clock``; children are fake transports that deliver Twisted's
-events in the real order; signals go to a recording fake (tests/fakes.py).
+events in the real order; signals go to a recording fake (tests/support/fakes.py).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import signal
 from typing import Any
@@ -17,7 +16,7 @@ from twisted.internet.task import Clock
 from execserver.config import ServerConfig
 from execserver.processes import ChildProcess, ManagedProcess
 from execserver.spawn import ProcessSpec, SpawnError
-from tests.fakes import (
+from tests.support.fakes import (
     FAKE_PID_BASE,
     FakeKill,
     FakeOutbound,
@@ -26,6 +25,7 @@ from tests.fakes import (
     Harness,
     exec_params,
 )
+from tests.support.harness import b64
 
 
 def ready(config: ServerConfig | None = None, spawner: FakeSpawner | None = None) -> Harness:
@@ -33,10 +33,6 @@ def ready(config: ServerConfig | None = None, spawner: FakeSpawner | None = None
     h.handshake()
     h.outbound.take()
     return h
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 # --- process/start ----------------------------------------------------------------------------

@@ -1,8 +1,13 @@
+"""The installed server's shortest path over stdio: ``initialize``, one
+``process/start``, its output and exit notifications, a clean exit at EOF.
+"""
+
 from __future__ import annotations
 
 import pytest_twisted
 
-from tests.harness import ServerProcess, unb64
+from tests.support.harness import unb64
+from tests.support.stdio_server import ServerProcess
 
 
 @pytest_twisted.ensureDeferred

@@ -26,7 +26,7 @@ from twisted.python.failure import Failure
 
 from execserver import spawn
 from execserver.spawn import PosixSpawner, ProcessSpec, overrides
-from tests.harness import server_env
+from tests.support.harness import server_env
 
 TIMEOUT = 20.0
 

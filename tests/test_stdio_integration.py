@@ -5,7 +5,7 @@ Bounds stated here:
 - a terminated process tree is gone from /proc within TREE_GONE_BOUND seconds
   (the server's default grace is 2 s; ``sleep`` dies at the SIGTERM);
 - while the client reads nothing, the server's peak RSS stays below its idle
-  RSS plus ``tests.bounds.STALL_RSS_GROWTH`` (the documented figure).
+  RSS plus ``tests.support.bounds.STALL_RSS_GROWTH`` (the documented figure).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,11 +34,10 @@ from twisted.internet.stdio import StandardIO
 from execserver.app import build_dispatcher
 from execserver.config import ServerConfig
 from execserver.transports.stdio import LineProtocol
-from tests.bounds import STALL_RSS_GROWTH
-from tests.fakes import FakeSpawner
-from tests.harness import (
+from tests.support.bounds import STALL_RSS_GROWTH
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import (
     REPO_ROOT,
-    ServerProcess,
     b64,
     child_env,
     descendants,
@@ -48,7 +47,9 @@ from tests.harness import (
     reset_peak_rss,
     with_timeout,
 )
-from tests.raw_server import RawServer
+from tests.support.polling import until, until_blocking
+from tests.support.raw_server import RawServer
+from tests.support.stdio_server import ServerProcess
 
 TREE_GONE_BOUND = 5.0
 MiB = 1024 * 1024
@@ -63,18 +64,6 @@ async def serving(*args: str) -> AsyncIterator[ServerProcess]:
         yield server
     finally:
         await server.stop()
-
-
-async def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``condition`` every 20 ms; returns the seconds it took."""
-    start = time.monotonic()
-
-    async def loop() -> None:
-        while not condition():
-            await task.deferLater(reactor, 0.02)
-
-    await with_timeout(Deferred.fromCoroutine(loop()), timeout, what)
-    return time.monotonic() - start
 
 
 def sleeps_under(pid: int) -> list[int]:
@@ -100,7 +89,7 @@ async def start_tree(server: ServerProcess, process_id: str = "tree") -> list[in
     def new_sleeps() -> list[int]:
         return [pid for pid in sleeps_under(server_pid) if pid not in known]
 
-    await poll_until(lambda: len(new_sleeps()) == 2, 10, "both sleeps to start")
+    await until(lambda: len(new_sleeps()) == 2, "both sleeps to start", timeout=10)
     pids = new_sleeps()
     assert len(pids) == 2
     return pids
@@ -115,8 +104,10 @@ async def test_terminate_kills_the_whole_process_tree() -> None:
         pids = await start_tree(server)
         result = await server.call("process/terminate", {"processId": "tree"})
         assert result == {"running": True}
-        took = await poll_until(
-            lambda: not any(pid_alive(pid) for pid in pids), TREE_GONE_BOUND, "the tree to die"
+        took = await until(
+            lambda: not any(pid_alive(pid) for pid in pids),
+            "the tree to die",
+            timeout=TREE_GONE_BOUND,
         )
         assert took < TREE_GONE_BOUND
         await server.wait_notification("process/exited", "tree")
@@ -138,7 +129,7 @@ async def test_stdin_eof_answers_terminates_every_tree_and_exits_zero() -> None:
         )
         server.send_raw(b'{"id":"last","method":"process/read","params":{"processId":"t2"}}')
         server.transport.closeStdin()  # type: ignore[union-attr]
-        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        code = await with_timeout(server.exited(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
         answers = {m["id"]: m for m in server.messages if m.get("id") in ("poll", "last")}
         assert set(answers) == {"poll", "last"}
@@ -157,7 +148,7 @@ async def test_sigterm_to_the_server_leaves_no_process_behind() -> None:
         await server.handshake()
         pids = await start_tree(server)
         server.kill("TERM")
-        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        code = await with_timeout(server.exited(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
         assert not any(pid_alive(pid) for pid in pids)
     finally:
@@ -182,7 +173,7 @@ async def test_sigterm_flushes_exit_notifications_and_pending_answers() -> None:
         # The read is in the server's hands before the signal.
         await server.call("process/terminate", {"processId": "nobody"})
         server.kill("TERM")
-        code = await with_timeout(server._ended_copy(), TREE_GONE_BOUND + 5, "server exit")
+        code = await with_timeout(server.exited(), TREE_GONE_BOUND + 5, "server exit")
         assert code == 0
         exited = [
             m
@@ -492,10 +483,7 @@ def test_a_client_that_stops_reading_for_good_ends_the_session() -> None:
                 "arg0": None,
             },
         )
-        deadline = time.monotonic() + 10
-        while len(sleeps_under(server.pid)) < 2:
-            assert time.monotonic() < deadline, "the sleeps did not start"
-            time.sleep(0.02)
+        until_blocking(lambda: len(sleeps_under(server.pid)) >= 2, "the sleeps", timeout=10)
         pids = sleeps_under(server.pid)
         assert server.proc.stdout is not None
         server.proc.stdout.close()
@@ -546,11 +534,12 @@ def test_sigterm_with_a_stalled_client_still_exits_and_kills_everything() -> Non
                 "arg0": None,
             },
         )
-        deadline = time.monotonic() + 10
-        while not pids:
-            assert time.monotonic() < deadline, "the child did not start"
-            time.sleep(0.02)
-            pids = [p for p in descendants(server.pid) if pid_alive(p)]
+
+        def started() -> bool:
+            pids[:] = [p for p in descendants(server.pid) if pid_alive(p)]
+            return bool(pids)
+
+        until_blocking(started, "the child to start", timeout=10)
         # Not reading: the server's output pipe fills and stays full.
         server.proc.send_signal(signal.SIGTERM)
         # 0.2 s grace + 2 s flush slack + the force-close second, with margin.

@@ -17,8 +17,8 @@ import pytest
 
 from execserver import sync
 from execserver.clientcore.framing import LOCAL_SERVER_LOG_DIR_ENV
-from tests import server_checks
-from tests.harness import NEUTRAL_CWD, console_script, server_env
+from tests.support import server_checks
+from tests.support.harness import NEUTRAL_CWD, console_script, server_env
 
 
 def noisy_server(root: Path) -> str:

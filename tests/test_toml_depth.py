@@ -27,7 +27,7 @@ from execserver.codex.toml_depth import (
 )
 from execserver.codex.toml_writer import dumps
 from execserver.fs.paths import path_to_uri
-from tests.test_codex_environment_config import _read, _write, serving
+from tests.support.codex_config import read_params, serving, write_file
 
 
 @pytest.mark.parametrize(
@@ -85,10 +85,10 @@ async def test_environment_config_read_refuses_deep_nesting_with_the_documented_
     home = tmp_path / "codex-home"
     work = tmp_path / "work"
     (work / ".git").mkdir(parents=True)
-    _write(home / "config.toml", f'[projects."{work}"]\ntrust_level = "trusted"\n')
-    project = _write(work / ".codex" / "config.toml", config)
+    write_file(home / "config.toml", f'[projects."{work}"]\ntrust_level = "trusted"\n')
+    project = write_file(work / ".codex" / "config.toml", config)
     async with serving(tmp_path) as server:
-        reply = await server.request("environmentConfig/read", _read(path_to_uri(str(work))))
+        reply = await server.request("environmentConfig/read", read_params(path_to_uri(str(work))))
         # The server is fine afterwards.
         assert (await server.call("fs/getMetadata", {"path": "/"}))["isDirectory"] is True
     assert reply["error"] == {

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from execserver import cli
-from tests.harness import REPO_ROOT, child_env, server_env, unb64
-from tests.raw_server import RawServer
+from tests.support.harness import REPO_ROOT, child_env, server_env, unb64
+from tests.support.raw_server import RawServer
 
 BIN = Path(sys.executable).parent
 

@@ -19,8 +19,8 @@ from execserver.client import connect_websocket
 from execserver.client.errors import ConnectFailed
 from execserver.service import Options
 from execserver.transports.listen import ListenUrlError, UnixAddress, parse_listen_url
-from tests.harness import DEFAULT_TIMEOUT, run_script, with_timeout
-from tests.ws_harness import WsServerProcess
+from tests.support.harness import DEFAULT_TIMEOUT, run_script, with_timeout
+from tests.support.ws_harness import WsServerProcess
 
 NOBODY = 65534
 

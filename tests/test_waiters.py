@@ -1,3 +1,8 @@
+"""``execserver.waiters``: :class:`Waiters` fires only those waiting at the time
+(dropping cancelled and forgotten waits), and :class:`Latch` fires once, then
+answers every later wait at once.
+"""
+
 from __future__ import annotations
 
 from typing import Any

@@ -15,9 +15,9 @@ from typing import Any
 import pytest_twisted
 
 from execserver.codex.watch import MAX_SERVER_WATCHES, MAX_WATCHES
-from tests.harness import DEFAULT_TIMEOUT
-from tests.test_limits import until
-from tests.ws_harness import WsClientProtocol, WsServerProcess, connect
+from tests.support.harness import DEFAULT_TIMEOUT
+from tests.support.polling import until
+from tests.support.ws_harness import WsClientProtocol, WsServerProcess, connect
 
 CODEX_INIT = {"clientName": "codex-environment", "resumeSessionId": None}
 
@@ -122,7 +122,7 @@ async def test_watches_beyond_the_server_cap_are_refused(tmp_path: Path) -> None
         async def accepted() -> bool:
             return "result" in await _watch(extra, "retry", tmp_path / "absent")
 
-        await until(accepted, "the closed connection's watches freed")
+        await until(accepted, "the closed connection's watches freed", timeout=DEFAULT_TIMEOUT)
         assert inotify_instances(server.pid) == 1
         for client in clients[1:]:
             await client.close()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from execserver.transports.websocket import ExecServerProtocol
-from tests.test_websocket_protocol import LIMIT, make_factory, open_raw, server_frames
+from tests.support.ws_wire import LIMIT, make_factory, open_raw, server_frames
 
 OPCODES = [0, 1, 2, 8, 9, 10, 3, 11]
 SIZES = st.one_of(

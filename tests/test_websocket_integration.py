@@ -13,8 +13,6 @@ import base64
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +20,13 @@ import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
-from tests.bounds import REPLY_BACKLOG_RSS_GROWTH, STALL_RSS_GROWTH, MiB
-from tests.harness import (
+from tests.support.bounds import REPLY_BACKLOG_RSS_GROWTH, STALL_RSS_GROWTH, MiB
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     descendants,
+    observe,
     peak_rss_bytes,
     pid_alive,
     reactor,
@@ -36,13 +34,13 @@ from tests.harness import (
     rss_bytes,
     with_timeout,
 )
-from tests.ws_harness import (
+from tests.support.polling import until
+from tests.support.ws_harness import (
     WsClientProtocol,
     WsServerProcess,
     connect,
     get_request,
     http_get,
-    observe,
 )
 
 #: Seconds within which a dead client's processes must be gone.
@@ -52,18 +50,6 @@ PING_INTERVAL_MS = 300
 PING_TIMEOUT_MS = 3000
 
 ECHO_SCRIPT = "printf 'ready\\n'; while IFS= read -r line; do printf 'echo:%s\\n' \"$line\"; done"
-
-
-async def poll_until(
-    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.02
-) -> float:
-    """Poll ``predicate`` until true; return the seconds it took. Fails after ``timeout``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await deferLater(reactor, interval, lambda: None)
-    return time.monotonic() - start
 
 
 def children_of(server: WsServerProcess) -> list[int]:
@@ -112,11 +98,15 @@ async def test_websocket_disconnect_terminates_processes_for_that_connection(
         await client.start_process(
             "proc-1", ["bash", "-lc", f"sleep 2; printf disconnected > {marker}"]
         )
-        await poll_until(lambda: len(children_of(server)) >= 2, DEFAULT_TIMEOUT, "bash and sleep")
+        await until(
+            lambda: len(children_of(server)) >= 2, "bash and sleep", timeout=DEFAULT_TIMEOUT
+        )
         tree = children_of(server)
         await client.close()
-        took = await poll_until(
-            lambda: not any(pid_alive(p) for p in tree), REAP_BOUND, "the process tree to go"
+        took = await until(
+            lambda: not any(pid_alive(p) for p in tree),
+            "the process tree to go",
+            timeout=REAP_BOUND,
         )
         assert took < REAP_BOUND
         # The tree is gone, so the marker can never be written.
@@ -306,13 +296,15 @@ async def test_client_killed_mid_stream_has_its_processes_reaped() -> None:
         await bystander.handshake()
         proto, transport = await _start_client_script(server, "sleep 300 & yes")
         try:
-            await poll_until(
-                lambda: len(children_of(server)) >= 3, DEFAULT_TIMEOUT, "sh, sleep, yes"
+            await until(
+                lambda: len(children_of(server)) >= 3, "sh, sleep, yes", timeout=DEFAULT_TIMEOUT
             )
             tree = children_of(server)
             os.kill(transport.pid, signal.SIGKILL)  # no close frame, no FIN from Python
-            took = await poll_until(
-                lambda: not any(pid_alive(p) for p in tree), REAP_BOUND, "the tree to be reaped"
+            took = await until(
+                lambda: not any(pid_alive(p) for p in tree),
+                "the tree to be reaped",
+                timeout=REAP_BOUND,
             )
             assert took < REAP_BOUND
         finally:
@@ -339,14 +331,16 @@ async def test_frozen_client_is_detected_by_ping_timeout() -> None:
         await live.handshake()
         proto, transport = await _start_client_script(server, "sleep 300 & sleep 300")
         try:
-            await poll_until(lambda: len(children_of(server)) >= 3, DEFAULT_TIMEOUT, "sh, sleeps")
+            await until(
+                lambda: len(children_of(server)) >= 3, "sh, sleeps", timeout=DEFAULT_TIMEOUT
+            )
             tree = children_of(server)
             os.kill(transport.pid, signal.SIGSTOP)  # TCP stays up; pongs stop
             detect = (PING_INTERVAL_MS + PING_TIMEOUT_MS) / 1000
-            await poll_until(
+            await until(
                 lambda: not any(pid_alive(p) for p in tree),
-                detect + REAP_BOUND,
                 "the frozen client's tree to be reaped",
+                timeout=detect + REAP_BOUND,
                 interval=0.1,
             )
         finally:
@@ -420,15 +414,15 @@ async def test_tcp_abort_terminates_that_connections_processes_only() -> None:
         for c in (doomed, other):
             await c.handshake()
             await c.start_process("proc-1", ["sleep", "300"])
-        await poll_until(lambda: len(children_of(server)) == 2, DEFAULT_TIMEOUT, "two sleeps")
+        await until(lambda: len(children_of(server)) == 2, "two sleeps", timeout=DEFAULT_TIMEOUT)
         before = set(children_of(server))
         doomed.abort()
-        await poll_until(lambda: len(children_of(server)) == 1, REAP_BOUND, "one sleep reaped")
+        await until(lambda: len(children_of(server)) == 1, "one sleep reaped", timeout=REAP_BOUND)
         assert set(children_of(server)) < before
         listed = await other.call("process/read", {"processId": "proc-1"})
         assert listed["exited"] is False
         await other.close()
-        await poll_until(lambda: not children_of(server), REAP_BOUND, "the other sleep reaped")
+        await until(lambda: not children_of(server), "the other sleep reaped", timeout=REAP_BOUND)
     finally:
         assert await server.stop() == 0
 
@@ -554,7 +548,7 @@ async def test_readyz_and_metrics_answer_during_a_one_gib_flood() -> None:
         flood = await connect(server.url, protocol=_FloodCounter, utf8validateIncoming=False)
         await flood.handshake()
         await flood.start_process("flood", ["head", "-c", str(1 << 30), "/dev/zero"])
-        await poll_until(lambda: flood.bytes_received > 16 << 20, 30, "the flood to start")
+        await until(lambda: flood.bytes_received > 16 << 20, "the flood to start", timeout=30)
         host, port = server.host_port
         for _ in range(3):
             status, _, body = await http_get(host, port, get_request("/readyz"), timeout=5)
@@ -615,7 +609,7 @@ async def test_shutdown_closes_connections_and_terminates_every_process(
         for c in clients:
             await c.handshake()
             await c.start_process("proc-1", ["sh", "-c", "sleep 300 & sleep 300"])
-        await poll_until(lambda: len(children_of(server)) >= 9, DEFAULT_TIMEOUT, "all sleeps")
+        await until(lambda: len(children_of(server)) >= 9, "all sleeps", timeout=DEFAULT_TIMEOUT)
         tree = children_of(server)
         server.signal(sig)
         await with_timeout(observe(server.ended), REAP_BOUND + 5, "server exit")

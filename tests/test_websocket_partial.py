@@ -40,10 +40,11 @@ from execserver.transports.websocket import (
     WebSocketSettings,
     partial_limit_reason,
 )
-from tests.fakes import FakeSpawner
-from tests.harness import DEFAULT_TIMEOUT, reactor, with_timeout
-from tests.test_websocket_protocol import client_frame as frame
-from tests.ws_harness import WsServerProcess, get_request, http_get, observe
+from tests.support.fakes import FakeSpawner
+from tests.support.harness import DEFAULT_TIMEOUT, observe, reactor, with_timeout
+from tests.support.polling import until
+from tests.support.ws_harness import WsServerProcess, get_request, http_get
+from tests.support.ws_wire import client_frame as frame
 
 MiB = 1024 * 1024
 OP_CONTINUATION, OP_TEXT, OP_CLOSE = 0x0, 0x1, 0x8
@@ -154,14 +155,20 @@ async def partial_bytes(server: WsServerProcess) -> int:
 
 async def wait_partial(server: WsServerProcess, done: Any, what: str) -> int:
     """Poll /metrics until ``done(bytes held)``; at most DEFAULT_TIMEOUT seconds."""
-    deadline = reactor.seconds() + DEFAULT_TIMEOUT
-    while True:
-        held = await partial_bytes(server)
-        if done(held):
-            return held
-        if reactor.seconds() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}; the server holds {held} bytes")
-        await deferLater(reactor, 0.05, lambda: None)
+    held: list[int] = []
+
+    async def holds() -> bool:
+        held[:] = [await partial_bytes(server)]
+        return bool(done(held[0]))
+
+    await until(
+        holds,
+        what,
+        timeout=DEFAULT_TIMEOUT,
+        interval=0.05,
+        detail=lambda: f"the server holds {held[0] if held else '?'} bytes",
+    )
+    return held[0]
 
 
 async def send_half_message(ws: RawWebSocket, chunks: int, prefix: bytes) -> None:

@@ -16,7 +16,8 @@ from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from zope.interface import implementer
 
 from execserver import writebuffer
-from tests.harness import RpcFailure, ServerProcess
+from tests.support.harness import RpcFailure
+from tests.support.stdio_server import ServerProcess
 
 TOTAL = 32 * 1024 * 1024
 HIGH_WATER = 1024 * 1024

@@ -4,7 +4,7 @@ For tests that must control exactly when the server's stdout is read (flow
 control) or that drive many hypothesis examples against one server. Every
 read has a deadline; :meth:`RawServer.stop` always leaves no process behind,
 and at teardown the server's stderr and exit status are checked like every
-harness server's (``tests/server_checks.py``).
+harness server's (``tests/support/server_checks.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import select
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
-from tests.harness import REPO_ROOT, console_script, server_env
-from tests.server_checks import ServerChecks
+from tests.support.harness import REPO_ROOT, console_script, server_env
+from tests.support.server_checks import ServerChecks
 
 _decode = msgspec.json.Decoder().decode
 
@@ -161,3 +164,17 @@ class RawServer(ServerChecks):
 
     def stop_for_teardown(self) -> None:
         self.stop()
+
+
+@pytest.fixture(name="server")
+def handshaken_raw_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawServer]:
+    """A :class:`RawServer` past the handshake, its state directory in ``tmp_path``,
+    stopped (and required to exit 0) after the test. Import it to use it as
+    the fixture ``server``."""
+    monkeypatch.setenv("EXECSERVER_STATE_DIR", str(tmp_path / "state"))
+    started = RawServer()
+    started.handshake()
+    try:
+        yield started
+    finally:
+        assert started.stop() == 0

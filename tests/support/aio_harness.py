@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from twisted.internet import threads
 from twisted.internet.defer import Deferred
 
-from tests.harness import reactor
+from tests.support.harness import reactor
 
 T = TypeVar("T")
 

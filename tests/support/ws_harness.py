@@ -3,7 +3,7 @@
 :class:`WsServerProcess` runs the installed ``exec-server --listen
 ws://127.0.0.1:0`` (or ``twistd -n exec-server``) and reads the ``exec-server
 listening on ws://IP:PORT`` lines from its stderr; at teardown its stderr and
-exit status are checked like every harness server's (``tests/server_checks.py``).
+exit status are checked like every harness server's (``tests/support/server_checks.py``).
 :class:`WsClient` is a test-only JSON-RPC client on Autobahn's Twisted
 WebSocket client (``onMessage`` stays synchronous; size limits set).
 Every wait has a timeout; ``stop`` always leaves no process behind.
@@ -18,56 +18,38 @@ import re
 import signal
 from typing import Any
 
-import pytest_twisted
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from tests.harness import (
+from tests.support.harness import (
     BIN as BIN_DIR,
 )
-from tests.harness import (
+from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     RpcTestClient,
     console_script,
+    observe,
     reactor,
     server_env,
     with_timeout,
 )
-from tests.server_checks import ServerChecks
+from tests.support.server_process import ServerProcessBase
 
 BANNER = re.compile(rb"exec-server listening on ((?:ws|wss|unix)://\S+)")
 
 
-def observe(source: Deferred[Any]) -> Deferred[Any]:
-    """A Deferred that fires with ``source``'s result without consuming it."""
-    d: Deferred[Any] = Deferred()
-
-    def forward(outcome: Any) -> Any:
-        if not d.called:
-            d.callback(outcome if not isinstance(outcome, Failure) else None)
-        return outcome
-
-    source.addBoth(forward)
-    return d
-
-
-class WsServerProcess(ServerChecks, ProcessProtocol):
+class WsServerProcess(ServerProcessBase):
     """The real server listening on WebSocket addresses."""
 
     def __init__(self, expected_urls: int) -> None:
-        self.stderr = b""
+        super().__init__()
         self.urls: list[str] = []
         self._expected = expected_urls
         self.listening: Deferred[list[str]] = Deferred()
-        self.ended: Deferred[Any] = Deferred()
-        self.exit_code: int | None = None
-        self.exit_signal: int | None = None
-        self.pid: int | None = None
 
     @classmethod
     async def start(
@@ -85,12 +67,7 @@ class WsServerProcess(ServerChecks, ProcessProtocol):
             argv = [console_script("twistd"), "-n", "--pidfile=", "exec-server", *args]
         else:
             argv = [console_script("exec-server"), *args]
-        proto = cls(listeners)
-        transport = reactor.spawnProcess(
-            proto, argv[0], argv, env=server_env(env), path=str(REPO_ROOT)
-        )
-        proto.pid = transport.pid
-        proto._init_checks(f"{' '.join(argv)} (pid {proto.pid})")
+        proto = cls(listeners).launch(argv, env=server_env(env))
         try:
             await with_timeout(observe(proto.listening), timeout, "the listening banner")
         except BaseException:
@@ -108,53 +85,21 @@ class WsServerProcess(ServerChecks, ProcessProtocol):
         return host.strip("[]"), int(port)
 
     def errReceived(self, data: bytes) -> None:
-        self.stderr += data
+        super().errReceived(data)
         if not self.listening.called:
             self.urls = [m.decode() for m in BANNER.findall(self.stderr)]
             if len(self.urls) >= self._expected:
                 self.listening.callback(self.urls)
 
-    def processEnded(self, reason: Failure) -> None:
-        self.exit_code = getattr(reason.value, "exitCode", None)
-        self.exit_signal = getattr(reason.value, "signal", None)
+    def _process_ended(self) -> None:
         if not self.listening.called:
             self.listening.errback(
                 RuntimeError(f"server exited before listening: {self.stderr.decode()}")
             )
-        self.ended.callback(self.exit_code)
 
-    def signal(self, sig: str) -> None:
-        """Send ``sig`` on purpose: the server may then die of it."""
-        self._signalled_by_test(sig)
-        self._signal(sig)
-
-    def _signal(self, sig: str) -> None:
-        with contextlib.suppress(ProcessExitedAlready, AttributeError):
-            self.transport.signalProcess(sig)  # type: ignore[union-attr]
-
-    async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
-        """SIGTERM and wait for exit; SIGKILL if it does not exit in time."""
-        if not self.ended.called:
-            self._signal("TERM")
-            try:
-                await with_timeout(observe(self.ended), timeout, "server exit")
-            except TimeoutError:
-                self.harness_killed = True
-                self._signal("KILL")
-                await with_timeout(observe(self.ended), timeout, "server exit after SIGKILL")
-                raise
-        return self.exit_code
-
-    # --- teardown checks ------------------------------------------------------------
-
-    def stderr_bytes(self) -> bytes:
-        return self.stderr
-
-    def exit_status(self) -> tuple[int | None, int | None] | None:
-        return (self.exit_code, self.exit_signal) if self.ended.called else None
-
-    def stop_for_teardown(self) -> None:
-        pytest_twisted.blockon(Deferred.fromCoroutine(self.stop()))
+    def _request_stop(self) -> None:
+        """SIGTERM: the server closes its listeners and sessions, then exits 0."""
+        self._signal("TERM")
 
 
 # (mypy flags Autobahn's own base classes as mutually inconsistent once a

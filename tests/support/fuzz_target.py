@@ -30,9 +30,9 @@ from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublish
 
 from execserver.codec import OVERSIZED, LineFramer
 from execserver.config import ServerConfig
-from tests.fakes import Harness
+from tests.support.fakes import Harness
 
-CORPUS = Path(__file__).parent / "fuzz_corpus"
+CORPUS = Path(__file__).parent.parent / "fuzz_corpus"
 
 #: Routes that change the real filesystem or hold resources across inputs:
 #: answered as unknown methods here (the fs/* read side stays, on the real

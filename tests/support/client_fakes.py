@@ -7,14 +7,12 @@
   ``127.0.0.1`` in front of a real :class:`Dispatcher` (optionally demanding
   a bearer token, or ignoring every message), stoppable and restartable on
   the same port.
-- :func:`wait` / :func:`eventually`: bounded waits.
+- :func:`wait`: a Deferred, bounded (polls go through ``tests/support/polling.py``).
 """
 
 from __future__ import annotations
 
-import base64
 import json
-from collections.abc import Callable
 from typing import Any
 
 from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
@@ -32,28 +30,14 @@ from execserver.client.channels import NdjsonProtocol
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.spawn import PosixSpawner
-from tests.harness import reactor, with_timeout
+from tests.support.harness import DEFAULT_TIMEOUT, reactor, with_timeout
+from tests.support.polling import until
 
 TIMEOUT = 10.0
 
 
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 async def wait(d: Deferred[Any], what: str, timeout: float = TIMEOUT) -> Any:
     return await with_timeout(d, timeout, what)
-
-
-async def eventually(
-    predicate: Callable[[], bool], what: str, timeout: float = TIMEOUT, step: float = 0.02
-) -> None:
-    """Poll a condition the code under test offers no event for, with a deadline."""
-    deadline = reactor.seconds() + timeout
-    while not predicate():
-        if reactor.seconds() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await task.deferLater(reactor, step, lambda: None)
 
 
 # --- scripted fake server over a StringTransport ----------------------------------------
@@ -125,7 +109,7 @@ def make_dispatcher() -> Dispatcher:
     return build_dispatcher(ServerConfig(terminate_grace_ms=500), reactor, PosixSpawner(reactor))
 
 
-class _ServerProtocol(WebSocketServerProtocol):
+class LocalServerProtocol(WebSocketServerProtocol):
     server: LocalWsServer
     connection: Connection | None = None
 
@@ -171,7 +155,7 @@ class LocalWsServer:
         self.silent = silent
         self.port = port
         self.dispatcher = make_dispatcher()
-        self.protocols: set[_ServerProtocol] = set()
+        self.protocols: set[LocalServerProtocol] = set()
         self.connect_count = 0
         self._listening: Any = None
 
@@ -183,7 +167,7 @@ class LocalWsServer:
         factory = WebSocketServerFactory()
         server = self
 
-        class Proto(_ServerProtocol):
+        class Proto(LocalServerProtocol):
             pass
 
         Proto.server = server
@@ -202,4 +186,6 @@ class LocalWsServer:
             if transport is not None:
                 transport.abortConnection()
         await wait(self.dispatcher.shutdown(), "dispatcher shutdown")
-        await eventually(lambda: not self.protocols, "server connections to close")
+        await until(
+            lambda: not self.protocols, "server connections to close", timeout=DEFAULT_TIMEOUT
+        )

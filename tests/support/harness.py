@@ -1,19 +1,19 @@
-"""Integration-test harness: the real server as a subprocess over real stdio.
+"""What every integration test needs: paths, environments, bounded waits, /proc probes.
 
-``ServerProcess.start()`` runs the installed ``exec-server`` console script
-(found next to ``sys.executable``; no path to this checkout is passed on, so
-the code under test is what ``pip install`` shipped) and speaks NDJSON to it.
-Every wait has a timeout; :meth:`ServerProcess.stop` always leaves no process
-behind. At teardown the fixtures in ``conftest.py`` fail the test on a
-traceback in the server's stderr or an exit status it did not declare
-(``tests/server_checks.py``).
+The installed console scripts (found next to ``sys.executable``; no path to
+this checkout is passed on, so the code under test is what ``pip install``
+shipped), the environments for our server and for the processes it starts,
+``with_timeout`` / ``observe`` for Deferreds, and the JSON-RPC bookkeeping
+(:class:`RpcTestClient`) the stdio and WebSocket test clients share. The
+servers themselves: ``tests/support/stdio_server.py`` (``ServerProcess``),
+``tests/support/ws_harness.py`` (``WsServerProcess``), both on
+``tests/support/server_process.py``.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -23,17 +23,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest_twisted
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from execserver.exits import exit_status
-from tests.server_checks import ServerChecks
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 reactor: Any = _reactor
 
 DEFAULT_TIMEOUT = 10.0
@@ -116,6 +110,19 @@ def with_timeout(d: Deferred[Any], seconds: float, what: str) -> Deferred[Any]:
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
     return d.addTimeout(seconds, reactor, onTimeoutCancel=on_timeout)
+
+
+def observe(source: Deferred[Any]) -> Deferred[Any]:
+    """A Deferred that fires with ``source``'s result without consuming it."""
+    d: Deferred[Any] = Deferred()
+
+    def forward(outcome: Any) -> Any:
+        if not d.called:
+            d.callback(outcome if not isinstance(outcome, Failure) else None)
+        return outcome
+
+    source.addBoth(forward)
+    return d
 
 
 class RpcTestClient:
@@ -261,122 +268,6 @@ class RpcTestClient:
         await self.wait_notification("process/closed", process_id, timeout)
 
 
-class ServerProcess(RpcTestClient, ServerChecks, ProcessProtocol):
-    """A running ``exec-server`` child and a minimal JSON-RPC client for it."""
-
-    def __init__(self) -> None:
-        # Pieces of an incomplete line: joined once its newline arrives, so a
-        # large line costs linear time, not a re-copy on every read.
-        self.partial: list[bytes] = []
-        self.stderr = b""
-        self.raw_lines: list[bytes] = []
-        self._init_rpc()
-        self.ended: Deferred[Any] = Deferred()
-        self.exit_code: int | None = None
-        self.exit_signal: int | None = None
-        self.stdout_closed: Deferred[None] = Deferred()
-        self.pid: int | None = None
-
-    # --- lifecycle ------------------------------------------------------------------
-
-    @classmethod
-    def start(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        proto = cls()
-        script = console_script("exec-server")
-        transport = reactor.spawnProcess(
-            proto, script, [script, *args], env=server_env(env), path=str(REPO_ROOT)
-        )
-        proto.pid = transport.pid
-        proto._init_checks(f"exec-server {' '.join(args)} (stdio, pid {proto.pid})")
-        return proto
-
-    def connectionMade(self) -> None:
-        pass
-
-    def outReceived(self, data: bytes) -> None:
-        if b"\n" not in data:
-            self.partial.append(data)
-            return
-        if self.partial:
-            data = b"".join([*self.partial, data])
-            self.partial = []
-        *lines, rest = data.split(b"\n")
-        if rest:
-            self.partial.append(rest)
-        for line in lines:
-            if not line:
-                continue
-            self.raw_lines.append(line)
-            self._received(json.loads(line))
-
-    def errReceived(self, data: bytes) -> None:
-        self.stderr += data
-
-    def outConnectionLost(self) -> None:
-        self.stdout_closed.callback(None)
-
-    def processEnded(self, reason: Failure) -> None:
-        status = exit_status(reason)
-        self.exit_code = status.code
-        self.exit_signal = status.signal
-        self._fail_pending("server exited")
-        self.ended.callback(self.exit_code)
-
-    async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
-        """Close stdin and wait for exit; kill it if it does not exit in time."""
-        if not self.ended.called:
-            self.transport.closeStdin()  # type: ignore[union-attr]
-            try:
-                await with_timeout(self._ended_copy(), timeout, "server exit")
-            except TimeoutError:
-                self.harness_killed = True
-                self._signal("KILL")
-                await with_timeout(self._ended_copy(), timeout, "server exit after SIGKILL")
-                raise
-        return self.exit_code
-
-    def kill(self, sig: str = "KILL") -> None:
-        """Send ``sig`` on purpose: the server may then die of it."""
-        self._signalled_by_test(sig)
-        self._signal(sig)
-
-    def _signal(self, sig: str) -> None:
-        with contextlib.suppress(ProcessExitedAlready):
-            self.transport.signalProcess(sig)  # type: ignore[union-attr]
-
-    # --- teardown checks ------------------------------------------------------------
-
-    def stderr_bytes(self) -> bytes:
-        return self.stderr
-
-    def exit_status(self) -> tuple[int | None, int | None] | None:
-        return (self.exit_code, self.exit_signal) if self.ended.called else None
-
-    def stop_for_teardown(self) -> None:
-        pytest_twisted.blockon(Deferred.fromCoroutine(self.stop()))
-
-    def _ended_copy(self) -> Deferred[Any]:
-        d: Deferred[Any] = Deferred()
-        if self.ended.called:
-            d.callback(self.exit_code)
-        else:
-
-            def forward(outcome: Any) -> Any:
-                d.callback(outcome)
-                return outcome
-
-            self.ended.addBoth(forward)
-        return d
-
-    # --- protocol -------------------------------------------------------------------
-
-    def send_raw(self, data: bytes) -> None:
-        self.transport.write(data)  # type: ignore[union-attr]
-
-    def send(self, message: dict[str, Any], binary: bool = False) -> None:
-        self.send_raw(json.dumps(message).encode() + b"\n")
-
-
 @contextlib.contextmanager
 def refused_port() -> Iterator[int]:
     """A 127.0.0.1 port that refuses connections for as long as the block runs.
@@ -390,17 +281,18 @@ def refused_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def _status_field(pid: int, field: str) -> int:
+def status_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A size field (``VmRSS``, ``VmHWM``, ...) of ``/proc/PID/status``, in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    raise KeyError(f"no {field} for {pid}")
 
 
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` now."""
-    return _status_field(pid, "VmRSS")
+    return status_bytes(pid, "VmRSS")
 
 
 def reset_peak_rss(pid: int) -> None:
@@ -413,7 +305,7 @@ def reset_peak_rss(pid: int) -> None:
 
 def peak_rss_bytes(pid: int) -> int:
     """Highest RSS of ``pid`` since it started or since :func:`reset_peak_rss`."""
-    return _status_field(pid, "VmHWM")
+    return status_bytes(pid, "VmHWM")
 
 
 def pid_alive(pid: int) -> bool:

@@ -285,3 +285,40 @@ def exec_params(process_id: str = "proc-1", **extra: Any) -> dict[str, Any]:
     }
     params.update(extra)
     return params
+
+
+# --- a second connection to a harness's dispatcher ---------------------------------------
+
+
+class Second:
+    """Another connection to the harness's dispatcher."""
+
+    def __init__(self, h: Harness, identity: object = None) -> None:
+        self.outbound = FakeOutbound()
+        if identity is not None:
+            self.outbound.identity = identity  # type: ignore[attr-defined]
+        self.conn = h.dispatcher.connect(self.outbound, "second")
+        self._id = 1000
+
+    def call(self, method: str, params: Any) -> dict[str, Any]:
+        import json
+
+        self._id += 1
+        self.conn.message_received(
+            json.dumps({"id": self._id, "method": method, "params": params}).encode()
+        )
+        response: dict[str, Any] = self.outbound.responses()[self._id]
+        return response
+
+
+def drop(h: Harness) -> None:
+    """What a transport does when its connection is lost."""
+    h.conn.transport_closed()
+    h.conn.shutdown()
+
+
+def ready(config: ServerConfig | None = None) -> Harness:
+    """A :class:`Harness` past the handshake."""
+    h = Harness(config)
+    h.handshake()
+    return h

@@ -33,7 +33,7 @@ from twisted.internet.threads import deferToThread
 from execserver.client import ConnectOptions, ExecServerClient, OutputEvent, RemoteProcess
 from execserver.client.reconnect import ReconnectingClient
 from execserver.clientcore.errors import ExecServerError
-from tests.harness import DEFAULT_TIMEOUT, console_script, reactor, server_env, with_timeout
+from tests.support.harness import DEFAULT_TIMEOUT, console_script, reactor, server_env, with_timeout
 
 if TYPE_CHECKING:
     from execserver import aio, sync
