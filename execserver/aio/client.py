@@ -328,10 +328,7 @@ class Client:
     def _on_lost(self, rpc: AsyncRpc, reason: str) -> None:
         if rpc is not self._rpc:
             return
-        self._table.cancel_lingers()
-        if not self._following:
-            for handle in self._table.take_all():
-                handle.connection_lost()
+        if not self._table.dropped(self._following):
             self._fail_waiters(ConnectionClosed(reason))
             return
         # Hold live events back from now on: the catch-up reads on the next
@@ -700,6 +697,10 @@ class Client:
         elif again:
             await self._catch_up(self._rpc, handle)
         return handle
+
+    #: The one name every client gives it (the Twisted client's): ``start``
+    #: stays, as an alias.
+    start_process = start
 
     async def _start_through_drops(
         self, params: p.ExecParams, handle: Process
