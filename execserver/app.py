@@ -38,8 +38,8 @@ from execserver.sandbox.policy import SandboxPolicy
 from execserver.session import Session, session_of
 from execserver.spawn import Spawner
 
-ENVIRONMENT_INFO = "environment/info"
-FS_WATCH_MISSING = "fs/watchMissing"
+ENVIRONMENT_INFO = p.ENVIRONMENT_INFO
+FS_WATCH_MISSING = p.FS_WATCH_MISSING
 FS_MISSING_CHANGED = "fs/missingChanged"
 
 #: The current dialect's code for an fs path that does not exist.
@@ -106,25 +106,13 @@ def build_dispatcher(
         )
 
     dispatcher = Dispatcher(config, clock, new_session, dialect=CURRENT_DIALECT)
-    dispatcher.add_route(
-        p.INITIALIZE,
-        p.InitializeParams,
-        partial(handshake.initialize, sandbox=sandbox),
-        family=None,
-    )
+    dispatcher.add_method(p.Initialize, partial(handshake.initialize, sandbox=sandbox))
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
-    dispatcher.add_route(
-        ENVIRONMENT_INFO, object, lambda c, a: _environment_info(sandbox), family=None
-    )
+    dispatcher.add_method(p.EnvironmentInfoMethod, lambda c, a: _environment_info(sandbox))
     watches = WatchHub(clock)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
-        dispatcher.add_route(
-            FS_WATCH_MISSING,
-            p.FsWatchMissingParams,
-            lambda c, a: _watch_missing(watches, c, a),
-            family="filesystem",
-        )
+        dispatcher.add_method(p.FsWatchMissing, lambda c, a: _watch_missing(watches, c, a))
     _add_process_routes(dispatcher)
     fs = filesystem.register(dispatcher, fs_runner, sandbox_floor=sandbox_floor)
     dispatcher.application = Application(fs, sandbox)

@@ -247,9 +247,17 @@ class Dispatcher:
         announces = self.dialect.announced_by(method)
         self.routes[method] = Route(params_type, handler, family, announces)
 
-    def add_method(self, method: p.Method[Any, Any], handler: Handler) -> None:
-        """A route for a declared method: its name, params type and family."""
-        self.add_route(method.name, method.params, handler, method.family)
+    def add_method(
+        self, method: p.Method[Any, Any], handler: Handler, *, decode: type[Any] | None = None
+    ) -> None:
+        """A route for a declared method: its name, params type and family.
+
+        ``decode``: the server's own type to decode the params with where it
+        decodes more than the declared type says (fs/readFile's and
+        fs/writeFile's wire types); the declaration stays the one for clients.
+        """
+        params = method.params if decode is None else decode
+        self.add_route(method.name, params, handler, method.family)
 
     def connect(self, outbound: Outbound, label: str = "connection") -> Connection:
         conn = Connection(self, outbound, label)

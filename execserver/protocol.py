@@ -689,6 +689,52 @@ class FsCopyParams(_Wire):
     sandbox: SandboxConfig | None = None
 
 
+# --- fs/canonicalize, fs/walk (the current dialect) --------------------------------------
+
+FS_CANONICALIZE = "fs/canonicalize"
+FS_WALK = "fs/walk"
+
+WalkKind = Literal["directory", "file"]
+
+
+class FsCanonicalizeParams(msgspec.Struct, rename="camel"):
+    path: str
+
+
+class FsCanonicalizeResponse(msgspec.Struct, rename="camel"):
+    path: str
+
+
+class WalkOptions(msgspec.Struct, rename="camel"):
+    # The reference's usize: a negative value is -32602 naming the field
+    # (values past the maxima of fs/walk.py are the reference's -32600).
+    max_depth: NonNegative
+    max_directories: NonNegative
+    max_entries: NonNegative
+    follow_directory_symlinks: bool
+
+
+class FsWalkParams(msgspec.Struct, rename="camel"):
+    path: str
+    options: WalkOptions
+
+
+class WalkEntry(msgspec.Struct, rename="camel"):
+    path: str
+    kind: WalkKind
+
+
+class WalkError(msgspec.Struct, rename="camel"):
+    path: str
+    message: str
+
+
+class FsWalkResponse(msgspec.Struct, rename="camel"):
+    entries: list[WalkEntry] = msgspec.field(default_factory=list)
+    errors: list[WalkError] = msgspec.field(default_factory=list)
+    truncated: bool = False
+
+
 # --- the methods, each declared once ---------------------------------------------------
 
 P = TypeVar("P")
@@ -763,4 +809,32 @@ METHODS: tuple[Method[Any, Any], ...] = (
     FsReadDirectory,
     FsRemove,
     FsCopy,
+)
+
+
+# --- the handshake's and the current dialect's methods, each declared once ---------------
+
+ENVIRONMENT_INFO = "environment/info"
+FS_WATCH_MISSING = "fs/watchMissing"
+
+#: No family: a connection calls it first. Clients read its result
+#: leniently (``clientcore.types.InitializeResult``).
+Initialize = Method(INITIALIZE, InitializeParams, InitializeResponse, None)
+#: Current dialect; its params are null (any value is accepted).
+EnvironmentInfoMethod = Method(ENVIRONMENT_INFO, object, EnvironmentInfo, None)
+FsWatchMissing = Method(
+    FS_WATCH_MISSING, FsWatchMissingParams, FsWatchMissingResponse, "filesystem"
+)
+FsCanonicalize = Method(FS_CANONICALIZE, FsCanonicalizeParams, FsCanonicalizeResponse, "filesystem")
+FsWalk = Method(FS_WALK, FsWalkParams, FsWalkResponse, "filesystem")
+
+#: The handshake and the current dialect's methods of the server's own
+#: rooms (the Codex-only ones are declared beside their types in
+#: ``execserver.codex``). Not in :data:`METHODS`: no client repeats them.
+DIALECT_METHODS: tuple[Method[Any, Any], ...] = (
+    Initialize,
+    EnvironmentInfoMethod,
+    FsWatchMissing,
+    FsCanonicalize,
+    FsWalk,
 )

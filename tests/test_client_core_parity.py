@@ -44,8 +44,9 @@ async def test_the_asyncio_client_reports_the_limit_that_ended_the_process(
             result = await client.run(writer(tmp_path), cwd="/", env=child_env())
             assert result.exit_code == 128 + 25  # SIGXFSZ
             assert result.limit_exceeded == ("fileSize", LIMIT)
-            proc = await client.start(writer(tmp_path), cwd="/", env=child_env())
-            assert await proc.wait(timeout=30) == 128 + 25
+            # The one names of every client (start_process, exited()).
+            proc = await client.start_process(writer(tmp_path), cwd="/", env=child_env())
+            assert await proc.exited(timeout=30) == 128 + 25
             assert proc.limit_exceeded == ("fileSize", LIMIT)
 
     try:
@@ -139,3 +140,21 @@ async def test_ws_to_a_wss_port_says_use_wss(tmp_path: Path, client: str) -> Non
             await threads.deferToThread(with_sync)
     finally:
         assert await server.stop() == 0
+
+
+def test_one_name_per_concept_in_every_client_the_old_ones_aliases() -> None:
+    """docs/client.md "One name per concept": ``start_process``, a handle's
+    ``output()`` and ``exited()`` in all three clients; ``start``, ``wait()``
+    and ``subscribe()`` stay as aliases of the same methods."""
+    from execserver.client import ExecServerClient, ReconnectingClient, RemoteProcess
+    from execserver.client.reconnect import ResumingClient
+
+    for client_class in (aio.Client, sync.Client):
+        assert client_class.start_process is client_class.start
+    for twisted_class in (ExecServerClient, ReconnectingClient, ResumingClient):
+        assert callable(twisted_class.start_process)
+    for handle_class in (aio.Process, sync.Process):
+        assert handle_class.exited is handle_class.wait
+        assert callable(handle_class.output)
+    assert RemoteProcess.output is RemoteProcess.subscribe
+    assert callable(RemoteProcess.exited)

@@ -292,3 +292,53 @@ async def test_a_suspended_session_is_lost_after_its_ttl_when_no_handshake_succe
         assert proc.lost_reason.cause.startswith("no connection within its 60 s TTL (")
     finally:
         await _stop(client, endpoint, server)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_start_in_flight_at_a_drop_is_sent_again_with_the_same_process_id() -> None:
+    """The start-retry loop (written once, in ``clientcore.session``) also
+    serves ReconnectingClient: a ``process/start`` whose request is lost with
+    the connection is sent again, same ``processId``, on the resumed session,
+    and its handle follows the process there."""
+    clock = task.Clock()
+    server = LocalWsServer()
+    endpoint = MemoryEndpoint(server)
+    client = _client(endpoint, clock, session_ttl_ms=60_000)
+    client.start()
+    endpoint.flush()
+    first = client.client
+    assert first is not None and first.resumable
+    starting = client.start_process(["sh", "-c", "echo again"], process_id="p-again")
+    # The request is still in the client's transport: lost with the connection.
+    (pump,) = endpoint.pumps
+    assert pump.clientIO.stream and first.pending_request_count == 1  # (a masked frame)
+    pump.clientIO.stream.clear()
+    endpoint.drop_all()
+    assert not starting.called  # waiting for the resume, not failed
+    clock.advance(2.0)  # the first retry
+    endpoint.flush()
+    second = client.client
+    assert second is not None and second is not first
+    assert second.session_id == first.session_id  # resumed
+
+    def started() -> bool:
+        endpoint.flush()
+        return starting.called
+
+    try:
+        await eventually(started, "the start sent again to be answered")
+        proc = await starting
+        assert proc.process_id == "p-again"
+        assert proc._api is client  # its requests follow the session
+        seen: list[bytes] = []
+        proc.add_output_listener(lambda event: seen.append(event.chunk))
+
+        def closed() -> bool:
+            endpoint.flush()
+            return proc.closed().called
+
+        await eventually(closed, "the process to end")
+        assert await proc.exited() == 0
+        assert b"".join(seen) == b"again\n"
+    finally:
+        await _stop(client, endpoint, server)

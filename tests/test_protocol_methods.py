@@ -144,3 +144,28 @@ def test_the_twisted_client_offers_the_shared_names() -> None:
     assert twisted_client.ReconnectingClient is ReconnectingClient
     assert twisted_client.ResumingClient is ResumingClient
     assert {"ReconnectingClient", "ResumingClient"} <= set(twisted_client.__all__)
+
+
+def test_every_server_route_is_a_declared_method() -> None:
+    """Issue 25 point 2: each route of the server is added from its one
+    declaration (name, params type, family); the fs reads and writes decode
+    with the server's own wire types, named at the route (``decode=``)."""
+    from execserver.codex.capability_discovery import CapabilitiesDiscoverV2
+    from execserver.codex.environment_config import EnvironmentConfigRead
+    from execserver.fs.handlers import ReadFileWire, WriteFileWire
+
+    declarations = (*p.METHODS, *p.DIALECT_METHODS, CapabilitiesDiscoverV2, EnvironmentConfigRead)
+    declared = {method.name: method for method in declarations}
+    assert len(declared) == len(declarations)  # each name declared once
+    server_decode = {p.FS_READ_FILE: ReadFileWire, p.FS_WRITE_FILE: WriteFileWire}
+    dispatcher = build_dispatcher(ServerConfig(), Clock(), FakeSpawner())
+    # fs/watchMissing is routed only where inotify is available.
+    assert set(declared) - {p.FS_WATCH_MISSING} <= set(dispatcher.routes) <= set(declared)
+    for name, route in dispatcher.routes.items():
+        method = declared[name]
+        assert route.family == method.family, name
+        assert route.params_type is server_decode.get(name, method.params), name
+    for name, decode in server_decode.items():
+        # The server's type decodes every field a client may send.
+        client_fields = set(declared[name].params.__struct_fields__)
+        assert client_fields <= set(decode.__struct_fields__), name

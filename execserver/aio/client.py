@@ -56,7 +56,6 @@ from execserver.aio.channels import (
 from execserver.aio.process import Process
 from execserver.aio.rpc import AsyncRpc
 from execserver.clientcore import defaults, transfer
-from execserver.clientcore.calls import after_drop
 from execserver.clientcore.errors import (
     ConnectFailed,
     ConnectionClosed,
@@ -70,6 +69,7 @@ from execserver.clientcore.follow import ProcessTable, acknowledge, decode_outpu
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
+from execserver.clientcore.session import GaveUp, redial, through_drops
 from execserver.clientcore.start import exec_params
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
@@ -328,10 +328,7 @@ class Client:
     def _on_lost(self, rpc: AsyncRpc, reason: str) -> None:
         if rpc is not self._rpc:
             return
-        self._table.cancel_lingers()
-        if not self._following:
-            for handle in self._table.take_all():
-                handle.connection_lost()
+        if not self._table.dropped(self._following):
             self._fail_waiters(ConnectionClosed(reason))
             return
         # Hold live events back from now on: the catch-up reads on the next
@@ -352,44 +349,50 @@ class Client:
         ttl = self.initialize_result.session_ttl_ms / 1000.0
         loop = asyncio.get_running_loop()
         attempts = ResumeAttempts(ttl, loop.time(), reason)
-        while not self._closing:
-            try:
-                rpc, channel, result = await self._dialer.open(session_id)
-            except ExecServerError as exc:
-                refused = isinstance(exc.__cause__, ConnectionRefusedError)
-                gone = attempts.failed(exc, loop.time(), refused=refused)
-                if gone is not None:
-                    self._give_up(gone)
-                    return
-            else:
-                if self._closing:
-                    await channel.aclose()
-                    return
-                if result.session_id != session_id:
-                    await channel.aclose()
-                    self._give_up("the server started a new session")
-                    return
-                self._rpc, self._channel = rpc, channel
-                self.initialize_result = result
-                self.resumes += 1
-                self._install(rpc)
-                await self._catch_up_all(rpc)
-                if rpc.is_closed:
-                    # Dropped again meanwhile (this task still running, no
-                    # other was started): resume again; the handles wait.
-                    attempts.restart(loop.time(), rpc.closed_reason or attempts.cause)
-                    continue
-                waiters, self._waiters = self._waiters, []
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(rpc)
+        Dialled = tuple[AsyncRpc, StdioChannel | WebSocketChannel, InitializeResult]
+
+        async def discard(dialled: Dialled) -> None:
+            await dialled[1].aclose()
+
+        while True:
+            outcome = await redial(
+                lambda: self._dialer.open(session_id),
+                session_id,
+                attempts,
+                session_of=lambda dialled: dialled[2].session_id,
+                discard=discard,
+                now=loop.time,
+                sleep=asyncio.sleep,
+                refused=lambda exc: isinstance(exc.__cause__, ConnectionRefusedError),
+                stopped=lambda: self._closing,
+                retry_on=ExecServerError,
+                on_retry=lambda cause: log.info(
+                    "resuming session %s failed: %s", session_id, cause
+                ),
+            )
+            if outcome is None:
                 return
-            expired = attempts.expired(loop.time())
-            if expired is not None:
-                self._give_up(expired)
+            if isinstance(outcome, GaveUp):
+                if outcome.stray is not None:
+                    await discard(outcome.stray)
+                self._give_up(outcome.cause)
                 return
-            log.info("resuming session %s failed: %s", session_id, attempts.cause)
-            await asyncio.sleep(attempts.next_delay())
+            rpc, channel, result = outcome
+            self._rpc, self._channel = rpc, channel
+            self.initialize_result = result
+            self.resumes += 1
+            self._install(rpc)
+            await self._catch_up_all(rpc)
+            if rpc.is_closed:
+                # Dropped again meanwhile (this task still running, no
+                # other was started): resume again; the handles wait.
+                attempts.restart(loop.time(), rpc.closed_reason or attempts.cause)
+                continue
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(rpc)
+            return
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
         handles = [h for h in self._table if h.catching_up and h not in self._starting]
@@ -461,17 +464,25 @@ class Client:
         return await self.call(method.name, params, method.result, timeout=timeout)
 
     async def _call(self, method: str, params: object, result_type: type[T]) -> T:
-        while True:
-            rpc = await self._current()
-            try:
-                return await rpc.call(method, params, result_type)
-            except ConnectionClosed as exc:
-                error = after_drop(method, params, exc, following=self._following)
-                if error is exc:
-                    raise
-                if error is not None:
-                    raise error from None
-                # Safe to send again once the session is resumed.
+        def send(rpc: AsyncRpc, again: bool) -> Awaitable[T]:
+            return rpc.call(method, params, result_type)
+
+        return await self._through_drops(send, method, params)
+
+    def _through_drops(
+        self, send: Callable[[AsyncRpc, bool], Awaitable[T]], method: str, params: object
+    ) -> Awaitable[T]:
+        """:func:`execserver.clientcore.session.through_drops` over this client's
+        connections (one session: a lost one raises from :meth:`_current`)."""
+        return through_drops(
+            self._current,
+            send,
+            method,
+            params,
+            following=lambda rpc: self._following,
+            session_of=lambda rpc: self.session_id,
+            lost_error=lambda session_id: self.lost or SessionLost(session_id, "not resumed"),
+        )
 
     # --- process/* ------------------------------------------------------------------
 
@@ -687,6 +698,10 @@ class Client:
             await self._catch_up(self._rpc, handle)
         return handle
 
+    #: The one name every client gives it (the Twisted client's): ``start``
+    #: stays, as an alias.
+    start_process = start
+
     async def _start_through_drops(
         self, params: p.ExecParams, handle: Process
     ) -> tuple[p.ExecResponse, bool]:
@@ -697,22 +712,21 @@ class Client:
         then catches up from its last seq). Kept out of the resume's catch-up
         while unanswered: the server may never have heard of it."""
         requested = params.process_id
-        again = False
-        while True:
-            rpc = await self._current()
+
+        async def send(rpc: AsyncRpc, again: bool) -> tuple[p.ExecResponse, bool]:
             if again:
                 self._table.claim(requested)
                 self._table.adopt([handle])
             self._starting.add(handle)
             try:
                 return await send_start(rpc.call, params, again), again
-            except ConnectionClosed as exc:
+            except ConnectionClosed:
                 self._table.unregister(requested, handle)
-                if after_drop(p.PROCESS_START, params, exc, following=self._following) is exc:
-                    raise
-                again = True
+                raise
             finally:
                 self._starting.discard(handle)
+
+        return await self._through_drops(send, p.PROCESS_START, params)
 
     def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
         """Terminate ``process_id`` in a task of its own (the caller is being

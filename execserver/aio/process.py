@@ -170,6 +170,10 @@ class Process(ProcessCore[OutputStream]):
                 await self._exited.wait()
         return self.exit_code
 
+    #: The one name every handle gives it (the Twisted handle's): ``wait``
+    #: stays, as an alias.
+    exited = wait
+
     async def closed(self, timeout: float | None = None) -> None:
         """Until no more output will arrive (``process/closed``, or the end of the handle)."""
         if not self.is_closed:

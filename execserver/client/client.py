@@ -463,15 +463,9 @@ class ExecServerClient(ClientApi, FileTransfers):
         self._emit(event)
 
     def _on_connection_lost(self, reason: str) -> None:
-        self._table.cancel_lingers()
-        if self.resumable and self._closing is None:
-            # The session lives on in the server: the handles wait for a
-            # new connection to adopt them (or for fail_suspended).
-            self._suspended = True
-            self._emit(DisconnectedEvent(reason))
-            return
-        for handle in self._table.take_all():
-            handle.connection_lost()
+        # A resumable session lives on in the server: the handles wait for
+        # a new connection to adopt them (or for fail_suspended).
+        self._suspended = self._table.dropped(self.resumable and self._closing is None)
         self._emit(DisconnectedEvent(reason))
 
     # --- resumed sessions -----------------------------------------------------------

@@ -34,7 +34,7 @@ old behaviour: a drop ends the session and its handles.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import attrs
@@ -59,8 +59,8 @@ from execserver.client.errors import (
     SessionLost,
 )
 from execserver.client.process import RemoteProcess
-from execserver.clientcore.calls import after_drop
 from execserver.clientcore.resume import ResumeAttempts
+from execserver.clientcore.session import GaveUp, redial, through_drops
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -185,26 +185,29 @@ class _FollowsSession(ClientApi):
         if client is not None and not client.resumable:
             return client._call(method, params, result_type)
 
-        async def attempt() -> T:
-            session: str | None = None
-            while True:
-                client = await self._next_client()
-                if session is not None and client.session_id != session:
-                    # The session the call belonged to could not be resumed.
-                    raise self._lost_error(session)
-                try:
-                    return await client._call(method, params, result_type)
-                except ConnectionClosed as exc:
-                    following = client.resumable and not self._stopped
-                    error = after_drop(method, params, exc, following=following)
-                    if error is exc:
-                        raise
-                    if error is not None:
-                        raise error from None
-                    # Safe to send again once the session is resumed.
-                    session = client.session_id
+        def send(client: ExecServerClient, again: bool) -> Deferred[T]:
+            return client._call(method, params, result_type)
 
-        return Deferred.fromCoroutine(attempt())
+        return Deferred.fromCoroutine(self._through_drops(send, method, params))
+
+    def _through_drops(
+        self,
+        send: Callable[[ExecServerClient, bool], Awaitable[T]],
+        method: str,
+        params: object,
+        first: ExecServerClient | None = None,
+    ) -> Coroutine[Any, Any, T]:
+        """:func:`execserver.clientcore.session.through_drops` over this client's connections."""
+        return through_drops(
+            self._next_client,
+            send,
+            method,
+            params,
+            following=lambda client: client.resumable and not self._stopped,
+            session_of=lambda client: client.session_id,
+            lost_error=self._lost_error,
+            first=first,
+        )
 
     def write(self, process_id: str, chunk: bytes) -> Deferred[p.WriteResponse]:
         """``process/write`` with a ``writeId``, so a retry after a drop writes once."""
@@ -223,26 +226,16 @@ class _FollowsSession(ClientApi):
             params = client._start_params(argv, **kwargs)
             handle = RemoteProcess(client, params.process_id, client._backlog_bytes)
             handle.detach = detach
-            again = False
-            while True:
-                try:
-                    if again:
-                        await client._start_again(params, handle)
-                    else:
-                        await client._start(params, detach, handle)
-                    break
-                except ConnectionClosed as exc:
-                    # In flight at a drop: unknown whether the server started
-                    # it. Sent again (same processId) once the session is
-                    # resumed; "already exists" then says the first one did.
-                    following = client.resumable and not self._stopped
-                    if after_drop(p.PROCESS_START, params, exc, following=following) is exc:
-                        raise
-                    session = client.session_id
-                    client = await self._next_client()
-                    if client.session_id != session:
-                        raise self._lost_error(session or "") from None
-                    again = True
+
+            async def send(client: ExecServerClient, again: bool) -> RemoteProcess:
+                # Sent again (same processId) once the session is resumed
+                # when it was in flight at a drop; "already exists" then
+                # says the first one was carried out.
+                if again:
+                    return await client._start_again(params, handle)
+                return await client._start(params, detach, handle)
+
+            await self._through_drops(send, p.PROCESS_START, params, first=client)
             # Requests of the handle follow the session across connections.
             handle._api = self
             return handle
@@ -550,37 +543,43 @@ class ResumingClient(_FollowsSession):
             initial_delay=self._initial_delay,
             max_delay=self._max_delay,
         )
-        while not self._stopped:
-            try:
-                new = await self._dial(session_id)
-            except Exception as exc:
-                refused = isinstance(exc.__cause__, Refused)
-                cause = attempts.failed(exc, self._reactor.seconds(), refused=refused)
-                if cause is not None:
-                    return self._give_up(old, cause)
-            else:
-                if self._stopped or new.session_id != session_id:
-                    if not self._stopped:
-                        self._give_up(old, "the server started a new session")
-                    await new.close()
-                    return None
-                self.client = new
-                self.resumes += 1
-                self._watch(new)
-                await new.adopt(old, self)
-                if new.is_connected:
-                    self._waiters.fire(new)
-                # Else it dropped during the catch-up: its own resume (begun
-                # by _dropped) hands the waiting calls the next connection.
-                return None
-            expired = attempts.expired(self._reactor.seconds())
-            if expired is not None:
-                return self._give_up(old, expired)
-            log.info("resuming session {sid} failed: {cause}", sid=session_id, cause=attempts.cause)
+
+        async def sleep(seconds: float) -> None:
             waited: Deferred[None] = Deferred()
-            self._reactor.callLater(attempts.next_delay(), waited.callback, None)
+            self._reactor.callLater(seconds, waited.callback, None)
             await waited
-        return None
+
+        async def discard(new: ExecServerClient) -> None:
+            await new.close()
+
+        outcome = await redial(
+            lambda: self._dial(session_id),
+            session_id,
+            attempts,
+            session_of=lambda client: client.session_id,
+            discard=discard,
+            now=self._reactor.seconds,
+            sleep=sleep,
+            refused=lambda exc: isinstance(exc.__cause__, Refused),
+            stopped=lambda: self._stopped,
+            on_retry=lambda cause: log.info(
+                "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
+            ),
+        )
+        if isinstance(outcome, GaveUp):
+            self._give_up(old, outcome.cause)
+            if outcome.stray is not None:
+                await outcome.stray.close()
+        elif outcome is not None:
+            new = outcome
+            self.client = new
+            self.resumes += 1
+            self._watch(new)
+            await new.adopt(old, self)
+            if new.is_connected:
+                self._waiters.fire(new)
+            # Else it dropped during the catch-up: its own resume (begun
+            # by _dropped) hands the waiting calls the next connection.
 
     def _give_up(self, old: ExecServerClient, cause: str) -> None:
         self.lost = SessionLost(old.session_id, cause)

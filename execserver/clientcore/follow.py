@@ -167,6 +167,19 @@ class ProcessTable(Generic[H]):
         for cancel in lingering.values():
             cancel()
 
+    # --- resume gating ----------------------------------------------------------------
+
+    def dropped(self, following: bool) -> bool:
+        """The connection dropped: no linger timer outlives it, and unless the
+        client ``following`` the session waits for a resume, every handle
+        ends (exited without an exit code, and closed). Returns ``following``:
+        whether the handles wait for the next connection to adopt them."""
+        self.cancel_lingers()
+        if not following:
+            for handle in self.take_all():
+                handle.connection_lost()
+        return following
+
     # --- acknowledgement ("pause") ------------------------------------------------------
 
     @staticmethod

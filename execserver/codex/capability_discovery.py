@@ -33,6 +33,7 @@ from typing import Any, Final
 import attrs
 import msgspec
 
+from execserver import protocol as p
 from execserver.codex import skill_yaml
 from execserver.codex.environment_config import (
     ancestors,
@@ -946,4 +947,11 @@ def register(router: Any, run: Runner) -> None:
         validate(params)
         return run(discover, owner=conn)
 
-    router.add_route(CAPABILITIES_DISCOVER_V2, DiscoverV2Params, handle, FAMILY)
+    router.add_method(CapabilitiesDiscoverV2, handle)
+
+
+#: ``capabilities/discoverV2``, declared once (beside its types: the protocol
+#: module imports nothing of ``codex/``).
+CapabilitiesDiscoverV2 = p.Method(
+    CAPABILITIES_DISCOVER_V2, DiscoverV2Params, DiscoverV2Response, FAMILY
+)

@@ -39,6 +39,7 @@ from typing import Any, Final
 import attrs
 import msgspec
 
+from execserver import protocol as p
 from execserver.codex import toml_depth
 from execserver.codex.toml_writer import dumps
 from execserver.errors import RpcError
@@ -626,4 +627,11 @@ def register(router: Any, run: Runner) -> None:
         cwd = validate(params)
         return run(read_environment_config, params, cwd, owner=conn)
 
-    router.add_route(ENVIRONMENT_CONFIG_READ, EnvironmentConfigReadParams, handle, FAMILY)
+    router.add_method(EnvironmentConfigRead, handle)
+
+
+#: ``environmentConfig/read``, declared once (beside its types: the protocol
+#: module imports nothing of ``codex/``).
+EnvironmentConfigRead = p.Method(
+    ENVIRONMENT_CONFIG_READ, EnvironmentConfigReadParams, EnvironmentConfigReadResponse, FAMILY
+)

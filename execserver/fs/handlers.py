@@ -23,7 +23,7 @@ from execserver.errors import RpcError
 from execserver.fs import journal, local, ops, stream
 from execserver.fs.budget import Charge, Charged, ReplyBudget
 from execserver.fs.local import Locality
-from execserver.fs.paths import FAMILY, absolute_path, invalid
+from execserver.fs.paths import absolute_path, invalid
 from execserver.fs.pool import PoolRunner, Runner, inline_runner, runs_threads, thread_pool_runner
 from execserver.sandbox import fsguard
 from execserver.sandbox.policy import SandboxPolicy
@@ -77,8 +77,8 @@ class Router(Protocol):
     @property
     def config(self) -> ServerConfig: ...
 
-    def add_route(
-        self, method: str, params_type: type[Any], handler: Any, family: str | None = ...
+    def add_method(
+        self, method: p.Method[Any, Any], handler: Any, *, decode: type[Any] | None = ...
     ) -> None: ...
 
 
@@ -395,15 +395,15 @@ def register(
         setattr(  # noqa: B010
             dispatcher, "long_line_sink", functools.partial(stream.start, pool, locality)
         )
-    dispatcher.add_route(p.FS_READ_FILE, ReadFileWire, fs.read_file, FAMILY)
-    dispatcher.add_route(p.FS_WRITE_FILE, WriteFileWire, fs.write_file, FAMILY)
-    dispatcher.add_route(
-        p.FS_CREATE_DIRECTORY, p.FsCreateDirectoryParams, fs.create_directory, FAMILY
-    )
-    dispatcher.add_route(p.FS_GET_METADATA, p.FsGetMetadataParams, fs.get_metadata, FAMILY)
-    dispatcher.add_route(p.FS_READ_DIRECTORY, p.FsReadDirectoryParams, fs.read_directory, FAMILY)
-    dispatcher.add_route(p.FS_REMOVE, p.FsRemoveParams, fs.remove, FAMILY)
-    dispatcher.add_route(p.FS_COPY, p.FsCopyParams, fs.copy, FAMILY)
+    # The server's wire types decode more than the declarations: ranges,
+    # the dataBase64 of a streamed write (see ReadFileWire, WriteFileWire).
+    dispatcher.add_method(p.FsReadFile, fs.read_file, decode=ReadFileWire)
+    dispatcher.add_method(p.FsWriteFile, fs.write_file, decode=WriteFileWire)
+    dispatcher.add_method(p.FsCreateDirectory, fs.create_directory)
+    dispatcher.add_method(p.FsGetMetadata, fs.get_metadata)
+    dispatcher.add_method(p.FsReadDirectory, fs.read_directory)
+    dispatcher.add_method(p.FsRemove, fs.remove)
+    dispatcher.add_method(p.FsCopy, fs.copy)
     dispatcher.capabilities.extend(
         c for c in RANGE_CAPABILITIES if c not in dispatcher.capabilities
     )

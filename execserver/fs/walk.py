@@ -33,17 +33,22 @@ from __future__ import annotations
 import os
 import stat
 from collections import deque
-from typing import Any, Final, Literal
-
-import msgspec
+from typing import Any, Final
 
 from execserver.errors import RpcError
-from execserver.fs.paths import FAMILY, absolute_path, oserrors, path_to_uri
-from execserver.protocol import NonNegative
+from execserver.fs.paths import absolute_path, oserrors, path_to_uri
+from execserver.protocol import (
+    FsCanonicalize,
+    FsCanonicalizeParams,
+    FsCanonicalizeResponse,
+    FsWalk,
+    FsWalkParams,
+    FsWalkResponse,
+    WalkEntry,
+    WalkError,
+    WalkOptions,
+)
 from execserver.spawn import os_error_text
-
-FS_CANONICALIZE: Final = "fs/canonicalize"
-FS_WALK: Final = "fs/walk"
 
 MAX_WALK_DEPTH: Final = 64
 MAX_WALK_DIRECTORIES: Final = 10_000
@@ -51,46 +56,6 @@ MAX_WALK_ENTRIES: Final = 50_000
 #: The answer stops growing before this (paths and messages, plus the overhead per item).
 MAX_WALK_RESPONSE_BYTES: Final = 4 * 1024 * 1024
 WALK_ITEM_OVERHEAD_BYTES: Final = 64
-
-WalkKind = Literal["directory", "file"]
-
-
-class FsCanonicalizeParams(msgspec.Struct, rename="camel"):
-    path: str
-
-
-class FsCanonicalizeResponse(msgspec.Struct, rename="camel"):
-    path: str
-
-
-class WalkOptions(msgspec.Struct, rename="camel"):
-    # The reference's usize: a negative value is -32602 naming the field
-    # (values past the maxima below are the reference's -32600).
-    max_depth: NonNegative
-    max_directories: NonNegative
-    max_entries: NonNegative
-    follow_directory_symlinks: bool
-
-
-class FsWalkParams(msgspec.Struct, rename="camel"):
-    path: str
-    options: WalkOptions
-
-
-class WalkEntry(msgspec.Struct, rename="camel"):
-    path: str
-    kind: WalkKind
-
-
-class WalkError(msgspec.Struct, rename="camel"):
-    path: str
-    message: str
-
-
-class FsWalkResponse(msgspec.Struct, rename="camel"):
-    entries: list[WalkEntry] = msgspec.field(default_factory=list)
-    errors: list[WalkError] = msgspec.field(default_factory=list)
-    truncated: bool = False
 
 
 def check_options(options: WalkOptions) -> None:
@@ -241,8 +206,8 @@ def register(router: Any, run: Any) -> None:
         check_options(params.options)
         return run(_walk_op, path, params.options, render_for(conn), owner=conn)
 
-    router.add_route(FS_CANONICALIZE, FsCanonicalizeParams, handle_canonicalize, FAMILY)
-    router.add_route(FS_WALK, FsWalkParams, handle_walk, FAMILY)
+    router.add_method(FsCanonicalize, handle_canonicalize)
+    router.add_method(FsWalk, handle_walk)
 
 
 def _plain(path: str) -> str:

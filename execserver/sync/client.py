@@ -183,6 +183,10 @@ class Client:
 
         return Process(self, self._rpc("process/start", start_reaped))
 
+    #: The one name every client gives it (the Twisted client's): ``start``
+    #: stays, as an alias.
+    start_process = start
+
     async def _reaped(self, work: Callable[[], Awaitable[T]]) -> T:
         """``work()``; if it fails or is cancelled, first wait for the processes the
         asyncio client terminates in tasks of their own (a started process, a
@@ -455,6 +459,10 @@ class Process:
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once the process exited (TimeoutError after ``timeout``)."""
         return self._client._blocking(self._aio.wait, timeout, f"wait {self.process_id}")
+
+    #: The one name every handle gives it (the Twisted handle's): ``wait``
+    #: stays, as an alias.
+    exited = wait
 
     def write(self, data: bytes) -> p.WriteResponse:
         return self._client._rpc("process/write", lambda: self._aio.write(data))

@@ -1,0 +1,139 @@
+"""Following one resumable session across connections, free of any event loop.
+
+What the Twisted clients (:mod:`execserver.client.reconnect`) and the
+asyncio client (:mod:`execserver.aio.client`) share once a connection of a
+resumable session drops; each supplies only its way to wait (coroutines
+returning its connection type ``C``, a ``now`` and a ``sleep``) and to dial:
+
+- **resume gating** (:func:`through_drops`): a call in flight at a drop is
+  sent again on the resumed session when repeating it is harmless
+  (:func:`execserver.clientcore.calls.after_drop`) and fails with
+  :class:`~execserver.clientcore.errors.OutcomeUnknown` otherwise; a call
+  whose session could not be resumed fails with the client's
+  :class:`~execserver.clientcore.errors.SessionLost`;
+- **the start-retry loop** (``through_drops(..., start=True)``): a
+  ``process/start`` in flight at a drop is sent again with the same
+  ``processId`` once the session is resumed (``again=True``), where
+  "process ID already exists" says the first one was carried out
+  (:func:`execserver.clientcore.follow.send_start`);
+- **re-dialling** (:func:`redial`): dial with the backoff and give-up rules
+  of :class:`~execserver.clientcore.resume.ResumeAttempts` until a
+  connection of the same session comes, or the cause to give up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import attrs
+
+from execserver import protocol as p
+from execserver.clientcore.calls import after_drop
+from execserver.clientcore.errors import ConnectionClosed
+from execserver.clientcore.resume import ResumeAttempts
+
+C = TypeVar("C")
+T = TypeVar("T")
+
+
+async def through_drops(
+    next_connection: Callable[[], Awaitable[C]],
+    send: Callable[[C, bool], Awaitable[T]],
+    method: str,
+    params: object,
+    *,
+    following: Callable[[C], bool],
+    session_of: Callable[[C], str | None],
+    lost_error: Callable[[str], Exception],
+    first: C | None = None,
+) -> T:
+    """``send(connection, again)`` on the current (or next) connection until
+    it is answered, following the session across drops.
+
+    ``following(connection)``: the client rides through a drop of it (a
+    resumable session, the client neither closing nor stopped). After a drop
+    the call is sent again on the next connection when
+    :func:`~execserver.clientcore.calls.after_drop` allows it -- and always
+    for ``process/start`` (``again=True`` then: the same ``processId`` makes
+    the resend safe); a next connection of another session (the old one
+    could not be resumed) fails it with ``lost_error(session_id)``.
+    ``first``: the connection to send on first (already awaited by the caller).
+    """
+    session: str | None = None
+    again = False
+    connection = first
+    while True:
+        if connection is None:
+            connection = await next_connection()
+        if session is not None and session_of(connection) != session:
+            # The session the call belonged to could not be resumed.
+            raise lost_error(session)
+        try:
+            return await send(connection, again)
+        except ConnectionClosed as exc:
+            error = after_drop(method, params, exc, following=following(connection))
+            if error is exc:
+                raise
+            if error is not None and method != p.PROCESS_START:
+                raise error from None
+            # Safe to send again once the session is resumed (a start: unknown
+            # whether the server started it; "already exists" will tell).
+            session = session_of(connection) or ""
+            again = True
+            connection = None
+
+
+@attrs.frozen
+class GaveUp(Generic[C]):
+    """:func:`redial` gave up: the session is lost, for ``cause``."""
+
+    cause: str
+    #: A connection of another session (the server started a new one), for
+    #: the caller to close once it has failed what waited for the old one.
+    stray: C | None = None
+
+
+async def redial(
+    dial: Callable[[], Awaitable[C]],
+    session_id: str | None,
+    attempts: ResumeAttempts,
+    *,
+    session_of: Callable[[C], str | None],
+    discard: Callable[[C], Awaitable[None]],
+    now: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]],
+    refused: Callable[[Exception], bool],
+    stopped: Callable[[], bool],
+    retry_on: type[Exception] = Exception,
+    on_retry: Callable[[str], None] = lambda cause: None,
+) -> C | GaveUp[C] | None:
+    """Dial until a connection of ``session_id`` comes (returned), or until
+    ``attempts`` gives up (:class:`GaveUp`); None once ``stopped()`` (a
+    connection that came meanwhile is ``discard``-ed).
+
+    A dial failing with ``retry_on`` is reported to ``attempts`` (``refused``
+    tells a refused connection by the client's own typed cause); a
+    connection of another session (the server started a new one: the old one
+    is gone) ends the attempts, handed back as the ``stray`` to close.
+    """
+    while not stopped():
+        try:
+            connection = await dial()
+        except retry_on as exc:
+            cause = attempts.failed(exc, now(), refused=refused(exc))
+            if cause is not None:
+                return GaveUp(cause)
+        else:
+            if stopped():
+                await discard(connection)
+                return None
+            if session_of(connection) != session_id:
+                return GaveUp("the server started a new session", connection)
+            return connection
+        expired = attempts.expired(now())
+        if expired is not None:
+            return GaveUp(expired)
+        on_retry(attempts.cause)
+        await sleep(attempts.next_delay())
+    return None
