@@ -326,7 +326,7 @@ async def test_a_start_in_flight_at_a_drop_is_sent_again_with_the_same_process_i
         return starting.called
 
     try:
-        await eventually(started, "the start sent again to be answered")
+        await until(started, "the start sent again to be answered", timeout=DEFAULT_TIMEOUT)
         proc = await starting
         assert proc.process_id == "p-again"
         assert proc._api is client  # its requests follow the session
@@ -337,7 +337,7 @@ async def test_a_start_in_flight_at_a_drop_is_sent_again_with_the_same_process_i
             endpoint.flush()
             return proc.closed().called
 
-        await eventually(closed, "the process to end")
+        await until(closed, "the process to end", timeout=DEFAULT_TIMEOUT)
         assert await proc.exited() == 0
         assert b"".join(seen) == b"again\n"
     finally:
