@@ -26,15 +26,14 @@ class ProcInfo:
 
 def read_proc(pid: int) -> ProcInfo | None:
     """One process's ``/proc/<pid>/stat``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
+    text = _proc_bytes(f"/proc/{pid}/stat")
+    if text is None:
         return None
     # After the command: state ppid pgrp session tty tpgid flags minflt
     # cminflt majflt cmajflt utime stime cutime cstime priority nice threads
     # itrealvalue starttime
     try:
+        fields = text.rsplit(b")", 1)[1].split()
         return ProcInfo(
             pid,
             int(fields[1]),
@@ -92,21 +91,8 @@ def _proc_bytes(path: str) -> bytes | None:
         os.close(fd)
 
 
-def _quick_proc(pid: int) -> ProcInfo | None:
-    """:func:`read_proc` in one unbuffered read (the peer check's lineage walk)."""
-    text = _proc_bytes(f"/proc/{pid}/stat")
-    try:
-        fields = text.rsplit(b")", 1)[1].split() if text is not None else []
-        return ProcInfo(
-            pid,
-            int(fields[1]),
-            int(fields[2]),
-            int(fields[3]),
-            int(fields[19]),
-            fields[0] in (b"Z", b"X"),
-        )
-    except (IndexError, ValueError):
-        return None
+#: The peer check's lineage walk reads with :func:`read_proc` (one unbuffered read).
+_quick_proc = read_proc
 
 
 def _cgroup2_of(pid: int) -> str | None:
