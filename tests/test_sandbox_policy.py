@@ -451,3 +451,23 @@ def test_resolve_protects_every_confined_policy() -> None:
     for policy in (root_writable, workspace):
         assert all(policy.access(mount + "/cgroup.procs") == "read" for mount in mounts)
     assert _resolve({"mode": "none"}) is pol.UNCONFINED
+
+
+def test_a_new_bind_of_a_cgroup_file_system_is_seen(tmp_path: Path) -> None:
+    # The mount table is watched (poll on /proc/self/mountinfo): a bind of
+    # cgroupfs made after the last look is protected at the next resolve.
+    import subprocess
+
+    before = pol.cgroup_mounts()
+    assert before, "CI has cgroups mounted"
+    bind = tmp_path / "cg"
+    bind.mkdir()
+    subprocess.run(["mount", "--bind", before[-1], str(bind)], check=True, timeout=30)
+    try:
+        assert str(bind) in pol.cgroup_mounts()
+        policy = _resolve({"mode": "workspaceWrite", "writableRoots": [str(tmp_path)]})
+        assert policy.access(str(bind / "cgroup.procs")) == "read"
+        assert policy.access(str(tmp_path / "other")) == "write"
+    finally:
+        subprocess.run(["umount", str(bind)], check=True, timeout=30)
+    assert pol.cgroup_mounts() == before

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import threading
 from collections.abc import Iterable, Mapping
-from typing import Final, Literal
+from typing import IO, Final, Literal
 
 import attrs
 import msgspec
@@ -290,18 +292,48 @@ def _with_carveouts(rules: list[PathRule]) -> list[PathRule]:
 _MOUNTINFO_ESCAPE: Final = re.compile(r"\\([0-7]{3})")
 
 
+class _MountWatch:
+    """The cgroup mounts, re-read only when the mount table changed.
+
+    ``/proc/self/mountinfo`` kept open: the kernel marks it ``POLLPRI`` after
+    any mount or unmount (a ``poll`` clears the mark), so an unchanged table
+    costs one ``poll``, not a read and a parse.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._file: IO[bytes] | None = None
+        self._poller = select.poll()
+        self._mounts: tuple[str, ...] = ()
+
+    def current(self) -> tuple[str, ...]:
+        with self._lock:
+            try:
+                if self._file is None:
+                    self._file = open("/proc/self/mountinfo", "rb")  # noqa: SIM115
+                    self._poller.register(self._file, select.POLLPRI)
+                elif not self._poller.poll(0):
+                    return self._mounts
+                self._file.seek(0)
+                text = self._file.read().decode("utf-8", "surrogateescape")
+            except OSError:
+                return ()
+            self._mounts = cgroup_mounts(text)
+            return self._mounts
+
+
+_WATCH: Final = _MountWatch()
+
+
 def cgroup_mounts(mountinfo: str | None = None) -> tuple[str, ...]:
     """The mount points of every ``cgroup`` and ``cgroup2`` file system, sorted.
 
-    ``mountinfo`` is the text of ``/proc/self/mountinfo`` (read when None);
-    a bind mount of a cgroup file system elsewhere is one of them too.
+    ``mountinfo`` is the text of ``/proc/self/mountinfo`` (None: this
+    process's, as it is now); a bind mount of a cgroup file system elsewhere
+    is one of them too.
     """
     if mountinfo is None:
-        try:
-            with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-                mountinfo = f.read()
-        except OSError:
-            return ()
+        return _WATCH.current()
     found: set[str] = set()
     for line in mountinfo.splitlines():
         left, sep, right = line.partition(" - ")
