@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from execserver import __version__, fdlimit
 from execserver.app import file_system, process_sessions, sandbox_of
+from execserver.sandbox.peers import REFUSAL_REASONS
 
 if TYPE_CHECKING:
     from execserver.dispatcher import Dispatcher
@@ -62,6 +63,17 @@ def render(dispatcher: Dispatcher) -> bytes:
         "gauge",
         "How confined processes are confined (bwrap, landlock, none: confined starts refused).",
         [({"mechanism": engine.describe() if engine is not None else "none"}, 1)],
+    )
+    refused_peers = (
+        engine.peers.refused_counts if engine is not None else dict.fromkeys(REFUSAL_REASONS, 0)
+    )
+    lines += _family(
+        "exec_server_sandbox_peer_refused_total",
+        "counter",
+        "Connections on unix:// listeners refused by the peer check, by reason "
+        "(confined: a sandboxed command of this server or its tree; exited: the peer "
+        "exited before it could be checked).",
+        [({"reason": reason}, count) for reason, count in sorted(refused_peers.items())],
     )
     lines += _family(
         "exec_server_auth_refused_total",

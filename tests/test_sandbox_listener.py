@@ -15,6 +15,7 @@ Through the real installed server; each escape test failed before the fix.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from twisted.internet import reactor
 from execserver.client import connect_websocket
 from tests.support.harness import DEFAULT_TIMEOUT, RpcTestClient, with_timeout
 from tests.support.sandbox import CHILD_PATH, Dirs, dirs, env_for, profile_for, uri
-from tests.support.ws_harness import WsServerProcess, connect
+from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
 __all__ = ["dirs"]
 
@@ -69,13 +70,18 @@ def attempt():
         ws.close()
 
 if how == "leave-cgroup":
-    # Root given the cgroup files moves itself to the hierarchy's root.
+    # Root given the cgroup files tries to move itself to the hierarchy's
+    # root (the cgroup file systems stay read-only to a confined command).
     mount = next(line.split()[1] for line in open("/proc/self/mounts")
                  if line.split()[2] == "cgroup2")
-    with open(os.path.join(mount, "cgroup.procs"), "w") as f:
-        f.write("0")
+    try:
+        with open(os.path.join(mount, "cgroup.procs"), "w") as f:
+            f.write("0")
+        left = "left"
+    except OSError as exc:
+        left = f"stayed ({exc.strerror})"
     cgroup = next(line for line in open("/proc/self/cgroup") if line.startswith("0::"))
-    print("RESULT", f"in {cgroup.strip()}:", attempt(), flush=True)
+    print("RESULT", f"{left} in {cgroup.strip()}:", attempt(), flush=True)
 elif how == "child":
     # A child in the command's session, its parent waiting for it.
     reader, writer = os.pipe()
@@ -162,6 +168,15 @@ async def _attack(
     return lines[-1][len("RESULT ") :]
 
 
+async def _refused_counts(server: WsServerProcess) -> dict[str, int]:
+    """``exec_server_sandbox_peer_refused_total`` by reason, from ``/metrics``."""
+    host, port = next(u for u in server.urls if u.startswith("ws://"))[5:].rsplit(":", 1)
+    status, _, body = await http_get(host, int(port), get_request("/metrics"))
+    assert status == 200, body
+    found = re.findall(rb'exec_server_sandbox_peer_refused_total\{reason="(\w+)"\} (\d+)', body)
+    return {reason.decode(): int(count) for reason, count in found}
+
+
 async def _server(sock: Path, mechanism: str, *extra: str) -> WsServerProcess:
     return await WsServerProcess.start(
         "--listen", "ws://127.0.0.1:0", "--listen", f"unix://{sock}",
@@ -197,11 +212,14 @@ async def test_a_landlock_confined_command_cannot_use_the_unix_listener(
             result = await _attack(client, dirs, "landlock", sock, how=how)
         finally:
             await client.close()
+        # The one connection refused is counted (/metrics).
+        counted = await _refused_counts(server)
     finally:
         assert await server.stop() == 0
     assert not (dirs.outside / "marker").exists(), result
     assert result.startswith(("REFUSED", "DROPPED")), result
     assert "refusing a connection on unix://" in server.stderr.decode(), server.stderr
+    assert counted == {"confined": 1, "exited": 0}, counted
 
 
 @pytest_twisted.ensureDeferred
@@ -209,7 +227,9 @@ async def test_a_confined_command_that_left_its_cgroup_is_still_refused(
     dirs: Dirs, sock_dir: Path
 ) -> None:
     # Root (CI runs as root) whose profile makes the cgroup files writable
-    # can leave its cgroup: its lineage still leads to a confined tree.
+    # could leave its cgroup before the cgroup file systems were kept
+    # read-only (then its lineage still led to a confined tree); now it
+    # stays in its cgroup, and is refused.
     sock = sock_dir / "exec.sock"
     server = await _server(sock, "landlock", "--process-containment", "cgroup")
     try:
@@ -227,7 +247,8 @@ async def test_a_confined_command_that_left_its_cgroup_is_still_refused(
     finally:
         assert await server.stop() == 0
     assert not (dirs.outside / "marker").exists(), result
-    assert result.startswith("in 0::/:"), result
+    assert result.startswith("stayed (Permission denied) in 0::"), result
+    assert "/exec-server-" in result.split(": ", 1)[0], result
     assert result.split(": ", 1)[1].startswith(("REFUSED", "DROPPED")), result
 
 

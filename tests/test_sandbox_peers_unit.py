@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -173,3 +175,36 @@ def test_without_containment_the_lineage_of_a_confined_leader_is_refused() -> No
     finally:
         leader.kill()
         leader.wait(timeout=30)
+
+
+def test_every_refusal_is_counted_by_reason(pair: tuple[socket.socket, ...]) -> None:
+    # /metrics' exec_server_sandbox_peer_refused_total{reason}: each
+    # refusal, not only those the once-per-interval warning names.
+    confined = Tree()
+    clock = Clock()
+    peers = ConfinedPeers(clock, FakeContainment({os.getpid(): [confined]}))  # type: ignore[arg-type]
+    assert peers.refused_counts == {"confined": 0, "exited": 0}
+    assert not peers.refused(Transport(pair[0]))  # no confined tree yet: nothing read
+    peers.add(confined)
+    for _ in range(3):
+        assert peers.refused(Transport(pair[0]))
+    assert peers.refused_counts == {"confined": 3, "exited": 0}
+    peers.containment = FakeContainment({os.getpid(): [Tree()]})  # type: ignore[assignment]
+    assert not peers.refused(Transport(pair[0]))
+    assert peers.refused_counts == {"confined": 3, "exited": 0}
+
+
+def test_a_peer_gone_before_its_check_is_counted_as_exited(tmp_path: Path) -> None:
+    confined = Tree()
+    peers = ConfinedPeers(Clock(), FakeContainment({}))  # type: ignore[arg-type]
+    peers.add(confined)
+    path = str(tmp_path / "s.sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        connect = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+        subprocess.run([sys.executable, "-c", connect, path], check=True, timeout=30)
+        conn, _ = server.accept()
+        with conn:
+            assert peers.refused(Transport(conn))
+    assert peers.refused_counts == {"confined": 0, "exited": 1}

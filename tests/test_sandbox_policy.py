@@ -365,3 +365,109 @@ def test_effective_rules_follow_symlinked_roots(tmp_path: Path) -> None:
     assert pol.effective(pol.UNCONFINED) is pol.UNCONFINED
     assert pol.realpath(str(link / ".git")) == str(real / ".git")
     assert pol.realpath(str(link / "missing" / "x")) == str(real / "missing" / "x")
+
+
+# --- the cgroup file systems stay read-only ------------------------------------------
+
+MOUNTINFO = """\
+23 1 0:21 / /sys rw,nosuid - sysfs sysfs rw
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+52 1 0:38 /sub /srv/cg\\040bind rw,relatime - cgroup2 cgroup2 rw
+60 1 8:1 / /data rw - ext4 /dev/sda1 rw
+"""
+CGROUPFS = ("/srv/cg bind", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified")
+
+
+def test_cgroup_mounts_are_every_cgroup_file_system() -> None:
+    assert pol.cgroup_mounts(MOUNTINFO) == CGROUPFS
+    assert pol.cgroup_mounts("") == ()
+    # This host's own (CI has cgroups mounted).
+    assert pol.cgroup_mounts()
+
+
+def _protected(*rules: tuple[str, str]) -> pol.SandboxPolicy:
+    built = pol._build([pol.PathRule(path, access) for path, access in rules], False)  # type: ignore[arg-type]
+    return pol.protect_cgroupfs(built, CGROUPFS)
+
+
+def test_a_cgroup_file_system_under_a_writable_root_is_a_carve_out() -> None:
+    policy = _protected(("/", "read"), ("/sys/fs/cgroup", "write"))
+    assert policy.access("/sys/fs/cgroup/x") == "write"
+    assert policy.access("/sys/fs/cgroup/pids/cgroup.procs") == "read"
+    assert policy.access("/sys/fs/cgroup/unified/a/cgroup.procs") == "read"
+    assert set(policy.read_only_carveouts()) == {"/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified"}
+    # `/` writable: every one of them, the bind elsewhere too.
+    everything = _protected(("/", "write"))
+    assert {path for path in CGROUPFS if everything.access(path + "/f") == "read"} == set(CGROUPFS)
+    assert everything.access("/data/f") == "write"
+
+
+def test_a_write_rule_inside_a_cgroup_file_system_becomes_read() -> None:
+    policy = _protected(("/", "read"), ("/sys/fs/cgroup/unified/mine", "write"),
+                        ("/sys/fs/cgroup/pids", "write"), ("/data", "write"))  # fmt: skip
+    assert policy.access("/sys/fs/cgroup/unified/mine/cgroup.procs") == "read"
+    assert policy.access("/sys/fs/cgroup/pids/tasks") == "read"
+    assert policy.writable_roots() == ("/data",)
+
+
+def test_hidden_stays_hidden_and_nothing_else_changes() -> None:
+    policy = _protected(("/", "read"), ("/sys", "write"), ("/sys/fs/cgroup/unified", "none"))
+    assert policy.access("/sys/fs/cgroup/unified/cgroup.procs") == "none"
+    assert policy.access("/sys/fs/cgroup/pids/tasks") == "read"
+    untouched = pol._build([pol.PathRule("/", "read"), pol.PathRule("/data", "write")], True)
+    assert pol.protect_cgroupfs(untouched, CGROUPFS) is untouched
+    assert pol.protect_cgroupfs(pol.UNCONFINED, CGROUPFS) is pol.UNCONFINED
+
+
+def test_a_writable_root_leading_into_cgroupfs_is_protected(tmp_path: Path) -> None:
+    # On the path it resolves to (bind mounts and symlinks lead there).
+    mount = str(tmp_path / "cgroupfs")
+    os.mkdir(mount)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    inside = tmp_path / "into"
+    inside.symlink_to(mount)
+    built = pol._build(
+        [pol.PathRule("/", "read"), pol.PathRule(str(link), "write"),
+         pol.PathRule(str(inside), "write")], False
+    )  # fmt: skip
+    policy = pol.protect_cgroupfs(built, (mount,))
+    assert policy.access(mount + "/cgroup.procs") == "read"
+    assert policy.access(str(inside / "cgroup.procs")) == "read"
+    assert policy.access(str(link / "other")) == "write"
+
+
+def test_resolve_protects_every_confined_policy() -> None:
+    mounts = pol.cgroup_mounts()
+    root_writable = _resolve(
+        _context(
+            {"type": "managed", "file_system": {"type": "unrestricted"}, "network": "restricted"},
+            "/",
+        )
+    )
+    workspace = _resolve({"mode": "workspaceWrite", "writableRoots": ["/sys"]})
+    for policy in (root_writable, workspace):
+        assert all(policy.access(mount + "/cgroup.procs") == "read" for mount in mounts)
+    assert _resolve({"mode": "none"}) is pol.UNCONFINED
+
+
+def test_a_new_bind_of_a_cgroup_file_system_is_seen(tmp_path: Path) -> None:
+    # The mount table is watched (poll on /proc/self/mountinfo): a bind of
+    # cgroupfs made after the last look is protected at the next resolve.
+    import subprocess
+
+    before = pol.cgroup_mounts()
+    assert before, "CI has cgroups mounted"
+    bind = tmp_path / "cg"
+    bind.mkdir()
+    subprocess.run(["mount", "--bind", before[-1], str(bind)], check=True, timeout=30)
+    try:
+        assert str(bind) in pol.cgroup_mounts()
+        policy = _resolve({"mode": "workspaceWrite", "writableRoots": [str(tmp_path)]})
+        assert policy.access(str(bind / "cgroup.procs")) == "read"
+        assert policy.access(str(tmp_path / "other")) == "write"
+    finally:
+        subprocess.run(["umount", str(bind)], check=True, timeout=30)
+    assert pol.cgroup_mounts() == before

@@ -141,3 +141,23 @@ def test_stale_filter_directories_are_removed(tmp_path: Path) -> None:
         path.mkdir()
     _remove_stale_filters(str(tmp_path))
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_landlock_write_grants_leave_the_cgroup_mounts_out(tmp_path: Path) -> None:
+    from execserver.sandbox.engine import _landlock_writes
+
+    root = tmp_path / "root"
+    for sub in ("fs/cgroup/pids", "fs/cgroup/unified", "fs/bpf", "kernel"):
+        (root / sub).mkdir(parents=True)
+    (root / "file").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(root / "fs")
+    other = tmp_path / "other"
+    other.mkdir()
+    mounts = frozenset({str(root / "fs/cgroup/pids"), str(root / "fs/cgroup/unified")})
+    assert _landlock_writes([str(root), str(other)], mounts) == [
+        str(root / "file"), str(root / "fs/bpf"), str(root / "kernel"), str(other)
+    ]  # fmt: skip
+    # Through a symlink: its entries (each then followed by Landlock).
+    assert _landlock_writes([str(link)], mounts) == [str(link / "bpf")]
+    assert _landlock_writes([str(root / "fs/cgroup")], mounts) == []

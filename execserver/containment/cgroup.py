@@ -14,6 +14,7 @@ from twisted.logger import Logger
 from execserver import cgroups
 from execserver.cgroups import Usage
 from execserver.containment.proc import (
+    _CLK_TCK,
     _descendants,
     _lineage,
     _signal_group,
@@ -21,6 +22,7 @@ from execserver.containment.proc import (
     _still_running,
     boot_ticks,
     proc_table,
+    read_proc,
 )
 from execserver.containment.tree import _Owned
 from execserver.limits import KINDS, Kind
@@ -270,8 +272,47 @@ def _kill_descendants_of_members(directory: str) -> None:
         _signal_pid(pid, signal.SIGKILL)
 
 
+#: A process that started more than this (seconds) after a server's
+#: directory was made is not that server: the pid is another process's now.
+CREATOR_MARGIN: Final = 10.0
+
+
+def started_after(start_ticks: int, made: float, real_now: float, boot_now: int) -> bool:
+    """Whether a process started at ``start_ticks`` (``/proc`` clock ticks since
+    boot) started more than :data:`CREATOR_MARGIN` s after the wall-clock time
+    ``made``, ``real_now`` and ``boot_now`` being now in both clocks."""
+    started = real_now - (boot_now - start_ticks) / _CLK_TCK
+    return started > made + CREATOR_MARGIN
+
+
+def server_gone(pid: int, directory: str) -> bool:
+    """Whether the server that made ``directory`` (named after its ``pid``) is gone.
+
+    Gone: no process has that pid; a zombie with no thread left; or a
+    process that started more than :data:`CREATOR_MARGIN` s after the
+    directory was made (a cgroupfs directory's ctime is its creation time,
+    which nothing changes): the pid was reused. Anything else, the server
+    may be alive and its directory is left alone.
+    """
+    if pid == os.getpid():
+        return False
+    info = read_proc(pid)
+    if info is None:
+        return True
+    if info.zombie:
+        try:
+            return len(os.listdir(f"/proc/{pid}/task")) <= 1
+        except OSError:
+            return True
+    try:
+        made = os.stat(directory).st_ctime
+    except OSError:
+        return False
+    return started_after(info.start, made, time.time(), boot_ticks())
+
+
 def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
-    """The directories ``exec-server-<pid>-ns<ns>`` of servers that are not running."""
+    """The directories ``exec-server-<pid>-ns<ns>`` of gone servers (:func:`server_gone`)."""
     try:
         entries = os.listdir(own_dir)
     except OSError:
@@ -282,11 +323,11 @@ def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
         if not (name.startswith(CGROUP_PREFIX) and name.endswith(suffix)):
             continue
         pid_text = name[len(CGROUP_PREFIX) : -len(suffix)]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        if not pid_text.isdigit():
             continue
-        if os.path.exists(f"/proc/{pid_text}"):
-            continue
-        found.append(os.path.join(own_dir, name))
+        path = os.path.join(own_dir, name)
+        if server_gone(int(pid_text), path):
+            found.append(path)
     return found
 
 

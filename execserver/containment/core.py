@@ -21,6 +21,7 @@ from execserver.cgroups import V1Hierarchy
 from execserver.containment.cgroup import (
     CGROUP_PREFIX,
     CgroupTree,
+    _dead_servers_dirs,
     _kill_descendants_of_members,
     _kill_members,
     _remove_cgroup_tree,
@@ -161,6 +162,9 @@ class Containment(LimitControllers, Attribution):
                     raise ContainmentError(f"cgroup containment is unavailable: {reason}") from None
             else:
                 self.mode = "cgroup"
+        # In either mode: a server that died (SIGKILL) may have used v1
+        # hierarchies this one does not (another mode, v2 delegated now).
+        self._cleanup_all_v1_leftovers()
         if self.mode == "cgroup":
             self._start_controllers()
         else:
@@ -230,22 +234,11 @@ class Containment(LimitControllers, Attribution):
         """Kill and remove the cgroups of a server of this pid namespace that died.
 
         Only names with our pid namespace are considered, and only when their
-        pid is not running, so another live server is never touched.
+        server is gone (``server_gone``: its pid not running, or running a
+        process younger than the directory), so another live server is
+        never touched.
         """
-        try:
-            entries = os.listdir(own_dir)
-        except OSError:
-            return
-        suffix = f"-ns{ns}"
-        for name in entries:
-            if not (name.startswith(CGROUP_PREFIX) and name.endswith(suffix)):
-                continue
-            pid_text = name[len(CGROUP_PREFIX) : -len(suffix)]
-            if not pid_text.isdigit() or int(pid_text) == os.getpid():
-                continue
-            if os.path.exists(f"/proc/{pid_text}"):
-                continue
-            leftover = os.path.join(own_dir, name)
+        for leftover in _dead_servers_dirs(own_dir, ns):
             # Descendants that left the cgroup (root can) but whose parent
             # stayed are found through it before it dies.
             _kill_descendants_of_members(leftover)

@@ -499,7 +499,6 @@ class LimitControllers:
         for known, parent in self._v1.values():
             if known == hierarchy:
                 return parent
-        self._cleanup_v1_leftovers(hierarchy.own, ns)
         parent = os.path.join(hierarchy.own, f"{CGROUP_PREFIX}{os.getpid()}-ns{ns}")
         with contextlib.suppress(FileExistsError):
             os.mkdir(parent)
@@ -519,11 +518,26 @@ class LimitControllers:
             raise
         return parent
 
+    def _cleanup_all_v1_leftovers(self) -> None:
+        """Clean up after dead servers in every v1 hierarchy the limits could use."""
+        ns = _pidns()
+        for hierarchy in {*cgroups.v1_hierarchies().values()}:
+            self._cleanup_v1_leftovers(hierarchy.own, ns)
+
     def _cleanup_v1_leftovers(self, own_dir: str, ns: int) -> None:
-        """Kill the members of a dead server's v1 directories and remove them."""
+        """Kill the members of a dead server's v1 directories and remove them.
+
+        The members are escapees of a server that is gone (as in its v2
+        cgroup): killed, with their descendants, before the directories go.
+        """
         for leftover in _dead_servers_dirs(own_dir, ns):
             _kill_members(leftover)
-            _remove_cgroup_tree(leftover, wait=1.0)
+            removed = _remove_cgroup_tree(leftover, wait=1.0)
+            log.info(
+                "removed {what} cgroup {path} of a server that is gone",
+                what="the" if removed else "(not all of) the",
+                path=leftover,
+            )
 
     def limits_report(self) -> list[str]:
         """One line per limit: whether and how this server enforces it."""

@@ -56,7 +56,7 @@ from twisted.logger import Logger
 from execserver.errors import RpcError
 from execserver.sandbox import seccomp
 from execserver.sandbox.peers import ConfinedPeers
-from execserver.sandbox.policy import effective
+from execserver.sandbox.policy import cgroup_mounts, effective
 from execserver.spawn import ProcessSpec
 from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
 
@@ -131,6 +131,24 @@ def _landlock_reads(masked: Iterable[str]) -> list[str]:
     """What a "read /" grants under Landlock: all but /dev and ``masked``, and safe devices."""
     excluded = frozenset({"/dev", *(os.path.realpath(path) for path in masked)})
     return _cover("/", excluded) + list(_LANDLOCK_DEVICE_READS)
+
+
+def _landlock_writes(roots: Iterable[str], cgroupfs: frozenset[str]) -> list[str]:
+    """What grants writing ``roots`` under Landlock: all of them but the cgroup mounts.
+
+    A root with a cgroup mount beneath it (or beneath the path it leads to)
+    is replaced by its entries that hold none (:func:`_cover`): the
+    directories on the way down to a mount (``/sys/fs/cgroup`` itself, say)
+    are not writable then, only their other entries.
+    """
+    writes: list[str] = []
+    for root in roots:
+        real = os.path.realpath(root).rstrip("/") + "/"
+        if any(mount.startswith(real) for mount in cgroupfs):
+            writes += _cover(root, cgroupfs)
+        else:
+            writes.append(root)
+    return writes
 
 
 #: LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL (ABI 6).
@@ -537,7 +555,11 @@ class SandboxEngine:
                 f"{CANNOT_ENFORCE}: Landlock cannot restrict reads to part of the filesystem "
                 "here; install the `bubblewrap` package (or pass --bwrap PATH)"
             )
-        blocked = _existing(policy.read_only_carveouts()) + _existing(policy.hidden())
+        # A cgroup file system inside a writable root is left out of the
+        # write grants instead (a mount point cannot be renamed or replaced).
+        cgroupfs = frozenset(cgroup_mounts())
+        carveouts = [path for path in policy.read_only_carveouts() if path not in cgroupfs]
+        blocked = _existing(carveouts) + _existing(policy.hidden())
         if blocked:
             raise RpcError.invalid_params(
                 f"{CANNOT_ENFORCE}: Landlock cannot re-protect {blocked[0]} inside a writable "
@@ -547,7 +569,7 @@ class SandboxEngine:
         import sys
 
         reads = _landlock_reads(_existing(self.masked))
-        writes = [*policy.writable_roots(), *_LANDLOCK_DEVICES]
+        writes = [*_landlock_writes(policy.writable_roots(), cgroupfs), *_LANDLOCK_DEVICES]
         program = [executable, spec.arg0 if spec.arg0 is not None else spec.argv[0], *spec.argv[1:]]
         # The client's environment is the command's only (the helper execs
         # it with it): the interpreter runs unconfined until the helper has

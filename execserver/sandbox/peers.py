@@ -13,7 +13,8 @@ is looked up in containment (:meth:`Containment.trees_of
 <execserver.containment.Containment.trees_of>`): a process whose tree was
 started confined (any descendant: its cgroup, or in subreaper mode its
 lineage) is refused, the connection closed at once, and one warning line
-names the pid (at most one per interval, with a count).
+names the pid (at most one per interval, with a count); ``/metrics``
+counts every refusal (``exec_server_sandbox_peer_refused_total{reason}``).
 
 Races: the lookup reads ``/proc/PID`` after the connect. With a pidfd the
 check ends by asking whether that process is still running; if it has
@@ -52,6 +53,8 @@ log = Logger()
 _SO_PEERCRED: Final = 17
 _SO_PEERPIDFD: Final = 77
 _UCRED: Final = struct.Struct("3i")
+#: Why a connection is refused (the ``reason`` label of its counter).
+REFUSAL_REASONS: Final = ("confined", "exited")
 
 
 @attrs.frozen
@@ -91,6 +94,10 @@ class ConfinedPeers:
         #: ``--process-containment none``, which tracks no tree.
         self._leaders: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._refusals = OncePerInterval(clock) if clock is not None else None
+        #: Connections refused since the start, by reason: ``confined`` (the
+        #: peer is in a confined tree), ``exited`` (it exited before it could
+        #: be checked). ``/metrics``: ``exec_server_sandbox_peer_refused_total``.
+        self.refused_counts: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
 
     def add(self, tree: object, pid: int | None = None) -> None:
         """Remember the tree (led by ``pid``) of a process started confined.
@@ -110,12 +117,14 @@ class ConfinedPeers:
         sock = transport.getHandle()
         peer = unix_peer(sock)
         try:
-            why = self.why_refused(peer)
+            refusal = self._refusal(peer)
         finally:
             if peer.pidfd is not None:
                 os.close(peer.pidfd)
-        if why is None:
+        if refusal is None:
             return False
+        reason, why = refusal
+        self.refused_counts[reason] += 1
         count = self._refusals.hit() if self._refusals is not None else 1
         if count is not None:
             name = transport.getHost().name
@@ -131,6 +140,11 @@ class ConfinedPeers:
 
     def why_refused(self, peer: UnixPeer) -> str | None:
         """Why ``peer`` is refused, or None (it is no confined command of ours)."""
+        refusal = self._refusal(peer)
+        return refusal[1] if refusal is not None else None
+
+    def _refusal(self, peer: UnixPeer) -> tuple[str, str] | None:
+        """(reason, text) of ``peer``'s refusal, or None."""
         if peer.pid <= 0:
             # Outside the server's pid namespace: never one of its commands,
             # which all run in it or in namespaces below it.
@@ -141,13 +155,14 @@ class ConfinedPeers:
             self.containment.mode == "none" and self._led_by_confined(peer.pid)
         ):
             return (
+                "confined",
                 "it is a sandboxed command of this server (or in its process tree); "
-                "a sandboxed command cannot use the server's listeners"
+                "a sandboxed command cannot use the server's listeners",
             )
         # After the lookup: what was read was that process's, unless it is
         # gone (then the pid may be another's now, and the socket a child's).
         if not _running(peer):
-            return "the connecting process exited before it could be checked"
+            return "exited", "the connecting process exited before it could be checked"
         return None
 
     def _led_by_confined(self, pid: int) -> bool:

@@ -12,6 +12,11 @@ gitdir a ``.git`` pointer file names —, ``.agents``, ``.codex``, when they
 exist). Anything this server cannot enforce is a precise ``-32602``, never a
 weaker sandbox.
 
+Beyond the reference, every cgroup file system (each mount of type
+``cgroup`` or ``cgroup2``) stays read-only in a confined policy, whatever it
+asks (:func:`protect_cgroupfs`): root given the cgroup files could move
+itself out of the cgroups that track its tree and carry its limits.
+
 :func:`apply_floor` combines a request with the operator's floor: the result
 is never less confined than either.
 """
@@ -19,8 +24,11 @@ is never less confined than either.
 from __future__ import annotations
 
 import os
+import re
+import select
+import threading
 from collections.abc import Iterable, Mapping
-from typing import Final, Literal
+from typing import IO, Final, Literal
 
 import attrs
 import msgspec
@@ -281,6 +289,98 @@ def _with_carveouts(rules: list[PathRule]) -> list[PathRule]:
     return rules + extra
 
 
+_MOUNTINFO_ESCAPE: Final = re.compile(r"\\([0-7]{3})")
+
+
+class _MountWatch:
+    """The cgroup mounts, re-read only when the mount table changed.
+
+    ``/proc/self/mountinfo`` kept open: the kernel marks it ``POLLPRI`` after
+    any mount or unmount (a ``poll`` clears the mark), so an unchanged table
+    costs one ``poll``, not a read and a parse.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._file: IO[bytes] | None = None
+        self._poller = select.poll()
+        self._mounts: tuple[str, ...] = ()
+
+    def current(self) -> tuple[str, ...]:
+        with self._lock:
+            try:
+                if self._file is None:
+                    self._file = open("/proc/self/mountinfo", "rb")  # noqa: SIM115
+                    self._poller.register(self._file, select.POLLPRI)
+                elif not self._poller.poll(0):
+                    return self._mounts
+                self._file.seek(0)
+                text = self._file.read().decode("utf-8", "surrogateescape")
+            except OSError:
+                return ()
+            self._mounts = cgroup_mounts(text)
+            return self._mounts
+
+
+_WATCH: Final = _MountWatch()
+
+
+def cgroup_mounts(mountinfo: str | None = None) -> tuple[str, ...]:
+    """The mount points of every ``cgroup`` and ``cgroup2`` file system, sorted.
+
+    ``mountinfo`` is the text of ``/proc/self/mountinfo`` (None: this
+    process's, as it is now); a bind mount of a cgroup file system elsewhere
+    is one of them too.
+    """
+    if mountinfo is None:
+        return _WATCH.current()
+    found: set[str] = set()
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, kind = left.split(), right.split()
+        if not sep or len(fields) < 5 or not kind or kind[0] not in ("cgroup", "cgroup2"):
+            continue
+        point = _MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        found.add(normalise(point))
+    return tuple(sorted(found))
+
+
+def protect_cgroupfs(policy: SandboxPolicy, mounts: Iterable[str] | None = None) -> SandboxPolicy:
+    """``policy`` with every cgroup file system (``mounts``: :func:`cgroup_mounts`) read-only.
+
+    A ``write`` rule at or beneath a cgroup mount (on its path or on the
+    path it resolves to) becomes ``read``; a cgroup mount beneath a
+    writable root (or beneath the path one resolves to) gets a ``read``
+    rule: a carve-out, re-protected as the default ones are. ``none`` rules
+    stay. An unconfined policy is returned as is (nothing is confined).
+    """
+    if not policy.confined:
+        return policy
+    cgroupfs = tuple(cgroup_mounts() if mounts is None else mounts)
+    if not cgroupfs:
+        return policy
+
+    def in_cgroupfs(path: str) -> bool:
+        return any(_is_within(path, mount) for mount in cgroupfs if mount != "/")
+
+    rules: list[PathRule] = []
+    writable: list[str] = []
+    for rule in policy.rules:
+        if rule.access == "write":
+            real = realpath(rule.path)
+            if in_cgroupfs(rule.path) or in_cgroupfs(real):
+                rules.append(PathRule(rule.path, "read"))
+                continue
+            writable += [rule.path, real]
+        rules.append(rule)
+    for mount in cgroupfs:
+        if any(_is_within(mount, root) for root in writable):
+            rules.append(PathRule(mount, "read"))
+    if rules == list(policy.rules):
+        return policy
+    return _build(rules, policy.network, explicit_full_access=policy.explicit_full_access)
+
+
 def _resolve_mode(sandbox: p.SandboxConfig, cwd: str) -> SandboxPolicy:
     mode = sandbox.mode
     if mode == "none":
@@ -390,14 +490,15 @@ def resolve(sandbox: p.SandboxConfig | None, *, cwd: str, env: Mapping[str, str]
     one writable root of ``workspaceWrite`` without ``writableRoots``);
     ``env`` gives ``TMPDIR`` for the ``tmpdir`` special path. Disk access:
     ``missing_path_behavior: "skip"``, the default carve-outs and
-    ``minimal`` look at what exists. Raises :class:`RpcError` (``-32602``)
-    for what cannot be enforced.
+    ``minimal`` look at what exists, the cgroup mounts are read from
+    ``/proc/self/mountinfo`` (:func:`protect_cgroupfs`). Raises
+    :class:`RpcError` (``-32602``) for what cannot be enforced.
     """
     if sandbox is None:
         return UNCONFINED
     if isinstance(sandbox.permissions, msgspec.UnsetType):
-        return _resolve_mode(sandbox, cwd)
-    return _resolve_profile(sandbox, cwd, env)
+        return protect_cgroupfs(_resolve_mode(sandbox, cwd))
+    return protect_cgroupfs(_resolve_profile(sandbox, cwd, env))
 
 
 # --- what the kernel sees ------------------------------------------------------------
