@@ -12,6 +12,10 @@ fleet relies on, and the container image and ``podman kube play`` smoke test.
   listener stays open meanwhile), then the server exits 0 within
   ``--terminate-grace-ms`` + 2 s (the grace the manifests'
   ``terminationGracePeriodSeconds`` is derived from).
+- Every HTTP connection accepted during the grace gets a whole answer (a
+  request under way at the SIGTERM, one still coming when the grace ends),
+  a second SIGTERM is logged and ignored, and after the exit connections are
+  refused (both entry points: ``exec-server`` and ``twistd``).
 - ``deploy/smoke-test`` on the real container runtime (podman + runc):
   see that script for what it asserts.
 """
@@ -20,9 +24,11 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,11 @@ import pytest
 import pytest_twisted
 import yaml
 from kubernetes_validate import validate as k8s_validate
+from twisted.internet import error
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.python.failure import Failure
 
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
@@ -37,6 +48,7 @@ from tests.support.harness import (
     descendants,
     observe,
     pid_alive,
+    reactor,
     with_timeout,
 )
 from tests.support.polling import until
@@ -275,6 +287,101 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         assert exited["signal"] == "SIGKILL"
     finally:
         await server.stop()
+
+
+class RawHttp(Protocol):
+    """One TCP connection written by hand: its bytes, its end."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.lost: Deferred[bytes] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.lost.callback(self.data)
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> RawHttp:
+        endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+        proto: RawHttp = await with_timeout(
+            endpoint.connect(Factory.forProtocol(cls)), 5, "HTTP connect"
+        )
+        return proto
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    async def answer(self, timeout: float) -> bytes:
+        """Everything the server sent until it closed the connection."""
+        try:
+            data: bytes = await with_timeout(observe(self.lost), timeout, "the server's close")
+            return data
+        finally:
+            if not self.lost.called:
+                self.transport.abortConnection()  # type: ignore[union-attr]
+
+
+SHUTTING_DOWN_503 = b"HTTP/1.1 503 Service Unavailable\r\n"
+SHUTTING_DOWN_BODY = b"\r\n\r\nexec-server is shutting down; connect again later\n"
+
+
+@pytest.mark.parametrize("twistd", [False, True], ids=["exec-server", "twistd"])
+@pytest_twisted.ensureDeferred
+async def test_no_connection_of_the_grace_is_closed_unanswered(twistd: bool) -> None:
+    # Every HTTP connection the server accepted gets a whole answer, whether
+    # its request was under way at the SIGTERM or still coming when the
+    # grace ended; a second SIGTERM is logged, not a critical
+    # ReactorNotRunning; after the exit a connection is refused.
+    grace_ms = 3000
+    server = await WsServerProcess.start("--terminate-grace-ms", str(grace_ms), twistd=twistd)
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        await client.start_process(
+            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+        )
+        await client.wait_for(
+            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+        )
+        host, port = server.host_port
+        early = await RawHttp.open(host, port)
+        early.write(b"GET /readyz HTTP/1.1\r\n")
+        # (The listener accepts in order: once a later connection is
+        # answered, the server has this one, its request half read.)
+        assert await _readyz(server) == (200, b"ready\n")
+        started = time.monotonic()
+        server.signal("TERM")
+        await until(partial(_is_503, server), "a 503 within the grace", timeout=grace_ms / 1000)
+        server.signal("TERM")
+        early.write(b"Host: 127.0.0.1\r\n\r\n")
+        answer = await early.answer(timeout=5)
+        assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
+        # Half a request when the grace ends: answered before the exit.
+        late = await RawHttp.open(host, port)
+        late.write(b"GET /readyz HTTP/1.1\r\n")
+        assert (await _readyz(server))[0] == 503
+        answer = await late.answer(timeout=grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS)
+        assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
+        await with_timeout(
+            observe(server.ended), grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS, "server exit"
+        )
+        # (twistd ends by re-raising the signal that stopped its reactor.)
+        assert server.exit_status() == ((None, signal.SIGTERM) if twistd else (0, None))
+        assert time.monotonic() - started < grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS
+        if not twistd:
+            # (twistd -n logs to stdout, which the harness does not keep.)
+            assert b"received SIGTERM again while shutting down: ignored" in server.stderr
+            assert b"ReactorNotRunning" not in server.stderr
+        with pytest.raises(error.ConnectionRefusedError):
+            await RawHttp.open(host, port)
+    finally:
+        await server.stop()
+
+
+async def _is_503(server: WsServerProcess) -> bool:
+    return (await _readyz(server))[0] == 503
 
 
 # --- the image and the manifests on a real container runtime --------------------

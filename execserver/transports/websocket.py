@@ -543,7 +543,8 @@ class ExecServerFactory(WebSocketServerFactory):
         return WebSocketResource(_HandOver(self, request.channel, identity)).render(request)
 
     def shut_down(self) -> Deferred[None]:
-        self.site.abort_all()
+        # (The HTTP connections are left to finish: each request gets its
+        # answer, 503 from now on; the listener drains them once closed.)
         waits = [proto.shut_down() for proto in list(self.protocols)]
         return DeferredList(waits).addCallback(lambda _: None)
 
@@ -636,13 +637,15 @@ class WebSocketService(Service):
         # The sessions end first, the listener last: meanwhile new
         # connections are answered 503 (the dispatcher is stopping), not
         # refused, so /readyz says so (docs/operations.md, "Signals and
-        # shutdown").
+        # shutdown"). Once the listener is closed, the connections it
+        # accepted get their answers out before the reactor may stop.
         await self.factory.shut_down()
         if self.port is not None:
             port, self.port = self.port, None
             stopped = port.stopListening()
             if stopped is not None:
                 await stopped
+        await self.factory.site.drain()
 
 
 def _print_to(stream: IO[str]) -> Callable[[str], None]:
