@@ -31,6 +31,7 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_twisted
@@ -38,10 +39,11 @@ import yaml
 from kubernetes_validate import validate as k8s_validate
 from twisted.internet import error
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.endpoints import TCP4ClientEndpoint, wrapClientTLS
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 
+from execserver.tls import ClientTls
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
@@ -52,7 +54,10 @@ from tests.support.harness import (
     with_timeout,
 )
 from tests.support.polling import until
+from tests.support.tls import Pki, pki, start_wss
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
+
+__all__ = ["pki"]  # a fixture, used by name
 
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
@@ -303,8 +308,11 @@ class RawHttp(Protocol):
         self.lost.callback(self.data)
 
     @classmethod
-    async def open(cls, host: str, port: int) -> RawHttp:
-        endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+    async def open(cls, host: str, port: int, ca_file: str | None = None) -> RawHttp:
+        """Connect (with ``ca_file``: TLS, the server checked against that CA)."""
+        endpoint: Any = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+        if ca_file is not None:
+            endpoint = wrapClientTLS(ClientTls(ca_file).options(host), endpoint)
         proto: RawHttp = await with_timeout(
             endpoint.connect(Factory.forProtocol(cls)), 5, "HTTP connect"
         )
@@ -374,6 +382,37 @@ async def test_no_connection_of_the_grace_is_closed_unanswered(twistd: bool) -> 
             # (twistd -n logs to stdout, which the harness does not keep.)
             assert b"received SIGTERM again while shutting down: ignored" in server.stderr
             assert b"ReactorNotRunning" not in server.stderr
+        with pytest.raises(error.ConnectionRefusedError):
+            await RawHttp.open(host, port)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["ws", "wss"])
+@pytest_twisted.ensureDeferred
+async def test_a_request_at_the_last_moment_is_answered_then_connections_are_refused(
+    secure: bool, pki: Pki
+) -> None:
+    # No session: the shutdown closes the listener at once, and the
+    # connections it had accepted are drained: one with half a request is
+    # answered 503 (not dropped with the process), then a new one is refused.
+    ca_file = pki.ca_file if secure else None
+    server = await (start_wss(pki) if secure else WsServerProcess.start())
+    try:
+        # (WsServerProcess.host_port assumes ws://.)
+        bound = urlsplit(server.url)
+        host, port = str(bound.hostname), int(bound.port or 0)
+        last = await RawHttp.open(host, port, ca_file)
+        last.write(b"GET /readyz HTTP/1.1\r\n")
+        # (Accepted in order: once a later connection is answered, the server has this one.)
+        later = await RawHttp.open(host, port, ca_file)
+        later.write(get_request("/readyz"))
+        assert (await later.answer(timeout=5)).endswith(b"\r\n\r\nready\n")
+        server.signal("TERM")
+        answer = await last.answer(timeout=SHUTDOWN_SLACK_SECONDS)
+        assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
+        await with_timeout(observe(server.ended), SHUTDOWN_SLACK_SECONDS, "server exit")
+        assert server.exit_status() == (0, None)
         with pytest.raises(error.ConnectionRefusedError):
             await RawHttp.open(host, port)
     finally:

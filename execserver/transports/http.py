@@ -24,7 +24,13 @@ from urllib.parse import urlsplit
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IAddress, IDelayedCall, IProtocol, IReactorTime
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IProtocol,
+    IReactorTime,
+    ISSLTransport,
+)
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -476,7 +482,13 @@ class EdgeChannel(HTTPChannel):
         self._cancel_timer()
         transport: Any = self.transport
         transport.write(reply.render())
-        half_close = getattr(transport, "loseWriteConnection", None)
+        # (Not under TLS: its wrapper would half-close the TCP beneath it,
+        # under bytes it may still hold; it closes with close_notify.)
+        half_close = (
+            None
+            if ISSLTransport.providedBy(transport)
+            else getattr(transport, "loseWriteConnection", None)
+        )
         if half_close is None or not self.site.policy.dispatcher.stopping:
             transport.loseConnection()
             return
