@@ -50,6 +50,7 @@ from twisted.internet.interfaces import (
     IListeningPort,
     IReactorTCP,
     IReactorTime,
+    IReadDescriptor,
 )
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -642,6 +643,11 @@ class WebSocketService(Service):
         await self.factory.shut_down()
         if self.port is not None:
             port, self.port = self.port, None
+            if IReadDescriptor.providedBy(port):
+                # Accept what the kernel holds in the backlog now: closing
+                # the socket would reset those connections unanswered; accepted,
+                # they get the drain's 503.
+                cast(IReadDescriptor, port).doRead()
             stopped = port.stopListening()
             if stopped is not None:
                 await stopped
