@@ -12,6 +12,12 @@ WebSocket layer (``transports/websocket.py``, through Autobahn's public
 ``/metrics`` are ordinary resources, ``426`` on ``/``, ``404`` elsewhere.
 One request per connection: every plain reply closes it.
 
+While the server shuts down (``Dispatcher.stopping``) every request is
+read to its end and answered ``503`` with ``Retry-After`` (the handshake
+timeout answers it too), and once the listener has closed
+:meth:`EdgeSite.drain` answers what is left and waits, bounded, for the
+clients to close: no accepted connection ends without an answer.
+
 The replies themselves are pure functions to an :class:`HttpReply`.
 """
 
