@@ -54,6 +54,7 @@ from tests.support.harness import (
     with_timeout,
 )
 from tests.support.polling import until
+from tests.support.resume_handshake import initialize
 from tests.support.tls import Pki, pki, start_wss
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
@@ -384,6 +385,52 @@ async def test_no_connection_of_the_grace_is_closed_unanswered(twistd: bool) -> 
             assert b"ReactorNotRunning" not in server.stderr
         with pytest.raises(error.ConnectionRefusedError):
             await RawHttp.open(host, port)
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_listener_stays_open_through_a_detached_sessions_grace() -> None:
+    # The listener has no connection of its own left: it used to close at
+    # once, and /readyz was refused for the rest of the grace.
+    grace_ms = 6000
+    server = await WsServerProcess.start("--terminate-grace-ms", str(grace_ms))
+    try:
+        client = await connect(server.url)
+        await initialize(client, sessionTtlMs=60_000)
+        await client.start_process(
+            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+        )
+        await client.wait_for(
+            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+        )
+        assert server.pid is not None
+        tree = descendants(server.pid)
+        client.abort()
+        await with_timeout(client.closed, DEFAULT_TIMEOUT, "the client's close")
+        host, port = server.host_port
+
+        async def detached() -> bool:
+            _, _, text = await http_get(host, port, get_request("/metrics"), timeout=5)
+            return b"\nexec_server_sessions_detached 1\n" in text
+
+        await until(detached, "the session detached", timeout=DEFAULT_TIMEOUT)
+        started = time.monotonic()
+        server.signal("TERM")
+        await until(partial(_is_503, server), "a 503 within the grace", timeout=grace_ms / 1000)
+        # The tree still runs (it ignores SIGTERM): the grace is not over,
+        # and the listener still answers.
+        assert any(pid_alive(pid) for pid in tree)
+        assert await _readyz(server) == (
+            503,
+            b"exec-server is shutting down; connect again later\n",
+        )
+        await with_timeout(
+            observe(server.ended), grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS, "server exit"
+        )
+        assert server.exit_code == 0
+        assert time.monotonic() - started < grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS
+        assert not any(pid_alive(pid) for pid in tree)
     finally:
         await server.stop()
 

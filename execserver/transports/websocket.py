@@ -635,12 +635,16 @@ class WebSocketService(Service):
         return d
 
     async def _stop(self) -> None:
-        # The sessions end first, the listener last: meanwhile new
+        # The sessions end first (all of them), the listener last: meanwhile new
         # connections are answered 503 (the dispatcher is stopping), not
         # refused, so /readyz says so (docs/operations.md, "Signals and
         # shutdown"). Once the listener is closed, the connections it
         # accepted get their answers out before the reactor may stop.
         await self.factory.shut_down()
+        # The listener outlives every session of the server, not only its
+        # own (another listener's, stdio's, the detached ones): /readyz
+        # answers 503 on it until the whole grace is over.
+        await self.dispatcher.shutdown()
         if self.port is not None:
             port, self.port = self.port, None
             if IReadDescriptor.providedBy(port):
