@@ -173,6 +173,19 @@ def test_the_drain_answers_waits_for_the_close_then_aborts_the_rest(clock: Clock
     assert slow_transport.disconnecting
 
 
+def test_the_drain_adds_nothing_to_twisted_webs_own_answer(clock: Clock) -> None:
+    factory = make_factory(clock)
+    channel, transport = half_closing_channel(factory)
+    channel.dataReceived(b"GET /readyz HTTP/1.1\r\nBad Header Line\r\n\r\n")
+    response = transport.value()
+    assert response.startswith(b"HTTP/1.1 400 ") and transport.disconnecting
+    factory.dispatcher.begin_stopping()
+    drained = Deferred.fromCoroutine(factory.site.drain())
+    assert transport.value() == response
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert drained.called
+
+
 def test_the_drain_ends_at_the_last_close(clock: Clock) -> None:
     factory = make_factory(clock)
     channel, transport = half_closing_channel(factory)

@@ -478,8 +478,13 @@ class EdgeChannel(HTTPChannel):
 
     def answer_shutting_down(self) -> None:
         """The shutdown's 503 for a connection whose request has not reached a resource."""
-        if not (self._refused or self.answered or self.upgraded is not None):
-            self._refuse(shutting_down())
+        if self._refused or self.answered or self.upgraded is not None:
+            return
+        if getattr(self.transport, "disconnecting", False):
+            # twisted.web has answered it itself (e.g. 400 for a malformed
+            # request line) and is closing it.
+            return
+        self._refuse(shutting_down())
 
     def _refuse(self, reply: HttpReply) -> None:
         """Answer before (or instead of) parsing, and close."""
