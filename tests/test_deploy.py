@@ -39,7 +39,7 @@ import yaml
 from kubernetes_validate import validate as k8s_validate
 from twisted.internet import error
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, wrapClientTLS
+from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 
@@ -314,6 +314,10 @@ class RawHttp(Protocol):
         endpoint: Any = TCP4ClientEndpoint(reactor, host, port, timeout=5)
         if ca_file is not None:
             endpoint = wrapClientTLS(ClientTls(ca_file).options(host), endpoint)
+        return await cls.open_on(endpoint)
+
+    @classmethod
+    async def open_on(cls, endpoint: Any) -> RawHttp:
         proto: RawHttp = await with_timeout(
             endpoint.connect(Factory.forProtocol(cls)), 5, "HTTP connect"
         )
@@ -435,24 +439,38 @@ async def test_the_listener_stays_open_through_a_detached_sessions_grace() -> No
         await server.stop()
 
 
-@pytest.mark.parametrize("secure", [False, True], ids=["ws", "wss"])
+@pytest.mark.parametrize("scheme", ["ws", "wss", "unix"])
 @pytest_twisted.ensureDeferred
 async def test_a_request_at_the_last_moment_is_answered_then_connections_are_refused(
-    secure: bool, pki: Pki
+    scheme: str, pki: Pki, tmp_path: Path
 ) -> None:
     # No session: the shutdown closes the listener at once, and the
     # connections it had accepted are drained: one with half a request is
     # answered 503 (not dropped with the process), then a new one is refused.
-    ca_file = pki.ca_file if secure else None
-    server = await (start_wss(pki) if secure else WsServerProcess.start())
-    try:
+    sock = tmp_path / "exec.sock"
+    if scheme == "wss":
+        server = await start_wss(pki)
+    elif scheme == "unix":
+        server = await WsServerProcess.start("--listen", f"unix://{sock}")
+    else:
+        server = await WsServerProcess.start()
+
+    def endpoint() -> Any:
+        if scheme == "unix":
+            return UNIXClientEndpoint(reactor, str(sock), timeout=5)
         # (WsServerProcess.host_port assumes ws://.)
         bound = urlsplit(server.url)
         host, port = str(bound.hostname), int(bound.port or 0)
-        last = await RawHttp.open(host, port, ca_file)
+        plain = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+        return (
+            wrapClientTLS(ClientTls(pki.ca_file).options(host), plain) if scheme == "wss" else plain
+        )
+
+    try:
+        last = await RawHttp.open_on(endpoint())
         last.write(b"GET /readyz HTTP/1.1\r\n")
         # (Accepted in order: once a later connection is answered, the server has this one.)
-        later = await RawHttp.open(host, port, ca_file)
+        later = await RawHttp.open_on(endpoint())
         later.write(get_request("/readyz"))
         assert (await later.answer(timeout=5)).endswith(b"\r\n\r\nready\n")
         server.signal("TERM")
@@ -460,8 +478,12 @@ async def test_a_request_at_the_last_moment_is_answered_then_connections_are_ref
         assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
         await with_timeout(observe(server.ended), SHUTDOWN_SLACK_SECONDS, "server exit")
         assert server.exit_status() == (0, None)
-        with pytest.raises(error.ConnectionRefusedError):
-            await RawHttp.open(host, port)
+        if scheme == "unix":
+            # The socket file is removed with the listener.
+            assert not sock.exists()
+        else:
+            with pytest.raises(error.ConnectionRefusedError):
+                await RawHttp.open_on(endpoint())
     finally:
         await server.stop()
 
