@@ -109,7 +109,7 @@ def _serve(options: ServerOptions, reactor: Any) -> int:
     from execserver.service import build_service
 
     try:
-        service = build_service(options, reactor)
+        service = build_service(options, reactor, repeat_signals=True)
     except Exception as exc:
         print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
         return 1

@@ -36,6 +36,7 @@ from execserver.limits import parse_spec as parse_limits
 from execserver.sandbox.engine import MECHANISM_CHOICES, SandboxEngine
 from execserver.sandbox.floor import FLOOR_MODES, floor_policy
 from execserver.sandbox.peers import ConfinedPeers
+from execserver.shutdown_signals import RepeatSignals
 from execserver.spawn import SPAWN_PATHS, PosixSpawner, SpawnPath, seal_inherited_fds
 from execserver.transports.listen import (
     DEFAULT_SOCKET_MODE,
@@ -605,6 +606,9 @@ class ExecServerService(MultiService):
         self.containment = containment
         self.spawner = spawner
         self.process_wide = process_wide if process_wide is not None else ProcessWide()
+        #: A second SIGTERM/SIGINT during the shutdown is logged, not a second
+        #: ``reactor.stop`` (set by the composition root of a real server).
+        self.repeat_signals: RepeatSignals | None = None
 
     def startService(self) -> None:
         wide = self.process_wide
@@ -659,6 +663,8 @@ class ExecServerService(MultiService):
         # answered 503 while the listeners wait for their sessions to end,
         # so a load balancer stops routing here), then end every session,
         # then whatever escaped every session.
+        if self.repeat_signals is not None:
+            self.repeat_signals.shutting_down()
         self.dispatcher.begin_stopping()
         await super().stopService()
         await self.dispatcher.shutdown()
@@ -708,8 +714,15 @@ def raise_fd_limit(max_processes: int) -> None:
     )
 
 
-def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
-    """Compose the service; ``reactor`` must also provide time, processes and TCP."""
+def build_service(
+    options: Options, reactor: IReactorCore, *, repeat_signals: bool = False
+) -> ExecServerService:
+    """Compose the service; ``reactor`` must also provide time, processes and TCP.
+
+    ``repeat_signals``: the process's server (``reactor.run`` installs its
+    signal handlers): a second SIGTERM/SIGINT during the shutdown is logged
+    and ignored (``execserver.shutdown_signals``).
+    """
     from execserver.transports.stdio import StdioService
 
     # Adapting checks that the reactor provides each interface used (zope
@@ -729,6 +742,11 @@ def build_service(options: Options, reactor: IReactorCore) -> ExecServerService:
         raise_fd_limit=not options["no-raise-fd-limit"],
     )
     root = ExecServerService(dispatcher, containment, spawner, process_wide, sandbox)
+    if repeat_signals:
+        signals = RepeatSignals(IReactorThreads(reactor).callFromThread)
+        # (After the reactor's own handlers are in place: "during startup".)
+        reactor.callWhenRunning(signals.install)
+        root.repeat_signals = signals
     for address in options["listen"]:
         child: Service
         if isinstance(address, StdioAddress):
@@ -762,4 +780,4 @@ def makeService(options: Options) -> IServiceCollection:
         # protocol now (twistd's composition root), not in startService.
         guard_stdout()
 
-    return build_service(options, reactor)
+    return build_service(options, reactor, repeat_signals=True)

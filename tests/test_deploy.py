@@ -12,6 +12,10 @@ fleet relies on, and the container image and ``podman kube play`` smoke test.
   listener stays open meanwhile), then the server exits 0 within
   ``--terminate-grace-ms`` + 2 s (the grace the manifests'
   ``terminationGracePeriodSeconds`` is derived from).
+- Every HTTP connection accepted during the grace gets a whole answer (a
+  request under way at the SIGTERM, one still coming when the grace ends),
+  a second SIGTERM is logged and ignored, and after the exit connections are
+  refused (both entry points: ``exec-server`` and ``twistd``).
 - ``deploy/smoke-test`` on the real container runtime (podman + runc):
   see that script for what it asserts.
 """
@@ -20,27 +24,41 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_twisted
 import yaml
 from kubernetes_validate import validate as k8s_validate
+from twisted.internet import error
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.python.failure import Failure
 
+from execserver.tls import ClientTls
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
     REPO_ROOT,
     descendants,
     observe,
     pid_alive,
+    reactor,
     with_timeout,
 )
 from tests.support.polling import until
+from tests.support.resume_handshake import initialize
+from tests.support.tls import Pki, pki, start_wss
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
+
+__all__ = ["pki"]  # a fixture, used by name
 
 DEPLOY = REPO_ROOT / "deploy"
 KUBE = DEPLOY / "kubernetes"
@@ -275,6 +293,203 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         assert exited["signal"] == "SIGKILL"
     finally:
         await server.stop()
+
+
+class RawHttp(Protocol):
+    """One TCP connection written by hand: its bytes, its end."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.lost: Deferred[bytes] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.lost.callback(self.data)
+
+    @classmethod
+    async def open(cls, host: str, port: int, ca_file: str | None = None) -> RawHttp:
+        """Connect (with ``ca_file``: TLS, the server checked against that CA)."""
+        endpoint: Any = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+        if ca_file is not None:
+            endpoint = wrapClientTLS(ClientTls(ca_file).options(host), endpoint)
+        return await cls.open_on(endpoint)
+
+    @classmethod
+    async def open_on(cls, endpoint: Any) -> RawHttp:
+        proto: RawHttp = await with_timeout(
+            endpoint.connect(Factory.forProtocol(cls)), 5, "HTTP connect"
+        )
+        return proto
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    async def answer(self, timeout: float) -> bytes:
+        """Everything the server sent until it closed the connection."""
+        try:
+            data: bytes = await with_timeout(observe(self.lost), timeout, "the server's close")
+            return data
+        finally:
+            if not self.lost.called:
+                self.transport.abortConnection()  # type: ignore[union-attr]
+
+
+SHUTTING_DOWN_503 = b"HTTP/1.1 503 Service Unavailable\r\n"
+SHUTTING_DOWN_BODY = b"\r\n\r\nexec-server is shutting down; connect again later\n"
+
+
+@pytest.mark.parametrize("twistd", [False, True], ids=["exec-server", "twistd"])
+@pytest_twisted.ensureDeferred
+async def test_no_connection_of_the_grace_is_closed_unanswered(twistd: bool) -> None:
+    # Every HTTP connection the server accepted gets a whole answer, whether
+    # its request was under way at the SIGTERM or still coming when the
+    # grace ended; a second SIGTERM is logged, not a critical
+    # ReactorNotRunning; after the exit a connection is refused.
+    grace_ms = 3000
+    server = await WsServerProcess.start("--terminate-grace-ms", str(grace_ms), twistd=twistd)
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        await client.start_process(
+            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+        )
+        await client.wait_for(
+            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+        )
+        host, port = server.host_port
+        early = await RawHttp.open(host, port)
+        early.write(b"GET /readyz HTTP/1.1\r\n")
+        # (The listener accepts in order: once a later connection is
+        # answered, the server has this one, its request half read.)
+        assert await _readyz(server) == (200, b"ready\n")
+        started = time.monotonic()
+        server.signal("TERM")
+        await until(partial(_is_503, server), "a 503 within the grace", timeout=grace_ms / 1000)
+        server.signal("TERM")
+        early.write(b"Host: 127.0.0.1\r\n\r\n")
+        answer = await early.answer(timeout=5)
+        assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
+        # Half a request when the grace ends: answered before the exit.
+        late = await RawHttp.open(host, port)
+        late.write(b"GET /readyz HTTP/1.1\r\n")
+        assert (await _readyz(server))[0] == 503
+        answer = await late.answer(timeout=grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS)
+        assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
+        await with_timeout(
+            observe(server.ended), grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS, "server exit"
+        )
+        # (twistd ends by re-raising the signal that stopped its reactor.)
+        assert server.exit_status() == ((None, signal.SIGTERM) if twistd else (0, None))
+        assert time.monotonic() - started < grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS
+        if not twistd:
+            # (twistd -n logs to stdout, which the harness does not keep.)
+            assert b"received SIGTERM again while shutting down: ignored" in server.stderr
+            assert b"ReactorNotRunning" not in server.stderr
+        with pytest.raises(error.ConnectionRefusedError):
+            await RawHttp.open(host, port)
+    finally:
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_listener_stays_open_through_a_detached_sessions_grace() -> None:
+    # The listener has no connection of its own left: it used to close at
+    # once, and /readyz was refused for the rest of the grace.
+    grace_ms = 6000
+    server = await WsServerProcess.start("--terminate-grace-ms", str(grace_ms))
+    try:
+        client = await connect(server.url)
+        await initialize(client, sessionTtlMs=60_000)
+        await client.start_process(
+            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+        )
+        await client.wait_for(
+            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+        )
+        assert server.pid is not None
+        tree = descendants(server.pid)
+        client.abort()
+        await with_timeout(client.closed, DEFAULT_TIMEOUT, "the client's close")
+        host, port = server.host_port
+
+        async def detached() -> bool:
+            _, _, text = await http_get(host, port, get_request("/metrics"), timeout=5)
+            return b"\nexec_server_sessions_detached 1\n" in text
+
+        await until(detached, "the session detached", timeout=DEFAULT_TIMEOUT)
+        started = time.monotonic()
+        server.signal("TERM")
+        await until(partial(_is_503, server), "a 503 within the grace", timeout=grace_ms / 1000)
+        # The tree still runs (it ignores SIGTERM): the grace is not over,
+        # and the listener still answers.
+        assert any(pid_alive(pid) for pid in tree)
+        assert await _readyz(server) == (
+            503,
+            b"exec-server is shutting down; connect again later\n",
+        )
+        await with_timeout(
+            observe(server.ended), grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS, "server exit"
+        )
+        assert server.exit_code == 0
+        assert time.monotonic() - started < grace_ms / 1000 + SHUTDOWN_SLACK_SECONDS
+        assert not any(pid_alive(pid) for pid in tree)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("scheme", ["ws", "wss", "unix"])
+@pytest_twisted.ensureDeferred
+async def test_a_request_at_the_last_moment_is_answered_then_connections_are_refused(
+    scheme: str, pki: Pki, tmp_path: Path
+) -> None:
+    # No session: the shutdown closes the listener at once, and the
+    # connections it had accepted are drained: one with half a request is
+    # answered 503 (not dropped with the process), then a new one is refused.
+    sock = tmp_path / "exec.sock"
+    if scheme == "wss":
+        server = await start_wss(pki)
+    elif scheme == "unix":
+        server = await WsServerProcess.start("--listen", f"unix://{sock}")
+    else:
+        server = await WsServerProcess.start()
+
+    def endpoint() -> Any:
+        if scheme == "unix":
+            return UNIXClientEndpoint(reactor, str(sock), timeout=5)
+        # (WsServerProcess.host_port assumes ws://.)
+        bound = urlsplit(server.url)
+        host, port = str(bound.hostname), int(bound.port or 0)
+        plain = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+        return (
+            wrapClientTLS(ClientTls(pki.ca_file).options(host), plain) if scheme == "wss" else plain
+        )
+
+    try:
+        last = await RawHttp.open_on(endpoint())
+        last.write(b"GET /readyz HTTP/1.1\r\n")
+        # (Accepted in order: once a later connection is answered, the server has this one.)
+        later = await RawHttp.open_on(endpoint())
+        later.write(get_request("/readyz"))
+        assert (await later.answer(timeout=5)).endswith(b"\r\n\r\nready\n")
+        server.signal("TERM")
+        answer = await last.answer(timeout=SHUTDOWN_SLACK_SECONDS)
+        assert answer.startswith(SHUTTING_DOWN_503) and answer.endswith(SHUTTING_DOWN_BODY)
+        await with_timeout(observe(server.ended), SHUTDOWN_SLACK_SECONDS, "server exit")
+        assert server.exit_status() == (0, None)
+        if scheme == "unix":
+            # The socket file is removed with the listener.
+            assert not sock.exists()
+        else:
+            with pytest.raises(error.ConnectionRefusedError):
+                await RawHttp.open_on(endpoint())
+    finally:
+        await server.stop()
+
+
+async def _is_503(server: WsServerProcess) -> bool:
+    return (await _readyz(server))[0] == 503
 
 
 # --- the image and the manifests on a real container runtime --------------------

@@ -4,7 +4,9 @@ Every connection starts as an ``EdgeChannel`` of the listener's ``EdgeSite``;
 these tests cover what the edge adds around twisted.web and Autobahn's
 ``WebSocketResource``: bytes sent right behind the upgrade request, head
 limits above Twisted's own, the connection count moving with an upgrade,
-and half-sent requests at shutdown.
+and every HTTP connection of a stopping listener answered 503 (a request
+in progress when the shutdown begins, the handshake timeout, the drain
+once the listener has closed), none dropped.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from collections.abc import Iterator
 
 import pytest
 import txaio
-from twisted.internet.error import ConnectionLost
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from execserver.transports.websocket import ExecServerProtocol
+from execserver.transports.http import DRAIN_SECONDS, EdgeChannel
+from execserver.transports.websocket import ExecServerFactory, ExecServerProtocol
 from tests.support.ws_wire import (
     UPGRADE,
     client_frame,
@@ -82,14 +88,116 @@ def test_the_connection_count_moves_with_the_upgrade(clock: Clock) -> None:
     assert stats.refused["handshake_timeout"] == 0
 
 
-def test_shutdown_drops_connections_still_sending_their_request(clock: Clock) -> None:
+class HalfClosing(StringTransport):
+    """A string transport that records a write-side close (a real TCP one has it)."""
+
+    write_closed = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+
+def half_closing_channel(factory: ExecServerFactory) -> tuple[EdgeChannel, HalfClosing]:
+    channel = factory.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    transport = HalfClosing(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
+    channel.makeConnection(transport)
+    return channel, transport
+
+
+SHUTTING_DOWN_BODY = b"exec-server is shutting down; connect again later\n"
+
+
+def test_a_request_in_progress_when_the_shutdown_begins_gets_503(clock: Clock) -> None:
+    # The /readyz race of the SIGTERM test: accepted before the signal, its
+    # request completed after. The shutdown used to abort it (no answer).
     factory = make_factory(clock)
     channel, transport = server_on_string_transport(factory)
-    channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n")
-    assert factory.site.channels == {channel}
+    channel.dataReceived(b"GET /readyz HTTP/1.1\r\n")
+    factory.dispatcher.begin_stopping()
     factory.shut_down()
-    assert transport.disconnecting or transport.disconnected
+    assert not transport.disconnecting
     assert transport.value() == b""
+    channel.dataReceived(b"Host: x\r\n\r\n")
+    response = transport.value()
+    assert response.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"\r\nRetry-After: 1\r\n" in response
+    assert response.endswith(SHUTTING_DOWN_BODY)
+    assert transport.disconnecting
+
+
+def test_while_stopping_the_request_is_read_before_the_503(clock: Clock) -> None:
+    # An answer written before the request was read is lost to the reset
+    # that closing a socket with unread bytes sends: read first, then answer.
+    factory = make_factory(clock)
+    factory.dispatcher.begin_stopping()
+    for request in (UPGRADE + b"\r\n", b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n"):
+        channel, transport = server_on_string_transport(factory)
+        assert transport.value() == b""
+        channel.dataReceived(request)
+        assert transport.value().startswith(b"HTTP/1.1 503 ")
+        assert transport.value().endswith(SHUTTING_DOWN_BODY)
+
+
+def test_a_handshake_timeout_while_stopping_is_answered_503(clock: Clock) -> None:
+    factory = make_factory(clock, open_handshake_timeout=5.0)
+    channel, transport = half_closing_channel(factory)
+    channel.dataReceived(b"GET /readyz HTTP/1.1\r\n")
+    factory.dispatcher.begin_stopping()
+    clock.advance(5.0)
+    assert transport.value().endswith(SHUTTING_DOWN_BODY)
+    # A FIN after the answer, reading on: no reset can overtake it.
+    assert transport.write_closed and not transport.disconnecting
+    assert factory.dispatcher.stats.refused["handshake_timeout"] == 1
+
+
+def test_the_drain_answers_waits_for_the_close_then_aborts_the_rest(clock: Clock) -> None:
+    factory = make_factory(clock)
+    site = factory.site
+    slow, slow_transport = half_closing_channel(factory)
+    slow.dataReceived(b"GET /readyz HTTP/1.1\r\n")
+    polite, polite_transport = half_closing_channel(factory)
+    polite.dataReceived(b"GET /re")
+    factory.dispatcher.begin_stopping()
+    drained = Deferred.fromCoroutine(site.drain())
+    # Both are answered at once (the listener is closed: no more time).
+    for transport in (slow_transport, polite_transport):
+        assert transport.value().startswith(b"HTTP/1.1 503 ")
+        assert transport.write_closed and not transport.disconnecting
+    polite.connectionLost(Failure(ConnectionDone()))
+    assert not drained.called
+    clock.advance(DRAIN_SECONDS - 0.01)
+    assert not drained.called and not slow_transport.disconnecting
+    clock.advance(0.01)
+    assert drained.called
+    # (StringTransport's abortConnection is loseConnection.)
+    assert slow_transport.disconnecting
+
+
+def test_the_drain_adds_nothing_to_twisted_webs_own_answer(clock: Clock) -> None:
+    factory = make_factory(clock)
+    channel, transport = half_closing_channel(factory)
+    channel.dataReceived(b"GET /readyz HTTP/1.1\r\nBad Header Line\r\n\r\n")
+    response = transport.value()
+    assert response.startswith(b"HTTP/1.1 400 ") and transport.disconnecting
+    factory.dispatcher.begin_stopping()
+    drained = Deferred.fromCoroutine(factory.site.drain())
+    assert transport.value() == response
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert drained.called
+
+
+def test_the_drain_ends_at_the_last_close(clock: Clock) -> None:
+    factory = make_factory(clock)
+    channel, transport = half_closing_channel(factory)
+    factory.dispatcher.begin_stopping()
+    channel.dataReceived(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert transport.value().endswith(SHUTTING_DOWN_BODY)
+    drained = Deferred.fromCoroutine(factory.site.drain())
+    assert not drained.called
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert drained.called
+    assert Deferred.fromCoroutine(factory.site.drain()).called
+    assert clock.getDelayedCalls() == []
 
 
 def test_an_absolute_form_target_names_the_same_path(clock: Clock) -> None:

@@ -12,6 +12,12 @@ WebSocket layer (``transports/websocket.py``, through Autobahn's public
 ``/metrics`` are ordinary resources, ``426`` on ``/``, ``404`` elsewhere.
 One request per connection: every plain reply closes it.
 
+While the server shuts down (``Dispatcher.stopping``) every request is
+read to its end and answered ``503`` with ``Retry-After`` (the handshake
+timeout answers it too), and once the listener has closed
+:meth:`EdgeSite.drain` answers what is left and waits, bounded, for the
+clients to close: no accepted connection ends without an answer.
+
 The replies themselves are pure functions to an :class:`HttpReply`.
 """
 
@@ -23,7 +29,14 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from urllib.parse import urlsplit
 
 import attrs
-from twisted.internet.interfaces import IAddress, IDelayedCall, IProtocol, IReactorTime
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IProtocol,
+    IReactorTime,
+    ISSLTransport,
+)
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -167,6 +180,14 @@ Upgrade = Callable[[Request, object], Any]
 MetricsText = Callable[[], bytes]
 #: The Prometheus text exposition format, version 0.0.4.
 PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
+#: Seconds a stopping listener's last connections get to take their answer
+#: after the listener closed (:meth:`EdgeSite.drain`); then they are aborted.
+DRAIN_SECONDS: Final = 1.0
+
+
+def shutting_down() -> HttpReply:
+    """What every HTTP request gets while the server shuts down (``/readyz`` included)."""
+    return HttpReply(503, f"{SHUTTING_DOWN}; connect again later\n", (("Retry-After", "1"),))
 
 
 @attrs.frozen
@@ -294,6 +315,11 @@ class EdgeResource(Resource):
 
     def render(self, request: Request) -> Any:
         policy = self._policy
+        if policy.dispatcher.stopping:
+            # Until the server exits the listener stays open and every
+            # request, read to its end first, gets this: probes and
+            # clients learn why (and retry elsewhere), none is dropped.
+            return _send(request, shutting_down())
         for name in _SINGLE_HEADERS:
             values = request.requestHeaders.getRawHeaders(name)
             if values is not None and len(values) > 1:
@@ -361,6 +387,8 @@ class EdgeRequest(Request):
 
     def process(self) -> None:
         self.clientproto = b"HTTP/1.1"
+        # (The render is synchronous: from here on the channel has its answer.)
+        cast(EdgeChannel, self.channel).answered = True
         super().process()
 
 
@@ -384,6 +412,8 @@ class EdgeChannel(HTTPChannel):
         self._refused = False
         self._counted = False
         self._timer: IDelayedCall | None = None
+        #: A request of this connection reached its resource (it is answered).
+        self.answered = False
         #: The WebSocket protocol this connection was upgraded to.
         self.upgraded: IProtocol | None = None
 
@@ -428,29 +458,56 @@ class EdgeChannel(HTTPChannel):
                 )
             )
             return
-        if policy.dispatcher.stopping:
-            # Until the sessions have ended the listener stays open: say why
-            # to probes and clients (they retry elsewhere).
-            self._refuse(
-                HttpReply(503, f"{SHUTTING_DOWN}; connect again later\n", (("Retry-After", "1"),))
-            )
-            return
+        # (While the server shuts down the request is read as usual and
+        # answered 503 by EdgeResource: an answer written before the
+        # request was read could be lost to the reset that closing a socket
+        # with unread bytes sends.)
         self._timer = site.clock.callLater(policy.handshake_timeout, self._timed_out)
 
     def _timed_out(self) -> None:
         # A peer that does not finish its request in time (slow headers)
-        # holds a connection for nothing: counted, then dropped unanswered.
+        # holds a connection for nothing: counted, then dropped unanswered
+        # (while the server shuts down: answered 503, like every request).
         self._timer = None
         self.site.policy.dispatcher.stats.refused["handshake_timeout"] += 1
+        if self.site.policy.dispatcher.stopping:
+            self.answer_shutting_down()
+            return
         self._refused = True
         self.transport.abortConnection()  # type: ignore[union-attr]
+
+    def answer_shutting_down(self) -> None:
+        """The shutdown's 503 for a connection whose request has not reached a resource."""
+        if self._refused or self.answered or self.upgraded is not None:
+            return
+        if getattr(self.transport, "disconnecting", False):
+            # twisted.web has answered it itself (e.g. 400 for a malformed
+            # request line) and is closing it.
+            return
+        self._refuse(shutting_down())
 
     def _refuse(self, reply: HttpReply) -> None:
         """Answer before (or instead of) parsing, and close."""
         self._refused = True
         self._head = bytearray()
-        self.transport.write(reply.render())  # type: ignore[union-attr]
-        self.transport.loseConnection()  # type: ignore[union-attr]
+        self._cancel_timer()
+        transport: Any = self.transport
+        transport.write(reply.render())
+        # (Not under TLS: its wrapper would half-close the TCP beneath it,
+        # under bytes it may still hold; it closes with close_notify.)
+        half_close = (
+            None
+            if ISSLTransport.providedBy(transport)
+            else getattr(transport, "loseWriteConnection", None)
+        )
+        if half_close is None or not self.site.policy.dispatcher.stopping:
+            transport.loseConnection()
+            return
+        # Shutting down: the answer and a FIN, then the rest of the request
+        # is read (and discarded) until the client closes, so that closing
+        # with unread bytes cannot reset the answer away; EdgeSite.drain
+        # bounds the wait.
+        half_close()
 
     def dataReceived(self, data: bytes) -> None:
         upgraded = self.upgraded
@@ -502,7 +559,7 @@ class EdgeChannel(HTTPChannel):
         """The upgrade took the socket: stop the timer, leave the producer slot and the count."""
         self.upgraded = protocol
         self._cancel_timer()
-        self.site.channels.discard(self)
+        self.site.discard(self)
         self._counted = False
         # HTTPChannel registered itself as the transport's producer; the
         # WebSocket connection registers its own.
@@ -525,7 +582,7 @@ class EdgeChannel(HTTPChannel):
                 why=why,
             )
         self._cancel_timer()
-        self.site.channels.discard(self)
+        self.site.discard(self)
         if self._counted:
             self._counted = False
             self.site.policy.dispatcher.stats.sockets_open -= 1
@@ -547,8 +604,9 @@ class EdgeSite(Site):
         super().__init__(EdgeResource(policy, upgrade), timeout=None, reactor=clock)
         self.policy = policy
         self.clock = clock
-        #: Connections not (yet) upgraded, aborted when the listener stops.
+        #: Connections not (yet) upgraded, drained when the listener stops.
         self.channels: set[EdgeChannel] = set()
+        self._drained: list[Deferred[None]] = []
         #: The --max-connections refusal warning, at most once per interval.
         self.refusal_log = OncePerInterval(clock)
 
@@ -570,8 +628,39 @@ class EdgeSite(Site):
     def log(self, request: Any) -> None:
         pass
 
-    def abort_all(self) -> None:
-        """Drop every connection that has not been upgraded (the listener stops)."""
+    def discard(self, channel: EdgeChannel) -> None:
+        """``channel`` is gone or upgraded: a drain waiting for the last one may end."""
+        self.channels.discard(channel)
+        if not self.channels:
+            drained, self._drained = self._drained, []
+            for d in drained:
+                d.callback(None)
+
+    async def drain(self, seconds: float = DRAIN_SECONDS) -> None:
+        """End every connection that has not been upgraded, answered (the listener has closed).
+
+        The server is stopping: a connection still sending its request is
+        answered 503 now; one whose answer is on its way keeps it. Fires
+        when the last has closed, or after ``seconds``, when the rest (a
+        peer that neither reads nor closes) are aborted.
+        """
+        for channel in list(self.channels):
+            channel.answer_shutting_down()
+        if not self.channels:
+            return
+        done: Deferred[None] = Deferred()
+        self._drained.append(done)
+
+        def bound() -> None:
+            if not done.called:
+                done.callback(None)
+
+        timer = self.clock.callLater(seconds, bound)
+        await done
+        if timer.active():
+            timer.cancel()
+        if done in self._drained:
+            self._drained.remove(done)
         for channel in list(self.channels):
             if channel.transport is not None:
                 cast(Any, channel.transport).abortConnection()

@@ -50,6 +50,7 @@ from twisted.internet.interfaces import (
     IListeningPort,
     IReactorTCP,
     IReactorTime,
+    IReadDescriptor,
 )
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -543,7 +544,8 @@ class ExecServerFactory(WebSocketServerFactory):
         return WebSocketResource(_HandOver(self, request.channel, identity)).render(request)
 
     def shut_down(self) -> Deferred[None]:
-        self.site.abort_all()
+        # (The HTTP connections are left to finish: each request gets its
+        # answer, 503 from now on; the listener drains them once closed.)
         waits = [proto.shut_down() for proto in list(self.protocols)]
         return DeferredList(waits).addCallback(lambda _: None)
 
@@ -633,16 +635,27 @@ class WebSocketService(Service):
         return d
 
     async def _stop(self) -> None:
-        # The sessions end first, the listener last: meanwhile new
+        # The sessions end first (all of them), the listener last: meanwhile new
         # connections are answered 503 (the dispatcher is stopping), not
         # refused, so /readyz says so (docs/operations.md, "Signals and
-        # shutdown").
+        # shutdown"). Once the listener is closed, the connections it
+        # accepted get their answers out before the reactor may stop.
         await self.factory.shut_down()
+        # The listener outlives every session of the server, not only its
+        # own (another listener's, stdio's, the detached ones): /readyz
+        # answers 503 on it until the whole grace is over.
+        await self.dispatcher.shutdown()
         if self.port is not None:
             port, self.port = self.port, None
+            if IReadDescriptor.providedBy(port):
+                # Accept what the kernel holds in the backlog now: closing
+                # the socket would reset those connections unanswered; accepted,
+                # they get the drain's 503.
+                cast(IReadDescriptor, port).doRead()
             stopped = port.stopListening()
             if stopped is not None:
                 await stopped
+        await self.factory.site.drain()
 
 
 def _print_to(stream: IO[str]) -> Callable[[str], None]:
