@@ -88,9 +88,6 @@ class ServerProcessBase(ServerChecks, ProcessProtocol):
         """A Deferred firing with the exit code once the process has ended (``ended`` untouched)."""
         return observe(self.ended)
 
-    #: TRANSITIONAL (issue 25, wave 3): the old name of :meth:`exited`.
-    _ended_copy = exited
-
     async def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int | None:
         """Ask the server to end and wait; SIGKILL (a teardown failure) if it does not in time."""
         if not self.ended.called:

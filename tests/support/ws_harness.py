@@ -50,6 +50,8 @@ class WsServerProcess(ServerProcessBase):
         self.urls: list[str] = []
         self._expected = expected_urls
         self.listening: Deferred[list[str]] = Deferred()
+        #: What the server wrote to stdout: ``twistd -n`` logs there.
+        self.stdout = b""
 
     @classmethod
     async def start(
@@ -83,6 +85,13 @@ class WsServerProcess(ServerProcessBase):
     def host_port(self) -> tuple[str, int]:
         host, port = self.url[len("ws://") :].rsplit(":", 1)
         return host.strip("[]"), int(port)
+
+    def outReceived(self, data: bytes) -> None:
+        self.stdout += data
+
+    def stderr_bytes(self) -> bytes:
+        # The teardown checks read the log wherever it goes (twistd -n: stdout).
+        return self.stderr + self.stdout
 
     def errReceived(self, data: bytes) -> None:
         super().errReceived(data)
