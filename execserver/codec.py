@@ -22,6 +22,7 @@ import contextlib
 import mmap
 import re
 import secrets
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol, TypeVar
 
@@ -75,6 +76,15 @@ class MappedBuffer:
     and each move there leaves freed heap memory behind that stays resident:
     about 6 MiB for every message that long (0.4x of a 16 MiB file sent to
     fs/writeFile).
+
+    The pages an append of at least :data:`POPULATE_BYTES` is about to fill
+    are faulted in first with one ``madvise(MADV_POPULATE_WRITE)`` (Linux
+    5.14): one call instead of a page-fault exception per 4 KiB page, which
+    took 12 ms of a 22 MiB line's 256 KiB appends, 7.5 ms with it. Only the
+    pages written are populated, so the mapping's resident size is what it
+    was. (Transparent huge pages were measured too: 3 ms on an idle
+    machine, but the kernel's direct compaction for them made a write
+    after other memory churn cost 70 ms of CPU instead of 40.)
     """
 
     __slots__ = ("_map", "size")
@@ -94,6 +104,8 @@ class MappedBuffer:
         end = self.size + len(data)
         if end > len(buffer):
             buffer.resize(max(end, 2 * len(buffer)))
+        if len(data) >= POPULATE_BYTES:
+            _populate(buffer, self.size, end)
         buffer[self.size : end] = data
         self.size = end
 
@@ -126,6 +138,27 @@ class MappedBuffer:
         assert buffer is not None, "take twice"
         self._map = None
         return memoryview(buffer)[: self.size]
+
+
+#: An append to a :class:`MappedBuffer` at least this large populates its pages first.
+POPULATE_BYTES: Final = 64 * 1024
+_MADV_POPULATE_WRITE: Final = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_PAGE: Final = mmap.PAGESIZE
+#: Whether ``MADV_POPULATE_WRITE`` may work here (cleared at its first refusal).
+_populating = sys.platform == "linux"
+
+
+def _populate(buffer: mmap.mmap, start: int, end: int) -> None:
+    """Fault in the pages of ``buffer[start:end]`` with one call (a hint:
+    where the kernel refuses, the copy faults them in one by one)."""
+    global _populating
+    if not _populating:
+        return
+    first = start - start % _PAGE
+    try:
+        buffer.madvise(_MADV_POPULATE_WRITE, first, end - first)
+    except OSError:
+        _populating = False  # an older kernel (EINVAL): not asked again
 
 
 class LongLineSink(Protocol):

@@ -145,6 +145,31 @@ def test_a_mapped_buffer_grows_past_its_first_mapping() -> None:
     assert buffer.take() == chunk * 9
 
 
+def test_large_appends_populate_their_pages_and_keep_every_byte() -> None:
+    # Appends at unaligned offsets: the pages populated start at the page of
+    # the first byte; what the buffer holds is exactly what was appended.
+    assert codec._populating  # this kernel (>= 5.14) takes MADV_POPULATE_WRITE
+    buffer = codec.MappedBuffer()
+    pieces = [b"{", bytes(range(256)) * 1024, b"x" * (codec.POPULATE_BYTES + 3)] * 40
+    for piece in pieces:
+        buffer.append(piece)
+    assert codec._populating
+    assert buffer.take() == b"".join(pieces)
+
+
+def test_a_kernel_that_refuses_to_populate_is_not_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(codec, "_MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
+    monkeypatch.setattr(codec, "_populating", True)
+    buffer = codec.MappedBuffer()
+    chunk = b"y" * (2 * codec.POPULATE_BYTES)
+    for _ in range(40):
+        buffer.append(chunk)
+    assert not codec._populating
+    assert buffer.take() == chunk * 40
+
+
 @given(st.lists(st.binary(min_size=1, max_size=200), max_size=30))
 def test_memory_held_for_a_partial_line_is_bounded(pieces: list[bytes]) -> None:
     framer = LineFramer(64)
