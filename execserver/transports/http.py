@@ -650,15 +650,9 @@ class EdgeSite(Site):
             return
         done: Deferred[None] = Deferred()
         self._drained.append(done)
-
-        def bound() -> None:
-            if not done.called:
-                done.callback(None)
-
-        timer = self.clock.callLater(seconds, bound)
+        # (At the bound the wait ends as if the last had closed.)
+        done.addTimeout(seconds, self.clock, onTimeoutCancel=lambda _result, _timeout: None)
         await done
-        if timer.active():
-            timer.cancel()
         if done in self._drained:
             self._drained.remove(done)
         for channel in list(self.channels):
