@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, TextIO
+from typing import Any
 
-from twisted.internet.interfaces import IReactorTime
-from twisted.logger import ILogObserver
 from twisted.python import usage
 
 from execserver.logsink import SinkStream, StderrSink, stderr_observer
@@ -60,15 +58,6 @@ class ServerOptions(Options):
 LOG_DRAIN_SECONDS = 2.0
 
 
-def log_observer(sink: TextIO | StderrSink, clock: IReactorTime, verbose: bool) -> ILogObserver:
-    """Text lines on ``sink``: warnings and worse, or everything with ``verbose``.
-
-    Repeated lines are rate-limited and each event's text is bounded
-    (``execserver.logsink``).
-    """
-    return stderr_observer(sink, clock, verbose)
-
-
 def main(argv: list[str] | None = None) -> None:
     options = ServerOptions()
     try:
@@ -92,8 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     sink = StderrSink(real_stderr.fileno())
     sys.stderr = SinkStream(sink, real_stderr.fileno())
     try:
+        # Warnings and worse (everything with --verbose), repeats
+        # rate-limited, each event's text bounded (execserver.logsink).
         globalLogBeginner.beginLoggingTo(
-            [log_observer(sink, reactor, bool(options["verbose"]))], redirectStandardIO=False
+            [stderr_observer(sink, reactor, bool(options["verbose"]))], redirectStandardIO=False
         )
         code = _serve(options, reactor)
     finally:
