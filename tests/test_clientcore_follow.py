@@ -249,6 +249,20 @@ def test_no_acknowledgement_without_pause_before_output_or_when_disconnected() -
     assert table.ack_params(handle, 1, _pause(), True, now=True) == p.ReadParams("p", 1, 1, 0)
 
 
+def test_acknowledge_if_due_sends_only_a_due_acknowledgement_in_the_background() -> None:
+    table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
+    handle = _Handle()
+    handle.accept_output(OutputEvent("p", "stdout", b"x", 1))
+    server = _Server([_read([], 1)])
+    spawned: list[Coroutine[Any, Any, None]] = []
+    table.acknowledge_if_due(server.call, handle, 1, _pause(), False, spawned.append, now=True)
+    assert spawned == []  # disconnected: none due
+    table.acknowledge_if_due(server.call, handle, 1, _pause(), True, spawned.append, now=True)
+    (ack,) = spawned
+    _run(ack)
+    assert server.sent[-1] == p.ReadParams("p", 1, 1, 0)
+
+
 def test_the_acknowledging_read_delivers_what_it_brings_and_ignores_errors() -> None:
     handle = _Handle()
     handle.accept_output(OutputEvent("p", "stdout", b"a", 1))

@@ -65,7 +65,7 @@ from execserver.clientcore.errors import (
     SessionLost,
     SpawnFailed,
 )
-from execserver.clientcore.follow import ProcessTable, acknowledge, decode_output, send_start
+from execserver.clientcore.follow import ProcessTable, decode_output, send_start
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
@@ -844,15 +844,17 @@ class Client:
         if event is None:
             log.warning("dropping process/output of %s with invalid base64", out.process_id)
             return
-        chunk = event.chunk
         if handle.accept_output(event):
             # With "pause", tell the server (a read's afterSeq) what has arrived.
             rpc = self._rpc
-            ack = self._table.ack_params(
-                handle, len(chunk), self.initialize_result, not rpc.is_closed
+            self._table.acknowledge_if_due(
+                rpc.call,
+                handle,
+                len(event.chunk),
+                self.initialize_result,
+                not rpc.is_closed,
+                self._spawn,
             )
-            if ack is not None:
-                self._spawn(acknowledge(rpc.call, handle, ack))
 
     def _on_exited(self, ex: ExitedParams) -> None:
         # A baseline server sends no process/closed: the handle lingers.

@@ -55,7 +55,7 @@ from execserver.client.types import (
     OutputParams,
 )
 from execserver.clientcore import defaults
-from execserver.clientcore.follow import ProcessTable, acknowledge, decode_output, send_start
+from execserver.clientcore.follow import ProcessTable, decode_output, send_start
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.start import exec_params
@@ -525,11 +525,9 @@ class ExecServerClient(ClientApi, FileTransfers):
 
     def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
         """With "pause", tell the server (a read's afterSeq) what has arrived."""
-        params = self._table.ack_params(
-            handle, size, self.initialize_result, not self._rpc.is_closed
+        self._table.acknowledge_if_due(
+            self._call, handle, size, self.initialize_result, not self._rpc.is_closed, _background
         )
-        if params is not None:
-            _background(acknowledge(self._call, handle, params))
 
     def _emit(self, event: ClientEvent) -> None:
         for listener in list(self._listeners):

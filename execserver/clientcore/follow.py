@@ -18,7 +18,8 @@ way to wait (a ``call`` returning an awaitable, a ``schedule`` for timers, a
   closed one at once: :meth:`~ProcessTable.linger`, :meth:`~ProcessTable.forget`;
 - **acknowledgement** (``onDetachedFull: "pause"``): a ``process/read`` whose
   ``afterSeq`` tells the server what arrived, each time a quarter of its
-  retention did: :meth:`~ProcessTable.ack_params`, :func:`acknowledge`;
+  retention did: :meth:`~ProcessTable.acknowledge_if_due`
+  (:meth:`~ProcessTable.ack_params`, :func:`acknowledge`);
 - **catch-up after a resume, with gap reporting**: ``process/read`` from each
   handle's last delivered seq until it has all it missed, a
   :class:`~execserver.clientcore.types.GapEvent` where the server dropped
@@ -206,6 +207,23 @@ class ProcessTable(Generic[H]):
             return None
         return p.ReadParams(handle.process_id, handle.last_seq, 1, 0)
 
+    def acknowledge_if_due(
+        self,
+        call: Caller,
+        handle: H,
+        size: int,
+        result: InitializeResult | None,
+        connected: bool,
+        background: Background,
+        *,
+        now: bool = False,
+    ) -> None:
+        """Send the acknowledging read (:meth:`ack_params`) in the
+        ``background`` when one is due: what every client does with it."""
+        params = self.ack_params(handle, size, result, connected, now=now)
+        if params is not None:
+            background(acknowledge(call, handle, params))
+
     # --- catching up after a resume -----------------------------------------------------
 
     def adopt(self, handles: list[H]) -> None:
@@ -251,9 +269,7 @@ class ProcessTable(Generic[H]):
             return None
         # The live events held back meanwhile were delivered unacknowledged:
         # a "pause" server may be waiting for exactly them.
-        params = self.ack_params(handle, 0, result, connected(), now=True)
-        if params is not None:
-            background(acknowledge(call, handle, params))
+        self.acknowledge_if_due(call, handle, 0, result, connected(), background, now=True)
         return None
 
 

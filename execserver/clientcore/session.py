@@ -11,7 +11,7 @@ returning its connection type ``C``, a ``now`` and a ``sleep``) and to dial:
   :class:`~execserver.clientcore.errors.OutcomeUnknown` otherwise; a call
   whose session could not be resumed fails with the client's
   :class:`~execserver.clientcore.errors.SessionLost`;
-- **the start-retry loop** (``through_drops(..., start=True)``): a
+- **the start-retry loop** (:func:`through_drops` with ``p.PROCESS_START``): a
   ``process/start`` in flight at a drop is sent again with the same
   ``processId`` once the session is resumed (``again=True``), where
   "process ID already exists" says the first one was carried out
