@@ -19,7 +19,8 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,22 @@ async def _server(sock: Path, mechanism: str, *extra: str) -> WsServerProcess:
     )  # fmt: skip
 
 
+@asynccontextmanager
+async def _controlled(
+    sock: Path, mechanism: str, *extra: str
+) -> AsyncIterator[tuple[WsServerProcess, Any]]:
+    """A server on ``sock`` and a control client of it; both closed after (the server: exit 0)."""
+    server = await _server(sock, mechanism, *extra)
+    try:
+        client = await _control(server)
+        try:
+            yield server, client
+        finally:
+            await client.close()
+    finally:
+        assert await server.stop() == 0
+
+
 @pytest.mark.parametrize(
     ("containment", "how"),
     [
@@ -231,21 +248,14 @@ async def test_a_confined_command_that_left_its_cgroup_is_still_refused(
     # read-only (then its lineage still led to a confined tree); now it
     # stays in its cgroup, and is refused.
     sock = sock_dir / "exec.sock"
-    server = await _server(sock, "landlock", "--process-containment", "cgroup")
-    try:
-        client = await _control(server)
-        try:
-            sandbox = profile_for(dirs, "landlock", network="enabled")
-            sandbox["useLegacyLandlock"] = True
-            sandbox["permissions"]["file_system"]["entries"].append(
-                {"path": {"type": "path", "path": "/sys/fs/cgroup"}, "access": "write"}
-            )
-            result = await _attack(client, dirs, "landlock", sock, how="leave-cgroup",
-                                   sandbox=sandbox)  # fmt: skip
-        finally:
-            await client.close()
-    finally:
-        assert await server.stop() == 0
+    async with _controlled(sock, "landlock", "--process-containment", "cgroup") as (_, client):
+        sandbox = profile_for(dirs, "landlock", network="enabled")
+        sandbox["useLegacyLandlock"] = True
+        sandbox["permissions"]["file_system"]["entries"].append(
+            {"path": {"type": "path", "path": "/sys/fs/cgroup"}, "access": "write"}
+        )
+        result = await _attack(client, dirs, "landlock", sock, how="leave-cgroup",
+                               sandbox=sandbox)  # fmt: skip
     assert not (dirs.outside / "marker").exists(), result
     assert result.startswith("stayed (Permission denied) in 0::"), result
     assert "/exec-server-" in result.split(": ", 1)[0], result
@@ -259,18 +269,11 @@ async def test_a_bwrap_confined_command_cannot_use_a_hard_link_to_the_socket(
     # bwrap masks the socket's path with /dev/null; a hard link to the
     # same socket elsewhere (here: in the writable root) is not masked.
     sock = sock_dir / "exec.sock"
-    server = await _server(sock, "bwrap")
-    try:
+    async with _controlled(sock, "bwrap") as (_, client):
         link = dirs.work / "link.sock"
         os.link(sock, link)
-        client = await _control(server)
-        try:
-            masked = await _attack(client, dirs, "bwrap", sock)
-            linked = await _attack(client, dirs, "bwrap", link, how="direct-link")
-        finally:
-            await client.close()
-    finally:
-        assert await server.stop() == 0
+        masked = await _attack(client, dirs, "bwrap", sock)
+        linked = await _attack(client, dirs, "bwrap", link, how="direct-link")
     assert not (dirs.outside / "marker").exists(), (masked, linked)
     assert masked.startswith("REFUSED"), masked
     assert linked.startswith(("REFUSED", "DROPPED")), linked
@@ -283,15 +286,8 @@ async def test_with_the_network_restricted_connect_itself_is_refused(
     # The seccomp filter of a restricted network refuses connect() even on
     # a Unix socket (EPERM): the listener never sees the attempt.
     sock = sock_dir / "exec.sock"
-    server = await _server(sock, "landlock")
-    try:
-        client = await _control(server)
-        try:
-            result = await _attack(client, dirs, "landlock", sock, network="restricted")
-        finally:
-            await client.close()
-    finally:
-        assert await server.stop() == 0
+    async with _controlled(sock, "landlock") as (_, client):
+        result = await _attack(client, dirs, "landlock", sock, network="restricted")
     assert not (dirs.outside / "marker").exists(), result
     assert result.startswith("REFUSED PermissionError"), result
 
@@ -301,28 +297,21 @@ async def test_an_unconfined_local_client_still_uses_the_socket(dirs: Dirs, sock
     # The same script, started without a sandbox while a confined command
     # of the server runs, connects and starts its process.
     sock = sock_dir / "exec.sock"
-    server = await _server(sock, "landlock")
-    try:
-        client = await _control(server)
-        try:
-            sandbox = profile_for(dirs, "landlock", network="enabled")
-            sandbox["useLegacyLandlock"] = True
-            await client.start_process(
-                "confined-cat", ["cat"], cwd=uri(dirs.work), env={"PATH": CHILD_PATH},
-                sandbox=sandbox, pipeStdin=True,
-            )  # fmt: skip
-            result = await _attack(client, dirs, "landlock", sock, sandbox=None)
-            # And a client outside the server (this test's process).
-            outsider = await with_timeout(
-                connect_websocket(reactor, f"unix://{sock}"), DEFAULT_TIMEOUT, "unix connect"
-            )
-            assert outsider.session_id
-            await outsider.close()
-            await client.call("process/terminate", {"processId": "confined-cat"})
-            await client.wait_notification("process/exited", "confined-cat", timeout=30)
-        finally:
-            await client.close()
-    finally:
-        assert await server.stop() == 0
+    async with _controlled(sock, "landlock") as (_, client):
+        sandbox = profile_for(dirs, "landlock", network="enabled")
+        sandbox["useLegacyLandlock"] = True
+        await client.start_process(
+            "confined-cat", ["cat"], cwd=uri(dirs.work), env={"PATH": CHILD_PATH},
+            sandbox=sandbox, pipeStdin=True,
+        )  # fmt: skip
+        result = await _attack(client, dirs, "landlock", sock, sandbox=None)
+        # And a client outside the server (this test's process).
+        outsider = await with_timeout(
+            connect_websocket(reactor, f"unix://{sock}"), DEFAULT_TIMEOUT, "unix connect"
+        )
+        assert outsider.session_id
+        await outsider.close()
+        await client.call("process/terminate", {"processId": "confined-cat"})
+        await client.wait_notification("process/exited", "confined-cat", timeout=30)
     assert result == "STARTED", result
     assert (dirs.outside / "marker").read_text() == "pwned\n"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.sandbox import policy as pol
+from tests.support.sandbox import codex_profile
 
 _DECODE = msgspec.json.Decoder(p.ExecParams)
 
@@ -59,26 +60,6 @@ def _context(permissions: dict[str, Any], cwd: str, **extra: Any) -> dict[str, A
         "useLegacyLandlock": False,
         **extra,
     }
-
-
-def _codex_workspace_write(cwd: str) -> dict[str, Any]:
-    """What Codex 0.171.0 sends in workspace-write (issue 21)."""
-    skip = {"missing_path_behavior": "skip"}
-    return _context(
-        _managed(
-            [
-                _special("root", "read"),
-                _special("project_roots", "write"),
-                _special("slash_tmp", "write"),
-                _special("tmpdir", "write"),
-                {**_special("project_roots", "read", subpath=".git"), **skip},
-                {**_special("project_roots", "read", subpath=".agents"), **skip},
-                {**_special("project_roots", "read", subpath=".codex"), **skip},
-                {**_special("project_roots", "read", subpath=".aws"), **skip},
-            ]
-        ),
-        cwd,
-    )
 
 
 def _resolve(sandbox: Any, cwd: str = "/", env: dict[str, str] | None = None) -> pol.SandboxPolicy:
@@ -157,7 +138,7 @@ def test_codex_workspace_write_profile(tmp_path: Path) -> None:
     (work / ".codex").mkdir()
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
-    policy = _resolve(_codex_workspace_write(str(work)), env={"TMPDIR": str(tmpdir)})
+    policy = _resolve(codex_profile(work), env={"TMPDIR": str(tmpdir)})
     assert policy.confined and policy.full_read and not policy.network
     assert set(policy.writable_roots()) == {str(work), "/tmp", str(tmpdir)}
     assert set(policy.read_only_carveouts()) == {str(work / ".git"), str(work / ".codex")}

@@ -164,13 +164,9 @@ _LANDLOCK_ERRORS: Final = {
 def _landlock_abi() -> tuple[int, str | None]:
     import ctypes
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
-        syscall.restype = ctypes.c_long
-        abi = int(syscall(444, None, ctypes.c_size_t(0), 1))
-    except (OSError, AttributeError) as exc:
-        return 0, f"cannot call landlock_create_ruleset: {exc}"
+    from execserver.sandbox import fsguard
+
+    abi = fsguard.landlock_abi()
     if abi < 1:
         err = ctypes.get_errno()
         why = _LANDLOCK_ERRORS.get(err, os.strerror(err))

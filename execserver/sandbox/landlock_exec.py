@@ -93,6 +93,13 @@ def main(argv: list[str]) -> None:
     ruleset = syscall(_SYS_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), 0)
     if ruleset < 0:
         _fail("landlock_create_ruleset")
+
+    def add_rule(path: str, fd: int, allowed: int) -> None:
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
+        if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
+            _fail(f"landlock_add_rule({path})")
+        os.close(fd)
+
     for paths, rights in ((reads, _READ), (writes, handled)):
         for path in paths:
             try:
@@ -102,10 +109,7 @@ def main(argv: list[str]) -> None:
             allowed = rights & handled
             if not os.path.isdir(path):
                 allowed &= _FILE_RIGHTS
-            rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
-            if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
-                _fail(f"landlock_add_rule({path})")
-            os.close(fd)
+            add_rule(path, fd, allowed)
     for std in (0, 1, 2):
         # Its own terminal, reopened by name (/dev/stdout, /dev/pts/N): the
         # server grants no other terminal of the host.
@@ -113,11 +117,7 @@ def main(argv: list[str]) -> None:
             tty = os.ttyname(std)
         except OSError:
             continue
-        fd = os.open(tty, os.O_PATH | os.O_CLOEXEC)
-        rule = ctypes.create_string_buffer(struct.pack("=Qi", handled & _FILE_RIGHTS, fd), 12)
-        if syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, rule, 0) != 0:
-            _fail(f"landlock_add_rule({tty})")
-        os.close(fd)
+        add_rule(tty, os.open(tty, os.O_PATH | os.O_CLOEXEC), handled & _FILE_RIGHTS)
     with open(bpf_path, "rb") as f:
         program = f.read()
     _drop_capabilities(libc)
