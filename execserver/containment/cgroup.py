@@ -331,6 +331,19 @@ def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
     return found
 
 
+def _remove_dead_servers_dirs(own_dir: str, ns: int, kill: Callable[[str], None]) -> None:
+    """Kill (``kill``) the members of gone servers' directories below ``own_dir``
+    (:func:`_dead_servers_dirs`), then remove the directories."""
+    for leftover in _dead_servers_dirs(own_dir, ns):
+        kill(leftover)
+        removed = _remove_cgroup_tree(leftover, wait=1.0)
+        log.info(
+            "removed {what} cgroup {path} of a server that is gone",
+            what="the" if removed else "(not all of) the",
+            path=leftover,
+        )
+
+
 def _kill_members(directory: str, rounds: int = 50) -> None:
     """SIGKILL every process in ``directory``'s cgroup tree and their descendants.
 
