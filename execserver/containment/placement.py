@@ -22,6 +22,7 @@ from execserver import cgroups, fdlimit
 from execserver.cgroups import Counters, Usage
 from execserver.containment.cgroup import (
     CGROUP_PREFIX,
+    _cgroup_pids,
     _kill_members,
     _remove_dead_servers_dirs,
     _return_to,
@@ -139,8 +140,7 @@ class ControlFiles:
         file while they come less than a second apart, so a kept
         descriptor would report members long gone.
         """
-        text = cgroups.read_text(os.path.join(directory, "cgroup.procs"))
-        return [int(pid) for pid in text.split()] if text else []
+        return _cgroup_pids(directory)
 
     def forget(self, directory: str) -> None:
         """Close the kept descriptors of ``directory``'s files."""
