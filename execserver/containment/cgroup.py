@@ -258,10 +258,16 @@ def _in_cgroup_below(pid: int, root: str, parent: str) -> bool:
     return path == parent or path.startswith(parent + "/")
 
 
-def _kill_descendants_of_members(directory: str) -> None:
+def _tree_pids(directory: str) -> list[int]:
+    """The members of ``directory``'s cgroup and of every cgroup below it."""
     members: list[int] = []
     for dirpath, _dirs, _files in os.walk(directory):
         members.extend(_cgroup_pids(dirpath))
+    return members
+
+
+def _kill_descendants_of_members(directory: str) -> None:
+    members = _tree_pids(directory)
     if not members:
         return
     table = proc_table()
@@ -351,9 +357,7 @@ def _kill_members(directory: str, rounds: int = 50) -> None:
     is left (a fork racing a round is caught by the next).
     """
     for _ in range(rounds):
-        members: list[int] = []
-        for dirpath, _dirs, _files in os.walk(directory):
-            members.extend(_cgroup_pids(dirpath))
+        members = _tree_pids(directory)
         if not members:
             return
         table = proc_table()
