@@ -364,20 +364,29 @@ class FakeKernel:
         self._write(path, text)
 
 
-def test_containment_delegates_v2_controllers_and_places_limits_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def fake_v2_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, controllers: str = ""
+) -> tuple[Path, FakeKernel]:
+    """A fake cgroup v2 root whose service cgroup ``/svc`` offers ``controllers``,
+    found by :class:`Containment` as the server's own (the root and its kernel)."""
     root = tmp_path / "cgroup2"
-    own = root / "svc"
     root.mkdir()
     kernel = FakeKernel(root, monkeypatch)
-    os.mkdir(own)
-    # The service's own cgroup offers the controllers its parent enabled.
-    (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
-    (own / "cgroup.controllers").write_text("cpu memory pids\n")
+    os.mkdir(root / "svc")
+    (root / "svc" / "cgroup.controllers").write_text(controllers + "\n")
     monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
     monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
     monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
+    return root, kernel
+
+
+def test_containment_delegates_v2_controllers_and_places_limits_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The service's own cgroup offers the controllers its parent enabled.
+    root, kernel = fake_v2_host(tmp_path, monkeypatch, "cpu memory pids")
+    own = root / "svc"
+    (root / "cgroup.subtree_control").write_text("cpu memory pids\n")
     monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
@@ -450,14 +459,7 @@ def test_containment_delegates_v2_controllers_and_places_limits_exactly(
 def test_limits_refused_where_no_controller_is_available(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = tmp_path / "cgroup2"
-    root.mkdir()
-    FakeKernel(root, monkeypatch)
-    os.mkdir(root / "svc")
-    (root / "svc" / "cgroup.controllers").write_text("\n")
-    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
+    fake_v2_host(tmp_path, monkeypatch)
     monkeypatch.setattr(cgroups, "v1_hierarchies", lambda *a: {})
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
@@ -535,15 +537,8 @@ class FakeV1:
 def test_v1_limits_are_entered_by_the_spawning_thread_and_the_sets_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = tmp_path / "cgroup2"
-    root.mkdir()
-    FakeKernel(root, monkeypatch)
-    os.mkdir(root / "svc")
-    (root / "svc" / "cgroup.controllers").write_text("\n")
+    fake_v2_host(tmp_path, monkeypatch)
     v1 = FakeV1(tmp_path / "v1", monkeypatch)
-    monkeypatch.setattr(core, "find_cgroup2_mount", lambda mounts="": str(root))
-    monkeypatch.setattr(core, "own_cgroup", lambda path="": "/svc")
-    monkeypatch.setattr(core, "set_child_subreaper", lambda: True)
     monkeypatch.setenv("EXEC_SERVER_STATE_DIR", str(tmp_path / "state"))
     box = Containment("cgroup")
     box.start()

@@ -258,10 +258,16 @@ def _in_cgroup_below(pid: int, root: str, parent: str) -> bool:
     return path == parent or path.startswith(parent + "/")
 
 
-def _kill_descendants_of_members(directory: str) -> None:
+def _tree_pids(directory: str) -> list[int]:
+    """The members of ``directory``'s cgroup and of every cgroup below it."""
     members: list[int] = []
     for dirpath, _dirs, _files in os.walk(directory):
         members.extend(_cgroup_pids(dirpath))
+    return members
+
+
+def _kill_descendants_of_members(directory: str) -> None:
+    members = _tree_pids(directory)
     if not members:
         return
     table = proc_table()
@@ -331,6 +337,19 @@ def _dead_servers_dirs(own_dir: str, ns: int) -> list[str]:
     return found
 
 
+def _remove_dead_servers_dirs(own_dir: str, ns: int, kill: Callable[[str], None]) -> None:
+    """Kill (``kill``) the members of gone servers' directories below ``own_dir``
+    (:func:`_dead_servers_dirs`), then remove the directories."""
+    for leftover in _dead_servers_dirs(own_dir, ns):
+        kill(leftover)
+        removed = _remove_cgroup_tree(leftover, wait=1.0)
+        log.info(
+            "removed {what} cgroup {path} of a server that is gone",
+            what="the" if removed else "(not all of) the",
+            path=leftover,
+        )
+
+
 def _kill_members(directory: str, rounds: int = 50) -> None:
     """SIGKILL every process in ``directory``'s cgroup tree and their descendants.
 
@@ -338,9 +357,7 @@ def _kill_members(directory: str, rounds: int = 50) -> None:
     is left (a fork racing a round is caught by the next).
     """
     for _ in range(rounds):
-        members: list[int] = []
-        for dirpath, _dirs, _files in os.walk(directory):
-            members.extend(_cgroup_pids(dirpath))
+        members = _tree_pids(directory)
         if not members:
             return
         table = proc_table()

@@ -21,10 +21,10 @@ from execserver.cgroups import V1Hierarchy
 from execserver.containment.cgroup import (
     CGROUP_PREFIX,
     CgroupTree,
-    _dead_servers_dirs,
     _kill_descendants_of_members,
     _kill_members,
     _remove_cgroup_tree,
+    _remove_dead_servers_dirs,
     _return_to,
     _write,
     find_cgroup2_mount,
@@ -77,6 +77,14 @@ _PR_SET_CHILD_SUBREAPER: Final = 36
 
 
 Tree = CgroupTree | ScanTree
+
+
+def _kill_v2_leftover(leftover: str) -> None:
+    # Descendants that left the cgroup (root can) but whose parent stayed
+    # are found through it before it dies.
+    _kill_descendants_of_members(leftover)
+    with contextlib.suppress(OSError):
+        _write(os.path.join(leftover, "cgroup.kill"), "1")
 
 
 def set_child_subreaper() -> bool:
@@ -238,18 +246,7 @@ class Containment(LimitControllers, Attribution):
         process younger than the directory), so another live server is
         never touched.
         """
-        for leftover in _dead_servers_dirs(own_dir, ns):
-            # Descendants that left the cgroup (root can) but whose parent
-            # stayed are found through it before it dies.
-            _kill_descendants_of_members(leftover)
-            with contextlib.suppress(OSError):
-                _write(os.path.join(leftover, "cgroup.kill"), "1")
-            removed = _remove_cgroup_tree(leftover, wait=1.0)
-            log.info(
-                "removed {what} cgroup {path} of a server that is gone",
-                what="the" if removed else "(not all of) the",
-                path=leftover,
-            )
+        _remove_dead_servers_dirs(own_dir, ns, _kill_v2_leftover)
 
     def stop(self) -> Deferred[None]:
         """Kill every remaining descendant, reap them, remove the cgroups."""

@@ -22,9 +22,9 @@ from execserver import cgroups, fdlimit
 from execserver.cgroups import Counters, Usage
 from execserver.containment.cgroup import (
     CGROUP_PREFIX,
-    _dead_servers_dirs,
+    _cgroup_pids,
     _kill_members,
-    _remove_cgroup_tree,
+    _remove_dead_servers_dirs,
     _return_to,
     _write,
 )
@@ -140,8 +140,7 @@ class ControlFiles:
         file while they come less than a second apart, so a kept
         descriptor would report members long gone.
         """
-        text = cgroups.read_text(os.path.join(directory, "cgroup.procs"))
-        return [int(pid) for pid in text.split()] if text else []
+        return _cgroup_pids(directory)
 
     def forget(self, directory: str) -> None:
         """Close the kept descriptors of ``directory``'s files."""
@@ -530,14 +529,7 @@ class LimitControllers:
         The members are escapees of a server that is gone (as in its v2
         cgroup): killed, with their descendants, before the directories go.
         """
-        for leftover in _dead_servers_dirs(own_dir, ns):
-            _kill_members(leftover)
-            removed = _remove_cgroup_tree(leftover, wait=1.0)
-            log.info(
-                "removed {what} cgroup {path} of a server that is gone",
-                what="the" if removed else "(not all of) the",
-                path=leftover,
-            )
+        _remove_dead_servers_dirs(own_dir, ns, _kill_members)
 
     def limits_report(self) -> list[str]:
         """One line per limit: whether and how this server enforces it."""
