@@ -435,7 +435,7 @@ class Containment(LimitControllers, Attribution):
                             ) from None
                         v1_entered.append(index)
                 born = boot_ticks()
-                pid = _with_rlimit(create, limits)
+                pid = create()  # (spawn wrapped it: oom_score_adj, RLIMIT_FSIZE)
                 if placement is not None and limits.max_processes is not None:
                     # Lowered while the server's thread still counts, so the
                     # tree is never above the limit, not even between the
