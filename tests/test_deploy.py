@@ -38,10 +38,7 @@ import pytest_twisted
 import yaml
 from kubernetes_validate import validate as k8s_validate
 from twisted.internet import error
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
-from twisted.internet.protocol import Factory, Protocol, connectionDone
-from twisted.python.failure import Failure
 
 from execserver.tls import ClientTls
 from tests.support.harness import (
@@ -56,7 +53,7 @@ from tests.support.harness import (
 from tests.support.polling import until
 from tests.support.resume_handshake import initialize
 from tests.support.tls import Pki, pki, start_wss
-from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.ws_harness import RawHttp, WsServerProcess, connect, get_request, http_get
 
 __all__ = ["pki"]  # a fixture, used by name
 
@@ -293,47 +290,6 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         assert exited["signal"] == "SIGKILL"
     finally:
         await server.stop()
-
-
-class RawHttp(Protocol):
-    """One TCP connection written by hand: its bytes, its end."""
-
-    def __init__(self) -> None:
-        self.data = b""
-        self.lost: Deferred[bytes] = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.data += data
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.lost.callback(self.data)
-
-    @classmethod
-    async def open(cls, host: str, port: int, ca_file: str | None = None) -> RawHttp:
-        """Connect (with ``ca_file``: TLS, the server checked against that CA)."""
-        endpoint: Any = TCP4ClientEndpoint(reactor, host, port, timeout=5)
-        if ca_file is not None:
-            endpoint = wrapClientTLS(ClientTls(ca_file).options(host), endpoint)
-        return await cls.open_on(endpoint)
-
-    @classmethod
-    async def open_on(cls, endpoint: Any) -> RawHttp:
-        proto: RawHttp = await with_timeout(
-            endpoint.connect(Factory.forProtocol(cls)), 5, "HTTP connect"
-        )
-        return proto
-
-    def write(self, data: bytes) -> None:
-        self.transport.write(data)  # type: ignore[union-attr]
-
-    async def answer(self, timeout: float) -> bytes:
-        """Everything the server sent until it closed the connection."""
-        try:
-            data: bytes = await with_timeout(observe(self.lost), timeout, "the server's close")
-            return data
-        finally:
-            if not self.lost.called:
-                self.transport.abortConnection()  # type: ignore[union-attr]
 
 
 SHUTTING_DOWN_503 = b"HTTP/1.1 503 Service Unavailable\r\n"
