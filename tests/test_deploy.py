@@ -53,7 +53,14 @@ from tests.support.harness import (
 from tests.support.polling import until
 from tests.support.resume_handshake import initialize
 from tests.support.tls import Pki, pki, start_wss
-from tests.support.ws_harness import RawHttp, WsServerProcess, connect, get_request, http_get
+from tests.support.ws_harness import (
+    RawHttp,
+    WsClientProtocol,
+    WsServerProcess,
+    connect,
+    get_request,
+    http_get,
+)
 
 __all__ = ["pki"]  # a fixture, used by name
 
@@ -233,6 +240,16 @@ def test_agent_sandbox_resources(item: tuple[Path, int, dict[str, Any]]) -> None
 # --- the shutdown a fleet relies on ------------------------------------------------
 
 
+async def _start_tree_ignoring_term(client: WsClientProtocol) -> None:
+    """``proc-1``: a tree that ignores SIGTERM (a shutdown waits the grace for its SIGKILL)."""
+    await client.start_process(
+        "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+    )
+    await client.wait_for(
+        lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+    )
+
+
 async def _readyz(server: WsServerProcess) -> tuple[int, bytes]:
     host, port = server.host_port
     status, _, body = await http_get(host, port, get_request("/readyz"), timeout=5)
@@ -250,12 +267,7 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         await client.handshake()
         # The tree ignores SIGTERM: the shutdown waits the whole grace for
         # its SIGKILL, the window in which /readyz must say 503.
-        await client.start_process(
-            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
-        )
-        await client.wait_for(
-            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
-        )
+        await _start_tree_ignoring_term(client)
         assert server.pid is not None
         tree = descendants(server.pid)
         assert len(tree) >= 2
@@ -308,12 +320,7 @@ async def test_no_connection_of_the_grace_is_closed_unanswered(twistd: bool) -> 
     try:
         client = await connect(server.url)
         await client.handshake()
-        await client.start_process(
-            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
-        )
-        await client.wait_for(
-            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
-        )
+        await _start_tree_ignoring_term(client)
         host, port = server.host_port
         early = await RawHttp.open(host, port)
         early.write(b"GET /readyz HTTP/1.1\r\n")
@@ -357,12 +364,7 @@ async def test_the_listener_stays_open_through_a_detached_sessions_grace() -> No
     try:
         client = await connect(server.url)
         await initialize(client, sessionTtlMs=60_000)
-        await client.start_process(
-            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
-        )
-        await client.wait_for(
-            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
-        )
+        await _start_tree_ignoring_term(client)
         assert server.pid is not None
         tree = descendants(server.pid)
         client.abort()
