@@ -38,10 +38,7 @@ import pytest_twisted
 import yaml
 from kubernetes_validate import validate as k8s_validate
 from twisted.internet import error
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, wrapClientTLS
-from twisted.internet.protocol import Factory, Protocol, connectionDone
-from twisted.python.failure import Failure
 
 from execserver.tls import ClientTls
 from tests.support.harness import (
@@ -56,7 +53,14 @@ from tests.support.harness import (
 from tests.support.polling import until
 from tests.support.resume_handshake import initialize
 from tests.support.tls import Pki, pki, start_wss
-from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
+from tests.support.ws_harness import (
+    RawHttp,
+    WsClientProtocol,
+    WsServerProcess,
+    connect,
+    get_request,
+    http_get,
+)
 
 __all__ = ["pki"]  # a fixture, used by name
 
@@ -236,6 +240,16 @@ def test_agent_sandbox_resources(item: tuple[Path, int, dict[str, Any]]) -> None
 # --- the shutdown a fleet relies on ------------------------------------------------
 
 
+async def _start_tree_ignoring_term(client: WsClientProtocol) -> None:
+    """``proc-1``: a tree that ignores SIGTERM (a shutdown waits the grace for its SIGKILL)."""
+    await client.start_process(
+        "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
+    )
+    await client.wait_for(
+        lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
+    )
+
+
 async def _readyz(server: WsServerProcess) -> tuple[int, bytes]:
     host, port = server.host_port
     status, _, body = await http_get(host, port, get_request("/readyz"), timeout=5)
@@ -253,12 +267,7 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         await client.handshake()
         # The tree ignores SIGTERM: the shutdown waits the whole grace for
         # its SIGKILL, the window in which /readyz must say 503.
-        await client.start_process(
-            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
-        )
-        await client.wait_for(
-            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
-        )
+        await _start_tree_ignoring_term(client)
         assert server.pid is not None
         tree = descendants(server.pid)
         assert len(tree) >= 2
@@ -295,47 +304,6 @@ async def test_sigterm_answers_503_until_the_sessions_end_then_exits_0() -> None
         await server.stop()
 
 
-class RawHttp(Protocol):
-    """One TCP connection written by hand: its bytes, its end."""
-
-    def __init__(self) -> None:
-        self.data = b""
-        self.lost: Deferred[bytes] = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.data += data
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.lost.callback(self.data)
-
-    @classmethod
-    async def open(cls, host: str, port: int, ca_file: str | None = None) -> RawHttp:
-        """Connect (with ``ca_file``: TLS, the server checked against that CA)."""
-        endpoint: Any = TCP4ClientEndpoint(reactor, host, port, timeout=5)
-        if ca_file is not None:
-            endpoint = wrapClientTLS(ClientTls(ca_file).options(host), endpoint)
-        return await cls.open_on(endpoint)
-
-    @classmethod
-    async def open_on(cls, endpoint: Any) -> RawHttp:
-        proto: RawHttp = await with_timeout(
-            endpoint.connect(Factory.forProtocol(cls)), 5, "HTTP connect"
-        )
-        return proto
-
-    def write(self, data: bytes) -> None:
-        self.transport.write(data)  # type: ignore[union-attr]
-
-    async def answer(self, timeout: float) -> bytes:
-        """Everything the server sent until it closed the connection."""
-        try:
-            data: bytes = await with_timeout(observe(self.lost), timeout, "the server's close")
-            return data
-        finally:
-            if not self.lost.called:
-                self.transport.abortConnection()  # type: ignore[union-attr]
-
-
 SHUTTING_DOWN_503 = b"HTTP/1.1 503 Service Unavailable\r\n"
 SHUTTING_DOWN_BODY = b"\r\n\r\nexec-server is shutting down; connect again later\n"
 
@@ -352,12 +320,7 @@ async def test_no_connection_of_the_grace_is_closed_unanswered(twistd: bool) -> 
     try:
         client = await connect(server.url)
         await client.handshake()
-        await client.start_process(
-            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
-        )
-        await client.wait_for(
-            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
-        )
+        await _start_tree_ignoring_term(client)
         host, port = server.host_port
         early = await RawHttp.open(host, port)
         early.write(b"GET /readyz HTTP/1.1\r\n")
@@ -401,12 +364,7 @@ async def test_the_listener_stays_open_through_a_detached_sessions_grace() -> No
     try:
         client = await connect(server.url)
         await initialize(client, sessionTtlMs=60_000)
-        await client.start_process(
-            "proc-1", ["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"]
-        )
-        await client.wait_for(
-            lambda m: b"started" in client.output_of("proc-1"), DEFAULT_TIMEOUT, "the tree"
-        )
+        await _start_tree_ignoring_term(client)
         assert server.pid is not None
         tree = descendants(server.pid)
         client.abort()

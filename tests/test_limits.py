@@ -58,7 +58,7 @@ async def test_slow_headers_are_dropped_after_the_handshake_timeout() -> None:
         slow = await open_idle(host, port)
         slow.transport.write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # type: ignore[union-attr]
         await with_timeout(observe(slow.lost), DEFAULT_TIMEOUT, "the slow client dropped")
-        assert slow.received == b""
+        assert slow.data == b""
         # Others are served meanwhile and afterwards.
         client = await connect(server.url)
         await client.handshake()

@@ -14,9 +14,7 @@ import socket
 from functools import partial
 
 import pytest_twisted
-from twisted.internet.defer import Deferred
-from twisted.internet.protocol import Factory, Protocol, connectionDone
-from twisted.python.failure import Failure
+from twisted.internet.protocol import Factory
 
 from execserver import metrics
 from execserver.app import build_dispatcher
@@ -24,19 +22,8 @@ from execserver.config import ServerConfig
 from execserver.transports.listen import WebSocketAddress, parse_listen_url
 from execserver.transports.websocket import WebSocketService, WebSocketSettings
 from tests.support.harness import observe, reactor, with_timeout
+from tests.support.ws_harness import RawHttp
 from tests.support.ws_wire import NoSpawner
-
-
-class Collect(Protocol):
-    def __init__(self) -> None:
-        self.data = b""
-        self.lost: Deferred[bytes] = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.data += data
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.lost.callback(self.data)
 
 
 @pytest_twisted.ensureDeferred
@@ -62,7 +49,7 @@ async def test_a_connection_in_the_backlog_at_the_close_is_answered_503() -> Non
     client.setblocking(False)
     dispatcher.begin_stopping()
     stopped = service.stopService()
-    collect = Collect()
+    collect = RawHttp()
     factory = Factory()
     factory.buildProtocol = lambda addr: collect  # type: ignore[method-assign]
     reactor.adoptStreamConnection(client.fileno(), socket.AF_INET, factory)

@@ -150,12 +150,7 @@ class FakeProcessTransport:
             reason = Failure(error.ProcessDone(0))
         else:
             reason = Failure(error.ProcessTerminated(code, None, None))
-        kill = self.proto._kill
-        if isinstance(kill, FakeKill):
-            # The whole group is gone (nothing holds the output any more).
-            kill.dead.add(self.pid)
-        for fd in (1, 2) if not self.spec.tty else (1,):
-            self.proto.childConnectionLost(fd)
+        self._group_gone()
         self.proto.processExited(reason)
         self.proto.processEnded(reason)
 
@@ -166,12 +161,16 @@ class FakeProcessTransport:
         return reason
 
     def end(self, reason: Failure) -> None:
+        self._group_gone()
+        self.proto.processEnded(reason)
+
+    def _group_gone(self) -> None:
+        """The whole group is gone (nothing holds the output any more): streams close."""
         kill = self.proto._kill
         if isinstance(kill, FakeKill):
             kill.dead.add(self.pid)
         for fd in (1, 2) if not self.spec.tty else (1,):
             self.proto.childConnectionLost(fd)
-        self.proto.processEnded(reason)
 
 
 class FakeSpawner:

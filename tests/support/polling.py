@@ -43,6 +43,14 @@ def _failure(what: str, timeout: float, detail: Callable[[], object] | None) -> 
     return message
 
 
+async def _holds(condition: Callable[[], object] | Callable[[], Awaitable[object]]) -> bool:
+    """One look at ``condition``: its result (awaited if awaitable) as a bool."""
+    result = condition()
+    if inspect.isawaitable(result):
+        result = await result
+    return bool(result)
+
+
 async def until(
     condition: Callable[[], object] | Callable[[], Awaitable[object]],
     what: str,
@@ -61,12 +69,7 @@ async def until(
     started = reactor.seconds()
 
     async def poll() -> None:
-        while True:
-            result = condition()
-            if inspect.isawaitable(result):
-                result = await result
-            if result:
-                return
+        while not await _holds(condition):
             await deferLater(reactor, interval, lambda: None)
 
     try:
@@ -89,15 +92,9 @@ async def until_asyncio(
     loop = asyncio.get_running_loop()
     started = loop.time()
 
-    async def holds() -> bool:
-        result = condition()
-        if inspect.isawaitable(result):
-            result = await result
-        return bool(result)
-
     try:
         async with asyncio.timeout(timeout):
-            while not await holds():
+            while not await _holds(condition):
                 await asyncio.sleep(interval)
     except TimeoutError:
         raise TimeoutError(_failure(what, timeout, detail)) from None

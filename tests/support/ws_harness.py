@@ -20,10 +20,11 @@ from typing import Any
 
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.endpoints import TCP4ClientEndpoint, wrapClientTLS
+from twisted.internet.protocol import Factory, ProcessProtocol, Protocol, connectionDone
 from twisted.python.failure import Failure
 
+from execserver.tls import ClientTls
 from tests.support.harness import (
     BIN as BIN_DIR,
 )
@@ -201,33 +202,56 @@ async def connect(
     return proto
 
 
+class RawHttp(Protocol):
+    """One TCP connection written by hand: its bytes, its end."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.lost: Deferred[bytes] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.data += data
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.lost.callback(self.data)
+
+    @classmethod
+    async def open(cls, host: str, port: int, ca_file: str | None = None) -> RawHttp:
+        """Connect (with ``ca_file``: TLS, the server checked against that CA)."""
+        endpoint: Any = TCP4ClientEndpoint(reactor, host, port, timeout=5)
+        if ca_file is not None:
+            endpoint = wrapClientTLS(ClientTls(ca_file).options(host), endpoint)
+        return await cls.open_on(endpoint)
+
+    @classmethod
+    async def open_on(
+        cls, endpoint: Any, timeout: float = 5, what: str = "HTTP connect"
+    ) -> RawHttp:
+        proto: RawHttp = await with_timeout(
+            endpoint.connect(Factory.forProtocol(cls)), timeout, what
+        )
+        return proto
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    async def answer(self, timeout: float, what: str = "the server's close") -> bytes:
+        """Everything the server sent until it closed the connection."""
+        try:
+            data: bytes = await with_timeout(observe(self.lost), timeout, what)
+            return data
+        finally:
+            if not self.lost.called:
+                self.transport.abortConnection()  # type: ignore[union-attr]
+
+
 async def http_get(
     host: str, port: int, request: bytes, timeout: float = DEFAULT_TIMEOUT
 ) -> tuple[int, dict[str, str], bytes]:
     """Send one raw HTTP request; return status, headers and body (read to EOF)."""
-    from twisted.internet.protocol import Factory, Protocol
-
-    class Collect(Protocol):
-        def __init__(self) -> None:
-            self.data = b""
-            self.done: Deferred[bytes] = Deferred()
-
-        def dataReceived(self, data: bytes) -> None:
-            self.data += data
-
-        def connectionLost(self, reason: Failure | None = None) -> None:
-            self.done.callback(self.data)
-
-    endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
-    proto: Collect = await with_timeout(
-        endpoint.connect(Factory.forProtocol(Collect)), timeout, "HTTP connect"
-    )
-    proto.transport.write(request)  # type: ignore[union-attr]
-    try:
-        raw: bytes = await with_timeout(observe(proto.done), timeout, "the HTTP response")
-    finally:
-        if not proto.done.called:
-            proto.transport.abortConnection()  # type: ignore[union-attr]
+    proto = await RawHttp.open_on(TCP4ClientEndpoint(reactor, host, port, timeout=timeout), timeout)
+    proto.write(request)
+    raw = await proto.answer(timeout, "the HTTP response")
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
