@@ -225,18 +225,30 @@ _STATX_BTIME: Final = 0x800
 _AT_FDCWD: Final = -100
 
 
-def _load_statx() -> Any:
+def libc_function(
+    name: str, argtypes: list[Any] | None = None, restype: Any = None, *, use_errno: bool = True
+) -> Any:
+    """libc's function ``name``, or None where this libc has none.
+
+    With ``argtypes`` its argument and result types are declared (an
+    errno-capturing library by default); without, it is called as it is.
+    """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.statx
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=use_errno)
+        func = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
-    func.restype = ctypes.c_int
+    if argtypes is not None:
+        func.argtypes = argtypes
+        func.restype = restype
     return func
 
 
-_statx: Final = _load_statx()
+_statx: Final = libc_function(
+    "statx",
+    [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p],
+    ctypes.c_int,
+)
 
 
 def _load_bare_statx() -> Any:
@@ -247,10 +259,7 @@ def _load_bare_statx() -> Any:
     ``int``s, a ``bytes`` name and a ctypes buffer, which ctypes passes as
     they are. A failure is raised by ``os.lstat`` instead of from errno.
     """
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").statx
-    except (OSError, AttributeError):
-        return None
+    return libc_function("statx", use_errno=False)
 
 
 _bare_statx: Final = _load_bare_statx()
