@@ -244,15 +244,9 @@ def libc_function(
     return func
 
 
-_statx: Final = libc_function(
-    "statx",
-    [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p],
-    ctypes.c_int,
-)
-
-
 def _load_bare_statx() -> Any:
-    """``statx`` without argument types or errno capture, for :func:`lstatx`.
+    """``statx`` without argument types or errno capture, for :func:`lstatx`
+    and :func:`created_at_ms` (neither reads errno).
 
     Each declared argument type costs a conversion per call (about 1 µs of
     an inline ``fs/getMetadata``'s 20-25); the arguments passed are plain
@@ -271,10 +265,10 @@ def created_at_ms(path: str) -> int:
     Python 3.11 does not expose ``statx``; the reference (Rust's
     ``Metadata::created``) reads ``stx_btime`` through it.
     """
-    if _statx is None:
+    if _bare_statx is None:
         return 0
     buf = ctypes.create_string_buffer(256)
-    if _statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_BTIME, buf) != 0:
+    if _bare_statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_BTIME, buf) != 0:
         return 0
     mask = struct.unpack_from("=I", buf, 0)[0]
     if not mask & _STATX_BTIME:
