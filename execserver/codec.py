@@ -625,9 +625,8 @@ def decode_long_params(
         return decode_params(raw, params_type)
     opening, closing = span
     view = memoryview(line)
-    cut = b"".join((view[:opening], _STAND_IN, view[closing + 1 :]))
     try:
-        envelope = _envelope_decoder.decode(cut)
+        envelope = _envelope_decoder.decode(_cut(view, span))
         cut_raw = envelope.params if isinstance(envelope.params, msgspec.Raw) else None
         params = decode_as(cut_raw, params_type)
     except Exception:  # the full decode gives the exact answer

@@ -181,6 +181,25 @@ def _hard_linked(tmp_path: Path) -> tuple[Path, Path, Path]:
     return directory, target, tmp_path / "other-name"
 
 
+def _kill_while_writing(
+    state: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    target: Path,
+    condition: Callable[[], bool],
+    what: str,
+) -> None:
+    """Write NEW_TEXT to ``target`` until a server is killed once ``condition`` holds
+    (a write that finished first is undone and tried again, ATTEMPTS times)."""
+    for _attempt in range(ATTEMPTS):
+        server = _start(state, monkeypatch)
+        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
+        if _kill_when(server, request, condition):
+            return
+        assert server.stop() == 0
+        target.write_bytes(OLD)
+    raise AssertionError(f"never saw {what} in {ATTEMPTS} writes")
+
+
 def test_sigkill_while_a_hard_linked_file_is_written_leaves_the_old_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,15 +211,7 @@ def test_sigkill_while_a_hard_linked_file_is_written_leaves_the_old_bytes(
         # The new bytes going into a temporary file, or the target itself changing.
         return any(_size(t) > 0 for t in _temps(directory)) or target.stat().st_size != SIZE
 
-    for _attempt in range(ATTEMPTS):
-        server = _start(state, monkeypatch)
-        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
-        if _kill_when(server, request, under_way):
-            break
-        assert server.stop() == 0
-        target.write_bytes(OLD)
-    else:
-        raise AssertionError(f"never saw the write under way in {ATTEMPTS} writes")
+    _kill_while_writing(state, monkeypatch, target, under_way, "the write under way")
     data = _restart_and_check(state, monkeypatch, directory, target)
     assert data in (OLD, NEW), f"{len(data)} bytes, neither the old nor the new contents"
     assert os.path.samefile(target, other)
@@ -218,15 +229,7 @@ def test_sigkill_during_the_copy_back_of_a_hard_linked_file_is_completed_by_the_
     def copying() -> bool:
         return any(records.glob("*.copy"))
 
-    for _attempt in range(ATTEMPTS):
-        server = _start(state, monkeypatch)
-        request = server.request("fs/writeFile", {"path": str(target), "dataBase64": NEW_TEXT})
-        if _kill_when(server, request, copying):
-            break
-        assert server.stop() == 0
-        target.write_bytes(OLD)
-    else:
-        raise AssertionError(f"never saw the copy-back's journal record in {ATTEMPTS} writes")
+    _kill_while_writing(state, monkeypatch, target, copying, "the copy-back's journal record")
     data = _restart_and_check(state, monkeypatch, directory, target)
     assert data == NEW, f"{len(data)} bytes, not the new contents"
     assert os.path.samefile(target, other)

@@ -39,6 +39,8 @@ from typing import Any, Final
 
 from twisted.logger import Logger
 
+from execserver.fs.paths import libc_function
+
 _log = Logger()
 
 STATE_ENV: Final = "EXECSERVER_STATE_DIR"
@@ -157,16 +159,11 @@ def _reserve(fd: int, size: int) -> None:
 
 def _load_fallocate() -> Any:
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.fallocate64
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    func.restype = ctypes.c_int
-    return (func, ctypes.get_errno)
+    func = libc_function(
+        "fallocate64", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int
+    )
+    return None if func is None else (func, ctypes.get_errno)
 
 
 _FALLOCATE: Final[Any] = _load_fallocate()

@@ -225,32 +225,35 @@ _STATX_BTIME: Final = 0x800
 _AT_FDCWD: Final = -100
 
 
-def _load_statx() -> Any:
+def libc_function(
+    name: str, argtypes: list[Any] | None = None, restype: Any = None, *, use_errno: bool = True
+) -> Any:
+    """libc's function ``name``, or None where this libc has none.
+
+    With ``argtypes`` its argument and result types are declared (an
+    errno-capturing library by default); without, it is called as it is.
+    """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.statx
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=use_errno)
+        func = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
-    func.restype = ctypes.c_int
+    if argtypes is not None:
+        func.argtypes = argtypes
+        func.restype = restype
     return func
 
 
-_statx: Final = _load_statx()
-
-
 def _load_bare_statx() -> Any:
-    """``statx`` without argument types or errno capture, for :func:`lstatx`.
+    """``statx`` without argument types or errno capture, for :func:`lstatx`
+    and :func:`created_at_ms` (neither reads errno).
 
     Each declared argument type costs a conversion per call (about 1 µs of
     an inline ``fs/getMetadata``'s 20-25); the arguments passed are plain
     ``int``s, a ``bytes`` name and a ctypes buffer, which ctypes passes as
     they are. A failure is raised by ``os.lstat`` instead of from errno.
     """
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").statx
-    except (OSError, AttributeError):
-        return None
+    return libc_function("statx", use_errno=False)
 
 
 _bare_statx: Final = _load_bare_statx()
@@ -262,10 +265,10 @@ def created_at_ms(path: str) -> int:
     Python 3.11 does not expose ``statx``; the reference (Rust's
     ``Metadata::created``) reads ``stx_btime`` through it.
     """
-    if _statx is None:
+    if _bare_statx is None:
         return 0
     buf = ctypes.create_string_buffer(256)
-    if _statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_BTIME, buf) != 0:
+    if _bare_statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_BTIME, buf) != 0:
         return 0
     mask = struct.unpack_from("=I", buf, 0)[0]
     if not mask & _STATX_BTIME:

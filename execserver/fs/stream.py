@@ -41,7 +41,6 @@ from __future__ import annotations
 import binascii
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import weakref
 from typing import Any, Final
@@ -55,7 +54,7 @@ from execserver.errors import RpcError
 from execserver.fs import local
 from execserver.fs.b64 import B64_SLICE, noncanonical_tail
 from execserver.fs.local import Locality
-from execserver.fs.paths import absolute_path
+from execserver.fs.paths import absolute_path, libc_function
 from execserver.fs.pool import Runner
 
 #: What precedes the data (looked for in a line's first SINK_HEAD_BYTES).
@@ -137,18 +136,11 @@ def _open_unnamed(locality: Locality, path: str, directory: str) -> tuple[int, i
     return fd, st.st_dev, st.st_ino
 
 
-def _load_linkat() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.linkat
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-    func.restype = ctypes.c_int
-    return func
-
-
-_linkat: Final = _load_linkat()
+_linkat: Final = libc_function(
+    "linkat",
+    [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int],
+    ctypes.c_int,
+)
 _AT_FDCWD: Final = -100
 _AT_EMPTY_PATH: Final = 0x1000
 
