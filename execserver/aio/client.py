@@ -69,7 +69,7 @@ from execserver.clientcore.follow import ProcessTable, decode_output, send_start
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import GaveUp, redial, through_drops
+from execserver.clientcore.session import GaveUp, first_dial, redial, through_drops
 from execserver.clientcore.start import exec_params
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
@@ -1006,7 +1006,19 @@ def connect(
     )
 
     async def opening() -> Client:
-        rpc, channel, result = await dialer.open(None)
+        if url is None or not resume or not ttl:
+            rpc, channel, result = await dialer.open(None)
+        else:
+            # A cut during this first handshake leaves no session, but
+            # nothing started either: dialled again within the session's TTL.
+            rpc, channel, result = await first_dial(
+                lambda: dialer.open(None),
+                ttl / 1000,
+                now=asyncio.get_running_loop().time,
+                sleep=asyncio.sleep,
+                refused=lambda exc: isinstance(exc.__cause__, ConnectionRefusedError),
+                give_up=lambda reason: ConnectFailed(url, reason),
+            )
         return Client(dialer, rpc, channel, result, request_timeout=request_timeout, resume=resume)
 
     return _Connecting(opening)

@@ -18,7 +18,11 @@ returning its connection type ``C``, a ``now`` and a ``sleep``) and to dial:
   (:func:`execserver.clientcore.follow.send_start`);
 - **re-dialling** (:func:`redial`): dial with the backoff and give-up rules
   of :class:`~execserver.clientcore.resume.ResumeAttempts` until a
-  connection of the same session comes, or the cause to give up.
+  connection of the same session comes, or the cause to give up;
+- **the first dial** (:func:`first_dial`): a connection cut during its
+  first ``initialize`` leaves no session to resume but nothing started
+  either, so it is dialled again with the same backoff, within the TTL the
+  session asks for.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ import attrs
 
 from execserver import protocol as p
 from execserver.clientcore.calls import after_drop
-from execserver.clientcore.errors import ConnectionClosed
+from execserver.clientcore.errors import (
+    AuthRefused,
+    ConnectFailed,
+    ConnectionClosed,
+    OutcomeUnknown,
+    SessionLost,
+)
 from execserver.clientcore.resume import ResumeAttempts
 
 C = TypeVar("C")
@@ -137,3 +147,61 @@ async def redial(
         on_retry(attempts.cause)
         await sleep(attempts.next_delay())
     return None
+
+
+def handshake_cut(exc: BaseException) -> bool:
+    """``exc`` ended a dial whose connection was up and dropped before the
+    ``initialize`` answer (not a refusal, a timeout or an answer)."""
+    return isinstance(exc, ConnectionClosed) and not isinstance(exc, SessionLost | OutcomeUnknown)
+
+
+async def first_dial(
+    dial: Callable[[], Awaitable[C]],
+    budget: float,
+    *,
+    now: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]],
+    refused: Callable[[Exception], bool],
+    give_up: Callable[[str], Exception],
+    budget_note: str = "",
+    on_retry: Callable[[str], None] = lambda cause: None,
+    initial_delay: float = 0.05,
+    max_delay: float = 2.0,
+) -> C:
+    """The first connection of a session that is to outlive drops.
+
+    A first dial that fails otherwise than by a cut during its handshake
+    (:func:`handshake_cut`) raises at once, as before. After such a cut --
+    no session exists yet, and nothing was started -- it is dialled again
+    with the backoff of a resume (``initial_delay`` doubling up to
+    ``max_delay``) for at most ``budget`` seconds (the session TTL asked
+    for; 0: no re-dial); a later attempt refused for 2 s (nothing listens
+    any more), answered with an error or refused by the token ends it too.
+    Giving up raises ``give_up(reason)``, the reason naming the cut, the
+    budget (``budget_note`` says where it comes from) and the last cause.
+    """
+    attempts: ResumeAttempts | None = None
+    while True:
+        try:
+            return await dial()
+        except Exception as exc:
+            if attempts is None:
+                if budget <= 0 or not handshake_cut(exc):
+                    raise
+                attempts = ResumeAttempts(
+                    budget, now(), str(exc), initial_delay=initial_delay, max_delay=max_delay
+                )
+            elif not handshake_cut(exc) and (
+                not isinstance(exc, ConnectFailed) or isinstance(exc, AuthRefused)
+            ):
+                raise  # an answer (an error, a refused token): no retry changes it
+            cause = attempts.failed(exc, now(), refused=refused(exc))
+            if cause is None and attempts.expired(now()) is not None:
+                cause = attempts.cause
+            if cause is not None:
+                raise give_up(
+                    f"the connection was lost during the handshake (re-dialled within "
+                    f"{budget:g} s{budget_note}): {cause}"
+                ) from exc
+            on_retry(attempts.cause)
+        await sleep(attempts.next_delay())
