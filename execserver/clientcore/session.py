@@ -19,6 +19,10 @@ returning its connection type ``C``, a ``now`` and a ``sleep``) and to dial:
 - **re-dialling** (:func:`redial`): dial with the backoff and give-up rules
   of :class:`~execserver.clientcore.resume.ResumeAttempts` until a
   connection of the same session comes, or the cause to give up;
+- **resuming** (:func:`resume_session`): after a drop, re-dial
+  (:func:`redial`), then adopt the handles on the resumed connection and
+  catch them up, resume again if it dropped meanwhile, and only then hand
+  the connection to the calls waiting for it; or give up;
 - **the first dial** (:func:`first_dial`): a connection cut during its
   first ``initialize`` leaves no session to resume but nothing started
   either, so it is dialled again with the same backoff, within the TTL the
@@ -147,6 +151,67 @@ async def redial(
         on_retry(attempts.cause)
         await sleep(attempts.next_delay())
     return None
+
+
+async def resume_session(
+    dial: Callable[[], Awaitable[C]],
+    session_id: str | None,
+    attempts: ResumeAttempts,
+    *,
+    session_of: Callable[[C], str | None],
+    discard: Callable[[C], Awaitable[None]],
+    now: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]],
+    refused: Callable[[Exception], bool],
+    stopped: Callable[[], bool],
+    adopt: Callable[[C], Awaitable[None]],
+    is_up: Callable[[C], bool],
+    dropped_because: Callable[[C], str | None],
+    resumed: Callable[[C], None],
+    give_up: Callable[[str], None],
+    retry_on: type[Exception] = Exception,
+    on_retry: Callable[[str], None] = lambda cause: None,
+) -> None:
+    """Follow session ``session_id`` after a drop, until it is resumed, lost
+    or the client stops: what the asyncio client and ``ResumingClient`` do
+    once a connection of theirs dropped.
+
+    :func:`redial` until a connection of the session comes; ``adopt`` it
+    (the client takes it as its connection and catches every handle up
+    from its last seq); if it dropped again meanwhile, the attempts start
+    over from that drop (``dropped_because``) and the handles keep
+    waiting; otherwise ``resumed`` hands it to the calls waiting for a
+    connection. When :func:`redial` gives up, ``give_up(cause)`` fails the
+    handles and the waiting calls with the client's ``SessionLost``, then
+    a stray connection of another session is ``discard``-ed.
+    """
+    while True:
+        outcome = await redial(
+            dial,
+            session_id,
+            attempts,
+            session_of=session_of,
+            discard=discard,
+            now=now,
+            sleep=sleep,
+            refused=refused,
+            stopped=stopped,
+            retry_on=retry_on,
+            on_retry=on_retry,
+        )
+        if outcome is None:
+            return
+        if isinstance(outcome, GaveUp):
+            give_up(outcome.cause)
+            if outcome.stray is not None:
+                await discard(outcome.stray)
+            return
+        await adopt(outcome)
+        if not is_up(outcome):
+            attempts.restart(now(), dropped_because(outcome) or attempts.cause)
+            continue
+        resumed(outcome)
+        return
 
 
 def handshake_cut(exc: BaseException) -> bool:
