@@ -817,24 +817,14 @@ class Client:
     # --- notifications --------------------------------------------------------------
 
     def _on_output(self, out: OutputParams) -> None:
-        handle = self._table.get(out.process_id)
-        if handle is None:
-            return
+        if self._table.get(out.process_id) is None:
+            return  # not followed: not even decoded
         event = decode_output(out)
         if event is None:
             log.warning("dropping process/output of %s with invalid base64", out.process_id)
             return
-        if handle.accept_output(event):
-            # With "pause", tell the server (a read's afterSeq) what has arrived.
-            rpc = self._rpc
-            self._table.acknowledge_if_due(
-                rpc.call,
-                handle,
-                len(event.chunk),
-                self.initialize_result,
-                not rpc.is_closed,
-                self._spawn,
-            )
+        rpc = self._rpc
+        self._table.output(event, rpc.call, self.initialize_result, not rpc.is_closed, self._spawn)
 
     def _on_exited(self, ex: ExitedParams) -> None:
         # A baseline server sends no process/closed: the handle lingers.
@@ -846,11 +836,13 @@ class Client:
     # --- closing --------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Terminate every process this client started (except ``detach=True``
-        ones) and wait up to 10 s for them to end -- those of cancelled or
-        timed-out starts and runs included (:meth:`settle`) -- then close the
-        connection (a local server is asked to exit, and killed after its
-        grace). Idempotent."""
+        """Terminate every process this client started that has not exited
+        (except ``detach=True`` ones) and wait up to 10 s for their exits --
+        and for the terminations of cancelled or timed-out starts and runs
+        (:meth:`settle`) -- then close the connection (a local server is
+        asked to exit, and killed after its grace). Idempotent. The sequence
+        is :func:`execserver.clientcore.follow.end_processes`, the Twisted
+        client's too."""
         if self._closing:
             await self._closed.wait()
             return

@@ -50,7 +50,6 @@ from execserver.client.types import (
     ExitedEvent,
     ExitedParams,
     InitializeResult,
-    OutputEvent,
     OutputParams,
 )
 from execserver.clientcore import defaults
@@ -423,8 +422,10 @@ class ExecServerClient(ClientApi, FileTransfers):
                 "dropping process/output of {process_id} with invalid base64",
                 process_id=out.process_id,
             )
-            return
-        self._output(event)
+        elif self._table.output(
+            event, self._call, self.initialize_result, not self._rpc.is_closed, _background
+        ):
+            self._emit(event)
 
     def _exited_params(self, ex: ExitedParams) -> None:
         if self._table.exited(ex):
@@ -433,14 +434,6 @@ class ExecServerClient(ClientApi, FileTransfers):
     def _closed_params(self, closed: ClosedParams) -> None:
         if self._table.closed(closed):
             self._emit(ClosedEvent(closed.process_id))
-
-    def _output(self, event: OutputEvent) -> None:
-        handle = self._table.get(event.process_id)
-        if handle is not None:
-            if not handle.accept_output(event):
-                return
-            self._acknowledge(handle, len(event.chunk))
-        self._emit(event)
 
     def _on_connection_lost(self, reason: str) -> None:
         # A resumable session lives on in the server: the handles wait for
@@ -503,12 +496,6 @@ class ExecServerClient(ClientApi, FileTransfers):
                 Failure(error),
                 process_id=handle.process_id,
             )
-
-    def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
-        """With "pause", tell the server (a read's afterSeq) what has arrived."""
-        self._table.acknowledge_if_due(
-            self._call, handle, size, self.initialize_result, not self._rpc.is_closed, _background
-        )
 
     def _emit(self, event: ClientEvent) -> None:
         for listener in list(self._listeners):

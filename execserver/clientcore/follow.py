@@ -182,6 +182,26 @@ class ProcessTable(Generic[H]):
 
     # --- notifications ----------------------------------------------------------------
 
+    def output(
+        self,
+        event: OutputEvent,
+        call: Caller,
+        result: InitializeResult | None,
+        connected: bool,
+        background: Background,
+    ) -> bool:
+        """A ``process/output``'s event (:func:`decode_output`): delivered to
+        its handle in seq order, never twice (held back while it catches up),
+        then acknowledged when due ("pause": :meth:`acknowledge_if_due`).
+        False when it is not to be passed on (a duplicate, or held back)."""
+        handle = self.processes.get(event.process_id)
+        if handle is None:
+            return True  # not followed here
+        if not handle.accept_output(event):
+            return False
+        self.acknowledge_if_due(call, handle, len(event.chunk), result, connected, background)
+        return True
+
     def exited(self, ex: ExitedParams) -> bool:
         """A ``process/exited``: False when it is not to be passed on (a
         duplicate, or held back while its handle catches up). A handle that
