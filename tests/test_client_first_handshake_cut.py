@@ -2,9 +2,9 @@
 
 Before any session exists a cut leaves nothing to resume, but nothing was
 started either: ``exec-server-client run`` over ``--url``, the asyncio
-client (``resume=True``) and the Twisted ``ReconnectingClient`` dial again
-within their retry budget (docs/client.md, "Dropped connections"), and say
-so clearly when every attempt is cut. The cut is made by the test-only
+client (``resume=True``) with the blocking one on it, and the Twisted
+``ReconnectingClient`` dial again within their retry budget (docs/client.md,
+"Dropped connections"), and say so clearly when every attempt is cut. The cut is made by the test-only
 proxy the resume tests use (:mod:`tests.support.cutting_proxy`), a few bytes
 into the server's answer to ``initialize`` (right after its WebSocket
 upgrade answer, whose length the test measures on the server itself).
@@ -19,7 +19,7 @@ from typing import Any
 import pytest_twisted
 from twisted.internet import threads
 
-from execserver import aio
+from execserver import aio, sync
 from tests.support.aio_harness import in_asyncio
 from tests.support.children import Collected
 from tests.support.cutting_proxy import CuttingProxy
@@ -187,6 +187,25 @@ async def test_aio_connect_gives_up_clearly_when_every_handshake_is_cut() -> Non
             "handshake (re-dialled within 1 s): "
         ), message
         assert proxy.accepted >= 3
+    finally:
+        await proxy.stop()
+        await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sync_connect_redials_after_a_cut_in_the_first_handshake() -> None:
+    """The blocking client wraps the asyncio one: the same re-dial, within its bound."""
+    server = await WsServerProcess.start()
+    proxy = await cutting(server, times=1)
+
+    def scenario() -> tuple[bytes, int | None]:
+        with sync.connect(proxy.url, connect_timeout=5.0) as client:
+            result = client.run([sys.executable, "-c", "print('ran')"], env=child_env())
+            return result.stdout, result.exit_code
+
+    try:
+        assert await threads.deferToThread(scenario) == (b"ran\n", 0)
+        assert (proxy.cuts, proxy.accepted) == (1, 2)
     finally:
         await proxy.stop()
         await server.stop()
