@@ -24,7 +24,7 @@ from execserver.clientcore.errors import (
     ServerError,
     SessionLost,
 )
-from execserver.clientcore.follow import ProcessTable, acknowledge
+from execserver.clientcore.follow import ProcessTable, acknowledge, end_processes
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import ProcessCore
 from execserver.clientcore.types import GapEvent, InitializeResult, OutputEvent
@@ -400,3 +400,130 @@ def test_initialize_sends_only_what_is_asked_for() -> None:
     }
     # A TTL of 0 asks for no resumable session: no default.
     assert initialize_params("c", session_ttl_ms=0) == {"clientName": "c", "sessionTtlMs": 0}
+
+
+# --- the start sequence and close (ProcessTable.start, end_processes) -----------------
+
+
+class _Starts:
+    """A ``call`` answering ``process/start`` (and the catch-up's reads) from a script."""
+
+    def __init__(self, table: ProcessTable[_Handle], *answers: p.ExecResponse | Exception) -> None:
+        self.table = table
+        self.answers = list(answers)
+        #: (method, whether the handle was registered when the start was sent)
+        self.sent: list[tuple[str, bool]] = []
+
+    async def call(self, method: str, params: object, result_type: type[T], /) -> T:
+        if method == p.PROCESS_READ:
+            return _read([], 1) if result_type is p.ReadResponse else None  # type: ignore[return-value]
+        assert isinstance(params, p.ExecParams)
+        self.sent.append((method, self.table.get(params.process_id) is not None))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+
+def _params(process_id: str = "proc-1") -> p.ExecParams:
+    return p.ExecParams(process_id, ["true"], "/", {}, False)
+
+
+def test_start_registers_before_the_request_and_keeps_it_out_of_a_resume_meanwhile() -> None:
+    table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
+    handle = _Handle("proc-1")
+    caught: list[_Handle] = []
+
+    async def catch_up(h: _Handle) -> None:
+        caught.append(h)
+
+    server = _Starts(table, p.ExecResponse("server-1"))
+    seen_settled: list[list[_Handle]] = []
+    inner = server.call
+
+    async def call(method: str, params: object, result_type: type[T], /) -> T:
+        seen_settled.append(table.settled())
+        return await inner(method, params, result_type)
+
+    _run(table.start(call, handle, _params(), False, catch_up))
+    assert server.sent == [(p.PROCESS_START, True)]
+    assert seen_settled == [[]], "a start in flight is not caught up by a resume"
+    assert table.get("server-1") is handle and table.settled() == [handle]
+    assert caught == [] and not table.starting
+
+
+def test_a_start_sent_again_is_adopted_already_started_and_caught_up() -> None:
+    table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
+    handle = _Handle("proc-1")
+    caught: list[_Handle] = []
+
+    async def catch_up(h: _Handle) -> None:
+        assert h.catching_up, "its live events wait for the catch-up"
+        caught.append(h)
+
+    exists = ServerError(p.PROCESS_START, -32600, "process proc-1 already exists")
+    server = _Starts(table, exists)
+    _run(table.start(server.call, handle, _params(), True, catch_up))
+    assert table.get("proc-1") is handle and caught == [handle]
+
+
+def test_a_failed_start_unregisters_and_a_failed_resend_abandons_the_catch_up() -> None:
+    table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
+    handle = _Handle("proc-1")
+
+    async def catch_up(h: _Handle) -> None:
+        raise AssertionError("nothing to catch up")
+
+    refused = ServerError(p.PROCESS_START, -32602, "bad")
+    with pytest.raises(ServerError):
+        _run(table.start(_Starts(table, refused).call, handle, _params(), False, catch_up))
+    assert len(table) == 0 and not table.starting
+    with pytest.raises(ConnectionClosed):
+        _run(
+            table.start(
+                _Starts(table, ConnectionClosed("x")).call, handle, _params(), True, catch_up
+            )
+        )
+    assert len(table) == 0 and not handle.catching_up
+
+
+def test_after_start_fails_on_a_lost_session_ends_on_a_drop_for_good() -> None:
+    table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
+    kept, ended, failed = _Handle("a"), _Handle("b"), _Handle("c")
+    table.after_start(kept, up=False, following=True, lost=None)
+    table.after_start(ended, up=False, following=False, lost=None)
+    lost = SessionLost("s", "gone")
+    table.after_start(failed, up=True, following=True, lost=lost)
+    assert not kept.has_exited
+    assert ended.has_exited and ended.exit_code is None and ended.is_closed
+    assert failed.lost_reason is lost
+
+
+def test_end_processes_terminates_what_runs_and_waits_for_the_exits() -> None:
+    table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
+    running, detached, exited, gone = _Handle("r"), _Handle("d"), _Handle("e"), _Handle("g")
+    detached.detach = True
+    exited.mark_exited(0)
+    for handle in (running, detached, exited, gone):
+        table.register(handle)
+    terminated: list[str] = []
+    waited: list[str] = []
+
+    async def terminate(process_id: str) -> None:
+        terminated.append(process_id)
+        if process_id == "g":
+            raise ServerError(p.PROCESS_TERMINATE, -32600, "unknown process id g")
+
+    async def wait_exit(handle: _Handle) -> None:
+        waited.append(handle.process_id)
+
+    async def within(jobs: Any, seconds: float) -> bool:
+        assert seconds == 10.0
+        for job in jobs:
+            await job
+        return True
+
+    assert _run(end_processes(table.to_end(), terminate, wait_exit, within))
+    assert sorted(terminated) == ["g", "r"], "not the detached, not the exited"
+    assert waited == ["r"], "a failed terminate is not waited for"
+    assert _run(end_processes([], terminate, wait_exit, within))

@@ -5,7 +5,7 @@ connections, a fake clock, ``asyncio.run`` only to step the coroutines."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -13,13 +13,20 @@ import pytest
 
 from execserver import protocol as p
 from execserver.clientcore.errors import (
+    AuthRefused,
     ConnectFailed,
     ConnectionClosed,
     OutcomeUnknown,
     SessionLost,
 )
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import GaveUp, redial, through_drops
+from execserver.clientcore.session import (
+    GaveUp,
+    first_dial,
+    redial,
+    resume_session,
+    through_drops,
+)
 
 T = TypeVar("T")
 
@@ -159,3 +166,125 @@ def test_redial_returns_the_resumed_connection_or_discards_it_once_stopped() -> 
         run(redialling(dial, Clock(), stopped=lambda: next(stopping), discarded=discarded)) is None
     )
     assert discarded == [resumed]
+
+
+# --- resume_session: after the redial -------------------------------------------------
+
+
+@attrs.define
+class Resumed:
+    session: str
+    #: Whether it is still up once adopted (False: it dropped during the catch-up).
+    up: bool = True
+
+
+def resuming(dials: list[Resumed | Exception], clock: Clock, trail: list[object]) -> Any:
+    queue = list(dials)
+
+    async def dial() -> Resumed:
+        answer = queue.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def discard(conn: Resumed) -> None:
+        trail.append(("discard", conn.session))
+
+    async def adopt(conn: Resumed) -> None:
+        trail.append(("adopt", conn.session, conn.up))
+
+    return resume_session(
+        dial,
+        "s1",
+        ResumeAttempts(60.0, clock.now, "dropped"),
+        session_of=lambda conn: conn.session,
+        discard=discard,
+        now=lambda: clock.now,
+        sleep=clock.sleep,
+        refused=lambda exc: False,
+        stopped=lambda: False,
+        adopt=adopt,
+        is_up=lambda conn: conn.up,
+        dropped_because=lambda conn: "dropped again",
+        resumed=lambda conn: trail.append(("resumed", conn.session)),
+        give_up=lambda cause: trail.append(("gave up", cause)),
+    )
+
+
+def test_resume_adopts_then_releases_the_waiting_calls() -> None:
+    trail: list[object] = []
+    clock = Clock()
+    run(resuming([ConnectFailed("ws://h", "reset"), Resumed("s1")], clock, trail))
+    assert trail == [("adopt", "s1", True), ("resumed", "s1")]
+    assert clock.now == 0.05  # one backoff step
+
+
+def test_a_drop_during_the_catch_up_resumes_again_before_releasing_anything() -> None:
+    trail: list[object] = []
+    run(resuming([Resumed("s1", up=False), Resumed("s1")], Clock(), trail))
+    assert trail == [("adopt", "s1", False), ("adopt", "s1", True), ("resumed", "s1")]
+
+
+def test_resume_gives_up_first_then_discards_the_stray_of_another_session() -> None:
+    trail: list[object] = []
+    run(resuming([Resumed("s2")], Clock(), trail))
+    assert trail == [("gave up", "the server started a new session"), ("discard", "s2")]
+
+
+# --- first_dial: a cut during the first handshake --------------------------------------
+
+
+def first(dials: Sequence[Conn | Exception], clock: Clock, budget: float = 5.0) -> Any:
+    queue = list(dials)
+
+    async def dial() -> Conn:
+        answer = queue.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return first_dial(
+        dial,
+        budget,
+        now=lambda: clock.now,
+        sleep=clock.sleep,
+        refused=lambda exc: isinstance(exc, ConnectFailed) and "refused" in exc.reason,
+        give_up=lambda reason: ConnectFailed("ws://h", reason),
+        budget_note=", --session-ttl-ms",
+    )
+
+
+def test_a_cut_during_the_first_handshake_is_dialled_again() -> None:
+    clock = Clock()
+    conn = Conn("s1")
+    assert run(first([ConnectionClosed("cut"), ConnectionClosed("cut"), conn], clock)) is conn
+    assert clock.now == pytest.approx(0.15)  # 50 ms, then 100 ms
+
+
+def test_other_first_failures_and_a_zero_budget_raise_at_once() -> None:
+    for error in (ConnectFailed("ws://h", "connection refused"), SessionLost("s", "x")):
+        with pytest.raises(type(error)):
+            run(first([error], Clock()))
+    with pytest.raises(ConnectionClosed):
+        run(first([ConnectionClosed("cut")], Clock(), budget=0))
+
+
+def test_after_a_cut_an_answer_ends_it_and_every_cut_gives_up_clearly() -> None:
+    refused_token = AuthRefused("ws://h", 401, "authentication refused (HTTP 401 Unauthorized)")
+    with pytest.raises(AuthRefused):
+        run(first([ConnectionClosed("cut"), refused_token], Clock()))
+    clock = Clock()
+    with pytest.raises(ConnectFailed) as info:
+        run(first([ConnectionClosed("cut")] * 100, clock, budget=1.0))
+    assert str(info.value) == (
+        "cannot connect to ws://h: the connection was lost during the handshake "
+        "(re-dialled within 1 s, --session-ttl-ms): exec-server connection closed: cut"
+    )
+    assert 1.0 <= clock.now <= 2.0
+    with pytest.raises(ConnectFailed, match=r"the server is gone \(connection refused\)"):
+        run(
+            first(
+                [ConnectionClosed("cut")] + [ConnectFailed("ws://h", "connection refused")] * 99,
+                Clock(),
+            )
+        )

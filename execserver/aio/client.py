@@ -65,11 +65,11 @@ from execserver.clientcore.errors import (
     SessionLost,
     SpawnFailed,
 )
-from execserver.clientcore.follow import ProcessTable, decode_output, send_start
+from execserver.clientcore.follow import ProcessTable, decode_output, end_processes
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import GaveUp, redial, through_drops
+from execserver.clientcore.session import first_dial, resume_session, through_drops
 from execserver.clientcore.start import exec_params
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
@@ -214,6 +214,16 @@ class _Dialer:
         return result
 
 
+async def _within(jobs: Sequence[Awaitable[object]], seconds: float) -> bool:
+    """Run ``jobs`` together: True if all ended within ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            await asyncio.gather(*jobs, return_exceptions=True)
+    except TimeoutError:
+        return False
+    return True
+
+
 def _schedule(seconds: float, fn: Callable[[], None]) -> Callable[[], None]:
     """``loop.call_later`` as :class:`~execserver.clientcore.follow.ProcessTable` wants it."""
     return asyncio.get_running_loop().call_later(seconds, fn).cancel
@@ -259,8 +269,6 @@ class Client:
         #: Terminations of cancelled or timed-out starts and runs: awaited
         #: (not cancelled) by close(), so no process outlives the client.
         self._terminations: set[asyncio.Task[None]] = set()
-        #: Handles whose ``process/start`` is not answered yet.
-        self._starting: set[Process] = set()
         self._rpc = rpc
         self._channel = channel
         self._install(rpc)
@@ -348,54 +356,48 @@ class Client:
         session_id = self.session_id
         ttl = self.initialize_result.session_ttl_ms / 1000.0
         loop = asyncio.get_running_loop()
-        attempts = ResumeAttempts(ttl, loop.time(), reason)
         Dialled = tuple[AsyncRpc, StdioChannel | WebSocketChannel, InitializeResult]
 
         async def discard(dialled: Dialled) -> None:
             await dialled[1].aclose()
 
-        while True:
-            outcome = await redial(
-                lambda: self._dialer.open(session_id),
-                session_id,
-                attempts,
-                session_of=lambda dialled: dialled[2].session_id,
-                discard=discard,
-                now=loop.time,
-                sleep=asyncio.sleep,
-                refused=lambda exc: isinstance(exc.__cause__, ConnectionRefusedError),
-                stopped=lambda: self._closing,
-                retry_on=ExecServerError,
-                on_retry=lambda cause: log.info(
-                    "resuming session %s failed: %s", session_id, cause
-                ),
-            )
-            if outcome is None:
-                return
-            if isinstance(outcome, GaveUp):
-                if outcome.stray is not None:
-                    await discard(outcome.stray)
-                self._give_up(outcome.cause)
-                return
-            rpc, channel, result = outcome
+        async def adopt(dialled: Dialled) -> None:
+            rpc, channel, result = dialled
             self._rpc, self._channel = rpc, channel
             self.initialize_result = result
             self.resumes += 1
             self._install(rpc)
             await self._catch_up_all(rpc)
-            if rpc.is_closed:
-                # Dropped again meanwhile (this task still running, no
-                # other was started): resume again; the handles wait.
-                attempts.restart(loop.time(), rpc.closed_reason or attempts.cause)
-                continue
+
+        def resumed(dialled: Dialled) -> None:
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:
                 if not waiter.done():
-                    waiter.set_result(rpc)
-            return
+                    waiter.set_result(dialled[0])
+
+        await resume_session(
+            lambda: self._dialer.open(session_id),
+            session_id,
+            ResumeAttempts(ttl, loop.time(), reason),
+            session_of=lambda dialled: dialled[2].session_id,
+            discard=discard,
+            now=loop.time,
+            sleep=asyncio.sleep,
+            refused=lambda exc: isinstance(exc.__cause__, ConnectionRefusedError),
+            stopped=lambda: self._closing,
+            adopt=adopt,
+            # Dropped again meanwhile (this task still running, no other was
+            # started): resume again; the handles wait.
+            is_up=lambda dialled: not dialled[0].is_closed,
+            dropped_because=lambda dialled: dialled[0].closed_reason,
+            resumed=resumed,
+            give_up=self._give_up,
+            retry_on=ExecServerError,
+            on_retry=lambda cause: log.info("resuming session %s failed: %s", session_id, cause),
+        )
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:
-        handles = [h for h in self._table if h.catching_up and h not in self._starting]
+        handles = [h for h in self._table.settled() if h.catching_up]
         # Every handle's reads are in flight at once: one round trip for all.
         await asyncio.gather(*(self._catch_up(rpc, h) for h in handles))
 
@@ -674,59 +676,37 @@ class Client:
             sandbox=sandbox,
         )
         requested = params.process_id
-        self._table.claim(requested)
-        # Registered before the request: output may race the response.
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
-        self._table.register(handle)
+
+        def send(rpc: AsyncRpc, again: bool) -> Awaitable[None]:
+            # ProcessTable.start: sent again (same processId) once the
+            # session is resumed when it was in flight at a drop.
+            return self._table.start(
+                rpc.call, handle, params, again, lambda h: self._catch_up(rpc, h)
+            )
+
         try:
             async with asyncio.timeout(self._request_timeout):
-                response, again = await self._start_through_drops(params, handle)
+                await self._through_drops(send, p.PROCESS_START, params)
         except BaseException as exc:
-            self._table.unregister(requested, handle)
+            self._table.unregister(handle.process_id, handle)
             # Untracked, it would never close: a close() waiting for it is released.
             handle.connection_lost()
             if isinstance(exc, asyncio.CancelledError | TimeoutError) and not detach:
                 # The request may have been carried out: do not leave an orphan.
                 self._terminate_later(requested, None)
             raise
-        self._table.started(requested, handle, response)
-        if self.lost is not None:
-            handle.fail(self.lost)
-        elif self._rpc.is_closed and not (self._resume_enabled and self.resumable):
-            handle.connection_lost()
-        elif again:
-            await self._catch_up(self._rpc, handle)
+        self._table.after_start(
+            handle,
+            up=not self._rpc.is_closed,
+            following=self._resume_enabled and self.resumable,
+            lost=self.lost,
+        )
         return handle
 
     #: The one name every client gives it (the Twisted client's): ``start``
     #: stays, as an alias.
     start_process = start
-
-    async def _start_through_drops(
-        self, params: p.ExecParams, handle: Process
-    ) -> tuple[p.ExecResponse, bool]:
-        """``process/start``, sent again (same ``processId``) on the resumed
-        session when it was in flight at a drop: "already exists" then says
-        the first one was carried out. Returns the answer and whether it came
-        from such a resend (the handle, whose live events wait meanwhile,
-        then catches up from its last seq). Kept out of the resume's catch-up
-        while unanswered: the server may never have heard of it."""
-        requested = params.process_id
-
-        async def send(rpc: AsyncRpc, again: bool) -> tuple[p.ExecResponse, bool]:
-            if again:
-                self._table.claim(requested)
-                self._table.adopt([handle])
-            self._starting.add(handle)
-            try:
-                return await send_start(rpc.call, params, again), again
-            except ConnectionClosed:
-                self._table.unregister(requested, handle)
-                raise
-            finally:
-                self._starting.discard(handle)
-
-        return await self._through_drops(send, p.PROCESS_START, params)
 
     def _terminate_later(self, process_id: str, handle: Process | None) -> asyncio.Task[None]:
         """Terminate ``process_id`` in a task of its own (the caller is being
@@ -837,24 +817,14 @@ class Client:
     # --- notifications --------------------------------------------------------------
 
     def _on_output(self, out: OutputParams) -> None:
-        handle = self._table.get(out.process_id)
-        if handle is None:
-            return
+        if self._table.get(out.process_id) is None:
+            return  # not followed: not even decoded
         event = decode_output(out)
         if event is None:
             log.warning("dropping process/output of %s with invalid base64", out.process_id)
             return
-        if handle.accept_output(event):
-            # With "pause", tell the server (a read's afterSeq) what has arrived.
-            rpc = self._rpc
-            self._table.acknowledge_if_due(
-                rpc.call,
-                handle,
-                len(event.chunk),
-                self.initialize_result,
-                not rpc.is_closed,
-                self._spawn,
-            )
+        rpc = self._rpc
+        self._table.output(event, rpc.call, self.initialize_result, not rpc.is_closed, self._spawn)
 
     def _on_exited(self, ex: ExitedParams) -> None:
         # A baseline server sends no process/closed: the handle lingers.
@@ -866,26 +836,18 @@ class Client:
     # --- closing --------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Terminate every process this client started (except ``detach=True``
-        ones) and wait up to 10 s for them to end -- those of cancelled or
-        timed-out starts and runs included (:meth:`settle`) -- then close the
-        connection (a local server is asked to exit, and killed after its
-        grace). Idempotent."""
+        """Terminate every process this client started that has not exited
+        (except ``detach=True`` ones) and wait up to 10 s for their exits --
+        and for the terminations of cancelled or timed-out starts and runs
+        (:meth:`settle`) -- then close the connection (a local server is
+        asked to exit, and killed after its grace). Idempotent. The sequence
+        is :func:`execserver.clientcore.follow.end_processes`, the Twisted
+        client's too."""
         if self._closing:
             await self._closed.wait()
             return
         try:
-            if not self._rpc.is_closed and self.lost is None:
-                running = [h for h in self._table if not h.detach]
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(CLOSE_WAIT_SECONDS):
-                        await asyncio.gather(
-                            *(self._end(h) for h in running),
-                            # A cancelled start's process has no handle: its
-                            # own termination (already bounded) ends it.
-                            *(asyncio.shield(t) for t in list(self._terminations)),
-                            return_exceptions=True,
-                        )
+            await self._end_processes()
         finally:
             self._closing = True
             self._table.cancel_lingers()
@@ -898,10 +860,19 @@ class Client:
                 handle.connection_lost()
             self._closed.set()
 
-    async def _end(self, handle: Process) -> None:
-        with contextlib.suppress(ExecServerError):
-            await self.terminate(handle.process_id)
-        await handle.closed()
+    async def _end_processes(self) -> None:
+        if self._rpc.is_closed or self.lost is not None:
+            return
+        if not await end_processes(
+            self._table.to_end(),
+            self.terminate,
+            Process.exited,
+            _within,
+            # A cancelled start's process has no handle: its own
+            # termination (already bounded) ends it.
+            also=[asyncio.shield(t) for t in list(self._terminations)],
+        ):
+            log.warning("closing: processes still running after %s s", CLOSE_WAIT_SECONDS)
 
     async def __aenter__(self) -> Client:
         return self
@@ -1006,7 +977,19 @@ def connect(
     )
 
     async def opening() -> Client:
-        rpc, channel, result = await dialer.open(None)
+        if url is None or not resume or not ttl:
+            rpc, channel, result = await dialer.open(None)
+        else:
+            # A cut during this first handshake leaves no session, but
+            # nothing started either: dialled again within the session's TTL.
+            rpc, channel, result = await first_dial(
+                lambda: dialer.open(None),
+                ttl / 1000,
+                now=asyncio.get_running_loop().time,
+                sleep=asyncio.sleep,
+                refused=lambda exc: isinstance(exc.__cause__, ConnectionRefusedError),
+                give_up=lambda reason: ConnectFailed(url, reason),
+            )
         return Client(dialer, rpc, channel, result, request_timeout=request_timeout, resume=resume)
 
     return _Connecting(opening)

@@ -22,7 +22,7 @@ reference to a client does the same from a ``weakref.finalize`` hook.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import attrs
@@ -36,7 +36,6 @@ from execserver import protocol as p
 from execserver.client import connect
 from execserver.client.api import ClientApi
 from execserver.client.errors import (
-    ExecServerError,
     InitializeTimeout,
     ServerError,
 )
@@ -51,11 +50,10 @@ from execserver.client.types import (
     ExitedEvent,
     ExitedParams,
     InitializeResult,
-    OutputEvent,
     OutputParams,
 )
 from execserver.clientcore import defaults
-from execserver.clientcore.follow import ProcessTable, decode_output, send_start
+from execserver.clientcore.follow import ProcessTable, decode_output, end_processes
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.start import exec_params
@@ -112,6 +110,10 @@ def _schedule(clock: IReactorTime) -> Callable[[float, Callable[[], None]], Call
 def _background(coro: Coroutine[Any, Any, None]) -> None:
     """An acknowledgement nobody waits for: whatever becomes of it is fine."""
     Deferred.fromCoroutine(coro).addErrback(lambda f: None)
+
+
+async def _awaited(job: Awaitable[object]) -> None:
+    await job
 
 
 def _weak(method: Callable[..., None]) -> Callable[..., None]:
@@ -387,48 +389,25 @@ class ExecServerClient(ClientApi, FileTransfers):
         return exec_params(argv, self._table.new_process_id, **kwargs)
 
     async def _start(
-        self, params: p.ExecParams, detach: bool = False, handle: RemoteProcess | None = None
+        self,
+        params: p.ExecParams,
+        detach: bool = False,
+        handle: RemoteProcess | None = None,
+        *,
+        again: bool = False,
     ) -> RemoteProcess:
-        requested = params.process_id
-        self._table.claim(requested)
-        # Registered before the request: output may race the response.
+        """The start sequence of :meth:`ProcessTable.start` on this connection
+        (``again``: sent again after a drop, same ``processId``; a drop during
+        it raises :class:`ConnectionClosed` again, for the caller to send it
+        once more on the next connection)."""
         if handle is None:
-            handle = RemoteProcess(self, requested, self._backlog_bytes)
+            handle = RemoteProcess(self, params.process_id, self._backlog_bytes)
             handle.detach = detach
-        self._table.register(handle)
-        try:
-            response = await send_start(self._call, params, again=False)
-        except BaseException:
-            self._table.unregister(requested, handle)
-            raise
-        self._table.started(requested, handle, response)
-        if self._rpc.is_closed and not self._suspended:
-            # Dropped for good. A resumable session's drop instead keeps the
-            # handle (registered before the request) for the resume to adopt.
-            handle.connection_lost()
-        return handle
-
-    async def _start_again(self, params: p.ExecParams, handle: RemoteProcess) -> RemoteProcess:
-        """The start of ``handle`` was in flight when the last connection of this
-        (resumed) session dropped: send it again, with the same ``processId``.
-
-        "process ID already exists" means the first one was carried out; either
-        way the handle then catches up from its last seq (its live events wait
-        meanwhile), so it sees the whole output once. A drop during this start
-        raises :class:`ConnectionClosed` again, the handle not kept (its outcome
-        is unknown again: the caller sends it once more on the next connection).
-        """
-        requested = params.process_id
-        self._table.claim(requested)
-        self._table.adopt([handle])
-        try:
-            response = await send_start(self._call, params, again=True)
-        except BaseException:
-            self._table.unregister(requested, handle)
-            handle.abandon_catch_up()
-            raise
-        self._table.started(requested, handle, response)
-        await self._catch_up(handle)
+        await self._table.start(self._call, handle, params, again, self._catch_up)
+        # A resumable session's drop keeps the handle for the resume to adopt.
+        self._table.after_start(
+            handle, up=not self._rpc.is_closed, following=self._suspended, lost=None
+        )
         return handle
 
     # --- notifications --------------------------------------------------------------
@@ -443,8 +422,10 @@ class ExecServerClient(ClientApi, FileTransfers):
                 "dropping process/output of {process_id} with invalid base64",
                 process_id=out.process_id,
             )
-            return
-        self._output(event)
+        elif self._table.output(
+            event, self._call, self.initialize_result, not self._rpc.is_closed, _background
+        ):
+            self._emit(event)
 
     def _exited_params(self, ex: ExitedParams) -> None:
         if self._table.exited(ex):
@@ -453,14 +434,6 @@ class ExecServerClient(ClientApi, FileTransfers):
     def _closed_params(self, closed: ClosedParams) -> None:
         if self._table.closed(closed):
             self._emit(ClosedEvent(closed.process_id))
-
-    def _output(self, event: OutputEvent) -> None:
-        handle = self._table.get(event.process_id)
-        if handle is not None:
-            if not handle.accept_output(event):
-                return
-            self._acknowledge(handle, len(event.chunk))
-        self._emit(event)
 
     def _on_connection_lost(self, reason: str) -> None:
         # A resumable session lives on in the server: the handles wait for
@@ -477,8 +450,9 @@ class ExecServerClient(ClientApi, FileTransfers):
         return result is not None and result.session_ttl_ms > 0
 
     def suspended_processes(self) -> list[RemoteProcess]:
-        """Handles waiting for a resume (after a drop of a resumable session)."""
-        return list(self._table) if self._suspended else []
+        """Handles waiting for a resume (after a drop of a resumable session;
+        a start in flight at the drop is the start loop's to send again)."""
+        return self._table.settled() if self._suspended else []
 
     def fail_suspended(self, error: Exception) -> None:
         """The session will not be resumed: every waiting handle fails with ``error``."""
@@ -523,12 +497,6 @@ class ExecServerClient(ClientApi, FileTransfers):
                 process_id=handle.process_id,
             )
 
-    def _acknowledge(self, handle: RemoteProcess, size: int) -> None:
-        """With "pause", tell the server (a read's afterSeq) what has arrived."""
-        self._table.acknowledge_if_due(
-            self._call, handle, size, self.initialize_result, not self._rpc.is_closed, _background
-        )
-
     def _emit(self, event: ClientEvent) -> None:
         for listener in list(self._listeners):
             try:
@@ -567,23 +535,20 @@ class ExecServerClient(ClientApi, FileTransfers):
             await self._rpc.when_closed()
 
     async def _end_processes(self) -> None:
-        running = [h for h in self._table if not h.detach and not h.has_exited]
-        if not running or self._rpc.is_closed:
+        if self._rpc.is_closed:
             return
-        ending = DeferredList(
-            [Deferred.fromCoroutine(self._end(h)) for h in running], consumeErrors=True
-        )
-        if not await connect.wait_at_most(ending, CLOSE_WAIT_SECONDS, self._clock):
+        if not await end_processes(
+            self._table.to_end(), self.terminate, RemoteProcess.exited, self._within
+        ):
             log.warn(
                 "closing: processes still running after {seconds} s", seconds=CLOSE_WAIT_SECONDS
             )
 
-    async def _end(self, handle: RemoteProcess) -> None:
-        try:
-            await self.terminate(handle.process_id)
-        except ExecServerError:
-            return  # gone already, or the connection is: nothing to wait for
-        await handle.exited()
+    async def _within(self, jobs: Sequence[Awaitable[object]], seconds: float) -> bool:
+        ending = DeferredList(
+            [Deferred.fromCoroutine(_awaited(job)) for job in jobs], consumeErrors=True
+        )
+        return await connect.wait_at_most(ending, seconds, self._clock)
 
     def _close_done(self, outcome: object) -> object:
         self._close_latch.fire(None)

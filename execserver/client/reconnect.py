@@ -43,6 +43,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.error import ConnectionRefusedError as Refused
 from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.protocol import connectionDone
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -60,7 +61,7 @@ from execserver.client.errors import (
 )
 from execserver.client.process import RemoteProcess
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import GaveUp, redial, through_drops
+from execserver.clientcore.session import resume_session, through_drops
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -231,9 +232,7 @@ class _FollowsSession(ClientApi):
                 # Sent again (same processId) once the session is resumed
                 # when it was in flight at a drop; "already exists" then
                 # says the first one was carried out.
-                if again:
-                    return await client._start_again(params, handle)
-                return await client._start(params, detach, handle)
+                return await client._start(params, detach, handle, again=again)
 
             await self._through_drops(send, p.PROCESS_START, params, first=client)
             # Requests of the handle follow the session across connections.
@@ -498,6 +497,7 @@ class ResumingClient(_FollowsSession):
         self._stopped = False
         self.lost: SessionLost | None = None
         self.resumes = 0
+        self._resuming = False
         self._waiters: Waiters[ExecServerClient] = Waiters()
         self._watch(first)
 
@@ -527,11 +527,11 @@ class ResumingClient(_FollowsSession):
         client.when_disconnected().addCallback(lambda reason: self._dropped(client, reason))
 
     def _dropped(self, client: ExecServerClient, reason: str) -> None:
-        if self._stopped or client is not self.client or not client.resumable:
-            return
-        Deferred.fromCoroutine(self._resume(client, reason)).addErrback(
-            lambda f: log.failure("resuming the session failed", f)
-        )
+        if self._stopped or self._resuming or client is not self.client or not client.resumable:
+            return  # a drop during a resume's catch-up: that resume goes on
+        self._resuming = True
+        d = Deferred.fromCoroutine(self._resume(client, reason))
+        d.addErrback(lambda f: log.failure("resuming the session failed", f))
 
     async def _resume(self, old: ExecServerClient, reason: str) -> None:
         session_id = old.session_id or ""
@@ -545,41 +545,40 @@ class ResumingClient(_FollowsSession):
         )
 
         async def sleep(seconds: float) -> None:
-            waited: Deferred[None] = Deferred()
-            self._reactor.callLater(seconds, waited.callback, None)
-            await waited
+            await deferLater(self._reactor, seconds, lambda: None)
 
         async def discard(new: ExecServerClient) -> None:
             await new.close()
 
-        outcome = await redial(
-            lambda: self._dial(session_id),
-            session_id,
-            attempts,
-            session_of=lambda client: client.session_id,
-            discard=discard,
-            now=self._reactor.seconds,
-            sleep=sleep,
-            refused=lambda exc: isinstance(exc.__cause__, Refused),
-            stopped=lambda: self._stopped,
-            on_retry=lambda cause: log.info(
-                "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
-            ),
-        )
-        if isinstance(outcome, GaveUp):
-            self._give_up(old, outcome.cause)
-            if outcome.stray is not None:
-                await outcome.stray.close()
-        elif outcome is not None:
-            new = outcome
-            self.client = new
+        async def adopt(new: ExecServerClient) -> None:
+            # The handles wait in the client of the last connection.
+            waiting, self.client = self.client, new
             self.resumes += 1
             self._watch(new)
-            await new.adopt(old, self)
-            if new.is_connected:
-                self._waiters.fire(new)
-            # Else it dropped during the catch-up: its own resume (begun
-            # by _dropped) hands the waiting calls the next connection.
+            await new.adopt(waiting, self)
+
+        try:
+            await resume_session(
+                lambda: self._dial(session_id),
+                session_id,
+                attempts,
+                session_of=lambda client: client.session_id,
+                discard=discard,
+                now=self._reactor.seconds,
+                sleep=sleep,
+                refused=lambda exc: isinstance(exc.__cause__, Refused),
+                stopped=lambda: self._stopped,
+                adopt=adopt,
+                is_up=lambda client: client.is_connected,
+                dropped_because=lambda client: client.rpc.closed_reason,
+                resumed=self._waiters.fire,
+                give_up=lambda cause: self._give_up(self.client, cause),
+                on_retry=lambda cause: log.info(
+                    "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
+                ),
+            )
+        finally:
+            self._resuming = False
 
     def _give_up(self, old: ExecServerClient, cause: str) -> None:
         self.lost = SessionLost(old.session_id, cause)

@@ -12,10 +12,17 @@ way to wait (a ``call`` returning an awaitable, a ``schedule`` for timers, a
   with (the one its notifications carry): :meth:`ProcessTable.claim`,
   :meth:`~ProcessTable.register`, :meth:`~ProcessTable.unregister`,
   :meth:`~ProcessTable.started`;
+- **the start sequence** (:meth:`ProcessTable.start`): claim the id,
+  register (or, sent again after a drop, adopt) the handle, ``process/start``
+  (:func:`send_start`), re-key or unregister it, catch a resent one up;
 - **close and linger**: a process that exited but whose output is not closed
   (a baseline server sends no ``process/closed``) is forgotten
   :data:`~execserver.clientcore.defaults.EXITED_LINGER_SECONDS` later; a
   closed one at once: :meth:`~ProcessTable.linger`, :meth:`~ProcessTable.forget`;
+  a client's ``close()`` terminates every handle not started with
+  ``detach=True`` that has not exited and waits for the exits, at most
+  :data:`~execserver.clientcore.defaults.CLOSE_WAIT_SECONDS`
+  (:func:`end_processes`);
 - **acknowledgement** (``onDetachedFull: "pause"``): a ``process/read`` whose
   ``afterSeq`` tells the server what arrived, each time a quarter of its
   retention did: :meth:`~ProcessTable.acknowledge_if_due`
@@ -33,13 +40,13 @@ Which calls may be repeated on a resumed session is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from pybase64 import b64decode
 
 from execserver import protocol as p
-from execserver.clientcore.defaults import EXITED_LINGER_SECONDS
+from execserver.clientcore.defaults import CLOSE_WAIT_SECONDS, EXITED_LINGER_SECONDS
 from execserver.clientcore.errors import ConnectionClosed, ExecServerError, ServerError
 from execserver.clientcore.process import ProcessCore
 from execserver.clientcore.start import already_started, next_process_id
@@ -70,6 +77,9 @@ class ProcessTable(Generic[H]):
         self.processes: dict[str, H] = {}
         self._lingering: dict[str, Callable[[], None]] = {}
         self._next_process = 1
+        #: Handles whose ``process/start`` is not answered yet: the server
+        #: may never have heard of them, so no resume catches them up.
+        self.starting: set[H] = set()
 
     def get(self, process_id: str) -> H | None:
         return self.processes.get(process_id)
@@ -85,6 +95,10 @@ class ProcessTable(Generic[H]):
         handles = list(self.processes.values())
         self.processes = {}
         return handles
+
+    def settled(self) -> list[H]:
+        """The handles whose start was answered (those a resume catches up)."""
+        return [handle for handle in self.processes.values() if handle not in self.starting]
 
     # --- start registration ---------------------------------------------------------
 
@@ -115,7 +129,78 @@ class ProcessTable(Generic[H]):
             handle.process_id = response.process_id
             self.processes[response.process_id] = handle
 
+    async def start(
+        self,
+        call: Caller,
+        handle: H,
+        params: p.ExecParams,
+        again: bool,
+        catch_up: Callable[[H], Awaitable[object]],
+    ) -> None:
+        """Send ``handle``'s ``process/start`` on one connection: what every
+        client's start does, once per sending.
+
+        The handle is registered under the requested id *before* the request
+        (output may race the answer), re-keyed under the id the server
+        answers with, dropped again if the start fails. ``again``: the start
+        was in flight at a drop and is sent again, same ``processId``, on the
+        resumed session: the handle is adopted (its live events wait), "process
+        ID already exists" says the first one ran (:func:`send_start`), and
+        either way it is caught up from its last seq (``catch_up``), so it
+        sees the whole output once. While unanswered it is kept out of a
+        resume's catch-up (:meth:`settled`).
+        """
+        requested = params.process_id
+        self.claim(requested)
+        if again:
+            self.adopt([handle])
+        else:
+            self.register(handle)
+        self.starting.add(handle)
+        try:
+            response = await send_start(call, params, again)
+        except BaseException:
+            self.unregister(requested, handle)
+            if again:
+                handle.abandon_catch_up()
+            raise
+        finally:
+            self.starting.discard(handle)
+        self.started(requested, handle, response)
+        if again:
+            await catch_up(handle)
+
+    def after_start(self, handle: H, *, up: bool, following: bool, lost: Exception | None) -> None:
+        """A start was answered (or the start loop ended): a session that
+        is ``lost`` fails the handle, a connection that dropped for good
+        (neither ``up`` nor ``following`` the session) ends it; otherwise it
+        is followed (a drop of a followed session keeps it for the resume)."""
+        if lost is not None:
+            handle.fail(lost)
+        elif not up and not following:
+            handle.connection_lost()
+
     # --- notifications ----------------------------------------------------------------
+
+    def output(
+        self,
+        event: OutputEvent,
+        call: Caller,
+        result: InitializeResult | None,
+        connected: bool,
+        background: Background,
+    ) -> bool:
+        """A ``process/output``'s event (:func:`decode_output`): delivered to
+        its handle in seq order, never twice (held back while it catches up),
+        then acknowledged when due ("pause": :meth:`acknowledge_if_due`).
+        False when it is not to be passed on (a duplicate, or held back)."""
+        handle = self.processes.get(event.process_id)
+        if handle is None:
+            return True  # not followed here
+        if not handle.accept_output(event):
+            return False
+        self.acknowledge_if_due(call, handle, len(event.chunk), result, connected, background)
+        return True
 
     def exited(self, ex: ExitedParams) -> bool:
         """A ``process/exited``: False when it is not to be passed on (a
@@ -161,6 +246,11 @@ class ProcessTable(Generic[H]):
         if self.processes.get(process_id) is handle:
             del self.processes[process_id]
         handle.mark_closed()
+
+    def to_end(self) -> list[H]:
+        """What ``close()`` terminates: every handle not started with
+        ``detach=True`` whose process has not exited."""
+        return [handle for handle in self if not handle.detach and not handle.has_exited]
 
     def cancel_lingers(self) -> None:
         """The connection dropped: no timer outlives it."""
@@ -304,3 +394,37 @@ async def acknowledge(call: Caller, handle: ProcessCore[Any], params: p.ReadPara
     except ExecServerError:
         return
     handle.catch_up(read)
+
+
+#: ``within(jobs, seconds)``: run ``jobs`` together; True if all ended within ``seconds``.
+Within = Callable[[Sequence[Awaitable[object]], float], Awaitable[bool]]
+
+
+async def end_processes(
+    handles: Sequence[H],
+    terminate: Callable[[str], Awaitable[object]],
+    exited: Callable[[H], Awaitable[object]],
+    within: Within,
+    *,
+    also: Sequence[Awaitable[object]] = (),
+    seconds: float = CLOSE_WAIT_SECONDS,
+) -> bool:
+    """What a client's ``close()`` does before it disconnects: terminate
+    each of ``handles`` (:meth:`ProcessTable.to_end`) and wait for its exit,
+    all at once, at most ``seconds``; ``also``: other endings to wait for
+    meanwhile (the asyncio client's terminations of cancelled starts). A
+    terminate that fails (the process is gone already, or the connection
+    is) is not waited for. False when something was still running at the
+    bound (the client logs it)."""
+
+    async def end(handle: H) -> None:
+        try:
+            await terminate(handle.process_id)
+        except ExecServerError:
+            return  # gone already, or the connection is: nothing to wait for
+        await exited(handle)
+
+    jobs = [end(handle) for handle in handles]
+    if not jobs and not also:
+        return True
+    return await within([*jobs, *also], seconds)

@@ -18,7 +18,15 @@ returning its connection type ``C``, a ``now`` and a ``sleep``) and to dial:
   (:func:`execserver.clientcore.follow.send_start`);
 - **re-dialling** (:func:`redial`): dial with the backoff and give-up rules
   of :class:`~execserver.clientcore.resume.ResumeAttempts` until a
-  connection of the same session comes, or the cause to give up.
+  connection of the same session comes, or the cause to give up;
+- **resuming** (:func:`resume_session`): after a drop, re-dial
+  (:func:`redial`), then adopt the handles on the resumed connection and
+  catch them up, resume again if it dropped meanwhile, and only then hand
+  the connection to the calls waiting for it; or give up;
+- **the first dial** (:func:`first_dial`): a connection cut during its
+  first ``initialize`` leaves no session to resume but nothing started
+  either, so it is dialled again with the same backoff, within the TTL the
+  session asks for.
 """
 
 from __future__ import annotations
@@ -30,7 +38,13 @@ import attrs
 
 from execserver import protocol as p
 from execserver.clientcore.calls import after_drop
-from execserver.clientcore.errors import ConnectionClosed
+from execserver.clientcore.errors import (
+    AuthRefused,
+    ConnectFailed,
+    ConnectionClosed,
+    OutcomeUnknown,
+    SessionLost,
+)
 from execserver.clientcore.resume import ResumeAttempts
 
 C = TypeVar("C")
@@ -137,3 +151,122 @@ async def redial(
         on_retry(attempts.cause)
         await sleep(attempts.next_delay())
     return None
+
+
+async def resume_session(
+    dial: Callable[[], Awaitable[C]],
+    session_id: str | None,
+    attempts: ResumeAttempts,
+    *,
+    session_of: Callable[[C], str | None],
+    discard: Callable[[C], Awaitable[None]],
+    now: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]],
+    refused: Callable[[Exception], bool],
+    stopped: Callable[[], bool],
+    adopt: Callable[[C], Awaitable[None]],
+    is_up: Callable[[C], bool],
+    dropped_because: Callable[[C], str | None],
+    resumed: Callable[[C], None],
+    give_up: Callable[[str], None],
+    retry_on: type[Exception] = Exception,
+    on_retry: Callable[[str], None] = lambda cause: None,
+) -> None:
+    """Follow session ``session_id`` after a drop, until it is resumed, lost
+    or the client stops: what the asyncio client and ``ResumingClient`` do
+    once a connection of theirs dropped.
+
+    :func:`redial` until a connection of the session comes; ``adopt`` it
+    (the client takes it as its connection and catches every handle up
+    from its last seq); if it dropped again meanwhile, the attempts start
+    over from that drop (``dropped_because``) and the handles keep
+    waiting; otherwise ``resumed`` hands it to the calls waiting for a
+    connection. When :func:`redial` gives up, ``give_up(cause)`` fails the
+    handles and the waiting calls with the client's ``SessionLost``, then
+    a stray connection of another session is ``discard``-ed.
+    """
+    while True:
+        outcome = await redial(
+            dial,
+            session_id,
+            attempts,
+            session_of=session_of,
+            discard=discard,
+            now=now,
+            sleep=sleep,
+            refused=refused,
+            stopped=stopped,
+            retry_on=retry_on,
+            on_retry=on_retry,
+        )
+        if outcome is None:
+            return
+        if isinstance(outcome, GaveUp):
+            give_up(outcome.cause)
+            if outcome.stray is not None:
+                await discard(outcome.stray)
+            return
+        await adopt(outcome)
+        if not is_up(outcome):
+            attempts.restart(now(), dropped_because(outcome) or attempts.cause)
+            continue
+        resumed(outcome)
+        return
+
+
+def handshake_cut(exc: BaseException) -> bool:
+    """``exc`` ended a dial whose connection was up and dropped before the
+    ``initialize`` answer (not a refusal, a timeout or an answer)."""
+    return isinstance(exc, ConnectionClosed) and not isinstance(exc, SessionLost | OutcomeUnknown)
+
+
+async def first_dial(
+    dial: Callable[[], Awaitable[C]],
+    budget: float,
+    *,
+    now: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]],
+    refused: Callable[[Exception], bool],
+    give_up: Callable[[str], Exception],
+    budget_note: str = "",
+    on_retry: Callable[[str], None] = lambda cause: None,
+    initial_delay: float = 0.05,
+    max_delay: float = 2.0,
+) -> C:
+    """The first connection of a session that is to outlive drops.
+
+    A first dial that fails otherwise than by a cut during its handshake
+    (:func:`handshake_cut`) raises at once, as before. After such a cut --
+    no session exists yet, and nothing was started -- it is dialled again
+    with the backoff of a resume (``initial_delay`` doubling up to
+    ``max_delay``) for at most ``budget`` seconds (the session TTL asked
+    for; 0: no re-dial); a later attempt refused for 2 s (nothing listens
+    any more), answered with an error or refused by the token ends it too.
+    Giving up raises ``give_up(reason)``, the reason naming the cut, the
+    budget (``budget_note`` says where it comes from) and the last cause.
+    """
+    attempts: ResumeAttempts | None = None
+    while True:
+        try:
+            return await dial()
+        except Exception as exc:
+            if attempts is None:
+                if budget <= 0 or not handshake_cut(exc):
+                    raise
+                attempts = ResumeAttempts(
+                    budget, now(), str(exc), initial_delay=initial_delay, max_delay=max_delay
+                )
+            elif not handshake_cut(exc) and (
+                not isinstance(exc, ConnectFailed) or isinstance(exc, AuthRefused)
+            ):
+                raise  # an answer (an error, a refused token): no retry changes it
+            cause = attempts.failed(exc, now(), refused=refused(exc))
+            if cause is None and attempts.expired(now()) is not None:
+                cause = attempts.cause
+            if cause is not None:
+                raise give_up(
+                    f"the connection was lost during the handshake (re-dialled within "
+                    f"{budget:g} s{budget_note}): {cause}"
+                ) from exc
+            on_retry(attempts.cause)
+        await sleep(attempts.next_delay())

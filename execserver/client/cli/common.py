@@ -12,11 +12,16 @@ import signal
 import sys
 from typing import Any
 
+from twisted.internet.error import ConnectionRefusedError as Refused
+from twisted.internet.task import deferLater
+
 from execserver.client.client import ConnectOptions, ExecServerClient
 from execserver.client.errors import (
+    ConnectFailed,
     ExecServerError,
     ServerError,
 )
+from execserver.clientcore.session import first_dial
 from execserver.tls import ClientTls
 
 PROG = "exec-server-client"
@@ -164,13 +169,26 @@ async def connect(
                 f"invalid --url `{url}`: expected ws://HOST:PORT, wss://... or unix:///PATH",
                 EXIT_USAGE,
             )
-        return await ExecServerClient.connect_websocket(
-            reactor,
-            url,
-            options,
-            token=read_token(args),
-            connect_timeout=args.connect_timeout,
-            tls=ClientTls(args.ca_file, args.client_cert, args.client_key),
+        token = read_token(args)
+        tls = ClientTls(args.ca_file, args.client_cert, args.client_key)
+
+        async def dial() -> ExecServerClient:
+            return await ExecServerClient.connect_websocket(
+                reactor, url, options, token=token, connect_timeout=args.connect_timeout, tls=tls
+            )
+
+        if resume_session_id is not None or not ttl:
+            return await dial()
+        # A cut during this first handshake leaves no session, but nothing
+        # started either: dialled again within the session's TTL.
+        return await first_dial(
+            dial,
+            ttl / 1000,
+            now=reactor.seconds,
+            sleep=lambda seconds: deferLater(reactor, seconds, lambda: None),
+            refused=lambda exc: isinstance(exc.__cause__, Refused),
+            give_up=lambda reason: ConnectFailed(url, reason),
+            budget_note=", --session-ttl-ms",
         )
     except ExecServerError as exc:
         if resume_session_id is not None:
