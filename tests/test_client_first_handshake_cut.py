@@ -4,10 +4,11 @@ Before any session exists a cut leaves nothing to resume, but nothing was
 started either: ``exec-server-client run`` over ``--url``, the asyncio
 client (``resume=True``) with the blocking one on it, and the Twisted
 ``ReconnectingClient`` dial again within their retry budget (docs/client.md,
-"Dropped connections"), and say so clearly when every attempt is cut. The cut is made by the test-only
-proxy the resume tests use (:mod:`tests.support.cutting_proxy`), a few bytes
-into the server's answer to ``initialize`` (right after its WebSocket
-upgrade answer, whose length the test measures on the server itself).
+"Dropped connections"), and say so clearly when every attempt is cut.
+The cut is made by the test-only proxy the resume tests use
+(:mod:`tests.support.cutting_proxy`), a few bytes into the server's answer
+to ``initialize`` (right after its WebSocket upgrade answer, whose length
+the test measures on the server itself).
 """
 
 from __future__ import annotations
