@@ -23,6 +23,7 @@ import mmap
 import re
 import secrets
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol, TypeVar
 
@@ -87,7 +88,7 @@ class MappedBuffer:
     after other memory churn cost 70 ms of CPU instead of 40.)
     """
 
-    __slots__ = ("_map", "size")
+    __slots__ = ("_map", "lock", "size")
 
     #: The first mapping's size at least (page-aligned; early growth is rare).
     INITIAL_BYTES: Final = 4 * 1024 * 1024
@@ -97,13 +98,18 @@ class MappedBuffer:
             -1, max(self.INITIAL_BYTES, expected), flags=mmap.MAP_PRIVATE
         )
         self.size = 0
+        #: Held by a reader on another thread while it holds a view of the
+        #: mapping (:meth:`mapping`), and by a growth (a remap, which needs
+        #: no view held).
+        self.lock = threading.Lock()
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
         buffer = self._map
         assert buffer is not None, "append after take"
         end = self.size + len(data)
         if end > len(buffer):
-            buffer.resize(max(end, 2 * len(buffer)))
+            with self.lock:
+                buffer.resize(max(end, 2 * len(buffer)))
         if len(data) >= POPULATE_BYTES:
             _populate(buffer, self.size, end)
         buffer[self.size : end] = data
@@ -131,6 +137,13 @@ class MappedBuffer:
         assert self._map is not None, "view after take"
         with memoryview(self._map) as whole, whole[start : min(stop, self.size)] as part:
             yield part
+
+    def mapping(self) -> mmap.mmap:
+        """The mapping itself, for a reader on another thread: it may read the
+        bytes below :attr:`size` (as it was when told) while holding
+        :attr:`lock`, also after :meth:`take`."""
+        assert self._map is not None, "mapping after take"
+        return self._map
 
     def take(self) -> memoryview:
         """The content; the buffer is then empty and unusable."""
@@ -365,6 +378,11 @@ class LineFramer:
             self._append_long(rest)
         else:
             self._partial += rest
+
+    def discard(self) -> None:
+        """Drop the line still incomplete (the stream is gone): its sink is dropped too."""
+        self._drop_partial()
+        self._discarding = False
 
     def finish(self) -> list[Framed]:
         """End of stream: a final line without a newline still counts."""

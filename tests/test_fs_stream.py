@@ -10,10 +10,12 @@ with the streaming sink switched on over a directory the test trusts.
 from __future__ import annotations
 
 import base64
+import errno
 import functools
 import os
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,14 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred
+from twisted.internet.testing import StringTransport
 
 from execserver import codec
 from execserver.codec import LineFramer, MappedBuffer, Oversized, StreamedLine
 from execserver.fs import ops, stream
 from execserver.fs.local import Locality
 from execserver.fs.pool import inline_runner
+from execserver.transports.stdio import LineProtocol
 from tests.support.fakes import Harness
 
 #: Lines past this many bytes go long (and may stream) in these tests.
@@ -376,9 +380,77 @@ def test_a_dropped_line_closes_its_unnamed_file(tmp_path: Path) -> None:
     )
     assert framer.feed(head + b"QUJD" * 50) == []
     assert len(set(os.listdir("/proc/self/fd")) - before) == 1  # the unnamed file
+    assert decoders() == 1  # and its decoding thread
     assert framer.feed(b"QUJD" * 300) == [codec.OVERSIZED]  # past the limit: dropped
     assert set(os.listdir("/proc/self/fd")) - before == set()
+    assert decoders() == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def decoders() -> int:
+    """The streamed writes' decoding threads alive in this process."""
+    return sum(t.name == "fs-stream" and t.is_alive() for t in threading.enumerate())
+
+
+def _long_line(directory: Path, data: bytes) -> bytes:
+    return b'{"id":1,"method":"fs/writeFile","params":{"path":"%s/t","dataBase64":"%s"}}\n' % (
+        str(directory).encode(),
+        base64.b64encode(data),
+    )
+
+
+def test_a_line_cut_off_by_the_connection_ends_its_thread_and_file(tmp_path: Path) -> None:
+    """The stdio protocol's connectionLost mid-line: thread joined, unnamed file
+    closed at once (before the fix it stayed open until the framer was collected)."""
+    harness = Harness()
+    harness.dispatcher.long_line_sink = functools.partial(stream.start, inline_runner, TrustAll())
+    proto = LineProtocol(harness.dispatcher)
+    proto.makeConnection(StringTransport())
+    before = set(os.listdir("/proc/self/fd"))
+    line = _long_line(tmp_path, os.urandom(1 << 20))
+    proto.dataReceived(line[: len(line) // 2])
+    assert decoders() == 1
+    assert len(set(os.listdir("/proc/self/fd")) - before) == 1  # the unnamed file
+    proto.connectionLost(None)
+    assert decoders() == 0
+    assert set(os.listdir("/proc/self/fd")) - before == set()
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FailingWrites:
+    """``os`` for the stream module, whose second ``write`` fails (a full disk)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def write(self, fd: int, data: Any) -> int:
+        self.writes += 1
+        if self.writes == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.write(fd, data)
+
+
+def test_an_error_mid_write_gives_the_whole_line_answer(
+    adoptions: list[bool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write the thread fails drops the stream: thread ended, file closed, and the
+    line is answered (and written) as a whole line."""
+    failing = _FailingWrites()
+    monkeypatch.setattr(stream, "os", failing)
+    before = set(os.listdir("/proc/self/fd"))
+    run = Run(streaming=True)
+    data = os.urandom(3 * stream.TEXT_SLICE)
+    replies = run.feed(list(_chunks(_long_line(tmp_path, data), 64 * 1024)), eof=False)
+    assert failing.writes >= 2
+    assert replies == [{"id": 1, "result": {}}]
+    assert adoptions == []  # (the stream was dropped before the line ended)
+    assert (tmp_path / "t").read_bytes() == data
+    assert list(tmp_path.iterdir()) == [tmp_path / "t"]
+    assert decoders() == 0
+    assert set(os.listdir("/proc/self/fd")) - before == set()
 
 
 def _chunks(data: bytes, size: int) -> Iterator[bytes]:

@@ -251,6 +251,8 @@ class LineProtocol(Protocol):
         if conn is None or self._lost:
             return
         self._lost = True
+        # A line cut off here ends its streamed decode (thread and file) now.
+        self._framer.discard()
         if self._outbox is not None:
             self._outbox.discard()
         conn.transport_closed()
