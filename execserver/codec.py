@@ -23,7 +23,6 @@ import mmap
 import re
 import secrets
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol, TypeVar
 
@@ -88,28 +87,24 @@ class MappedBuffer:
     after other memory churn cost 70 ms of CPU instead of 40.)
     """
 
-    __slots__ = ("_map", "lock", "size")
+    __slots__ = ("_map", "_spare", "size")
 
     #: The first mapping's size at least (page-aligned; early growth is rare).
     INITIAL_BYTES: Final = 4 * 1024 * 1024
 
-    def __init__(self, expected: int = 0) -> None:
-        self._map: mmap.mmap | None = mmap.mmap(
-            -1, max(self.INITIAL_BYTES, expected), flags=mmap.MAP_PRIVATE
-        )
+    def __init__(self, expected: int = 0, spare: SpareMapping | None = None) -> None:
+        size = max(self.INITIAL_BYTES, expected)
+        reused = spare.reuse(size) if spare is not None else None
+        self._map: mmap.mmap | None = reused or mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        self._spare = spare
         self.size = 0
-        #: Held by a reader on another thread while it holds a view of the
-        #: mapping (:meth:`mapping`), and by a growth (a remap, which needs
-        #: no view held).
-        self.lock = threading.Lock()
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
         buffer = self._map
         assert buffer is not None, "append after take"
         end = self.size + len(data)
         if end > len(buffer):
-            with self.lock:
-                buffer.resize(max(end, 2 * len(buffer)))
+            buffer.resize(max(end, 2 * len(buffer)))
         if len(data) >= POPULATE_BYTES:
             _populate(buffer, self.size, end)
         buffer[self.size : end] = data
@@ -138,19 +133,68 @@ class MappedBuffer:
         with memoryview(self._map) as whole, whole[start : min(stop, self.size)] as part:
             yield part
 
-    def mapping(self) -> mmap.mmap:
-        """The mapping itself, for a reader on another thread: it may read the
-        bytes below :attr:`size` (as it was when told) while holding
-        :attr:`lock`, also after :meth:`take`."""
-        assert self._map is not None, "mapping after take"
-        return self._map
-
     def take(self) -> memoryview:
         """The content; the buffer is then empty and unusable."""
         buffer = self._map
         assert buffer is not None, "take twice"
         self._map = None
+        if self._spare is not None:
+            self._spare.keep(buffer)
         return memoryview(buffer)[: self.size]
+
+
+class SpareMapping:
+    """The mapping of a framer's last long line, kept for its next one.
+
+    A fresh mapping's pages are faulted in (zeroed, charged to the memory
+    cgroup) as the line fills them, and released when it is unmapped:
+    about 7 ms of a 16 MiB ``fs/writeFile``'s 22 MiB line, more than the
+    pipe reads. The next long line reuses the mapping, already resident,
+    once nothing refers to the last line's bytes any more (the
+    ``mmap.resize`` that fits it to the new line is refused while a view
+    of it exists: then a fresh mapping is made). Mappings larger than
+    :data:`SPARE_MAX_BYTES` are not kept; the owner releases the spare a
+    while after the line (:class:`execserver.transports.stdio.LineProtocol`,
+    :data:`SPARE_KEEP_SECONDS`), so an idle server holds no more than before.
+    """
+
+    __slots__ = ("_map", "kept")
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = None
+        #: How many mappings were kept so far (an owner's cue to time their release).
+        self.kept = 0
+
+    @property
+    def held(self) -> bool:
+        return self._map is not None
+
+    def keep(self, mapping: mmap.mmap) -> None:
+        if len(mapping) <= SPARE_MAX_BYTES:
+            self._map = mapping
+            self.kept += 1
+
+    def reuse(self, size: int) -> mmap.mmap | None:
+        """The kept mapping, at least ``size`` bytes long, if no view of it is left."""
+        mapping = self._map
+        if mapping is None:
+            return None
+        try:
+            mapping.resize(max(size, len(mapping)))  # BufferError while a view exists
+        except (BufferError, OSError, ValueError):
+            return None
+        self._map = None
+        return mapping
+
+    def release(self) -> None:
+        """Drop the kept mapping (unmapped once no view of it is left)."""
+        self._map = None
+
+
+#: The largest mapping a :class:`SpareMapping` keeps (a 45 MiB line's, doubled in steps).
+SPARE_MAX_BYTES: Final = 64 * 1024 * 1024
+#: Seconds a line stream keeps its last long line's mapping for the next one.
+SPARE_KEEP_SECONDS: Final = 5.0
 
 
 #: An append to a :class:`MappedBuffer` at least this large populates its pages first.
@@ -252,6 +296,7 @@ class LineFramer:
         "_sink",
         "_sink_factory",
         "_split_max",
+        "spare",
     )
 
     def __init__(
@@ -269,6 +314,8 @@ class LineFramer:
         self._long: MappedBuffer | None = None
         self._sink_factory = sink_factory
         self._sink: LongLineSink | None = None
+        #: The last long line's mapping, for the next (see :class:`SpareMapping`).
+        self.spare = SpareMapping()
 
     @property
     def buffered_bytes(self) -> int:
@@ -279,7 +326,7 @@ class LineFramer:
         """Append to the mapped line, moving the line there first if needed."""
         long = self._long
         if long is None:
-            long = self._long = MappedBuffer(2 * (len(self._partial) + len(data)))
+            long = self._long = MappedBuffer(2 * (len(self._partial) + len(data)), self.spare)
             long.append(self._partial)
             self._partial = bytearray()
             long.append(data)

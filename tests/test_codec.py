@@ -170,6 +170,45 @@ def test_a_kernel_that_refuses_to_populate_is_not_asked_again(
     assert buffer.take() == chunk * 40
 
 
+def _long_lines(framer: LineFramer, *bodies: bytes) -> list[memoryview]:
+    out = []
+    for body in bodies:
+        # (Held past the long size before the newline: mapped.)
+        items = framer.feed(body[:1000]) + framer.feed(body[1000:-1])
+        items += framer.feed(body[-1:] + b"\n")
+        assert len(items) == 1 and isinstance(items[0], memoryview)
+        out.append(items[0])
+    return out
+
+
+def test_the_next_long_line_reuses_the_last_ones_mapping_once_unused() -> None:
+    framer = LineFramer(1 << 30, 4096)
+    first = b'{"a":"' + b"x" * 3_000_000 + b'"}'
+    second = b'{"b":"' + b"y" * 10_000 + b'"}'  # shorter: old bytes beyond it stay unseen
+    (line,) = _long_lines(framer, first)
+    mapping = line.obj
+    assert line == first and framer.spare.held
+    line.release()  # nothing refers to its bytes any more
+    (line,) = _long_lines(framer, second)
+    assert line.obj is mapping and line == second
+    assert not framer.spare.held or framer.spare.reuse(1) is None  # in use again
+    # While a view of the last line is held, the next one gets a fresh mapping.
+    (again,) = _long_lines(framer, first)
+    assert again.obj is not mapping and again == first
+    assert line == second  # untouched
+    framer.spare.release()
+    assert not framer.spare.held
+
+
+def test_a_mapping_larger_than_the_cap_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "SPARE_MAX_BYTES", codec.MappedBuffer.INITIAL_BYTES)
+    framer = LineFramer(1 << 30, 4096)
+    _long_lines(framer, b'"' + b"z" * (codec.MappedBuffer.INITIAL_BYTES + 1) + b'"')
+    assert not framer.spare.held
+    _long_lines(framer, b'"' + b"z" * 5000 + b'"')
+    assert framer.spare.held
+
+
 @given(st.lists(st.binary(min_size=1, max_size=200), max_size=30))
 def test_memory_held_for_a_partial_line_is_bounded(pieces: list[bytes]) -> None:
     framer = LineFramer(64)

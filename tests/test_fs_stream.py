@@ -15,7 +15,6 @@ import functools
 import os
 import stat
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -380,16 +379,9 @@ def test_a_dropped_line_closes_its_unnamed_file(tmp_path: Path) -> None:
     )
     assert framer.feed(head + b"QUJD" * 50) == []
     assert len(set(os.listdir("/proc/self/fd")) - before) == 1  # the unnamed file
-    assert decoders() == 1  # and its decoding thread
     assert framer.feed(b"QUJD" * 300) == [codec.OVERSIZED]  # past the limit: dropped
     assert set(os.listdir("/proc/self/fd")) - before == set()
-    assert decoders() == 0
     assert list(tmp_path.iterdir()) == []
-
-
-def decoders() -> int:
-    """The streamed writes' decoding threads alive in this process."""
-    return sum(t.name == "fs-stream" and t.is_alive() for t in threading.enumerate())
 
 
 def _long_line(directory: Path, data: bytes) -> bytes:
@@ -400,8 +392,8 @@ def _long_line(directory: Path, data: bytes) -> bytes:
 
 
 def test_a_line_cut_off_by_the_connection_ends_its_thread_and_file(tmp_path: Path) -> None:
-    """The stdio protocol's connectionLost mid-line: thread joined, unnamed file
-    closed at once (before the fix it stayed open until the framer was collected)."""
+    """The stdio protocol's connectionLost mid-line: the unnamed file is closed at
+    once (before, it stayed open until the framer was collected)."""
     harness = Harness()
     harness.dispatcher.long_line_sink = functools.partial(stream.start, inline_runner, TrustAll())
     proto = LineProtocol(harness.dispatcher)
@@ -409,10 +401,8 @@ def test_a_line_cut_off_by_the_connection_ends_its_thread_and_file(tmp_path: Pat
     before = set(os.listdir("/proc/self/fd"))
     line = _long_line(tmp_path, os.urandom(1 << 20))
     proto.dataReceived(line[: len(line) // 2])
-    assert decoders() == 1
     assert len(set(os.listdir("/proc/self/fd")) - before) == 1  # the unnamed file
     proto.connectionLost(None)
-    assert decoders() == 0
     assert set(os.listdir("/proc/self/fd")) - before == set()
     assert list(tmp_path.iterdir()) == []
 
@@ -436,8 +426,8 @@ class _FailingWrites:
 def test_an_error_mid_write_gives_the_whole_line_answer(
     adoptions: list[bool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A write the thread fails drops the stream: thread ended, file closed, and the
-    line is answered (and written) as a whole line."""
+    """A failed write drops the stream: its file is closed, and the line is
+    answered (and written) as a whole line."""
     failing = _FailingWrites()
     monkeypatch.setattr(stream, "os", failing)
     before = set(os.listdir("/proc/self/fd"))
@@ -449,7 +439,6 @@ def test_an_error_mid_write_gives_the_whole_line_answer(
     assert adoptions == []  # (the stream was dropped before the line ended)
     assert (tmp_path / "t").read_bytes() == data
     assert list(tmp_path.iterdir()) == [tmp_path / "t"]
-    assert decoders() == 0
     assert set(os.listdir("/proc/self/fd")) - before == set()
 
 
@@ -526,3 +515,39 @@ def test_invalid_utf8_in_the_data_is_invalid_params_not_an_internal_error(cuts: 
     replies, files = whole
     assert files == {}
     assert [r["error"]["code"] for r in replies] == [-32602]
+
+
+def test_a_stream_keeps_its_last_long_lines_mapping_for_a_while() -> None:
+    """The spare mapping (codec.SpareMapping) is released SPARE_KEEP_SECONDS after
+    the last long line: an idle server holds no more than before."""
+    harness = Harness()
+    proto = LineProtocol(harness.dispatcher)
+    proto.makeConnection(StringTransport())
+    harness.handshake()
+    line = (
+        b'{"id":%d,"method":"fs/getMetadata","params":{"path":"/","pad":"'
+        + b"p" * (1 << 19)
+        + b'"}}\n'
+    )
+    spare = proto._framer.spare
+
+    def send(request_id: int) -> None:
+        data = line % request_id
+        # (Only a line held past LONG_MESSAGE_BYTES before its end is mapped.)
+        for start in range(0, len(data), 300_000):
+            proto.dataReceived(data[start : start + 300_000])
+
+    send(1)
+    assert spare.held
+    harness.clock.advance(codec.SPARE_KEEP_SECONDS - 1)
+    send(2)  # reused and kept again: the wait starts over
+    assert spare.held
+    harness.clock.advance(codec.SPARE_KEEP_SECONDS - 0.5)
+    assert spare.held
+    harness.clock.advance(1)
+    assert not spare.held
+    send(3)
+    assert spare.held
+    proto.connectionLost(None)
+    assert not spare.held
+    assert not harness.clock.getDelayedCalls()

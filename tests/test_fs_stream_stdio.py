@@ -1,10 +1,9 @@
 """The streamed fs/writeFile decode through the real server, ended mid-line.
 
-A long fs/writeFile line is decoded into an unnamed file by a thread of
-its own (execserver/fs/stream.py). Whether the input ends or the server is
+A long fs/writeFile line is decoded into an unnamed file as it arrives
+(execserver/fs/stream.py). Whether the input ends or the server is
 stopped while the line is still arriving, the server exits promptly, with
-status 0 (a thread left waiting would hold the exit up), and leaves nothing
-in the target's directory.
+status 0, and leaves nothing in the target's directory.
 """
 
 from __future__ import annotations

@@ -38,12 +38,10 @@ ends. Only stdio lines stream (a WebSocket message arrives whole).
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import ctypes
-import mmap
 import os
-import queue
-import threading
 import weakref
 from typing import Any, Final
 
@@ -170,17 +168,6 @@ class StreamedWrite:
     A :class:`execserver.codec.LongLineSink`. Holds the unnamed file's
     descriptor until :meth:`adopt` hands it over or :meth:`abort` (or
     garbage collection) closes it.
-
-    The decode and the write run on a thread of this sink's own (started
-    when the file is open), so that they overlap the reactor's reads of
-    the rest of the line: :meth:`advance`, on the reactor, only finds what
-    arrived of the text and queues its offsets; the thread decodes them
-    from the line's mapping (holding :attr:`MappedBuffer.lock`, so the
-    mapping does not move meanwhile) and writes the bytes. The thread
-    ends, and is joined, when the text has ended and the line is complete
-    (:meth:`span`, :meth:`decoded`) or when the sink is dropped
-    (:meth:`abort`); a failure it meets (invalid base64, a write error)
-    drops the sink as it did inline, and the whole-line path answers.
     """
 
     method = p.FS_WRITE_FILE
@@ -191,18 +178,12 @@ class StreamedWrite:
         self.directory = directory
         self.directory_id = (-1, -1)
         self.opening = opening
-        #: Offset of the first text byte not yet queued; of the first not searched for a quote.
-        self._queued = opening + 1
+        #: Offset of the first text byte not yet decoded; of the first not searched for a quote.
+        self._decoded = opening + 1
         self._searched = opening + 1
         self._closing = -1
-        #: Bytes written (by the thread; read once it is joined).
         self.size = 0
         self._failed = False
-        #: Set by the thread when the text or the write failed; by abort to stop it.
-        self._worker_failed = False
-        self._stop = False
-        self._jobs: queue.SimpleQueue[tuple[int, int, bool] | None] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
         self._close: weakref.finalize[Any, StreamedWrite] | None = None
 
     def opened(self, found: tuple[int, int, int] | None, buffer: MappedBuffer) -> None:
@@ -219,87 +200,50 @@ class StreamedWrite:
         self.fd = fd
         self.directory_id = (device, inode)
         self._close = weakref.finalize(self, os.close, fd)
-        worker = threading.Thread(
-            target=self._work, args=(buffer.mapping(), buffer.lock), name="fs-stream", daemon=True
-        )
-        try:
-            worker.start()
-        except RuntimeError:  # no thread to be had: the whole-line path
-            self.abort()
-            return
-        self._worker = worker
         self.advance(buffer)
 
     def advance(self, buffer: MappedBuffer) -> None:
-        """Queue what arrived of the text (all but its last quad until it ends)."""
+        """Decode and write what arrived of the text (all but its last quad until it ends)."""
         if self._failed or self._closing >= 0 or self.fd < 0:
-            return
-        if self._worker_failed:
-            self.abort()  # stopped early: nothing more to decode
             return
         end = buffer.size
         closing = buffer.find(b'"', self._searched, end)
         if closing >= 0:
             stop = closing
-            if (stop - self._queued) % 4:
+            if (stop - self._decoded) % 4:
                 self.abort()
                 return
-            self._closing = closing
         else:
             self._searched = end
             # Keep the last complete quad back: only the end may pad.
-            stop = self._queued + ((end - self._queued) // 4 - 1) * 4
-            if stop <= self._queued:
+            stop = self._decoded + ((end - self._decoded) // 4 - 1) * 4
+            if stop <= self._decoded:
                 return
-        self._jobs.put((self._queued, stop, closing >= 0))
-        self._queued = stop
-
-    def _work(self, mapping: mmap.mmap, lock: threading.Lock) -> None:
-        """The thread: decode and write each queued piece of text until told to end."""
-        while (job := self._jobs.get()) is not None:
-            if self._stop or self._worker_failed:
-                continue  # (drained until the end is queued)
-            try:
-                self._decode(mapping, lock, *job)
-            except Exception:  # invalid base64, a failed write...: the whole-line path
-                self._worker_failed = True
-
-    def _decode(
-        self, mapping: mmap.mmap, lock: threading.Lock, start: int, stop: int, ends: bool
-    ) -> None:
-        while start < stop and not self._stop:
-            # A slice at a time: a catch-up after the file opened late
-            # holds one decoded slice, not all that arrived meanwhile.
-            piece_stop = min(stop, start + TEXT_SLICE)
-            last = ends and piece_stop == stop
-            with lock, memoryview(mapping) as whole, whole[start:piece_stop] as text:
-                if not last and text[-1] == _PAD:
-                    raise ValueError("padding before the end")
-                data = pybase64.b64decode(text, validate=True)
-                if last and noncanonical_tail(bytes(text[-4:]), data):
-                    raise ValueError("non-canonical trailing bits")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.fd, view) :]
-            self.size += len(data)
-            start = piece_stop
-            del data, view
-
-    def _join(self) -> None:
-        """End the thread (after what is queued, unless stopped) and wait for it."""
-        worker = self._worker
-        if worker is None:
+        try:
+            while self._decoded < stop:
+                # A slice at a time: a catch-up after the file opened late
+                # holds one decoded slice, not all that arrived meanwhile.
+                piece_stop = min(stop, self._decoded + TEXT_SLICE)
+                ends = closing >= 0 and piece_stop == stop
+                with buffer.view(self._decoded, piece_stop) as text:
+                    if not ends and text[-1] == _PAD:
+                        raise ValueError("padding before the end")
+                    data = pybase64.b64decode(text, validate=True)
+                    if ends and len(text) and noncanonical_tail(bytes(text[-4:]), data):
+                        raise ValueError("non-canonical trailing bits")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.fd, view) :]
+                self.size += len(data)
+                self._decoded = piece_stop
+                del data, view
+        except (binascii.Error, ValueError, OSError):
+            self.abort()  # the whole-line path gives the answer
             return
-        self._worker = None
-        self._jobs.put(None)
-        worker.join()
-        if self._worker_failed:
-            self.abort()
+        if closing >= 0:
+            self._closing = closing
 
     def span(self) -> tuple[int, int] | None:
-        """The quotes' offsets once the text ended validly (joins the thread: the
-        line is complete)."""
-        self._join()
         if self._failed or self._closing < 0:
             return None
         return self.opening, self._closing
@@ -307,16 +251,12 @@ class StreamedWrite:
     def decoded(self) -> tuple[int, int] | None:
         """``(descriptor, size)`` of the complete decoded data, or None; read it on
         the pool, after the line ended (the descriptor stays this sink's)."""
-        self._join()
         if self._failed or self._closing < 0:
             return None
         return self.fd, self.size
 
     def abort(self) -> None:
-        """Drop the sink: stop and join the thread (within the slice it is at), close the file."""
         self._failed = True
-        self._stop = True
-        self._join()
         if self._close is not None:
             self._close()
 
@@ -328,7 +268,6 @@ class StreamedWrite:
         ``keep_private`` the file is made ``0o600`` before it has a name.
         On the pool.
         """
-        self._join()
         if self._failed or self._closing < 0 or directory != self.directory:
             self.abort()
             return None

@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IHalfCloseableProtocol, IReactorCore, IReactorTime
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IHalfCloseableProtocol,
+    IReactorCore,
+    IReactorTime,
+)
 from twisted.internet.process import ProcessReader, ProcessWriter
 from twisted.internet.protocol import Protocol
 from twisted.internet.stdio import StandardIO
@@ -20,7 +25,13 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from execserver import writebuffer
-from execserver.codec import LONG_MESSAGE_BYTES, Framed, LineFramer, Oversized
+from execserver.codec import (
+    LONG_MESSAGE_BYTES,
+    SPARE_KEEP_SECONDS,
+    Framed,
+    LineFramer,
+    Oversized,
+)
 from execserver.dispatcher import Connection, Dispatcher
 from execserver.fdreads import read_into
 from execserver.waiters import Latch
@@ -68,6 +79,9 @@ class LineProtocol(Protocol):
         self._pipe_writer: Any = None
         self._batch: list[bytes] | None = None
         self._outbox: Outbox | None = None
+        #: Releases the framer's spare mapping a while after a long line.
+        self._spare_release: IDelayedCall | None = None
+        self._spares_seen = 0
 
     @property
     def _transport(self) -> Any:
@@ -97,6 +111,19 @@ class LineProtocol(Protocol):
         finally:
             self._flush_batch()
             self._batch = None
+        if self._framer.spare.kept != self._spares_seen:
+            self._keep_spare_a_while()
+
+    def _keep_spare_a_while(self) -> None:
+        """A long line ended: its mapping is released unless another begins soon."""
+        self._spares_seen = self._framer.spare.kept
+        release = self._spare_release
+        if release is not None and release.active():
+            release.reset(SPARE_KEEP_SECONDS)
+        else:
+            self._spare_release = self._dispatcher.clock.callLater(
+                SPARE_KEEP_SECONDS, self._framer.spare.release
+            )
 
     def _flush_batch(self) -> None:
         batch = self._batch
@@ -253,6 +280,9 @@ class LineProtocol(Protocol):
         self._lost = True
         # A line cut off here ends its streamed decode (thread and file) now.
         self._framer.discard()
+        self._framer.spare.release()
+        if self._spare_release is not None and self._spare_release.active():
+            self._spare_release.cancel()
         if self._outbox is not None:
             self._outbox.discard()
         conn.transport_closed()
