@@ -657,12 +657,63 @@ def long_string_span(line: Line, key: bytes) -> tuple[int, int] | None:
     return opening, closing
 
 
+#: A long string cut out of a line's params: the params parsed from the
+#: copy with the stand-in, and the offsets of the string's quotes in the line.
+LongCut = tuple[msgspec.Raw, tuple[int, int]]
+
+
+def cut_long_params(line: Line, raw: msgspec.Raw | None, key: str) -> LongCut | None:
+    """The params of the already parsed ``line`` (``raw``) with the plain string
+    value of ``key`` cut out, or None if there is none to cut (short params, no
+    such plain string, or the copy does not parse: decode ``raw`` in full).
+
+    One search for the string (its quotes, a ``memchr`` each) and one parse of
+    the copy without it, done once per request: :func:`decode_long_params` and
+    :func:`has_uri_value` both use the result.
+    """
+    if raw is None or len(raw) < LONG_PARAMS_BYTES:
+        return None
+    span = long_string_span(line, key.encode())
+    if span is None:
+        return None
+    try:
+        envelope = _envelope_decoder.decode(_cut(memoryview(line), span))
+    except Exception:  # the full decode gives the exact answer
+        return None
+    if not isinstance(envelope.params, msgspec.Raw):
+        return None
+    return envelope.params, span
+
+
+#: A JSON string value that is a file:// URI.
+URI_VALUE: Final = b'"file://'
+
+
+def has_uri_value(line: Line, cut: LongCut) -> bool:
+    """Whether the params of ``cut`` (in ``line``) hold a string starting ``file://``.
+
+    The same answer as searching the whole params (``raw``), without
+    reading the long string: it holds no quote (it is a plain JSON string),
+    so ``"file://`` can only be found there at its opening quote; the
+    stand-in (hex) never matches.
+    """
+    cut_raw, (opening, _closing) = cut
+    if bytes(memoryview(line)[opening : opening + len(URI_VALUE)]) == URI_VALUE:
+        return True
+    return URI_VALUE in bytes(cut_raw)
+
+
+#: ``decode_long_params``'s default: cut the line there.
+_UNCUT: Final = object()
+
+
 def decode_long_params(
     line: Line | StreamedLine,
     raw: msgspec.Raw | None,
     params_type: type[T],
     key: str,
     attribute: str,
+    cut: LongCut | object | None = _UNCUT,
 ) -> T:
     """:func:`decode_params` of ``raw`` (the params of the already parsed ``line``),
     without parsing the string value of ``key`` (field ``attribute``, a
@@ -671,7 +722,8 @@ def decode_long_params(
     The envelope parse has validated the whole line; parsing the params
     again would scan the long string again (25 ms of a 16 MiB
     ``fs/writeFile``'s 22 MiB line). Instead a copy of the line with that
-    string cut out is parsed, and the field is set to the string in place
+    string cut out is parsed (:func:`cut_long_params`, or ``cut`` if the
+    caller made it already), and the field is set to the string in place
     (a view: no copy). The result, and any error, is what
     :func:`decode_params` gives: whenever the cut is not certainly the
     field's value (the parser did not take the stand-in from there), or
@@ -683,23 +735,19 @@ def decode_long_params(
     """
     if isinstance(line, StreamedLine):
         return _streamed_params(line, raw, params_type, key, attribute)
-    span = None
-    if raw is not None and len(raw) >= LONG_PARAMS_BYTES:
-        span = long_string_span(line, key.encode())
-    if span is None:
+    if cut is _UNCUT:
+        cut = cut_long_params(line, raw, key)
+    if not isinstance(cut, tuple):
         return decode_params(raw, params_type)
-    opening, closing = span
-    view = memoryview(line)
+    cut_raw, (opening, closing) = cut
     try:
-        envelope = _envelope_decoder.decode(_cut(view, span))
-        cut_raw = envelope.params if isinstance(envelope.params, msgspec.Raw) else None
         params = decode_as(cut_raw, params_type)
     except Exception:  # the full decode gives the exact answer
         return decode_params(raw, params_type)
     value = getattr(params, attribute, None)
     if not isinstance(value, msgspec.Raw) or bytes(value) != _STAND_IN:
         return decode_params(raw, params_type)
-    data = msgspec.Raw(view[opening : closing + 1])  # a view: no copy
+    data = msgspec.Raw(memoryview(line)[opening : closing + 1])  # a view: no copy
     # (params is a Struct: params_type declares a long string only then.)
     return msgspec.structs.replace(params, **{attribute: data})  # type: ignore[type-var]
 

@@ -648,3 +648,38 @@ def test_output_encoder_matches_the_generic_encoding(
         p.Notification(p.PROCESS_OUTPUT, p.OutputNotification(process_id, stream, data, seq))
     )
     assert fast == generic
+
+
+_URI_EXTRAS = [
+    b"",
+    b',"x":"file://y"',
+    b',"x":"a\\"file://"',  # after an escaped quote: the whole-params search finds it too
+    b',"x":{"file://":1}',
+    b',"x":"file:/"',
+    b',"x":"file//"',
+]
+
+
+@given(
+    path=st.sampled_from([b'"/tmp/t"', b'"file:///tmp/t"', b'"file:/x"']),
+    text=st.sampled_from([b"QUJD" * 8, b"file://" + b"A" * 30, b"file:/" + b"A" * 30]),
+    extra=st.sampled_from(_URI_EXTRAS),
+    data_first=st.booleans(),
+)
+def test_the_uri_check_on_the_cut_params_answers_as_on_the_whole_params(
+    path: bytes, text: bytes, extra: bytes, data_first: bool
+) -> None:
+    """has_uri_value (the long string not read) == the dispatcher's search of all params."""
+    from execserver.dispatcher import _has_uri_value
+
+    fields = [b'"path":' + path, b'"dataBase64":"' + text + b'"']
+    if data_first:
+        fields.reverse()
+    line = b'{"id":1,"method":"fs/writeFile","params":{' + b",".join(fields) + extra + b"}}"
+    request = codec.decode_message(line)
+    assert isinstance(request, codec.IncomingRequest) and request.params is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "LONG_PARAMS_BYTES", 16)
+        cut = codec.cut_long_params(line, request.params, "dataBase64")
+    assert cut is not None
+    assert codec.has_uri_value(line, cut) == _has_uri_value(request.params)

@@ -551,3 +551,38 @@ def test_a_stream_keeps_its_last_long_lines_mapping_for_a_while() -> None:
     proto.connectionLost(None)
     assert not spare.held
     assert not harness.clock.getDelayedCalls()
+
+
+def test_a_long_write_line_given_whole_is_searched_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long fs/writeFile that arrives whole (WebSocket): its long string is found
+    once, and the URI check does not copy and search the 11 MiB of params again
+    (before, _has_uri_value copied them in 256 KiB windows)."""
+    from execserver import dispatcher
+
+    searches: list[bytes] = []
+    original = codec.long_string_span
+
+    def span(line: Any, key: bytes) -> Any:
+        searches.append(key)
+        return original(line, key)
+
+    def whole_search(params: Any) -> bool:
+        raise AssertionError("the params were searched whole")
+
+    monkeypatch.setattr(codec, "long_string_span", span)
+    monkeypatch.setattr(dispatcher, "_has_uri_value", whole_search)
+    harness = Harness()
+    harness.handshake()
+    harness.outbound.take()
+    data = os.urandom(1 << 20)
+    line = b'{"id":1,"method":"fs/writeFile","params":{"path":"file://%s/t","dataBase64":"%s"}}' % (
+        str(tmp_path).encode(),
+        base64.b64encode(data),
+    )
+    harness.conn.message_received(line)
+    assert harness.outbound.take() == [{"id": 1, "result": {}}]
+    assert (tmp_path / "t").read_bytes() == data
+    assert searches == [b"dataBase64"]
+    assert harness.conn.speaks_current_dialect  # (its path is a URI)
