@@ -87,7 +87,7 @@ class MappedBuffer:
     after other memory churn cost 70 ms of CPU instead of 40.)
     """
 
-    __slots__ = ("_map", "_spare", "size")
+    __slots__ = ("_map", "_populated", "_spare", "size")
 
     #: The first mapping's size at least (page-aligned; early growth is rare).
     INITIAL_BYTES: Final = 4 * 1024 * 1024
@@ -95,7 +95,12 @@ class MappedBuffer:
     def __init__(self, expected: int = 0, spare: SpareMapping | None = None) -> None:
         size = max(self.INITIAL_BYTES, expected)
         reused = spare.reuse(size) if spare is not None else None
-        self._map: mmap.mmap | None = reused or mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        if reused is None:
+            self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            #: Bytes from the start whose pages are resident already (populated, or reused).
+            self._populated = 0
+        else:
+            self._map, self._populated = reused
         self._spare = spare
         self.size = 0
 
@@ -105,10 +110,39 @@ class MappedBuffer:
         end = self.size + len(data)
         if end > len(buffer):
             buffer.resize(max(end, 2 * len(buffer)))
-        if len(data) >= POPULATE_BYTES:
-            _populate(buffer, self.size, end)
+        if len(data) >= POPULATE_BYTES and end > self._populated:
+            # (Pages already resident are not walked again: on a reused
+            # mapping that walk cost as much as the copy.)
+            _populate(buffer, max(self.size, self._populated), end)
+            self._populated = end
         buffer[self.size : end] = data
         self.size = end
+
+    def tail(self, size: int) -> memoryview:
+        """A writable view of the ``size`` bytes after the content, its pages
+        resident: read into it, release it, then :meth:`commit` what was read."""
+        buffer = self._map
+        assert buffer is not None, "tail after take"
+        end = self.size + size
+        if end > len(buffer):
+            buffer.resize(max(end, 2 * len(buffer)))
+        if end > self._populated:
+            _populate(buffer, max(self.size, self._populated), end)
+            self._populated = end
+        return memoryview(buffer)[self.size : end]
+
+    def commit(self, size: int) -> None:
+        """The next ``size`` bytes of :meth:`tail` are content now."""
+        self.size += size
+
+    def copy(self, start: int, stop: int) -> bytes:
+        """A copy of the bytes ``start:stop`` (within the content)."""
+        assert self._map is not None, "copy after take"
+        return self._map[start : min(stop, self.size)]
+
+    def truncate(self, size: int) -> None:
+        """Forget the content from ``size`` on."""
+        self.size = min(self.size, size)
 
     @property
     def taken(self) -> bool:
@@ -139,7 +173,7 @@ class MappedBuffer:
         assert buffer is not None, "take twice"
         self._map = None
         if self._spare is not None:
-            self._spare.keep(buffer)
+            self._spare.keep(buffer, max(self.size, self._populated))
         return memoryview(buffer)[: self.size]
 
 
@@ -158,10 +192,11 @@ class SpareMapping:
     :data:`SPARE_KEEP_SECONDS`), so an idle server holds no more than before.
     """
 
-    __slots__ = ("_map", "kept")
+    __slots__ = ("_filled", "_map", "kept")
 
     def __init__(self) -> None:
         self._map: mmap.mmap | None = None
+        self._filled = 0
         #: How many mappings were kept so far (an owner's cue to time their release).
         self.kept = 0
 
@@ -169,13 +204,16 @@ class SpareMapping:
     def held(self) -> bool:
         return self._map is not None
 
-    def keep(self, mapping: mmap.mmap) -> None:
+    def keep(self, mapping: mmap.mmap, filled: int) -> None:
+        """Keep ``mapping``, whose first ``filled`` bytes' pages are resident."""
         if len(mapping) <= SPARE_MAX_BYTES:
             self._map = mapping
+            self._filled = filled
             self.kept += 1
 
-    def reuse(self, size: int) -> mmap.mmap | None:
-        """The kept mapping, at least ``size`` bytes long, if no view of it is left."""
+    def reuse(self, size: int) -> tuple[mmap.mmap, int] | None:
+        """The kept mapping, at least ``size`` bytes long, if no view of it is left,
+        and how many bytes from its start are resident."""
         mapping = self._map
         if mapping is None:
             return None
@@ -184,7 +222,7 @@ class SpareMapping:
         except (BufferError, OSError, ValueError):
             return None
         self._map = None
-        return mapping
+        return mapping, self._filled
 
     def release(self) -> None:
         """Drop the kept mapping (unmapped once no view of it is left)."""
@@ -335,11 +373,49 @@ class LineFramer:
                 return  # (a new sink has seen all)
         else:
             long.append(data)
+        self._appended(long, len(data))
+
+    def _appended(self, long: MappedBuffer, added: int) -> None:
+        """``added`` bytes were appended to the mapped line: its sink sees them."""
         if self._sink is not None:
             self._sink.advance(long)
-        elif self._sink_factory is not None and long.size - len(data) < SINK_HEAD_BYTES:
+        elif self._sink_factory is not None and long.size - added < SINK_HEAD_BYTES:
             # The head may have been incomplete at the last offer.
             self._sink = self._sink_factory(long)
+
+    def read_target(self, size: int) -> memoryview | None:
+        """Where the next read of up to ``size`` bytes may go: the tail of the
+        mapped line being gathered (no copy of the read), else None (:meth:`feed`).
+
+        Release the view after the read, then hand the count to :meth:`filled`.
+        """
+        if self._long is None or self._discarding:
+            return None
+        return self._long.tail(size)
+
+    def filled(self, size: int) -> list[Framed]:
+        """:meth:`feed` of the ``size`` bytes just read into :meth:`read_target`'s view."""
+        long = self._long
+        assert long is not None and not self._discarding
+        start = long.size
+        long.commit(size)
+        nl = long.find(b"\n", start, start + size)
+        out: list[Framed] = []
+        if nl < 0:
+            if long.size > self._max + 1:  # (as _hold would find)
+                out.append(OVERSIZED)
+                self._drop_partial()
+                self._discarding = True
+            else:
+                self._appended(long, size)
+            return out
+        rest = long.copy(nl + 1, start + size)
+        long.truncate(nl)
+        self._appended(long, nl - start)
+        self._emit(self._take_long(), out)
+        if rest:
+            out += self.feed(rest)
+        return out
 
     def _take_long(self) -> memoryview | StreamedLine:
         assert self._long is not None

@@ -121,6 +121,43 @@ def test_long_lines_in_a_mapping_yield_the_same_messages(
             assert len(line) > long_after - 1
 
 
+def feed_into(framer: LineFramer, data: bytes, read: int) -> list[codec.Framed]:
+    """``data`` as the stdio reader delivers it: into the mapped line's tail
+    (reads of at most ``read`` bytes) while there is one, else fed."""
+    out: list[codec.Framed] = []
+    while data:
+        target = framer.read_target(read)
+        if target is None:
+            out += framer.feed(data[:read])
+            data = data[read:]
+            continue
+        count = min(len(target), len(data))
+        target[:count] = data[:count]
+        target.release()
+        out += framer.filled(count)
+        data = data[count:]
+    return out
+
+
+@given(streams_and_cuts(), st.integers(min_value=0, max_value=20), st.integers(1, 30))
+@example((b"y" * 16 + b"\r\n{}\n", [3, 17]), 2, 5)
+@example((b"x" * 30 + b"\n" + b"y" * 12 + b"\n{}\n", [5]), 3, 20)  # too long, then more
+def test_reads_into_the_mapped_line_yield_the_same_messages(
+    case: tuple[bytes, list[int]], long_after: int, read: int
+) -> None:
+    """The stdio reader's reads straight into the mapping (read_target/filled)."""
+    stream, cuts = case
+    framer = LineFramer(16, long_line_bytes=long_after)
+    out: list[codec.Framed] = []
+    last = 0
+    for cut in [*sorted(set(cuts)), len(stream)]:
+        out += feed_into(framer, stream[last:cut], read)
+        last = cut
+    out += framer.finish()
+    assert out == model_lines(stream, 16)
+    assert framer.buffered_bytes == 0
+
+
 def test_a_long_line_across_reads_is_handed_over_from_a_mapping() -> None:
     framer = LineFramer(64 * 1024 * 1024, long_line_bytes=256 * 1024)
     body = bytes(range(256)).replace(b"\n", b"") * 40_000  # ~10 MiB: grows past 4 MiB

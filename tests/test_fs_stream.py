@@ -53,7 +53,7 @@ class TrustAll(Locality):
 class Run:
     """One connection of a fresh dispatcher; lines fed through a framer."""
 
-    def __init__(self, streaming: bool) -> None:
+    def __init__(self, streaming: bool, into: bool = False) -> None:
         self.harness = Harness()
         self.harness.handshake()
         self.harness.outbound.take()
@@ -62,11 +62,19 @@ class Run:
             factory = functools.partial(stream.start, inline_runner, TrustAll())
         self.framer = LineFramer(1 << 30, LONG, sink_factory=factory)
         self.streamed = 0
+        #: Read into the mapped line's tail, as the stdio reader does.
+        self.into = into
 
     def feed(self, chunks: list[bytes], eof: bool) -> list[dict[str, Any]]:
         items: list[codec.Framed] = []
         for chunk in chunks:
-            items += self.framer.feed(chunk)
+            target = self.framer.read_target(len(chunk)) if self.into else None
+            if target is None:
+                items += self.framer.feed(chunk)
+                continue
+            target[: len(chunk)] = chunk
+            target.release()
+            items += self.framer.filled(len(chunk))
         if eof:
             items += self.framer.finish()
         for item in items:
@@ -118,7 +126,7 @@ def split(line: bytes, cuts: list[int]) -> list[bytes]:
 
 
 def both(
-    line: bytes, cuts: list[int], existing: bytes | None, eof: bool = False
+    line: bytes, cuts: list[int], existing: bytes | None, eof: bool = False, into: bool = False
 ) -> tuple[tuple[Any, Any], tuple[Any, Any], int]:
     """(whole-line outcome, streamed outcome, lines streamed): replies and the directory."""
     with tempfile.TemporaryDirectory() as name:
@@ -127,7 +135,7 @@ def both(
         streamed = 0
         for streaming in (False, True):
             reset(directory, existing)
-            run = Run(streaming)
+            run = Run(streaming, into=streaming and into)
             body = line.replace(b"@DIR@", str(directory).encode())
             # (Cut near the end too, so that the line is held long.)
             chunks = [body] if not streaming else split(body, [*cuts, len(body) - 2])
@@ -213,6 +221,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=6),
     existing=st.none() | st.just(b"old"),
     truncate_at=st.none() | st.integers(1, 1 << 16),
+    into=st.booleans(),
 )
 @example(
     line=b'{"id":1,"method":"fs/writeFile","params":{"path":"@DIR@/t","dataBase64":"'
@@ -221,6 +230,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[100, 200],
     existing=None,
     truncate_at=None,
+    into=True,
 )
 @example(
     line=b'{"id":1,"method":"fs/writeFile","params":{"path":"@DIR@/t","dataBase64":"'
@@ -229,6 +239,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[90, 500],
     existing=b"old",
     truncate_at=None,
+    into=True,
 )
 @example(
     # padding that ends a read's text before the end: invalid
@@ -240,6 +251,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[-161],  # (from the end) one quad after the padding
     existing=None,
     truncate_at=None,
+    into=True,
 )
 @example(
     # set trailing bits in the last quad: non-canonical, invalid
@@ -249,16 +261,17 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[120],
     existing=None,
     truncate_at=None,
+    into=True,
 )
 def test_any_line_any_split_gives_the_whole_line_answer(
-    line: bytes, cuts: list[int], existing: bytes | None, truncate_at: int | None
+    line: bytes, cuts: list[int], existing: bytes | None, truncate_at: int | None, into: bool
 ) -> None:
     eof = False
     if truncate_at is not None:
         # A line cut short by the end of input (no newline).
         line = line[: truncate_at % len(line)]
         eof = True
-    whole, streamed, _ = both(line, cuts, existing, eof)
+    whole, streamed, _ = both(line, cuts, existing, eof, into)
     assert streamed == whole
 
 
