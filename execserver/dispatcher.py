@@ -421,7 +421,10 @@ class Connection:
         if long_string is not None and not isinstance(line, str | codec.StreamedLine):
             # (fs/writeFile over WebSocket: its long string found and cut out
             # once, for the URI check below and the params' decode.)
-            cut = codec.cut_long_params(line, req.params, long_string[0])
+            try:
+                cut = codec.cut_long_params(line, req.params, long_string[0])
+            except Exception:  # (never: the whole params are then searched and decoded)
+                cut = None
         if (
             not self.speaks_current_dialect
             and req.params is not None
