@@ -87,15 +87,21 @@ class MappedBuffer:
     after other memory churn cost 70 ms of CPU instead of 40.)
     """
 
-    __slots__ = ("_map", "size")
+    __slots__ = ("_map", "_populated", "_spare", "size")
 
     #: The first mapping's size at least (page-aligned; early growth is rare).
     INITIAL_BYTES: Final = 4 * 1024 * 1024
 
-    def __init__(self, expected: int = 0) -> None:
-        self._map: mmap.mmap | None = mmap.mmap(
-            -1, max(self.INITIAL_BYTES, expected), flags=mmap.MAP_PRIVATE
-        )
+    def __init__(self, expected: int = 0, spare: SpareMapping | None = None) -> None:
+        size = max(self.INITIAL_BYTES, expected)
+        reused = spare.reuse(size) if spare is not None else None
+        if reused is None:
+            self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            #: Bytes from the start whose pages are resident already (populated, or reused).
+            self._populated = 0
+        else:
+            self._map, self._populated = reused
+        self._spare = spare
         self.size = 0
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
@@ -104,10 +110,39 @@ class MappedBuffer:
         end = self.size + len(data)
         if end > len(buffer):
             buffer.resize(max(end, 2 * len(buffer)))
-        if len(data) >= POPULATE_BYTES:
-            _populate(buffer, self.size, end)
+        if len(data) >= POPULATE_BYTES and end > self._populated:
+            # (Pages already resident are not walked again: on a reused
+            # mapping that walk cost as much as the copy.)
+            _populate(buffer, max(self.size, self._populated), end)
+            self._populated = end
         buffer[self.size : end] = data
         self.size = end
+
+    def tail(self, size: int) -> memoryview:
+        """A writable view of the ``size`` bytes after the content, its pages
+        resident: read into it, release it, then :meth:`commit` what was read."""
+        buffer = self._map
+        assert buffer is not None, "tail after take"
+        end = self.size + size
+        if end > len(buffer):
+            buffer.resize(max(end, 2 * len(buffer)))
+        if end > self._populated:
+            _populate(buffer, max(self.size, self._populated), end)
+            self._populated = end
+        return memoryview(buffer)[self.size : end]
+
+    def commit(self, size: int) -> None:
+        """The next ``size`` bytes of :meth:`tail` are content now."""
+        self.size += size
+
+    def copy(self, start: int, stop: int) -> bytes:
+        """A copy of the bytes ``start:stop`` (within the content)."""
+        assert self._map is not None, "copy after take"
+        return self._map[start : min(stop, self.size)]
+
+    def truncate(self, size: int) -> None:
+        """Forget the content from ``size`` on."""
+        self.size = min(self.size, size)
 
     @property
     def taken(self) -> bool:
@@ -137,7 +172,67 @@ class MappedBuffer:
         buffer = self._map
         assert buffer is not None, "take twice"
         self._map = None
+        if self._spare is not None:
+            self._spare.keep(buffer, max(self.size, self._populated))
         return memoryview(buffer)[: self.size]
+
+
+class SpareMapping:
+    """The mapping of a framer's last long line, kept for its next one.
+
+    A fresh mapping's pages are faulted in (zeroed, charged to the memory
+    cgroup) as the line fills them, and released when it is unmapped:
+    about 7 ms of a 16 MiB ``fs/writeFile``'s 22 MiB line, more than the
+    pipe reads. The next long line reuses the mapping, already resident,
+    once nothing refers to the last line's bytes any more (the
+    ``mmap.resize`` that fits it to the new line is refused while a view
+    of it exists: then a fresh mapping is made). Mappings larger than
+    :data:`SPARE_MAX_BYTES` are not kept; the owner releases the spare a
+    while after the line (:class:`execserver.transports.stdio.LineProtocol`,
+    :data:`SPARE_KEEP_SECONDS`), so an idle server holds no more than before.
+    """
+
+    __slots__ = ("_filled", "_map", "kept")
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = None
+        self._filled = 0
+        #: How many mappings were kept so far (an owner's cue to time their release).
+        self.kept = 0
+
+    @property
+    def held(self) -> bool:
+        return self._map is not None
+
+    def keep(self, mapping: mmap.mmap, filled: int) -> None:
+        """Keep ``mapping``, whose first ``filled`` bytes' pages are resident."""
+        if len(mapping) <= SPARE_MAX_BYTES:
+            self._map = mapping
+            self._filled = filled
+            self.kept += 1
+
+    def reuse(self, size: int) -> tuple[mmap.mmap, int] | None:
+        """The kept mapping, at least ``size`` bytes long, if no view of it is left,
+        and how many bytes from its start are resident."""
+        mapping = self._map
+        if mapping is None:
+            return None
+        try:
+            mapping.resize(max(size, len(mapping)))  # BufferError while a view exists
+        except (BufferError, OSError, ValueError):
+            return None
+        self._map = None
+        return mapping, self._filled
+
+    def release(self) -> None:
+        """Drop the kept mapping (unmapped once no view of it is left)."""
+        self._map = None
+
+
+#: The largest mapping a :class:`SpareMapping` keeps (a 45 MiB line's, doubled in steps).
+SPARE_MAX_BYTES: Final = 64 * 1024 * 1024
+#: Seconds a line stream keeps its last long line's mapping for the next one.
+SPARE_KEEP_SECONDS: Final = 5.0
 
 
 #: An append to a :class:`MappedBuffer` at least this large populates its pages first.
@@ -239,6 +334,7 @@ class LineFramer:
         "_sink",
         "_sink_factory",
         "_split_max",
+        "spare",
     )
 
     def __init__(
@@ -256,6 +352,8 @@ class LineFramer:
         self._long: MappedBuffer | None = None
         self._sink_factory = sink_factory
         self._sink: LongLineSink | None = None
+        #: The last long line's mapping, for the next (see :class:`SpareMapping`).
+        self.spare = SpareMapping()
 
     @property
     def buffered_bytes(self) -> int:
@@ -266,7 +364,7 @@ class LineFramer:
         """Append to the mapped line, moving the line there first if needed."""
         long = self._long
         if long is None:
-            long = self._long = MappedBuffer(2 * (len(self._partial) + len(data)))
+            long = self._long = MappedBuffer(2 * (len(self._partial) + len(data)), self.spare)
             long.append(self._partial)
             self._partial = bytearray()
             long.append(data)
@@ -275,11 +373,49 @@ class LineFramer:
                 return  # (a new sink has seen all)
         else:
             long.append(data)
+        self._appended(long, len(data))
+
+    def _appended(self, long: MappedBuffer, added: int) -> None:
+        """``added`` bytes were appended to the mapped line: its sink sees them."""
         if self._sink is not None:
             self._sink.advance(long)
-        elif self._sink_factory is not None and long.size - len(data) < SINK_HEAD_BYTES:
+        elif self._sink_factory is not None and long.size - added < SINK_HEAD_BYTES:
             # The head may have been incomplete at the last offer.
             self._sink = self._sink_factory(long)
+
+    def read_target(self, size: int) -> memoryview | None:
+        """Where the next read of up to ``size`` bytes may go: the tail of the
+        mapped line being gathered (no copy of the read), else None (:meth:`feed`).
+
+        Release the view after the read, then hand the count to :meth:`filled`.
+        """
+        if self._long is None or self._discarding:
+            return None
+        return self._long.tail(size)
+
+    def filled(self, size: int) -> list[Framed]:
+        """:meth:`feed` of the ``size`` bytes just read into :meth:`read_target`'s view."""
+        long = self._long
+        assert long is not None and not self._discarding
+        start = long.size
+        long.commit(size)
+        nl = long.find(b"\n", start, start + size)
+        out: list[Framed] = []
+        if nl < 0:
+            if long.size > self._max + 1:  # (as _hold would find)
+                out.append(OVERSIZED)
+                self._drop_partial()
+                self._discarding = True
+            else:
+                self._appended(long, size)
+            return out
+        rest = long.copy(nl + 1, start + size)
+        long.truncate(nl)
+        self._appended(long, nl - start)
+        self._emit(self._take_long(), out)
+        if rest:
+            out += self.feed(rest)
+        return out
 
     def _take_long(self) -> memoryview | StreamedLine:
         assert self._long is not None
@@ -365,6 +501,11 @@ class LineFramer:
             self._append_long(rest)
         else:
             self._partial += rest
+
+    def discard(self) -> None:
+        """Drop the line still incomplete (the stream is gone): its sink is dropped too."""
+        self._drop_partial()
+        self._discarding = False
 
     def finish(self) -> list[Framed]:
         """End of stream: a final line without a newline still counts."""
@@ -592,12 +733,63 @@ def long_string_span(line: Line, key: bytes) -> tuple[int, int] | None:
     return opening, closing
 
 
+#: A long string cut out of a line's params: the params parsed from the
+#: copy with the stand-in, and the offsets of the string's quotes in the line.
+LongCut = tuple[msgspec.Raw, tuple[int, int]]
+
+
+def cut_long_params(line: Line, raw: msgspec.Raw | None, key: str) -> LongCut | None:
+    """The params of the already parsed ``line`` (``raw``) with the plain string
+    value of ``key`` cut out, or None if there is none to cut (short params, no
+    such plain string, or the copy does not parse: decode ``raw`` in full).
+
+    One search for the string (its quotes, a ``memchr`` each) and one parse of
+    the copy without it, done once per request: :func:`decode_long_params` and
+    :func:`has_uri_value` both use the result.
+    """
+    if raw is None or len(raw) < LONG_PARAMS_BYTES:
+        return None
+    span = long_string_span(line, key.encode())
+    if span is None:
+        return None
+    try:
+        envelope = _envelope_decoder.decode(_cut(memoryview(line), span))
+    except Exception:  # the full decode gives the exact answer
+        return None
+    if not isinstance(envelope.params, msgspec.Raw):
+        return None
+    return envelope.params, span
+
+
+#: A JSON string value that is a file:// URI.
+URI_VALUE: Final = b'"file://'
+
+
+def has_uri_value(line: Line, cut: LongCut) -> bool:
+    """Whether the params of ``cut`` (in ``line``) hold a string starting ``file://``.
+
+    The same answer as searching the whole params (``raw``), without
+    reading the long string: it holds no quote (it is a plain JSON string),
+    so ``"file://`` can only be found there at its opening quote; the
+    stand-in (hex) never matches.
+    """
+    cut_raw, (opening, _closing) = cut
+    if bytes(memoryview(line)[opening : opening + len(URI_VALUE)]) == URI_VALUE:
+        return True
+    return URI_VALUE in bytes(cut_raw)
+
+
+#: ``decode_long_params``'s default: cut the line there.
+_UNCUT: Final = object()
+
+
 def decode_long_params(
     line: Line | StreamedLine,
     raw: msgspec.Raw | None,
     params_type: type[T],
     key: str,
     attribute: str,
+    cut: LongCut | object | None = _UNCUT,
 ) -> T:
     """:func:`decode_params` of ``raw`` (the params of the already parsed ``line``),
     without parsing the string value of ``key`` (field ``attribute``, a
@@ -606,7 +798,8 @@ def decode_long_params(
     The envelope parse has validated the whole line; parsing the params
     again would scan the long string again (25 ms of a 16 MiB
     ``fs/writeFile``'s 22 MiB line). Instead a copy of the line with that
-    string cut out is parsed, and the field is set to the string in place
+    string cut out is parsed (:func:`cut_long_params`, or ``cut`` if the
+    caller made it already), and the field is set to the string in place
     (a view: no copy). The result, and any error, is what
     :func:`decode_params` gives: whenever the cut is not certainly the
     field's value (the parser did not take the stand-in from there), or
@@ -618,23 +811,19 @@ def decode_long_params(
     """
     if isinstance(line, StreamedLine):
         return _streamed_params(line, raw, params_type, key, attribute)
-    span = None
-    if raw is not None and len(raw) >= LONG_PARAMS_BYTES:
-        span = long_string_span(line, key.encode())
-    if span is None:
+    if cut is _UNCUT:
+        cut = cut_long_params(line, raw, key)
+    if not isinstance(cut, tuple):
         return decode_params(raw, params_type)
-    opening, closing = span
-    view = memoryview(line)
+    cut_raw, (opening, closing) = cut
     try:
-        envelope = _envelope_decoder.decode(_cut(view, span))
-        cut_raw = envelope.params if isinstance(envelope.params, msgspec.Raw) else None
         params = decode_as(cut_raw, params_type)
     except Exception:  # the full decode gives the exact answer
         return decode_params(raw, params_type)
     value = getattr(params, attribute, None)
     if not isinstance(value, msgspec.Raw) or bytes(value) != _STAND_IN:
         return decode_params(raw, params_type)
-    data = msgspec.Raw(view[opening : closing + 1])  # a view: no copy
+    data = msgspec.Raw(memoryview(line)[opening : closing + 1])  # a view: no copy
     # (params is a Struct: params_type declares a long string only then.)
     return msgspec.structs.replace(params, **{attribute: data})  # type: ignore[type-var]
 

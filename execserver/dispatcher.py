@@ -54,7 +54,7 @@ METHOD_NOT_FOUND = -32601
 #: server stops: the listeners stay open until every session has ended.
 SHUTTING_DOWN = "exec-server is shutting down"
 #: A JSON string value that is a file:// URI.
-_URI_VALUE = b'"file://'
+_URI_VALUE = codec.URI_VALUE
 #: Bytes of params copied at a time by the search for it.
 _URI_WINDOW = 256 * 1024
 
@@ -416,6 +416,15 @@ class Connection:
         line: bytes | bytearray | memoryview | str | codec.StreamedLine = b"",
     ) -> None:
         route = self.dispatcher.routes.get(req.method)
+        long_string = getattr(route.params_type, "long_string", None) if route is not None else None
+        cut = None
+        if long_string is not None and not isinstance(line, str | codec.StreamedLine):
+            # (fs/writeFile over WebSocket: its long string found and cut out
+            # once, for the URI check below and the params' decode.)
+            try:
+                cut = codec.cut_long_params(line, req.params, long_string[0])
+            except Exception:  # (never: the whole params are then searched and decoded)
+                cut = None
         if (
             not self.speaks_current_dialect
             and req.params is not None
@@ -424,7 +433,11 @@ class Connection:
                 if route is not None
                 else self.dispatcher.dialect.announced_by(req.method)
             )
-            and _has_uri_value(req.params)
+            and (
+                codec.has_uri_value(line, cut)
+                if cut is not None and not isinstance(line, str | codec.StreamedLine)
+                else _has_uri_value(req.params)
+            )
         ):
             # Only the current dialect sends paths as URIs: from now on this
             # client gets its error codes and fields.
@@ -439,10 +452,14 @@ class Connection:
                 self._send_error(req.id, RpcError.invalid_request(message))
             return
         try:
-            long_string = getattr(route.params_type, "long_string", None)
-            if long_string is not None and not isinstance(line, str):
-                # (fs/writeFile: its data is not parsed a second time.)
+            if isinstance(line, codec.StreamedLine) and long_string is not None:
                 params = codec.decode_long_params(line, req.params, route.params_type, *long_string)
+            elif long_string is not None and not isinstance(line, str):
+                # (fs/writeFile: its data is not parsed a second time.)
+                key, attribute = long_string
+                params = codec.decode_long_params(
+                    line, req.params, route.params_type, key, attribute, cut=cut
+                )
             else:
                 params = codec.decode_params(req.params, route.params_type)
             # (initialized implies initialize_requested: one test per request.)

@@ -121,6 +121,43 @@ def test_long_lines_in_a_mapping_yield_the_same_messages(
             assert len(line) > long_after - 1
 
 
+def feed_into(framer: LineFramer, data: bytes, read: int) -> list[codec.Framed]:
+    """``data`` as the stdio reader delivers it: into the mapped line's tail
+    (reads of at most ``read`` bytes) while there is one, else fed."""
+    out: list[codec.Framed] = []
+    while data:
+        target = framer.read_target(read)
+        if target is None:
+            out += framer.feed(data[:read])
+            data = data[read:]
+            continue
+        count = min(len(target), len(data))
+        target[:count] = data[:count]
+        target.release()
+        out += framer.filled(count)
+        data = data[count:]
+    return out
+
+
+@given(streams_and_cuts(), st.integers(min_value=0, max_value=20), st.integers(1, 30))
+@example((b"y" * 16 + b"\r\n{}\n", [3, 17]), 2, 5)
+@example((b"x" * 30 + b"\n" + b"y" * 12 + b"\n{}\n", [5]), 3, 20)  # too long, then more
+def test_reads_into_the_mapped_line_yield_the_same_messages(
+    case: tuple[bytes, list[int]], long_after: int, read: int
+) -> None:
+    """The stdio reader's reads straight into the mapping (read_target/filled)."""
+    stream, cuts = case
+    framer = LineFramer(16, long_line_bytes=long_after)
+    out: list[codec.Framed] = []
+    last = 0
+    for cut in [*sorted(set(cuts)), len(stream)]:
+        out += feed_into(framer, stream[last:cut], read)
+        last = cut
+    out += framer.finish()
+    assert out == model_lines(stream, 16)
+    assert framer.buffered_bytes == 0
+
+
 def test_a_long_line_across_reads_is_handed_over_from_a_mapping() -> None:
     framer = LineFramer(64 * 1024 * 1024, long_line_bytes=256 * 1024)
     body = bytes(range(256)).replace(b"\n", b"") * 40_000  # ~10 MiB: grows past 4 MiB
@@ -168,6 +205,45 @@ def test_a_kernel_that_refuses_to_populate_is_not_asked_again(
         buffer.append(chunk)
     assert not codec._populating
     assert buffer.take() == chunk * 40
+
+
+def _long_lines(framer: LineFramer, *bodies: bytes) -> list[memoryview]:
+    out = []
+    for body in bodies:
+        # (Held past the long size before the newline: mapped.)
+        items = framer.feed(body[:1000]) + framer.feed(body[1000:-1])
+        items += framer.feed(body[-1:] + b"\n")
+        assert len(items) == 1 and isinstance(items[0], memoryview)
+        out.append(items[0])
+    return out
+
+
+def test_the_next_long_line_reuses_the_last_ones_mapping_once_unused() -> None:
+    framer = LineFramer(1 << 30, 4096)
+    first = b'{"a":"' + b"x" * 3_000_000 + b'"}'
+    second = b'{"b":"' + b"y" * 10_000 + b'"}'  # shorter: old bytes beyond it stay unseen
+    (line,) = _long_lines(framer, first)
+    mapping = line.obj
+    assert line == first and framer.spare.held
+    line.release()  # nothing refers to its bytes any more
+    (line,) = _long_lines(framer, second)
+    assert line.obj is mapping and line == second
+    assert not framer.spare.held or framer.spare.reuse(1) is None  # in use again
+    # While a view of the last line is held, the next one gets a fresh mapping.
+    (again,) = _long_lines(framer, first)
+    assert again.obj is not mapping and again == first
+    assert line == second  # untouched
+    framer.spare.release()
+    assert not framer.spare.held
+
+
+def test_a_mapping_larger_than_the_cap_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "SPARE_MAX_BYTES", codec.MappedBuffer.INITIAL_BYTES)
+    framer = LineFramer(1 << 30, 4096)
+    _long_lines(framer, b'"' + b"z" * (codec.MappedBuffer.INITIAL_BYTES + 1) + b'"')
+    assert not framer.spare.held
+    _long_lines(framer, b'"' + b"z" * 5000 + b'"')
+    assert framer.spare.held
 
 
 @given(st.lists(st.binary(min_size=1, max_size=200), max_size=30))
@@ -609,3 +685,38 @@ def test_output_encoder_matches_the_generic_encoding(
         p.Notification(p.PROCESS_OUTPUT, p.OutputNotification(process_id, stream, data, seq))
     )
     assert fast == generic
+
+
+_URI_EXTRAS = [
+    b"",
+    b',"x":"file://y"',
+    b',"x":"a\\"file://"',  # after an escaped quote: the whole-params search finds it too
+    b',"x":{"file://":1}',
+    b',"x":"file:/"',
+    b',"x":"file//"',
+]
+
+
+@given(
+    path=st.sampled_from([b'"/tmp/t"', b'"file:///tmp/t"', b'"file:/x"']),
+    text=st.sampled_from([b"QUJD" * 8, b"file://" + b"A" * 30, b"file:/" + b"A" * 30]),
+    extra=st.sampled_from(_URI_EXTRAS),
+    data_first=st.booleans(),
+)
+def test_the_uri_check_on_the_cut_params_answers_as_on_the_whole_params(
+    path: bytes, text: bytes, extra: bytes, data_first: bool
+) -> None:
+    """has_uri_value (the long string not read) == the dispatcher's search of all params."""
+    from execserver.dispatcher import _has_uri_value
+
+    fields = [b'"path":' + path, b'"dataBase64":"' + text + b'"']
+    if data_first:
+        fields.reverse()
+    line = b'{"id":1,"method":"fs/writeFile","params":{' + b",".join(fields) + extra + b"}}"
+    request = codec.decode_message(line)
+    assert isinstance(request, codec.IncomingRequest) and request.params is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "LONG_PARAMS_BYTES", 16)
+        cut = codec.cut_long_params(line, request.params, "dataBase64")
+    assert cut is not None
+    assert codec.has_uri_value(line, cut) == _has_uri_value(request.params)

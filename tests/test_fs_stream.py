@@ -10,6 +10,7 @@ with the streaming sink switched on over a directory the test trusts.
 from __future__ import annotations
 
 import base64
+import errno
 import functools
 import os
 import stat
@@ -22,12 +23,14 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred
+from twisted.internet.testing import StringTransport
 
 from execserver import codec
 from execserver.codec import LineFramer, MappedBuffer, Oversized, StreamedLine
 from execserver.fs import ops, stream
 from execserver.fs.local import Locality
 from execserver.fs.pool import inline_runner
+from execserver.transports.stdio import LineProtocol
 from tests.support.fakes import Harness
 
 #: Lines past this many bytes go long (and may stream) in these tests.
@@ -50,7 +53,7 @@ class TrustAll(Locality):
 class Run:
     """One connection of a fresh dispatcher; lines fed through a framer."""
 
-    def __init__(self, streaming: bool) -> None:
+    def __init__(self, streaming: bool, into: bool = False) -> None:
         self.harness = Harness()
         self.harness.handshake()
         self.harness.outbound.take()
@@ -59,11 +62,19 @@ class Run:
             factory = functools.partial(stream.start, inline_runner, TrustAll())
         self.framer = LineFramer(1 << 30, LONG, sink_factory=factory)
         self.streamed = 0
+        #: Read into the mapped line's tail, as the stdio reader does.
+        self.into = into
 
     def feed(self, chunks: list[bytes], eof: bool) -> list[dict[str, Any]]:
         items: list[codec.Framed] = []
         for chunk in chunks:
-            items += self.framer.feed(chunk)
+            target = self.framer.read_target(len(chunk)) if self.into else None
+            if target is None:
+                items += self.framer.feed(chunk)
+                continue
+            target[: len(chunk)] = chunk
+            target.release()
+            items += self.framer.filled(len(chunk))
         if eof:
             items += self.framer.finish()
         for item in items:
@@ -115,7 +126,7 @@ def split(line: bytes, cuts: list[int]) -> list[bytes]:
 
 
 def both(
-    line: bytes, cuts: list[int], existing: bytes | None, eof: bool = False
+    line: bytes, cuts: list[int], existing: bytes | None, eof: bool = False, into: bool = False
 ) -> tuple[tuple[Any, Any], tuple[Any, Any], int]:
     """(whole-line outcome, streamed outcome, lines streamed): replies and the directory."""
     with tempfile.TemporaryDirectory() as name:
@@ -124,7 +135,7 @@ def both(
         streamed = 0
         for streaming in (False, True):
             reset(directory, existing)
-            run = Run(streaming)
+            run = Run(streaming, into=streaming and into)
             body = line.replace(b"@DIR@", str(directory).encode())
             # (Cut near the end too, so that the line is held long.)
             chunks = [body] if not streaming else split(body, [*cuts, len(body) - 2])
@@ -210,6 +221,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=6),
     existing=st.none() | st.just(b"old"),
     truncate_at=st.none() | st.integers(1, 1 << 16),
+    into=st.booleans(),
 )
 @example(
     line=b'{"id":1,"method":"fs/writeFile","params":{"path":"@DIR@/t","dataBase64":"'
@@ -218,6 +230,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[100, 200],
     existing=None,
     truncate_at=None,
+    into=True,
 )
 @example(
     line=b'{"id":1,"method":"fs/writeFile","params":{"path":"@DIR@/t","dataBase64":"'
@@ -226,6 +239,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[90, 500],
     existing=b"old",
     truncate_at=None,
+    into=True,
 )
 @example(
     # padding that ends a read's text before the end: invalid
@@ -237,6 +251,7 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[-161],  # (from the end) one quad after the padding
     existing=None,
     truncate_at=None,
+    into=True,
 )
 @example(
     # set trailing bits in the last quad: non-canonical, invalid
@@ -246,16 +261,17 @@ def lines(draw: st.DrawFn) -> bytes:
     cuts=[120],
     existing=None,
     truncate_at=None,
+    into=True,
 )
 def test_any_line_any_split_gives_the_whole_line_answer(
-    line: bytes, cuts: list[int], existing: bytes | None, truncate_at: int | None
+    line: bytes, cuts: list[int], existing: bytes | None, truncate_at: int | None, into: bool
 ) -> None:
     eof = False
     if truncate_at is not None:
         # A line cut short by the end of input (no newline).
         line = line[: truncate_at % len(line)]
         eof = True
-    whole, streamed, _ = both(line, cuts, existing, eof)
+    whole, streamed, _ = both(line, cuts, existing, eof, into)
     assert streamed == whole
 
 
@@ -381,6 +397,64 @@ def test_a_dropped_line_closes_its_unnamed_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def _long_line(directory: Path, data: bytes) -> bytes:
+    return b'{"id":1,"method":"fs/writeFile","params":{"path":"%s/t","dataBase64":"%s"}}\n' % (
+        str(directory).encode(),
+        base64.b64encode(data),
+    )
+
+
+def test_a_line_cut_off_by_the_connection_ends_its_thread_and_file(tmp_path: Path) -> None:
+    """The stdio protocol's connectionLost mid-line: the unnamed file is closed at
+    once (before, it stayed open until the framer was collected)."""
+    harness = Harness()
+    harness.dispatcher.long_line_sink = functools.partial(stream.start, inline_runner, TrustAll())
+    proto = LineProtocol(harness.dispatcher)
+    proto.makeConnection(StringTransport())
+    before = set(os.listdir("/proc/self/fd"))
+    line = _long_line(tmp_path, os.urandom(1 << 20))
+    proto.dataReceived(line[: len(line) // 2])
+    assert len(set(os.listdir("/proc/self/fd")) - before) == 1  # the unnamed file
+    proto.connectionLost(None)
+    assert set(os.listdir("/proc/self/fd")) - before == set()
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FailingWrites:
+    """``os`` for the stream module, whose second ``write`` fails (a full disk)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def write(self, fd: int, data: Any) -> int:
+        self.writes += 1
+        if self.writes == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.write(fd, data)
+
+
+def test_an_error_mid_write_gives_the_whole_line_answer(
+    adoptions: list[bool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed write drops the stream: its file is closed, and the line is
+    answered (and written) as a whole line."""
+    failing = _FailingWrites()
+    monkeypatch.setattr(stream, "os", failing)
+    before = set(os.listdir("/proc/self/fd"))
+    run = Run(streaming=True)
+    data = os.urandom(3 * stream.TEXT_SLICE)
+    replies = run.feed(list(_chunks(_long_line(tmp_path, data), 64 * 1024)), eof=False)
+    assert failing.writes >= 2
+    assert replies == [{"id": 1, "result": {}}]
+    assert adoptions == []  # (the stream was dropped before the line ended)
+    assert (tmp_path / "t").read_bytes() == data
+    assert list(tmp_path.iterdir()) == [tmp_path / "t"]
+    assert set(os.listdir("/proc/self/fd")) - before == set()
+
+
 def _chunks(data: bytes, size: int) -> Iterator[bytes]:
     for start in range(0, len(data), size):
         yield data[start : start + size]
@@ -454,3 +528,74 @@ def test_invalid_utf8_in_the_data_is_invalid_params_not_an_internal_error(cuts: 
     replies, files = whole
     assert files == {}
     assert [r["error"]["code"] for r in replies] == [-32602]
+
+
+def test_a_stream_keeps_its_last_long_lines_mapping_for_a_while() -> None:
+    """The spare mapping (codec.SpareMapping) is released SPARE_KEEP_SECONDS after
+    the last long line: an idle server holds no more than before."""
+    harness = Harness()
+    proto = LineProtocol(harness.dispatcher)
+    proto.makeConnection(StringTransport())
+    harness.handshake()
+    line = (
+        b'{"id":%d,"method":"fs/getMetadata","params":{"path":"/","pad":"'
+        + b"p" * (1 << 19)
+        + b'"}}\n'
+    )
+    spare = proto._framer.spare
+
+    def send(request_id: int) -> None:
+        data = line % request_id
+        # (Only a line held past LONG_MESSAGE_BYTES before its end is mapped.)
+        for start in range(0, len(data), 300_000):
+            proto.dataReceived(data[start : start + 300_000])
+
+    send(1)
+    assert spare.held
+    harness.clock.advance(codec.SPARE_KEEP_SECONDS - 1)
+    send(2)  # reused and kept again: the wait starts over
+    assert spare.held
+    harness.clock.advance(codec.SPARE_KEEP_SECONDS - 0.5)
+    assert spare.held
+    harness.clock.advance(1)
+    assert not spare.held
+    send(3)
+    assert spare.held
+    proto.connectionLost(None)
+    assert not spare.held
+    assert not harness.clock.getDelayedCalls()
+
+
+def test_a_long_write_line_given_whole_is_searched_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long fs/writeFile that arrives whole (WebSocket): its long string is found
+    once, and the URI check does not copy and search the 11 MiB of params again
+    (before, _has_uri_value copied them in 256 KiB windows)."""
+    from execserver import dispatcher
+
+    searches: list[bytes] = []
+    original = codec.long_string_span
+
+    def span(line: Any, key: bytes) -> Any:
+        searches.append(key)
+        return original(line, key)
+
+    def whole_search(params: Any) -> bool:
+        raise AssertionError("the params were searched whole")
+
+    monkeypatch.setattr(codec, "long_string_span", span)
+    monkeypatch.setattr(dispatcher, "_has_uri_value", whole_search)
+    harness = Harness()
+    harness.handshake()
+    harness.outbound.take()
+    data = os.urandom(1 << 20)
+    line = b'{"id":1,"method":"fs/writeFile","params":{"path":"file://%s/t","dataBase64":"%s"}}' % (
+        str(tmp_path).encode(),
+        base64.b64encode(data),
+    )
+    harness.conn.message_received(line)
+    assert harness.outbound.take() == [{"id": 1, "result": {}}]
+    assert (tmp_path / "t").read_bytes() == data
+    assert searches == [b"dataBase64"]
+    assert harness.conn.speaks_current_dialect  # (its path is a URI)
