@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from execserver.sandbox import seccomp
 from execserver.sandbox.denied import KEYWORDS, likely_denied
 from execserver.sandbox.engine import HostSupport, SandboxEngine
-from execserver.sandbox.policy import PathRule, SandboxPolicy
+from execserver.sandbox.policy import Access, PathRule, SandboxPolicy
 
 # --- sandboxDenied, as the reference's is_likely_sandbox_denied ---------------------------------
 
@@ -115,6 +115,57 @@ def test_network_allowed_keeps_the_host_network(tmp_path: Path) -> None:
         confined=True, rules=(PathRule("/", "read"),), network=True, full_read=True
     )
     assert "--unshare-net" not in _engine().bwrap_args(policy, str(tmp_path))
+
+
+def _policy(*rules: tuple[str, Access]) -> SandboxPolicy:
+    return SandboxPolicy(
+        confined=True,
+        rules=tuple(
+            sorted((PathRule(path, access) for path, access in rules), key=lambda r: r.path)
+        ),
+        network=False,
+        full_read=any(path == "/" and access != "none" for path, access in rules),
+    )
+
+
+def test_a_writable_root_is_bound_writable(tmp_path: Path) -> None:
+    # Before the fix: "--ro-bind / /" and the "/" rule skipped.
+    (tmp_path / "secret").mkdir()
+    args = " ".join(
+        _engine().bwrap_args(_policy(("/", "write"), (str(tmp_path / "secret"), "none")), "/")
+    )
+    assert "--bind / / --dev /dev" in args and "--ro-bind / /" not in args
+    assert f"--perms 000 --tmpfs {tmp_path}/secret --remount-ro {tmp_path}/secret" in args
+    # A read-only root stays read-only.
+    args = " ".join(_engine().bwrap_args(_policy(("/", "read"), (str(tmp_path), "write")), "/"))
+    assert "--ro-bind / / --dev /dev" in args and "--bind / /" not in args
+    assert f"--bind-try {tmp_path} {tmp_path}" in args
+
+
+def test_a_symlinked_root_is_bound_where_it_leads(tmp_path: Path) -> None:
+    # Before the fix: "--bind-try LINK LINK", which bwrap cannot mount.
+    target = tmp_path / "target"
+    (target / ".git").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    policy = _policy(("/", "read"), (str(link), "write"), (f"{link}/.git", "read"))
+    joined = " ".join(_engine().bwrap_args(policy, "/"))
+    bind = joined.index(f"--bind-try {target} {target}")
+    assert joined.index(f"--ro-bind-try {target}/.git {target}/.git") > bind
+    assert str(link) not in joined
+
+
+def test_a_symlinked_root_never_opens_a_hidden_target(tmp_path: Path) -> None:
+    # The link is writable, its target hidden: none beats write on the
+    # target, as a confined fs call judges it.
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    policy = _policy(("/", "read"), (str(link), "write"), (str(target), "none"))
+    joined = " ".join(_engine().bwrap_args(policy, "/"))
+    assert f"--perms 000 --tmpfs {target} --remount-ro {target}" in joined
+    assert "--bind-try" not in joined
 
 
 @pytest.mark.parametrize("requested", ["auto", "bwrap", "landlock"])
