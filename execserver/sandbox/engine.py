@@ -125,7 +125,7 @@ def _cover(directory: str, excluded: frozenset[str]) -> list[str]:
         real = os.path.realpath(path)
         if real in excluded or path in excluded:
             continue
-        if any(e.startswith(real.rstrip("/") + "/") for e in excluded):
+        if any(e != real and is_within(e, real) for e in excluded):
             if os.path.isdir(real):
                 found += _cover(real, excluded)
             continue
@@ -149,8 +149,8 @@ def _landlock_writes(roots: Iterable[str], cgroupfs: frozenset[str]) -> list[str
     """
     writes: list[str] = []
     for root in roots:
-        real = os.path.realpath(root).rstrip("/") + "/"
-        if any(mount.startswith(real) for mount in cgroupfs):
+        real = os.path.realpath(root)
+        if any(mount != real and is_within(mount, real) for mount in cgroupfs):
             writes += _cover(root, cgroupfs)
         else:
             writes.append(root)
@@ -564,11 +564,7 @@ class SandboxEngine:
         # the mount). Judged on the real paths too (``effective``), as a
         # confined fs call judges them: a hidden target stays hidden.
         seen = effective(policy)
-        linked = [
-            (root.rstrip("/") + "/", realpath(root).rstrip("/") + "/")
-            for root in policy.writable_roots()
-            if realpath(root) != root
-        ]
+        linked = [root for root in policy.writable_roots() if realpath(root) != root]
         mounts: dict[str, str] = {}
         links: list[tuple[str, str]] = []
         for rule in policy.rules:
@@ -576,7 +572,7 @@ class SandboxEngine:
             if (
                 rule.access != "write"
                 and not policy.full_read
-                and not any((rule.path + "/").startswith(root) for root, _ in linked)
+                and not any(is_within(rule.path, root) for root in linked)
             ):
                 real = rule.path  # a bind onto the empty root: bwrap creates it
             elif (
