@@ -192,8 +192,7 @@ async def _attack(
 
 async def _refused_counts(server: WsServerProcess) -> dict[str, int]:
     """``exec_server_sandbox_peer_refused_total`` by reason, from ``/metrics``."""
-    host, port = next(u for u in server.urls if u.startswith("ws://"))[5:].rsplit(":", 1)
-    status, _, body = await http_get(host, int(port), get_request("/metrics"))
+    status, _, body = await http_get(*server.host_port, get_request("/metrics"))
     assert status == 200, body
     found = re.findall(rb'exec_server_sandbox_peer_refused_total\{reason="(\w+)"\} (\d+)', body)
     return {reason.decode(): int(count) for reason, count in found}
