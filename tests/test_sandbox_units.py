@@ -212,3 +212,24 @@ def test_landlock_write_grants_leave_the_cgroup_mounts_out(tmp_path: Path) -> No
     # Through a symlink: its entries (each then followed by Landlock).
     assert _landlock_writes([str(link)], mounts) == [str(link / "bpf")]
     assert _landlock_writes([str(root / "fs/cgroup")], mounts) == []
+
+
+def test_without_a_readable_root_a_symlinked_root_gets_its_link(tmp_path: Path) -> None:
+    # The empty root shows no link: it is made, leading to the bound target,
+    # but never inside a hidden path (its empty mount is read-only).
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "hidden").mkdir()
+    for link in (tmp_path / "link", tmp_path / "hidden" / "link"):
+        link.symlink_to(target)
+    shown = _policy(("/usr", "read"), (str(tmp_path / "link"), "write"))
+    joined = " ".join(_engine().bwrap_args(shown, "/"))
+    assert joined.startswith("/usr/bin/bwrap") and "--tmpfs / --dev /dev" in joined
+    assert joined.index(f"--bind-try {target} {target}") < joined.index(
+        f"--symlink {target} {tmp_path}/link"
+    )
+    unseen = _policy(
+        ("/usr", "read"), (str(tmp_path / "hidden"), "none"), (f"{tmp_path}/hidden/link", "write")
+    )
+    joined = " ".join(_engine().bwrap_args(unseen, "/"))
+    assert f"--bind-try {target} {target}" in joined and "--symlink" not in joined

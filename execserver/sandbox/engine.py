@@ -580,8 +580,11 @@ class SandboxEngine:
                 and real != rule.path
                 and not policy.full_read
                 and policy.access(os.path.dirname(rule.path)) == "none"
+                and not policy.is_hidden(os.path.dirname(rule.path))
             ):
-                links.append((real, rule.path))  # nothing shows the link: make it
+                # Nothing shows the link: make it (not inside a hidden path,
+                # whose empty mount is read-only: there the link stays unseen).
+                links.append((real, rule.path))
             if rule.path == "/" or real in mounts:
                 continue
             mounts[real] = seen.access(real)
