@@ -331,7 +331,14 @@ def _confine_mounts(policy: SandboxPolicy) -> None:
         wanted = "write" if rule.access == "write" else "read"
         if now == wanted:
             continue
-        _check(_mount(rule.path, rule.path, None, _MS_BIND | _MS_REC, None), f"bind {rule.path}")
+        result = _mount(rule.path, rule.path, None, _MS_BIND | _MS_REC, None)
+        if result < 0 and ctypes.get_errno() == errno.ENOENT and not os.path.lexists(rule.path):
+            # Gone since it was seen (another process removed it): nothing
+            # to bind, as bwrap's --bind-try (a writable root stays as its
+            # parent; a carve-out that no longer exists has nothing to
+            # protect, and the check refuses what the policy refuses there).
+            continue
+        _check(result, f"bind {rule.path}")
         if wanted == "read":
             _check(_set_readonly(rule.path, True), f"read-only {rule.path}")
         else:
