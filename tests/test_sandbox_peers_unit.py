@@ -269,3 +269,33 @@ def test_a_peer_gone_before_its_check_is_counted_as_exited(tmp_path: Path) -> No
         with conn:
             assert peers.refused(Transport(conn))
     assert peers.refused_counts == {"confined": 0, "exited": 1}
+
+
+def test_without_containment_a_reused_leader_pid_is_not_a_confined_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A confined leader whose pid, once its session emptied, another
+    # process got: the new session of that pid is not the confined one.
+    # (Before: refused until the next look at /proc, up to 10 s later.)
+    from execserver.containment.proc import ProcInfo, read_proc
+
+    confined = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        peers = ConfinedPeers(Clock(), FakeContainment({}, mode="none"))  # type: ignore[arg-type]
+        peers.add(Tree(), confined.pid)
+        # This check looks at /proc (the first): the next is 10 s away.
+        assert peers.why_refused(UnixPeer(confined.pid, os.getuid(), None)) is not None
+        now = read_proc(other.pid)
+        assert now is not None and now.sid == other.pid
+        # A confined leader had other's pid, and started earlier.
+        earlier = ProcInfo(now.pid, now.ppid, now.pgrp, now.sid, now.start - 1, False)
+        monkeypatch.setattr("execserver.sandbox.peers.read_proc", lambda pid: earlier)
+        peers.add(Tree(), other.pid)
+        monkeypatch.undo()
+        assert peers.why_refused(UnixPeer(other.pid, os.getuid(), None)) is None
+        assert peers.why_refused(UnixPeer(confined.pid, os.getuid(), None)) is not None
+    finally:
+        for child in (confined, other):
+            child.kill()
+            child.wait(timeout=30)

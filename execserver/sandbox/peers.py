@@ -213,12 +213,33 @@ class ConfinedPeers:
         for _hop in range(1024):
             if info is None or info.start < oldest:
                 return False
-            if leaders.get(info.pid) == info.start or info.sid in leaders or info.pgrp in leaders:
+            if (
+                leaders.get(info.pid) == info.start
+                or self._holds(info.sid)
+                or self._holds(info.pgrp)
+            ):
                 return True
             if info.ppid <= 1:
                 return False
             info = read_proc(info.ppid)
         return False
+
+    def _holds(self, leader: int) -> bool:
+        """Whether the session or group ``leader`` is a confined leader's.
+
+        Its id is the leader's pid: while the session or group has a member
+        the kernel gives that pid to no other process, so a process that
+        has it now with another start time means the confined leader's
+        session and group had emptied, and this one is another's.
+        """
+        start = self._leaders.get(leader)
+        if start is None:
+            return False
+        now = read_proc(leader)
+        if now is not None and now.start != start:
+            del self._leaders[leader]
+            return False
+        return True
 
     def _forget_stale(self, *, force: bool = False) -> None:
         """Forget the leaders whose process, session and group are all gone.
