@@ -233,3 +233,30 @@ def test_without_a_readable_root_a_symlinked_root_gets_its_link(tmp_path: Path) 
     )
     joined = " ".join(_engine().bwrap_args(unseen, "/"))
     assert f"--bind-try {target} {target}" in joined and "--symlink" not in joined
+
+
+def test_where_a_profile_exposes_the_filters(tmp_path: Path) -> None:
+    import tempfile
+
+    engine = _engine()
+    shm = engine._dir = tempfile.mkdtemp(prefix="exec-server-seccomp-test-", dir="/dev/shm")
+    try:
+        root = _policy(("/", "write"))
+        # bwrap's fresh /dev covers /dev/shm (mounted nowhere else here).
+        assert engine._filters_exposed(root, "bwrap") is None
+        # Landlock grants the host's /dev/shm with a writable /.
+        assert engine._filters_exposed(root, "landlock") == shm
+        for rules in (
+            (("/", "read"), ("/dev/shm", "write")),
+            (("/", "read"), ("/dev", "write")),
+            (("/", "write"), ("/dev", "write")),
+            (("/", "read"), (f"{shm}/network", "write")),
+        ):
+            assert engine._filters_exposed(_policy(*rules), "bwrap") == shm, rules
+        hidden = _policy(("/", "write"), ("/dev/shm", "none"))
+        assert engine._filters_exposed(hidden, "landlock") is None
+        # Kept elsewhere (no writable /dev/shm): a writable / reaches them.
+        engine._dir = str(tmp_path)
+        assert engine._filters_exposed(root, "bwrap") == str(tmp_path)
+    finally:
+        os.rmdir(shm)
