@@ -260,3 +260,18 @@ def test_where_a_profile_exposes_the_filters(tmp_path: Path) -> None:
         assert engine._filters_exposed(root, "bwrap") == str(tmp_path)
     finally:
         os.rmdir(shm)
+
+
+def test_a_rule_leading_to_the_root_never_covers_the_fresh_dev(tmp_path: Path) -> None:
+    # A symlink to / with a rule of its own: a bind of / after `--dev /dev`
+    # would cover the fresh /dev with the host's (its /dev/shm: the filters).
+    link = tmp_path / "root"
+    link.symlink_to("/")
+    for rules, root in (
+        ((("/", "write"), (str(link), "read")), "--bind / /"),
+        ((("/", "read"), (str(link), "write")), "--bind / /"),
+        ((("/", "read"), (str(link), "read")), "--ro-bind / /"),
+    ):
+        args = _engine().bwrap_args(_policy(*rules), "/")  # type: ignore[arg-type]
+        joined = " ".join(args)
+        assert joined.count(" / /") == 1 and f"{root} --dev /dev" in joined, (rules, joined)

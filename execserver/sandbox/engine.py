@@ -547,14 +547,17 @@ class SandboxEngine:
         args.append("--unshare-pid")
         if not policy.network:
             args.append("--unshare-net")
+        # Rules on symlinks count on their real paths too (below).
+        seen = effective(policy)
         if not policy.full_read:
             args += ["--tmpfs", "/"]
-        elif policy.access("/") == "write":
+        elif seen.access("/") == "write":
             # A writable / (as the reference binds it): what the deeper rules,
             # the cgroup mounts and the masks below re-protect stays so.
             args += ["--bind", "/", "/"]
         else:
             args += ["--ro-bind", "/", "/"]
+        # Before every other mount (none of them is /: one would cover it).
         args += ["--dev", "/dev"]
         # bwrap cannot mount onto a symlink (the link's target is looked up
         # outside the new root): a writable root is mounted where its path
@@ -562,8 +565,8 @@ class SandboxEngine:
         # its target, and so is every rule beneath it and, under a readable
         # root, every rule (the link itself, read-only there, still leads to
         # the mount). Judged on the real paths too (``effective``), as a
-        # confined fs call judges them: a hidden target stays hidden.
-        seen = effective(policy)
+        # confined fs call judges them: a hidden target stays hidden. A rule
+        # leading to / itself is the root's (above), never a mount of its own.
         linked = [root for root in policy.writable_roots() if realpath(root) != root]
         mounts: dict[str, str] = {}
         links: list[tuple[str, str]] = []
@@ -585,7 +588,7 @@ class SandboxEngine:
                 # Nothing shows the link: make it (not inside a hidden path,
                 # whose empty mount is read-only: there the link stays unseen).
                 links.append((real, rule.path))
-            if rule.path == "/" or real in mounts:
+            if "/" in (rule.path, real) or real in mounts:
                 continue
             mounts[real] = seen.access(real)
         # Deeper rules after shallower ones: a mount covers what is beneath it.
