@@ -12,7 +12,11 @@ at once), in each containment mode:
   tree: neither it nor its parents can be members, the walk stops), a
   ``poll`` of the pidfd;
 - ``subreaper``: the same, against one live tree (a ``sleep`` child in a
-  session of its own).
+  session of its own);
+- ``none``: the same, against that child remembered as a confined leader
+  (its record alive, then dropped: its session is still refused), plus
+  the time of the look for ended sessions (a /proc scan, at most one per
+  10 s on an accept).
 
 A client younger than the oldest confined tree (an ``exec-server-client``
 started after it) costs one read of ``/proc/PID/cgroup`` (cgroup mode) and
@@ -80,7 +84,28 @@ def _loop(listener: socket.socket, path: str, count: int, peers: ConfinedPeers |
     return (time.perf_counter() - start) / count * 1e6
 
 
+class _Record:
+    """Stands for a process's record (its tree): only its life matters."""
+
+
+class _Monotonic:
+    """The clock the server's peer check gets (seconds, never stepped back)."""
+
+    def seconds(self) -> float:
+        return time.monotonic()
+
+
 def _peers(mode: str, child: subprocess.Popen[bytes]) -> ConfinedPeers:
+    if mode.startswith("none"):
+        # No tree: the leader (a sleep in a session of its own) is remembered.
+        none = Containment("none")
+        peers = ConfinedPeers(_Monotonic(), none)  # type: ignore[arg-type]
+        record = _Record()
+        peers.add(record, child.pid)
+        if mode == "none":
+            peers._keep = record  # type: ignore[attr-defined]
+        # "none, record gone": its record dropped, its session still lives.
+        return peers
     containment = Containment(mode)
     containment.mode = mode
     confined: Any
@@ -113,7 +138,7 @@ def main() -> None:
     child = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         rows: dict[str, list[tuple[float, float]]] = {}
-        for mode in ("cgroup", "subreaper"):
+        for mode in ("cgroup", "subreaper", "none", "none, record gone"):
             peers = _peers(mode, child)
             _loop(listener, path, args.count // 10, peers)  # warm-up
             for _ in range(args.rounds):
@@ -133,6 +158,17 @@ def main() -> None:
                 f"| {mode} | {base:.1f} | {checked:.1f} | {checked - base:.1f} | "
                 f"{checked / base:.2f} (rounds: {ratios}) |"
             )
+        # none mode: the look for ended sessions (a /proc scan), at most one per 10 s.
+        peers = _peers("none, record gone", child)
+        scans = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            peers._forget_stale(force=True)
+            scans.append((time.perf_counter() - start) * 1e6)
+        print(
+            f"none mode's look for ended sessions: {statistics.median(scans):.0f} µs "
+            f"({len(os.listdir('/proc'))} /proc entries), at most once per 10 s"
+        )
     finally:
         child.kill()
         child.wait()

@@ -353,11 +353,7 @@ class ManagedProcess(ProcessProtocol):
         else:
             before = output.retained_bytes
             seq = output.append(stream, data)
-            tally.bytes += output.retained_bytes - before
-            if tally.cap and tally.bytes > tally.cap:
-                tally.shed(self)
-                # (What others dropped may make room for a paused one.)
-                tally.released()
+            tally.retained(self, output.retained_bytes - before)
         if self._idle_timer is not None:
             # Only note the time: the idle timer re-arms itself when it fires
             # early, so a chatty process costs no timer churn per chunk.

@@ -241,6 +241,14 @@ class RetainedTally:
         #: Every process counted here.
         self.members: set[Retainer] = set()
 
+    def retained(self, reader: Retainer, nbytes: int) -> None:
+        """``reader`` retained ``nbytes`` more (a new chunk): the cap, enforced as it arrives."""
+        self.bytes += nbytes
+        if self.over:
+            self.shed(reader)
+            # (What others dropped may make room for a paused one.)
+            self.released()
+
     def shed(self, reader: Retainer) -> None:
         """The total is over the cap after ``reader`` retained a chunk: drop the oldest output."""
         reader.shed_output(self.bytes - self.cap)

@@ -324,8 +324,7 @@ async def transport_server(
             *("--listen", "wss://127.0.0.1:0", "--tls-cert", pki.server_cert),
             *("--tls-key", pki.server_key, *retained),
         )
-        port = int(server.url.rsplit(":", 1)[1])
-        proxy = await CuttingProxy(("127.0.0.1", port)).start()
+        proxy = await CuttingProxy(server.host_port).start()
         url = f"wss://127.0.0.1:{proxy.port.getHost().port}"
         return server, proxy, url, ("--ca-file", pki.ca_file)
     server = await WsServerProcess.start(*retained)

@@ -370,8 +370,7 @@ async def test_usage_in_process_list_and_metrics() -> None:
         assert found["memoryPeakBytes"] >= found["memoryBytes"] >= 32 * MiB
         assert found["processes"] == 1
         assert found["cpuTimeMs"] > 0
-        host, port = server.url[len("ws://") :].rsplit(":", 1)
-        status, _headers, body = await http_get(host, int(port), get_request("/metrics"))
+        status, _headers, body = await http_get(*server.host_port, get_request("/metrics"))
         assert status == 200
         text = body.decode()
         memory = re.search(r"^exec_server_process_memory_bytes (\d+)$", text, re.M)
@@ -384,7 +383,7 @@ async def test_usage_in_process_list_and_metrics() -> None:
         )
         await client.wait_notification("process/exited", "writer")
         os.unlink("/dev/shm/exec-server-limit-test")
-        _status, _headers, body = await http_get(host, int(port), get_request("/metrics"))
+        _status, _headers, body = await http_get(*server.host_port, get_request("/metrics"))
         assert 'exec_server_limit_exceeded_total{limit="fileSize"} 1' in body.decode()
         await client.close()
     finally:

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from execserver.retained import CHUNK_OVERHEAD_BYTES, RetainedChunk, RetainedOutput
+from execserver.retained import CHUNK_OVERHEAD_BYTES, RetainedChunk, RetainedOutput, RetainedTally
 
 BIG = 1 << 30
 
@@ -217,3 +217,43 @@ def test_protected_output_is_dropped_only_once_acknowledged() -> None:
     out.append("stdout", b"dddd")
     assert [c.seq for c in out.read(0, None).chunks] == [4, 5]
     assert out.full
+
+
+class _Member:
+    """A process counted by a tally: its output, and its shedding kept in the tally."""
+
+    def __init__(self, tally: RetainedTally) -> None:
+        self.output = RetainedOutput(BIG)
+        self.tally = tally
+        tally.members.add(self)
+
+    def retain(self, data: bytes) -> None:
+        before = self.output.retained_bytes
+        self.output.append("stdout", data)
+        self.tally.retained(self, self.output.retained_bytes - before)
+
+    def shed_output(self, nbytes: int) -> None:
+        before = self.output.retained_bytes
+        self.output.shed(nbytes)
+        self.tally.bytes += self.output.retained_bytes - before
+
+
+def test_the_tally_enforces_its_cap_as_output_is_retained() -> None:
+    # The one place the server-wide cap is checked as output arrives: the
+    # reader drops its own oldest first, then the largest other member;
+    # each keeps its newest chunk.
+    chunk = 100 + CHUNK_OVERHEAD_BYTES
+    tally = RetainedTally(cap=4 * chunk)
+    big, reader = _Member(tally), _Member(tally)
+    for _ in range(4):
+        big.retain(b"b" * 100)
+    assert tally.bytes == 4 * chunk and not tally.over
+    reader.retain(b"r" * 100)  # over: the reader has nothing older, big sheds
+    assert (len(reader.output), len(big.output)) == (1, 3)
+    assert tally.bytes == 4 * chunk == sum(m.output.retained_bytes for m in (big, reader))
+    reader.retain(b"r" * 100)  # the reader's own oldest goes first
+    assert (len(reader.output), len(big.output)) == (1, 3)
+    woken: list[int] = []
+    tally.when_room(big, lambda: woken.append(1))
+    assert woken == []  # within the cap: nothing to wait for
+    assert RetainedTally().over is False  # no cap: never over

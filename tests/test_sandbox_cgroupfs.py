@@ -91,8 +91,8 @@ def with_cgroupfs_writable(d: Dirs, mechanism: str) -> Any:
 def with_root_writable(d: Dirs) -> Any:
     """Every path writable, the network restricted (still a confined process).
 
-    A process start refuses it (the server's seccomp filters would be
-    writable); the fs/* calls take it.
+    (Under Landlock a process start refuses it: the server's seccomp
+    filters would be writable; bubblewrap's fresh /dev hides them.)
     """
     return {
         "permissions": {
@@ -197,15 +197,16 @@ def escapes(result: dict[str, Any], mechanism: str) -> dict[str, str]:
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest_twisted.ensureDeferred
 async def test_a_confined_command_cannot_leave_its_cgroups(dirs: Dirs, mechanism: str) -> None:
-    cases = {"a writable root containing /sys/fs/cgroup": with_cgroupfs_writable(dirs, mechanism)}
-    if mechanism == "bwrap":
-        # (Landlock refuses the hidden path; bwrap cannot bind a writable
-        # root that is a symlink, and fails the start.)
-        cases["/ writable (but /dev/shm)"] = with_root_writable_but_dev_shm(dirs)
-    else:
-        cases["a writable root that is a symlink to /sys/fs/cgroup"] = with_a_link_to_cgroupfs(
+    cases = {
+        "a writable root containing /sys/fs/cgroup": with_cgroupfs_writable(dirs, mechanism),
+        # (bwrap binds it where it leads, /sys/fs/cgroup, writable.)
+        "a writable root that is a symlink to /sys/fs/cgroup": with_a_link_to_cgroupfs(
             dirs, mechanism
-        )
+        ),
+    }
+    if mechanism == "bwrap":
+        # (Landlock refuses the hidden path.)
+        cases["/ writable (but /dev/shm)"] = with_root_writable_but_dev_shm(dirs)
     async with stdio_server("--sandbox-mechanism", mechanism) as server:
         problems = {
             case: escapes(await attempt(server, dirs, mechanism, sandbox), mechanism)

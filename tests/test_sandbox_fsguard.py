@@ -386,3 +386,37 @@ def test_landlock_grants_only_the_directory_written_in_when_it_is_clean(
         )
         is None
     )
+
+
+def test_a_carve_out_removed_before_its_mount_binds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process removes a default carve-out (a /tmp/.agents another
+    # program made) between the moment the policy saw it and its bind
+    # mount. Before the fix the fs call failed: "sandbox: the fs call could
+    # not be confined: bind .../.agents: No such file or directory".
+    work = tmp_path / "work"
+    agents = work / ".agents"
+    agents.mkdir(parents=True)
+    real_mount = fsguard._mount
+
+    def removing_first(
+        source: str | None, target: str, fstype: str | None, flags: int, data: str | None
+    ) -> int:
+        if source == str(agents) and agents.exists():
+            agents.rmdir()
+        return real_mount(source, target, fstype, flags, data)
+
+    monkeypatch.setattr(fsguard, "_mount", removing_first)
+    guard = Guard(how="mount-namespace")
+    sandbox = _workspace_write(work)
+    assert str(agents) in guard.policy(sandbox).read_only_carveouts()
+    target = str(work / "in")
+    guard.run(sandbox, (), ((target, True),), ops.write_file, target, _raw(b"x"))
+    assert (work / "in").read_bytes() == b"x" and not agents.exists()
+    # Its path is still refused by the policy.
+    agents.mkdir()
+    with pytest.raises(RpcError) as info:
+        inside = str(agents / "f")
+        guard.run(sandbox, (), ((inside, True),), ops.write_file, inside, _raw(b"x"))
+    assert info.value.message == "Read-only file system (os error 30)"

@@ -30,6 +30,7 @@ from twisted.internet import reactor
 
 from execserver.client import connect_websocket
 from tests.support.harness import DEFAULT_TIMEOUT, RpcTestClient, with_timeout
+from tests.support.polling import until
 from tests.support.sandbox import CHILD_PATH, Dirs, dirs, env_for, profile_for, uri
 from tests.support.ws_harness import WsServerProcess, connect, get_request, http_get
 
@@ -97,6 +98,26 @@ elif how == "child":
         said += chunk
     os.waitpid(child, 0)
     print("RESULT", said.decode(), flush=True)
+elif how == "daemon":
+    # A daemon left in the command's session, in a process group of its
+    # own (as a shell's background job: the command's group empties, so
+    # its record is finished); the command exits at once. It attacks once
+    # the test opens the FIFO REPORT.go.
+    go = report + ".go"
+    os.mkfifo(go)
+    if os.fork() == 0:
+        os.setpgid(0, 0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        with open(go) as f:
+            f.read()
+        said = attempt()
+        with open(report + ".part", "w") as f:
+            f.write(said)
+        os.rename(report + ".part", report)
+        os._exit(0)
+    print("RESULT daemon left", flush=True)
 elif how == "grandchild":
     reader, writer = os.pipe()
     if os.fork() == 0:
@@ -171,8 +192,7 @@ async def _attack(
 
 async def _refused_counts(server: WsServerProcess) -> dict[str, int]:
     """``exec_server_sandbox_peer_refused_total`` by reason, from ``/metrics``."""
-    host, port = next(u for u in server.urls if u.startswith("ws://"))[5:].rsplit(":", 1)
-    status, _, body = await http_get(host, int(port), get_request("/metrics"))
+    status, _, body = await http_get(*server.host_port, get_request("/metrics"))
     assert status == 200, body
     found = re.findall(rb'exec_server_sandbox_peer_refused_total\{reason="(\w+)"\} (\d+)', body)
     return {reason.decode(): int(count) for reason, count in found}
@@ -237,6 +257,42 @@ async def test_a_landlock_confined_command_cannot_use_the_unix_listener(
     assert result.startswith(("REFUSED", "DROPPED")), result
     assert "refusing a connection on unix://" in server.stderr.decode(), server.stderr
     assert counted == {"confined": 1, "exited": 0}, counted
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_containment_a_daemon_is_refused_once_its_record_is_gone(
+    dirs: Dirs, sock_dir: Path
+) -> None:
+    # --process-containment none: the confined command leaves a daemon in
+    # its session and exits; its record is dropped (exit retention); then
+    # the daemon connects. Before the fix the leader was forgotten with the
+    # record, and the daemon was admitted (once the record was collected).
+    sock = sock_dir / "exec.sock"
+    report = dirs.work / "report.txt"
+    async with _controlled(
+        sock, "landlock", "--process-containment", "none", "--exit-retention-ms", "1"
+    ) as (_, client):
+        left = await _attack(client, dirs, "landlock", sock, how="daemon")
+        assert left == "daemon left", left
+
+        async def dropped() -> bool:
+            reply = await client.request("process/read", {"processId": "attack-daemon-enabled"})
+            return "error" in reply
+
+        await until(dropped, "the command's record dropped", timeout=30)
+
+        def opened() -> bool:
+            try:
+                os.close(os.open(f"{report}.go", os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                return False  # ENXIO: the daemon has not opened it yet
+            return True
+
+        await until(opened, "the daemon told to attack", timeout=30)
+        await until(report.exists, "the daemon's report", timeout=60)
+    result = report.read_text()
+    assert not (dirs.outside / "marker").exists(), result
+    assert result.startswith(("REFUSED", "DROPPED")), result
 
 
 @pytest_twisted.ensureDeferred

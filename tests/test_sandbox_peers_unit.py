@@ -8,6 +8,8 @@ before its check, with and without a pidfd, one outside the pid namespace).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import socket
 import subprocess
@@ -21,6 +23,7 @@ from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 
 from execserver.sandbox.peers import ConfinedPeers, UnixPeer, unix_peer
+from tests.support.polling import until_blocking
 
 
 class Tree:
@@ -177,6 +180,64 @@ def test_without_containment_the_lineage_of_a_confined_leader_is_refused() -> No
         leader.wait(timeout=30)
 
 
+#: A leader that leaves a daemon in its session (in a group of its own),
+#: then exits: the daemon prints its pid and waits for its stdin to close.
+_DAEMONISING = (
+    "import os, sys\n"
+    "if os.fork() == 0:\n"
+    "    os.setpgid(0, 0)\n"
+    "    print(os.getpid(), flush=True)\n"
+    "    sys.stdin.read()\n"
+    "    os._exit(0)\n"
+)
+
+
+def test_without_containment_a_daemon_is_refused_after_its_leaders_record_is_gone() -> None:
+    # Before the fix the leader was kept only as long as the process's
+    # record (the tree, weakly): once the record was dropped, a daemon the
+    # confined command left in its session was admitted.
+    confined = Tree()
+    clock = Clock()
+    peers = ConfinedPeers(clock, FakeContainment({}, mode="none"))  # type: ignore[arg-type]
+    leader = subprocess.Popen(
+        [sys.executable, "-I", "-c", _DAEMONISING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None and leader.stdin is not None
+    peers.add(confined, leader.pid)
+    daemon = int(leader.stdout.readline())
+    try:
+        assert leader.wait(timeout=30) == 0
+        del confined
+        gc.collect()
+        with open(f"/proc/{daemon}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[3] == str(leader.pid)  # its session
+        assert peers.why_refused(UnixPeer(daemon, os.getuid(), None)) is not None
+        # Still after the interval at which stale leaders are forgotten: the
+        # daemon keeps its session alive (its id cannot be another's).
+        clock.advance(3600)
+        assert peers.why_refused(UnixPeer(daemon, os.getuid(), None)) is not None
+    finally:
+        leader.stdin.close()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(daemon, 0)
+    # Once the last member is gone the leader is forgotten (found so by two
+    # looks, each past the interval), and nothing is read any more.
+    until_gone(daemon)
+    for _look in range(2):
+        assert peers.tracking
+        clock.advance(3600)
+        assert peers.why_refused(UnixPeer(os.getpid(), os.getuid(), None)) is None
+    assert not peers.tracking
+
+
+def until_gone(pid: int) -> None:
+    """Wait (bounded) for the reparented ``pid`` to be reaped by init."""
+    until_blocking(lambda: not os.path.exists(f"/proc/{pid}"), f"pid {pid} gone", timeout=30)
+
+
 def test_every_refusal_is_counted_by_reason(pair: tuple[socket.socket, ...]) -> None:
     # /metrics' exec_server_sandbox_peer_refused_total{reason}: each
     # refusal, not only those the once-per-interval warning names.
@@ -208,3 +269,33 @@ def test_a_peer_gone_before_its_check_is_counted_as_exited(tmp_path: Path) -> No
         with conn:
             assert peers.refused(Transport(conn))
     assert peers.refused_counts == {"confined": 0, "exited": 1}
+
+
+def test_without_containment_a_reused_leader_pid_is_not_a_confined_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A confined leader whose pid, once its session emptied, another
+    # process got: the new session of that pid is not the confined one.
+    # (Before: refused until the next look at /proc, up to 10 s later.)
+    from execserver.containment.proc import ProcInfo, read_proc
+
+    confined = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        peers = ConfinedPeers(Clock(), FakeContainment({}, mode="none"))  # type: ignore[arg-type]
+        peers.add(Tree(), confined.pid)
+        # This check looks at /proc (the first): the next is 10 s away.
+        assert peers.why_refused(UnixPeer(confined.pid, os.getuid(), None)) is not None
+        now = read_proc(other.pid)
+        assert now is not None and now.sid == other.pid
+        # A confined leader had other's pid, and started earlier.
+        earlier = ProcInfo(now.pid, now.ppid, now.pgrp, now.sid, now.start - 1, False)
+        monkeypatch.setattr("execserver.sandbox.peers.read_proc", lambda pid: earlier)
+        peers.add(Tree(), other.pid)
+        monkeypatch.undo()
+        assert peers.why_refused(UnixPeer(other.pid, os.getuid(), None)) is None
+        assert peers.why_refused(UnixPeer(confined.pid, os.getuid(), None)) is not None
+    finally:
+        for child in (confined, other):
+            child.kill()
+            child.wait(timeout=30)

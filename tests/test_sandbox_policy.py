@@ -452,3 +452,16 @@ def test_a_new_bind_of_a_cgroup_file_system_is_seen(tmp_path: Path) -> None:
     finally:
         subprocess.run(["umount", str(bind)], check=True, timeout=30)
     assert pol.cgroup_mounts() == before
+
+
+_parts = st.lists(st.sampled_from(["a", "b", "ab", "a.b", "-"]), max_size=4)
+
+
+@given(_parts, _parts)
+def test_is_within_is_a_prefix_of_components(path: list[str], root: list[str]) -> None:
+    # The one path-containment check the sandbox (policy, engine, fsguard)
+    # uses: by whole components, never by characters ("/ab" is not in "/a").
+    as_path = "/" + "/".join(path)
+    as_root = "/" + "/".join(root)
+    assert pol.is_within(as_path, as_root) == (path[: len(root)] == root)
+    assert pol.is_within(as_path, "/") and pol.is_within(as_path, as_path)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from execserver.sandbox import seccomp
 from execserver.sandbox.denied import KEYWORDS, likely_denied
 from execserver.sandbox.engine import HostSupport, SandboxEngine
-from execserver.sandbox.policy import PathRule, SandboxPolicy
+from execserver.sandbox.policy import Access, PathRule, SandboxPolicy
 
 # --- sandboxDenied, as the reference's is_likely_sandbox_denied ---------------------------------
 
@@ -117,6 +117,57 @@ def test_network_allowed_keeps_the_host_network(tmp_path: Path) -> None:
     assert "--unshare-net" not in _engine().bwrap_args(policy, str(tmp_path))
 
 
+def _policy(*rules: tuple[str, Access]) -> SandboxPolicy:
+    return SandboxPolicy(
+        confined=True,
+        rules=tuple(
+            sorted((PathRule(path, access) for path, access in rules), key=lambda r: r.path)
+        ),
+        network=False,
+        full_read=any(path == "/" and access != "none" for path, access in rules),
+    )
+
+
+def test_a_writable_root_is_bound_writable(tmp_path: Path) -> None:
+    # Before the fix: "--ro-bind / /" and the "/" rule skipped.
+    (tmp_path / "secret").mkdir()
+    args = " ".join(
+        _engine().bwrap_args(_policy(("/", "write"), (str(tmp_path / "secret"), "none")), "/")
+    )
+    assert "--bind / / --dev /dev" in args and "--ro-bind / /" not in args
+    assert f"--perms 000 --tmpfs {tmp_path}/secret --remount-ro {tmp_path}/secret" in args
+    # A read-only root stays read-only.
+    args = " ".join(_engine().bwrap_args(_policy(("/", "read"), (str(tmp_path), "write")), "/"))
+    assert "--ro-bind / / --dev /dev" in args and "--bind / /" not in args
+    assert f"--bind-try {tmp_path} {tmp_path}" in args
+
+
+def test_a_symlinked_root_is_bound_where_it_leads(tmp_path: Path) -> None:
+    # Before the fix: "--bind-try LINK LINK", which bwrap cannot mount.
+    target = tmp_path / "target"
+    (target / ".git").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    policy = _policy(("/", "read"), (str(link), "write"), (f"{link}/.git", "read"))
+    joined = " ".join(_engine().bwrap_args(policy, "/"))
+    bind = joined.index(f"--bind-try {target} {target}")
+    assert joined.index(f"--ro-bind-try {target}/.git {target}/.git") > bind
+    assert str(link) not in joined
+
+
+def test_a_symlinked_root_never_opens_a_hidden_target(tmp_path: Path) -> None:
+    # The link is writable, its target hidden: none beats write on the
+    # target, as a confined fs call judges it.
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    policy = _policy(("/", "read"), (str(link), "write"), (str(target), "none"))
+    joined = " ".join(_engine().bwrap_args(policy, "/"))
+    assert f"--perms 000 --tmpfs {target} --remount-ro {target}" in joined
+    assert "--bind-try" not in joined
+
+
 @pytest.mark.parametrize("requested", ["auto", "bwrap", "landlock"])
 def test_unavailable_names_every_piece(requested: str) -> None:
     engine = SandboxEngine(requested)  # type: ignore[arg-type]
@@ -161,3 +212,66 @@ def test_landlock_write_grants_leave_the_cgroup_mounts_out(tmp_path: Path) -> No
     # Through a symlink: its entries (each then followed by Landlock).
     assert _landlock_writes([str(link)], mounts) == [str(link / "bpf")]
     assert _landlock_writes([str(root / "fs/cgroup")], mounts) == []
+
+
+def test_without_a_readable_root_a_symlinked_root_gets_its_link(tmp_path: Path) -> None:
+    # The empty root shows no link: it is made, leading to the bound target,
+    # but never inside a hidden path (its empty mount is read-only).
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "hidden").mkdir()
+    for link in (tmp_path / "link", tmp_path / "hidden" / "link"):
+        link.symlink_to(target)
+    shown = _policy(("/usr", "read"), (str(tmp_path / "link"), "write"))
+    joined = " ".join(_engine().bwrap_args(shown, "/"))
+    assert joined.startswith("/usr/bin/bwrap") and "--tmpfs / --dev /dev" in joined
+    assert joined.index(f"--bind-try {target} {target}") < joined.index(
+        f"--symlink {target} {tmp_path}/link"
+    )
+    unseen = _policy(
+        ("/usr", "read"), (str(tmp_path / "hidden"), "none"), (f"{tmp_path}/hidden/link", "write")
+    )
+    joined = " ".join(_engine().bwrap_args(unseen, "/"))
+    assert f"--bind-try {target} {target}" in joined and "--symlink" not in joined
+
+
+def test_where_a_profile_exposes_the_filters(tmp_path: Path) -> None:
+    import tempfile
+
+    engine = _engine()
+    shm = engine._dir = tempfile.mkdtemp(prefix="exec-server-seccomp-test-", dir="/dev/shm")
+    try:
+        root = _policy(("/", "write"))
+        # bwrap's fresh /dev covers /dev/shm (mounted nowhere else here).
+        assert engine._filters_exposed(root, "bwrap") is None
+        # Landlock grants the host's /dev/shm with a writable /.
+        assert engine._filters_exposed(root, "landlock") == shm
+        for rules in (
+            (("/", "read"), ("/dev/shm", "write")),
+            (("/", "read"), ("/dev", "write")),
+            (("/", "write"), ("/dev", "write")),
+            (("/", "read"), (f"{shm}/network", "write")),
+        ):
+            assert engine._filters_exposed(_policy(*rules), "bwrap") == shm, rules
+        hidden = _policy(("/", "write"), ("/dev/shm", "none"))
+        assert engine._filters_exposed(hidden, "landlock") is None
+        # Kept elsewhere (no writable /dev/shm): a writable / reaches them.
+        engine._dir = str(tmp_path)
+        assert engine._filters_exposed(root, "bwrap") == str(tmp_path)
+    finally:
+        os.rmdir(shm)
+
+
+def test_a_rule_leading_to_the_root_never_covers_the_fresh_dev(tmp_path: Path) -> None:
+    # A symlink to / with a rule of its own: a bind of / after `--dev /dev`
+    # would cover the fresh /dev with the host's (its /dev/shm: the filters).
+    link = tmp_path / "root"
+    link.symlink_to("/")
+    for rules, root in (
+        ((("/", "write"), (str(link), "read")), "--bind / /"),
+        ((("/", "read"), (str(link), "write")), "--bind / /"),
+        ((("/", "read"), (str(link), "read")), "--ro-bind / /"),
+    ):
+        args = _engine().bwrap_args(_policy(*rules), "/")  # type: ignore[arg-type]
+        joined = " ".join(args)
+        assert joined.count(" / /") == 1 and f"{root} --dev /dev" in joined, (rules, joined)

@@ -349,7 +349,7 @@ async def test_wss_refuses_a_client_offering_at_most_tls_1_1(pki: Pki) -> None:
         pytest.skip(why_not)
     server = await start_wss(pki)
     try:
-        port = int(server.url.rsplit(":", 1)[1])
+        _host, port = server.host_port
         old = _tls_client(pki.ca_file, ssl.TLSVersion.TLSv1_1)
         with pytest.raises(ssl.SSLError) as refused:
             await with_timeout(

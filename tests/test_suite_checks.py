@@ -69,3 +69,27 @@ def test_the_cli_launched_servers_stderr_is_checked(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     [problem] = server_checks.check_local_server_logs(directory)
     assert "Traceback (most recent call last)" in problem
+
+
+def test_a_servers_host_port_is_its_first_tcp_listeners() -> None:
+    # Before the fix host_port cut len("ws://") off the first URL: a wss://
+    # server's host came out as "/127.0.0.1", a unix:// one's as garbage.
+    from tests.support.ws_harness import WsServerProcess
+
+    server = WsServerProcess(expected_urls=2)
+    server.urls = ["wss://127.0.0.1:4443"]
+    assert server.host_port == ("127.0.0.1", 4443)
+    server.urls = ["unix:///run/x.sock", "ws://[::1]:8765"]
+    assert server.host_port == ("::1", 8765)
+    server.urls = ["unix:///run/x.sock"]
+    with pytest.raises(AssertionError, match="no ws:// or wss:// listener"):
+        _ = server.host_port
+
+
+def test_tcp_address_reads_ws_and_wss_urls_only() -> None:
+    from tests.support.ws_harness import tcp_address
+
+    assert tcp_address("wss://localhost:9/some/path") == ("localhost", 9)
+    assert tcp_address("ws://[::1]:80") == ("::1", 80)
+    with pytest.raises(ValueError, match="not a ws:// or wss:// URL"):
+        tcp_address("unix:///run/x.sock")

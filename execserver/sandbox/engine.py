@@ -56,7 +56,13 @@ from twisted.logger import Logger
 from execserver.errors import RpcError
 from execserver.sandbox import seccomp
 from execserver.sandbox.peers import ConfinedPeers
-from execserver.sandbox.policy import cgroup_mounts, effective
+from execserver.sandbox.policy import (
+    cgroup_mounts,
+    effective,
+    is_within,
+    mount_point,
+    realpath,
+)
 from execserver.spawn import ProcessSpec
 from execserver.spawn.lookup import DEFAULT_PATH, resolve_executable
 
@@ -119,7 +125,7 @@ def _cover(directory: str, excluded: frozenset[str]) -> list[str]:
         real = os.path.realpath(path)
         if real in excluded or path in excluded:
             continue
-        if any(e.startswith(real.rstrip("/") + "/") for e in excluded):
+        if any(e != real and is_within(e, real) for e in excluded):
             if os.path.isdir(real):
                 found += _cover(real, excluded)
             continue
@@ -143,8 +149,8 @@ def _landlock_writes(roots: Iterable[str], cgroupfs: frozenset[str]) -> list[str
     """
     writes: list[str] = []
     for root in roots:
-        real = os.path.realpath(root).rstrip("/") + "/"
-        if any(mount.startswith(real) for mount in cgroupfs):
+        real = os.path.realpath(root)
+        if any(mount != real and is_within(mount, real) for mount in cgroupfs):
             writes += _cover(root, cgroupfs)
         else:
             writes.append(root)
@@ -320,6 +326,25 @@ def _set_not_dumpable() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)
 
 
+def _other_mounts_of(path: str, outside: str) -> list[str]:
+    """The mount points, not within ``outside``, of the file system ``path`` is on."""
+    try:
+        device = os.stat(path).st_dev
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return [path]  # cannot tell: as if it were
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    found = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 4 and fields[2] == wanted:
+            point = mount_point(fields[4])
+            if not is_within(point, outside):
+                found.append(point)
+    return found
+
+
 def _existing(paths: Iterable[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
@@ -454,13 +479,10 @@ class SandboxEngine:
             mechanism = "landlock"
         if mechanism is None:
             raise RpcError.invalid_params(self.unavailable())
-        # On the real paths too: a writable root that is a symlink to /dev/shm.
-        if self._dir is not None and "write" in (
-            policy.access(self._dir),
-            effective(policy).access(self._dir),
-        ):
+        exposed = self._filters_exposed(policy, mechanism)
+        if exposed is not None:
             raise RpcError.invalid_params(
-                f"{CANNOT_ENFORCE}: the profile makes {self._dir}, where the server keeps its "
+                f"{CANNOT_ENFORCE}: the profile makes {exposed}, where the server keeps its "
                 "seccomp filters, writable"
             )
         for path in policy.read_only_carveouts():
@@ -471,6 +493,34 @@ class SandboxEngine:
         if mechanism == "landlock":
             return self._landlock(spec, policy, executable)
         return self._bwrap(spec, policy, executable)
+
+    def _filters_exposed(self, policy: SandboxPolicy, mechanism: Mechanism) -> str | None:
+        """Where ``policy`` would let a command write the filters (None: nowhere).
+
+        Judged on the real paths too (a writable root that is a symlink to
+        /dev/shm). Under bubblewrap a writable ``/`` does not reach them
+        when they are under ``/dev``: its fresh ``/dev`` covers the host's,
+        unless the same file system is mounted somewhere else too.
+        """
+        directory = self._dir
+        if directory is None:
+            return None
+        seen = effective(policy)
+        if any(
+            rule.access == "write" and rule.path != directory and is_within(rule.path, directory)
+            for rule in seen.rules
+        ):
+            return directory
+        if seen.access(directory) != "write":
+            return None
+        if (
+            mechanism != "bwrap"
+            or seen.deciding_path(directory) != "/"
+            or not is_within(directory, "/dev")
+        ):
+            return directory
+        elsewhere = _other_mounts_of(directory, outside="/dev")
+        return elsewhere[0] if elsewhere else None
 
     def _command(self, spec: ProcessSpec, executable: str) -> list[str]:
         """What bwrap runs: the command, its signals back to their defaults."""
@@ -497,36 +547,76 @@ class SandboxEngine:
         args.append("--unshare-pid")
         if not policy.network:
             args.append("--unshare-net")
-        if policy.full_read:
-            args += ["--ro-bind", "/", "/"]
-        else:
+        # Rules on symlinks count on their real paths too (below).
+        seen = effective(policy)
+        if not policy.full_read:
             args += ["--tmpfs", "/"]
+        elif seen.access("/") == "write":
+            # A writable / (as the reference binds it): what the deeper rules,
+            # the cgroup mounts and the masks below re-protect stays so.
+            args += ["--bind", "/", "/"]
+        else:
+            args += ["--ro-bind", "/", "/"]
+        # Before every other mount (none of them is /: one would cover it).
         args += ["--dev", "/dev"]
+        # bwrap cannot mount onto a symlink (the link's target is looked up
+        # outside the new root): a writable root is mounted where its path
+        # really leads, as the reference binds a symlinked writable root at
+        # its target, and so is every rule beneath it and, under a readable
+        # root, every rule (the link itself, read-only there, still leads to
+        # the mount). Judged on the real paths too (``effective``), as a
+        # confined fs call judges them: a hidden target stays hidden. A rule
+        # leading to / itself is the root's (above), never a mount of its own.
+        linked = [root for root in policy.writable_roots() if realpath(root) != root]
+        mounts: dict[str, str] = {}
+        links: list[tuple[str, str]] = []
+        for rule in policy.rules:
+            real = realpath(rule.path)
+            if (
+                rule.access != "write"
+                and not policy.full_read
+                and not any(is_within(rule.path, root) for root in linked)
+            ):
+                real = rule.path  # a bind onto the empty root: bwrap creates it
+            elif (
+                rule.access == "write"
+                and real != rule.path
+                and not policy.full_read
+                and policy.access(os.path.dirname(rule.path)) == "none"
+                and not policy.is_hidden(os.path.dirname(rule.path))
+            ):
+                # Nothing shows the link: make it (not inside a hidden path,
+                # whose empty mount is read-only: there the link stays unseen).
+                links.append((real, rule.path))
+            if "/" in (rule.path, real) or real in mounts:
+                continue
+            mounts[real] = seen.access(real)
         # Deeper rules after shallower ones: a mount covers what is beneath it.
-        for rule in sorted(policy.rules, key=lambda r: (r.path.rstrip("/").count("/"), r.path)):
-            path = rule.path
-            if rule.access == "none":
-                if path == "/":
-                    continue  # the default (--tmpfs / above): binds still go on it
+        for path in sorted(mounts, key=lambda path: (path.rstrip("/").count("/"), path)):
+            access = mounts[path]
+            if access == "none":
                 if os.path.isdir(path):
                     args += ["--perms", "000", "--tmpfs", path, "--remount-ro", path]
                 elif os.path.lexists(path):
                     args += ["--ro-bind", "/dev/null", path]
                 continue
-            if not os.path.exists(path) or path == "/":
+            if not os.path.exists(path):
                 continue
             # "-try": a path that vanished since the policy was resolved binds
             # nothing (a writable root stays read-only; a carve-out that no
             # longer exists has nothing to protect, as when it was missing).
             # A hidden path that vanished fails the start instead (above).
-            if rule.access == "write":
+            if access == "write":
                 args += ["--bind-try", path, path]
             elif (
                 not policy.full_read
-                or policy.access(os.path.dirname(path) or "/") == "write"
+                or seen.access(os.path.dirname(path) or "/") == "write"
                 or path.startswith("/dev")
             ):
                 args += ["--ro-bind-try", path, path]
+        for real, link in links:
+            if os.path.exists(real):
+                args += ["--symlink", real, link]
         for path in self.masked:
             if os.path.lexists(path):
                 args += ["--ro-bind-try", "/dev/null", path]

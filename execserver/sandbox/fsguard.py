@@ -54,6 +54,7 @@ from execserver.sandbox.policy import (
     SandboxPolicy,
     apply_floor,
     effective,
+    is_within,
     realpath,
     resolve,
 )
@@ -224,17 +225,17 @@ def _entry(path: str) -> str:
     return os.path.join(realpath(parent), name)
 
 
-def _within(path: str, root: str) -> bool:
-    return path != root and (root == "/" or path.startswith(root + "/"))
-
-
 def check_read(policy: SandboxPolicy, path: str, *, deep: bool = False) -> None:
     """Refuse a read of ``path`` the policy does not allow (``deep``: its whole tree is read)."""
     targets = {_physical(path), _entry(path)}
     for target in targets:
         if policy.access(target) == "none":
             raise hidden_error() if policy.is_hidden(target) else unreadable_error()
-    if deep and any(_within(hidden, target) for hidden in policy.hidden() for target in targets):
+    if deep and any(
+        hidden != target and is_within(hidden, target)
+        for hidden in policy.hidden()
+        for target in targets
+    ):
         # A recursive fs/copy would copy what is hidden inside the tree.
         raise hidden_error()
 
@@ -261,7 +262,11 @@ def check_write(policy: SandboxPolicy, path: str, *, follows: bool = True) -> No
             raise read_only_error()
         if not follows:
             # A removal reaches the whole tree: nothing in it may be protected.
-            inner = [r for r in policy.rules if r.access != "write" and _within(r.path, target)]
+            inner = [
+                r
+                for r in policy.rules
+                if r.access != "write" and r.path != target and is_within(r.path, target)
+            ]
             if any(policy.is_hidden(r.path) for r in inner):
                 raise hidden_error()
             if inner:
@@ -326,7 +331,14 @@ def _confine_mounts(policy: SandboxPolicy) -> None:
         wanted = "write" if rule.access == "write" else "read"
         if now == wanted:
             continue
-        _check(_mount(rule.path, rule.path, None, _MS_BIND | _MS_REC, None), f"bind {rule.path}")
+        result = _mount(rule.path, rule.path, None, _MS_BIND | _MS_REC, None)
+        if result < 0 and ctypes.get_errno() == errno.ENOENT and not os.path.lexists(rule.path):
+            # Gone since it was seen (another process removed it): nothing
+            # to bind, as bwrap's --bind-try (a writable root stays as its
+            # parent; a carve-out that no longer exists has nothing to
+            # protect, and the check refuses what the policy refuses there).
+            continue
+        _check(result, f"bind {rule.path}")
         if wanted == "read":
             _check(_set_readonly(rule.path, True), f"read-only {rule.path}")
         else:
@@ -454,8 +466,7 @@ def narrow_write_grants(
                 fds.append(fd)
                 real = os.readlink(f"/proc/self/fd/{fd}")
                 if policy.access(real) != "write" or any(
-                    r.access != "write" and (r.path == real or _within(r.path, real))
-                    for r in policy.rules
+                    r.access != "write" and is_within(r.path, real) for r in policy.rules
                 ):
                     raise LookupError(real)
     except (OSError, LookupError):

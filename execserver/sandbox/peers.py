@@ -23,6 +23,11 @@ too, so a reused pid can never be read for it. Without ``SO_PEERPIDFD`` the
 pid is only checked to exist: the pid space would have to wrap between the
 ``connect()`` and the accept for another process to be read in its place.
 
+With ``--process-containment none`` (no tree tracked) the leaders' pids
+are kept instead, beyond their records, until each leader, its session and
+its group are gone: a daemon a confined command left in its session is
+refused after the command's record is dropped.
+
 Cost: nothing while no confined process lives (the registry is empty);
 otherwise two ``getsockopt``, one ``/proc`` read (cgroup mode), one ``poll``
 of the pidfd (``bench/bench_peer_check.py``).
@@ -41,7 +46,7 @@ import attrs
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from execserver.containment import read_proc
+from execserver.containment import proc_table, read_proc
 from execserver.logsink import OncePerInterval
 
 if TYPE_CHECKING:
@@ -55,6 +60,10 @@ _SO_PEERPIDFD: Final = 77
 _UCRED: Final = struct.Struct("3i")
 #: Why a connection is refused (the ``reason`` label of its counter).
 REFUSAL_REASONS: Final = ("confined", "exited")
+#: Seconds between two looks for leaders whose sessions have ended (a /proc scan).
+FORGET_INTERVAL: Final = 10.0
+#: Leaders held before :meth:`ConfinedPeers.add` looks for stale ones (then twice as many).
+_FORGET_AT_LEAST: Final = 256
 
 
 @attrs.frozen
@@ -90,9 +99,22 @@ class ConfinedPeers:
         #: The server's containment (None: nothing is checked).
         self.containment = containment
         self._trees: weakref.WeakSet[Any] = weakref.WeakSet()
-        #: tree -> (leader pid, its start time): the lineage check of
-        #: ``--process-containment none``, which tracks no tree.
-        self._leaders: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+        #: leader pid -> its start time: the lineage check of
+        #: ``--process-containment none``, which tracks no tree. Kept after
+        #: the process's record is dropped, until the leader, its session and
+        #: its process group are all gone (:meth:`_forget_stale`): a daemon
+        #: it left there is refused meanwhile. The kernel keeps a pid from
+        #: reuse while a session or group of that id has a member, so the
+        #: session ``pid`` is this leader's as long as the entry is kept.
+        self._leaders: dict[int, int] = {}
+        self._clock = clock
+        #: When stale leaders may next be looked for (a scan of /proc).
+        self._next_forget = 0.0
+        #: Leaders the last look found without a session or group (forgotten
+        #: if the next look finds them so again).
+        self._suspects: set[int] = set()
+        #: Leaders held beyond which :meth:`add` looks for stale ones.
+        self._forget_at = _FORGET_AT_LEAST
         self._refusals = OncePerInterval(clock) if clock is not None else None
         #: Connections refused since the start, by reason: ``confined`` (the
         #: peer is in a confined tree), ``exited`` (it exited before it could
@@ -106,13 +128,23 @@ class ConfinedPeers:
         process can have been accepted yet.
         """
         self._trees.add(tree)
-        info = read_proc(pid) if pid is not None else None
+        none = self.containment is not None and self.containment.mode == "none"
+        info = read_proc(pid) if pid is not None and none else None
         if info is not None:
-            self._leaders[tree] = (info.pid, info.start)
+            self._leaders[info.pid] = info.start
+            if len(self._leaders) >= self._forget_at:
+                # Amortised: memory stays bounded however rarely peers connect.
+                self._forget_stale(force=True)
+                self._forget_at = max(_FORGET_AT_LEAST, 2 * len(self._leaders))
+
+    @property
+    def tracking(self) -> bool:
+        """Whether a peer is looked up at all (a confined tree, or a leader's session, lives)."""
+        return bool(self._trees) or bool(self._leaders)
 
     def refused(self, transport: Any) -> bool:
         """Whether the connection of ``transport`` must be closed (logs why, if so)."""
-        if self.containment is None or not self._trees:
+        if self.containment is None or not self.tracking:
             return False
         sock = transport.getHandle()
         peer = unix_peer(sock)
@@ -151,6 +183,8 @@ class ConfinedPeers:
             return None
         assert self.containment is not None
         trees = self.containment.trees_of(peer.pid)
+        if self._leaders:
+            self._forget_stale()
         if any(tree in self._trees for tree in trees) or (
             self.containment.mode == "none" and self._led_by_confined(peer.pid)
         ):
@@ -171,7 +205,7 @@ class ConfinedPeers:
         Without containment (``none``) only this: a descendant that left
         the session and was orphaned (reparented to init) is not found.
         """
-        leaders = dict(self._leaders.values())
+        leaders = self._leaders
         if not leaders:
             return False
         oldest = min(leaders.values())
@@ -179,12 +213,64 @@ class ConfinedPeers:
         for _hop in range(1024):
             if info is None or info.start < oldest:
                 return False
-            if leaders.get(info.pid) == info.start or info.sid in leaders or info.pgrp in leaders:
+            if (
+                leaders.get(info.pid) == info.start
+                or self._holds(info.sid)
+                or self._holds(info.pgrp)
+            ):
                 return True
             if info.ppid <= 1:
                 return False
             info = read_proc(info.ppid)
         return False
+
+    def _holds(self, leader: int) -> bool:
+        """Whether the session or group ``leader`` is a confined leader's.
+
+        Its id is the leader's pid: while the session or group has a member
+        the kernel gives that pid to no other process, so a process that
+        has it now with another start time means the confined leader's
+        session and group had emptied, and this one is another's.
+        """
+        start = self._leaders.get(leader)
+        if start is None:
+            return False
+        now = read_proc(leader)
+        if now is not None and now.start != start:
+            del self._leaders[leader]
+            return False
+        return True
+
+    def _forget_stale(self, *, force: bool = False) -> None:
+        """Forget the leaders whose process, session and group are all gone.
+
+        A scan of /proc, at most once per :data:`FORGET_INTERVAL` seconds
+        (``force``: now). A leader's pid held by another process (another
+        start time) means its session and group had emptied: the kernel
+        reuses no pid a session or group still holds.
+        """
+        now = self._clock.seconds() if self._clock is not None else None
+        if not force and now is not None and now < self._next_forget:
+            return
+        if now is not None:
+            self._next_forget = now + FORGET_INTERVAL
+        table = proc_table()
+        held = {info.sid for info in table.values()} | {info.pgrp for info in table.values()}
+        suspects = set()
+        for pid, start in list(self._leaders.items()):
+            leader = table.get(pid)
+            if leader is not None and leader.start == start:
+                continue  # the leader itself (or its zombie) is still there
+            if leader is None and pid in held:
+                continue  # its session or group lives on without it
+            if leader is None and pid not in self._suspects:
+                # Found empty once: a member forked while /proc was listed,
+                # its parent gone before it was read, would be missed; one
+                # that lives on is listed by the next scan.
+                suspects.add(pid)
+                continue
+            del self._leaders[pid]
+        self._suspects = suspects
 
 
 def _running(peer: UnixPeer) -> bool:

@@ -80,7 +80,7 @@ def normalise(path: str) -> str:
     return "/" + "/".join(parts)
 
 
-def _ancestors(path: str) -> Iterable[str]:
+def ancestors(path: str) -> Iterable[str]:
     """``path`` and each of its ancestors, most specific first, ending with ``/``."""
     while True:
         yield path
@@ -90,7 +90,8 @@ def _ancestors(path: str) -> Iterable[str]:
         path = path[:cut] if cut > 0 else "/"
 
 
-def _is_within(path: str, root: str) -> bool:
+def is_within(path: str, root: str) -> bool:
+    """``path`` is ``root`` or beneath it (both normalised, lexically)."""
     return root in ("/", path) or path.startswith(root + "/")
 
 
@@ -137,11 +138,16 @@ class SandboxPolicy:
         if not self.confined:
             return "write"
         index = self._index
-        for ancestor in _ancestors(path):
+        for ancestor in ancestors(path):
             found = index.get(ancestor)
             if found is not None:
                 return found
         return "none"
+
+    def deciding_path(self, path: str) -> str | None:
+        """The path of the rule that decides ``path``'s access (None: no rule does)."""
+        index = self._index
+        return next((ancestor for ancestor in ancestors(path) if ancestor in index), None)
 
     def writable_roots(self) -> tuple[str, ...]:
         """The paths with a ``write`` rule (each root of a writable hierarchy)."""
@@ -157,7 +163,7 @@ class SandboxPolicy:
         return tuple(
             r.path
             for r in self.rules
-            if r.access == "read" and any(r.path != w and _is_within(r.path, w) for w in roots)
+            if r.access == "read" and any(r.path != w and is_within(r.path, w) for w in roots)
         )
 
     def hidden(self) -> tuple[str, ...]:
@@ -169,7 +175,7 @@ class SandboxPolicy:
         if not self.confined:
             return False
         index = self._index
-        for ancestor in _ancestors(path):
+        for ancestor in ancestors(path):
             found = index.get(ancestor)
             if found is not None:
                 return found == "none" and ancestor != "/"
@@ -325,6 +331,11 @@ class _MountWatch:
 _WATCH: Final = _MountWatch()
 
 
+def mount_point(field: str) -> str:
+    """A mount point as ``/proc/self/mountinfo`` writes it (octal escapes), normalised."""
+    return normalise(_MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field))
+
+
 def cgroup_mounts(mountinfo: str | None = None) -> tuple[str, ...]:
     """The mount points of every ``cgroup`` and ``cgroup2`` file system, sorted.
 
@@ -340,8 +351,7 @@ def cgroup_mounts(mountinfo: str | None = None) -> tuple[str, ...]:
         fields, kind = left.split(), right.split()
         if not sep or len(fields) < 5 or not kind or kind[0] not in ("cgroup", "cgroup2"):
             continue
-        point = _MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
-        found.add(normalise(point))
+        found.add(mount_point(fields[4]))
     return tuple(sorted(found))
 
 
@@ -361,7 +371,7 @@ def protect_cgroupfs(policy: SandboxPolicy, mounts: Iterable[str] | None = None)
         return policy
 
     def in_cgroupfs(path: str) -> bool:
-        return any(_is_within(path, mount) for mount in cgroupfs if mount != "/")
+        return any(is_within(path, mount) for mount in cgroupfs if mount != "/")
 
     rules: list[PathRule] = []
     writable: list[str] = []
@@ -374,7 +384,7 @@ def protect_cgroupfs(policy: SandboxPolicy, mounts: Iterable[str] | None = None)
             writable += [rule.path, real]
         rules.append(rule)
     for mount in cgroupfs:
-        if any(_is_within(mount, root) for root in writable):
+        if any(is_within(mount, root) for root in writable):
             rules.append(PathRule(mount, "read"))
     if rules == list(policy.rules):
         return policy

@@ -43,6 +43,15 @@ from tests.support.server_process import ServerProcessBase
 BANNER = re.compile(rb"exec-server listening on ((?:ws|wss|unix)://\S+)")
 
 
+def tcp_address(url: str) -> tuple[str, int]:
+    """(host, port) of a ``ws://`` or ``wss://`` URL (an IPv6 host without its brackets)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("ws", "wss"):
+        raise ValueError(f"not a ws:// or wss:// URL: {url}")
+    host, port = rest.split("/", 1)[0].rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
 class WsServerProcess(ServerProcessBase):
     """The real server listening on WebSocket addresses."""
 
@@ -84,8 +93,11 @@ class WsServerProcess(ServerProcessBase):
 
     @property
     def host_port(self) -> tuple[str, int]:
-        host, port = self.url[len("ws://") :].rsplit(":", 1)
-        return host.strip("[]"), int(port)
+        """The address of its first TCP listener (``ws://`` or ``wss://``)."""
+        for url in self.urls:
+            if url.startswith(("ws://", "wss://")):
+                return tcp_address(url)
+        raise AssertionError(f"the server has no ws:// or wss:// listener: {self.urls}")
 
     def outReceived(self, data: bytes) -> None:
         self.stdout += data
@@ -193,8 +205,8 @@ async def connect(
         openHandshakeTimeout=timeout,
         **options,
     )
-    host, port = url[len("ws://") :].split("/", 1)[0].rsplit(":", 1)
-    endpoint = TCP4ClientEndpoint(reactor, host.strip("[]"), int(port), timeout=timeout)
+    host, port = tcp_address(url)
+    endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
     proto: WsClientProtocol = await with_timeout(
         endpoint.connect(factory), timeout, f"TCP connect to {url}"
     )
