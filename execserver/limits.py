@@ -61,7 +61,12 @@ class Limits:
     file_size_bytes: int | None = None
 
     def __bool__(self) -> bool:
-        return any(value is not None for value in attrs.astuple(self))
+        return not (
+            self.memory_bytes is None
+            and self.max_processes is None
+            and self.cpu_percent is None
+            and self.file_size_bytes is None
+        )
 
     def get(self, field: str) -> int | None:
         value: int | None = getattr(self, FIELDS[field])

@@ -28,7 +28,6 @@ from execserver.containment.cgroup import (
     _return_to,
     _write,
     find_cgroup2_mount,
-    own_cgroup,
 )
 from execserver.containment.placement import (
     CGROUP_POOL,
@@ -49,6 +48,7 @@ from execserver.containment.proc import (
     _quick_proc,
     _signal_pid,
     boot_ticks,
+    own_cgroup,
     proc_table,
     reap_unknown_children,
 )

@@ -44,9 +44,13 @@ log = Logger(namespace="execserver.containment")
 
 
 #: Descriptors of cgroup v1 control files kept open (:class:`ControlFiles`):
-#: at most this share of the soft ``RLIMIT_NOFILE`` (a quarter of the reserve
-#: :mod:`execserver.fdlimit` keeps beside the processes' descriptors).
-CONTROL_FILES_SHARE: Final = 64
+#: at most this share of the soft ``RLIMIT_NOFILE`` (half the reserve
+#: :mod:`execserver.fdlimit` keeps beside the processes' descriptors). A
+#: pooled set uses 8 with all limits (3 ``tasks``, ``pids.max``, the peak
+#: reset, 3 counters), and up to 64 sets are pooled besides those in use:
+#: 625 at a soft limit of 20,000 keeps every one of 32 starts in flight
+#: (a quarter of the reserve did not: past it every access opens its file).
+CONTROL_FILES_SHARE: Final = 32
 
 #: Empty per-process cgroups kept for reuse.
 CGROUP_POOL: Final = 64
@@ -193,6 +197,7 @@ class V1Set:
         "dirs",
         "last",
         "own_tasks",
+        "pids_max",
         "procs",
         "tasks",
         "written",
@@ -206,6 +211,8 @@ class V1Set:
         #: The server's own ``tasks`` file in each directory's hierarchy.
         self.own_tasks = [own_tasks[os.path.dirname(d)] for d in self.dirs]
         self.procs = [d + "/cgroup.procs" for d in self.dirs]
+        pids = by_controller.get("pids")
+        self.pids_max = None if pids is None else pids + "/pids.max"
         self.counter_files = [
             (by_controller[c] + "/" + name, key) if c in by_controller else None
             for c, name, key in _V1_COUNTERS
@@ -663,7 +670,12 @@ class LimitControllers:
             placement.written = Limits(
                 mine.memory_bytes, limit, mine.cpu_percent, mine.file_size_bytes
             )
-        path = os.path.join(placement.dirs["pids"], "pids.max")
+        v1set = placement.v1set
+        path = (
+            v1set.pids_max
+            if v1set is not None and v1set.pids_max is not None
+            else os.path.join(placement.dirs["pids"], "pids.max")
+        )
         try:
             if "pids" in placement.v1_controllers:
                 self.files.write(path, str(limit))
