@@ -649,6 +649,20 @@ def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: P
     unkept.write(str(empty), "1")
     assert len(unkept) == 0
     assert empty.read_text() == "1"
+    # A limit file (rewritten only when the limits change) is never kept.
+    limit = tmp_path / "memory.limit_in_bytes"
+    limit.write_text("")
+    roomy = containment.ControlFiles(100)
+    roomy.write(str(limit), "4096")
+    assert limit.read_text() == "4096"
+    assert roomy.read(str(limit)) == "4096"
+    assert len(roomy) == 0
+    tasks = tmp_path / "v1" / "tasks"
+    tasks.parent.mkdir()
+    tasks.write_text("")
+    roomy.write(str(tasks), "2")
+    assert len(roomy) == 1
+    roomy.close()
 
 
 @given(

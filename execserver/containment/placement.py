@@ -46,10 +46,11 @@ log = Logger(namespace="execserver.containment")
 #: Descriptors of cgroup v1 control files kept open (:class:`ControlFiles`):
 #: at most this share of the soft ``RLIMIT_NOFILE`` (half the reserve
 #: :mod:`execserver.fdlimit` keeps beside the processes' descriptors). A
-#: pooled set uses 8 with all limits (3 ``tasks``, ``pids.max``, the peak
-#: reset, 3 counters), and up to 64 sets are pooled besides those in use:
-#: 625 at a soft limit of 20,000 keeps every one of 32 starts in flight
-#: (a quarter of the reserve did not: past it every access opens its file).
+#: pooled set keeps 8 with all limits (:attr:`ControlFiles.KEPT`: 3
+#: ``tasks``, ``pids.max``, the peak reset, 3 counters); 625 at a soft limit
+#: of 20,000 covers the ~40-70 sets that 32 starts in flight keep (a quarter
+#: of the reserve, with the limit files kept too, ran out at ~50 sets: past
+#: it every access opened its file again).
 CONTROL_FILES_SHARE: Final = 32
 
 #: Empty per-process cgroups kept for reuse.
@@ -87,11 +88,27 @@ class ControlFiles:
     files are opened once per directory, not per process. Member lists are
     always read by path (:meth:`pids`).
 
-    At most ``budget`` descriptors are kept; past it (and for a file that is
-    not a cgroupfs one: an ordinary file with contents, as in unit tests'
-    fake trees) each access opens the file as before. :meth:`forget` closes
-    a directory's descriptors before it is removed.
+    Only the files every start or exit touches are kept (:data:`KEPT`);
+    the limit files, rewritten only when a set's next user asks for other
+    limits, are written by path. At most ``budget`` descriptors are kept;
+    past it (and for a file that is not a cgroupfs one: an ordinary file
+    with contents, as in unit tests' fake trees) each access opens the file
+    as before. :meth:`forget` closes a directory's descriptors before it is
+    removed.
     """
+
+    #: The control files kept open: entering (``tasks``), the exact
+    #: ``pids.max``, the peak reset and the three event counters.
+    KEPT: Final = frozenset(
+        {
+            "tasks",
+            "pids.max",
+            "memory.max_usage_in_bytes",
+            "memory.oom_control",
+            "pids.events",
+            "cpu.stat",
+        }
+    )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -105,7 +122,12 @@ class ControlFiles:
     def _fd(self, path: str, writing: bool) -> int | None:
         key = (path, writing)
         fd = self._fds.get(key)
-        if fd is not None or path in self._plain or len(self._fds) >= self.budget:
+        if (
+            fd is not None
+            or path in self._plain
+            or len(self._fds) >= self.budget
+            or path[path.rfind("/") + 1 :] not in self.KEPT
+        ):
             return fd
         fd = os.open(path, (os.O_WRONLY if writing else os.O_RDONLY) | os.O_CLOEXEC)
         if writing and os.fstat(fd).st_size:
