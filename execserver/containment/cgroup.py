@@ -53,6 +53,7 @@ class CgroupTree(_Owned):
         placement: LimitPlacement | None = None,
     ) -> None:
         self.path = path
+        self._events = os.path.join(path, "cgroup.events")
         self.leader = leader
         self.placement = placement
         #: Boot ticks just before the spawn: no member can be older.
@@ -158,10 +159,17 @@ class CgroupTree(_Owned):
         """No member is in the tree's cgroups (escapees aside)."""
         if self._known_empty:
             return True
-        events = _read_bytes(os.path.join(self.path, "cgroup.events"))
+        events = _read_bytes(self._events)
         populated = events is not None and b"populated 1" in events
-        if not populated and self.placement is not None:
-            populated = any(_has_members(d) for d in self.placement.v1_dirs)
+        placement = self.placement
+        if not populated and placement is not None:
+            v1set = placement.v1set
+            procs = (
+                v1set.procs
+                if v1set is not None
+                else [os.path.join(d, "cgroup.procs") for d in placement.v1_dirs]
+            )
+            populated = any(_has_members(p) for p in procs)
         self._known_empty = not populated
         return not populated
 
@@ -227,9 +235,10 @@ def _cgroup_pids(directory: str) -> list[int]:
     return [int(pid) for pid in text.split()] if text else []
 
 
-def _has_members(directory: str) -> bool:
-    """Whether one cgroup has a member (as ``bool(_cgroup_pids(directory))``)."""
-    text = _read_bytes(os.path.join(directory, "cgroup.procs"), 64)
+def _has_members(procs: str) -> bool:
+    """Whether one cgroup has a member: ``bool(_cgroup_pids(directory))``,
+    ``procs`` being its ``cgroup.procs``."""
+    text = _read_bytes(procs, 64)
     return bool(text and text.split())
 
 

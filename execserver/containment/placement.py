@@ -112,6 +112,9 @@ class ControlFiles:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        #: Moves on whenever a kept descriptor is closed: descriptors handed
+        #: out by :meth:`writers` are valid while it has not moved.
+        self.generation = 0
         self._fds: dict[tuple[str, bool], int] = {}
         #: Paths that are not kept (ordinary files).
         self._plain: set[str] = set()
@@ -138,6 +141,22 @@ class ControlFiles:
             return None
         self._fds[key] = fd
         return fd
+
+    def writers(self, paths: list[str]) -> list[int] | None:
+        """Kept write descriptors of ``paths``, all or nothing (None: write by path).
+
+        Valid until :attr:`generation` moves on (:meth:`forget`, :meth:`close`).
+        """
+        fds = []
+        for path in paths:
+            try:
+                fd = self._fd(path, True)
+            except OSError:
+                return None
+            if fd is None:
+                return None
+            fds.append(fd)
+        return fds
 
     def write(self, path: str, text: str) -> None:
         """Write ``text`` to a control file (raises OSError as the kernel refuses)."""
@@ -171,11 +190,13 @@ class ControlFiles:
     def forget(self, directory: str) -> None:
         """Close the kept descriptors of ``directory``'s files."""
         prefix = directory + "/"
+        self.generation += 1
         for key in [k for k in self._fds if k[0].startswith(prefix)]:
             os.close(self._fds.pop(key))
         self._plain = {p for p in self._plain if not p.startswith(prefix)}
 
     def close(self) -> None:
+        self.generation += 1
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -214,6 +235,7 @@ class V1Set:
     """
 
     __slots__ = (
+        "_moves",
         "by_controller",
         "counter_files",
         "dirs",
@@ -243,13 +265,27 @@ class V1Set:
         self.written: Limits | None = None
         #: The counters when the set was last found empty.
         self.last: Counters | None = None
+        #: (generation, kept descriptors of ``tasks`` + ``own_tasks``).
+        self._moves: tuple[int, list[int]] | None = None
+
+    def moves(self, files: ControlFiles) -> tuple[list[int], list[int]] | None:
+        """The kept descriptors to enter the directories (``tasks``) and leave
+        them (``own_tasks``), looked up once (None: they are not kept)."""
+        kept = self._moves
+        if kept is None or kept[0] != files.generation:
+            fds = files.writers([*self.tasks, *self.own_tasks])
+            if fds is None:
+                return None
+            kept = self._moves = (files.generation, fds)
+        half = len(self.tasks)
+        return kept[1][:half], kept[1][half:]
 
     def counters(self, files: ControlFiles) -> Counters:
-        oom, pids, throttled = (
-            0 if entry is None else _key_value(files.read(entry[0]), entry[1])
-            for entry in self.counter_files
-        )
-        return Counters(oom, pids, throttled)
+        found = [0, 0, 0]
+        for index, entry in enumerate(self.counter_files):
+            if entry is not None:
+                found[index] = _key_value(files.read(entry[0]), entry[1])
+        return Counters(found[0], found[1], found[2])
 
 
 @attrs.define
@@ -714,11 +750,36 @@ class LimitControllers:
             return False
         return True
 
+    def _enter_v1(self, v1set: V1Set, entered: list[int]) -> None:
+        """Move the spawning thread into each of ``v1set``'s directories
+        (``entered`` gets the index of each it entered; raises
+        :class:`ContainmentError` at the first refusal)."""
+        moves = v1set.moves(self.files)
+        for index, tasks in enumerate(v1set.tasks):
+            # Exactness or nothing: a limit the child could escape before
+            # it is moved is refused. v1 moves one thread (``tasks``): only
+            # the one that creates the child, which is all it inherits.
+            try:
+                if moves is None:
+                    self.files.write(tasks, "0")
+                else:
+                    os.pwrite(moves[0][index], b"0", 0)
+            except OSError as exc:
+                raise ContainmentError(
+                    f"cannot enter cgroup {v1set.dirs[index]}: {exc.strerror}",
+                    exc.errno or 0,
+                ) from None
+            entered.append(index)
+
     def _leave_v1(self, v1set: V1Set, entered: list[int]) -> None:
+        moves = v1set.moves(self.files)
         for index in entered:
             own = v1set.own_tasks[index]
             try:
-                self.files.write(own, "0")
+                if moves is None:
+                    self.files.write(own, "0")
+                else:
+                    os.pwrite(moves[1][index], b"0", 0)
             except OSError:
                 _return_to(own, v1set.dirs[index])
 
@@ -759,8 +820,14 @@ class LimitControllers:
             if tree.released or placement is None:
                 self._oom_watch.discard(tree)
                 continue
-            now = cgroups.counters(1, {"memory": placement.dirs["memory"]}, self.files.read)
-            if now.oom_kills > placement.baseline.oom_kills:
+            v1set = placement.v1set
+            entry = v1set.counter_files[0] if v1set is not None else None
+            if entry is not None:
+                kills = _key_value(self.files.read(entry[0]), entry[1])
+            else:
+                dirs = {"memory": placement.dirs["memory"]}
+                kills = cgroups.counters(1, dirs, self.files.read).oom_kills
+            if kills > placement.baseline.oom_kills:
                 placement.oom_killed = True
                 self._oom_watch.discard(tree)
                 log.info(
