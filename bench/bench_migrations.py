@@ -23,12 +23,23 @@ children's (a child in more cgroups costs more to create and to end), medians of
 (or writable cgroups) and the v1 hierarchies; the directories are removed
 at the end.
 
+``--containment``: the server's own limits path instead, in this
+process, no server and no reactor: ``Containment.spawn`` (cgroup mode) of
+a child, the exit's ``exceeded()``, ``alive()`` and ``release()``, with all
+four limits and with none, the thread's CPU per start (``time.thread_time``,
+system time included); once with a ``create`` that starts nothing (returns
+a pid no process can have: the placement, the moves, the limit files, the
+counters and the emptiness reads alone) and once with ``posix_spawn`` of
+``/bin/true`` and its ``waitpid``.
+
     python bench/bench_migrations.py [--rounds 5] [--count 2000]
+    python bench/bench_migrations.py --containment [--rounds 5] [--count 640]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import statistics
@@ -146,11 +157,70 @@ LOOPS = {
 }
 
 
+#: A pid no process has (above any pid_max, 2**22).
+NO_PID = 999_999_999
+
+
+def containment_path(rounds: int, count: int) -> None:
+    """``--containment``: the thread CPU of the limits path, all four / none."""
+    from execserver.containment import Containment
+    from execserver.limits import NO_LIMITS, Limits
+
+    every = Limits(512 << 20, 256, 100, 1 << 30)
+    box = Containment("cgroup")
+    box.start()
+
+    def spawn_true() -> int:
+        return os.posix_spawn(TRUE, [TRUE], {}, setsid=True)
+
+    def per_start(limits: Limits, depth: int, create: bool) -> float:
+        started = time.thread_time()
+        for _ in range(count // depth):
+            make = spawn_true if create else lambda: NO_PID
+            batch = [box.spawn(make, limits) for _ in range(depth)]
+            for pid, tree in batch:
+                if create:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+                assert tree is not None
+                if limits:
+                    tree.exceeded()
+                tree.alive()
+                tree.release()
+        return (time.thread_time() - started) / (count // depth * depth) * 1e6
+
+    try:
+        for create in (False, True):
+            for depth in DEPTHS:
+                found: dict[str, list[float]] = {"none": [], "all four": []}
+                for _ in range(rounds):
+                    found["none"].append(per_start(NO_LIMITS, depth, create))
+                    found["all four"].append(per_start(every, depth, create))
+                none = statistics.median(found["none"])
+                four = statistics.median(found["all four"])
+                label = "sequential" if depth == 1 else f"{depth} at once"
+                what = "spawn of /bin/true" if create else "no child"
+                print(
+                    f"containment path, {what}, {label}: all four {four:.1f} us, none {none:.1f} us"
+                    f" per start: +{four - none:.1f} us, ratio {four / none:.2f}",
+                    flush=True,
+                )
+    finally:
+        box.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument(
+        "--containment", action="store_true", help="the server's limits path, in this process"
+    )
     args = parser.parse_args()
+    if args.containment:
+        print(f"# containment limits path: {os.cpu_count()} CPUs, load {os.getloadavg()}")
+        containment_path(args.rounds, args.count)
+        return
     print(f"# migrations floor: {os.cpu_count()} CPUs, load {os.getloadavg()}")
     for depth in DEPTHS:
         sets = Sets(depth)
