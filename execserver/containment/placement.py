@@ -113,7 +113,7 @@ class ControlFiles:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         #: Moves on whenever a kept descriptor is closed: descriptors handed
-        #: out by :meth:`writers` are valid while it has not moved.
+        #: out by :meth:`kept` are valid while it has not moved.
         self.generation = 0
         self._fds: dict[tuple[str, bool], int] = {}
         #: Paths that are not kept (ordinary files).
@@ -142,15 +142,16 @@ class ControlFiles:
         self._fds[key] = fd
         return fd
 
-    def writers(self, paths: list[str]) -> list[int] | None:
-        """Kept write descriptors of ``paths``, all or nothing (None: write by path).
+    def kept(self, paths: list[str], writing: bool = True) -> list[int] | None:
+        """Kept write (``writing``, else read) descriptors of ``paths``, all or
+        nothing (None: access them by path).
 
         Valid until :attr:`generation` moves on (:meth:`forget`, :meth:`close`).
         """
         fds = []
         for path in paths:
             try:
-                fd = self._fd(path, True)
+                fd = self._fd(path, writing)
             except OSError:
                 return None
             if fd is None:
@@ -235,7 +236,9 @@ class V1Set:
     """
 
     __slots__ = (
+        "_counter_keys",
         "_moves",
+        "_reads",
         "by_controller",
         "counter_files",
         "dirs",
@@ -267,13 +270,19 @@ class V1Set:
         self.last: Counters | None = None
         #: (generation, kept descriptors of ``tasks`` + ``own_tasks``).
         self._moves: tuple[int, list[int]] | None = None
+        #: (generation, kept read descriptors of the counter files, or None).
+        self._reads: tuple[int, list[int] | None] | None = None
+        #: (index in Counters' order, key) of each counter file, in order.
+        self._counter_keys = [
+            (index, entry[1]) for index, entry in enumerate(self.counter_files) if entry
+        ]
 
     def moves(self, files: ControlFiles) -> tuple[list[int], list[int]] | None:
         """The kept descriptors to enter the directories (``tasks``) and leave
         them (``own_tasks``), looked up once (None: they are not kept)."""
         kept = self._moves
         if kept is None or kept[0] != files.generation:
-            fds = files.writers([*self.tasks, *self.own_tasks])
+            fds = files.kept([*self.tasks, *self.own_tasks])
             if fds is None:
                 return None
             kept = self._moves = (files.generation, fds)
@@ -282,9 +291,22 @@ class V1Set:
 
     def counters(self, files: ControlFiles) -> Counters:
         found = [0, 0, 0]
-        for index, entry in enumerate(self.counter_files):
-            if entry is not None:
-                found[index] = _key_value(files.read(entry[0]), entry[1])
+        kept = self._reads
+        if kept is None or kept[0] != files.generation:
+            paths = [entry[0] for entry in self.counter_files if entry is not None]
+            kept = self._reads = (files.generation, files.kept(paths, writing=False))
+        fds = kept[1]
+        if fds is None:
+            for index, entry in enumerate(self.counter_files):
+                if entry is not None:
+                    found[index] = _key_value(files.read(entry[0]), entry[1])
+        else:
+            for fd, (index, key) in zip(fds, self._counter_keys, strict=True):
+                try:
+                    text = os.pread(fd, 65536, 0).decode(errors="replace")
+                except OSError:
+                    continue
+                found[index] = _key_value(text, key)
         return Counters(found[0], found[1], found[2])
 
 
