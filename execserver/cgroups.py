@@ -108,6 +108,22 @@ class V1Hierarchy:
     own: str
 
 
+def mount_table(mounts: str = "/proc/self/mounts") -> list[tuple[str, str, frozenset[str]]]:
+    """The mount table (a ``/proc/*/mounts`` file): (mount point, type, options) per mount.
+
+    Unreadable: empty. Lines with fewer than three fields are skipped (no
+    options: none); a space in a mount point (``\\040`` in the table) is
+    restored.
+    """
+    table = []
+    for line in (read_text(mounts) or "").splitlines():
+        fields = line.split()
+        if len(fields) >= 3:
+            options = frozenset(fields[3].split(",")) if len(fields) > 3 else frozenset()
+            table.append((fields[1].replace("\\040", " "), fields[2], options))
+    return table
+
+
 def v1_hierarchies(
     mounts: str = "/proc/self/mounts", cgroup: str = "/proc/self/cgroup"
 ) -> dict[str, V1Hierarchy]:
@@ -118,18 +134,15 @@ def v1_hierarchies(
         if len(parts) == 3 and parts[1]:
             own[frozenset(parts[1].split(","))] = parts[2]
     found: dict[str, V1Hierarchy] = {}
-    for line in (read_text(mounts) or "").splitlines():
-        fields = line.split()
-        if len(fields) < 4 or fields[2] != "cgroup":
+    for mount, kind, options in mount_table(mounts):
+        if kind != "cgroup":
             continue
-        options = set(fields[3].split(","))
         controllers = frozenset(c for c in ("memory", "pids", "cpu", "cpuacct") if c in options)
         if not controllers:
             continue
         relative = next((path for names, path in own.items() if controllers <= names), None)
         if relative is None:
             continue
-        mount = fields[1].replace("\\040", " ")
         hierarchy = V1Hierarchy(mount, controllers, os.path.normpath(mount + "/" + relative))
         for controller in controllers:
             found.setdefault(controller, hierarchy)

@@ -61,7 +61,12 @@ class Limits:
     file_size_bytes: int | None = None
 
     def __bool__(self) -> bool:
-        return any(value is not None for value in attrs.astuple(self))
+        return not (
+            self.memory_bytes is None
+            and self.max_processes is None
+            and self.cpu_percent is None
+            and self.file_size_bytes is None
+        )
 
     def get(self, field: str) -> int | None:
         value: int | None = getattr(self, FIELDS[field])
@@ -83,7 +88,11 @@ class Limits:
         return needed
 
     def to_wire(self) -> dict[str, int]:
-        return {field: value for field in FIELDS if (value := self.get(field)) is not None}
+        return {
+            field: value
+            for field, attr in FIELDS.items()
+            if (value := getattr(self, attr)) is not None
+        }
 
 
 NO_LIMITS: Final = Limits()
@@ -103,8 +112,8 @@ def resolve(requested: Limits | None, defaults: Limits, ceiling: Limits) -> Limi
     """The effective limits of one start (raises -32602 above a ceiling)."""
     values: dict[str, int | None] = {}
     for field, attr in FIELDS.items():
-        asked = requested.get(field) if requested is not None else None
-        top = ceiling.get(field)
+        asked: int | None = getattr(requested, attr) if requested is not None else None
+        top: int | None = getattr(ceiling, attr)
         if asked is not None:
             check_value(field, asked)
             if top is not None and asked > top:
@@ -115,7 +124,7 @@ def resolve(requested: Limits | None, defaults: Limits, ceiling: Limits) -> Limi
                 )
             values[attr] = asked
         else:
-            fallback = defaults.get(field)
+            fallback: int | None = getattr(defaults, attr)
             values[attr] = fallback if fallback is not None else top
     return Limits(**values)
 

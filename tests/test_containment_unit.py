@@ -183,6 +183,33 @@ def test_mount_and_cgroup_parsing(tmp_path: object) -> None:
     assert c.own_cgroup(str(groups)) is None
 
 
+def test_one_mount_table_reader_and_one_cgroup_file_reader(tmp_path: object) -> None:
+    """The v2 mount and the v1 hierarchies come from one mount-table reader;
+    the server's cgroup and another process's from one ``/proc/*/cgroup`` reader."""
+    from pathlib import Path
+
+    from execserver import cgroups
+
+    mounts = Path(str(tmp_path)) / "mounts"
+    mounts.write_text(
+        "cgroup2 /mnt/with\\040space cgroup2 rw,nsdelegate 0 0\n"
+        "cgroup /sys/fs/cgroup/pids cgroup rw,pids 0 0\n"
+        "short /x\n"
+        "cgroup2 /three cgroup2\n"
+    )
+    assert cgroups.mount_table(str(mounts)) == [
+        ("/mnt/with space", "cgroup2", frozenset({"rw", "nsdelegate"})),
+        ("/sys/fs/cgroup/pids", "cgroup", frozenset({"rw", "pids"})),
+        ("/three", "cgroup2", frozenset()),
+    ]
+    assert c.find_cgroup2_mount(str(mounts)) == "/mnt/with space"
+    mounts.write_text("cgroup2 /three cgroup2\n")
+    assert c.find_cgroup2_mount(str(mounts)) == "/three"
+    assert cgroups.mount_table(str(mounts) + ".missing") == []
+    assert proc._cgroup2_of(os.getpid()) == c.own_cgroup() is not None
+    assert proc._cgroup2_of(2**22 + 7) is None
+
+
 def test_read_proc_of_this_process() -> None:
     me = c.read_proc(ME)
     assert me is not None

@@ -649,6 +649,20 @@ def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: P
     unkept.write(str(empty), "1")
     assert len(unkept) == 0
     assert empty.read_text() == "1"
+    # A limit file (rewritten only when the limits change) is never kept.
+    limit = tmp_path / "memory.limit_in_bytes"
+    limit.write_text("")
+    roomy = containment.ControlFiles(100)
+    roomy.write(str(limit), "4096")
+    assert limit.read_text() == "4096"
+    assert roomy.read(str(limit)) == "4096"
+    assert len(roomy) == 0
+    tasks = tmp_path / "v1" / "tasks"
+    tasks.parent.mkdir()
+    tasks.write_text("")
+    roomy.write(str(tasks), "2")
+    assert len(roomy) == 1
+    roomy.close()
 
 
 @given(
@@ -661,3 +675,35 @@ def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: P
 def test_key_values_are_read_as_read_key_does(values: dict[str, int], key: str) -> None:
     content = "".join(f"{name} {value}\n" for name, value in values.items())
     assert placement._key_value(content, key) == values.get(key, 0)
+
+
+def test_a_sets_moves_use_kept_descriptors_until_they_are_closed(tmp_path: Path) -> None:
+    """The spawn's moves in and out of a pooled v1 set are pwrites on kept
+    descriptors, looked up once; closing kept descriptors invalidates them."""
+    own = {}
+    by_controller = {}
+    for name in ("memory", "pids"):
+        parent = tmp_path / name / "svc" / "exec-server-1-ns1"
+        (parent / "7").mkdir(parents=True)
+        (parent / "7" / "tasks").write_text("")
+        (tmp_path / name / "svc" / "tasks").write_text("")
+        own[str(parent)] = str(tmp_path / name / "svc" / "tasks")
+        by_controller[name] = str(parent / "7")
+    v1set = containment.V1Set(by_controller, own)
+    files = containment.ControlFiles(100)
+    first = v1set.moves(files)
+    assert first is not None
+    assert v1set.moves(files) == first
+    assert len(files) == 4
+    files.forget(v1set.dirs[0])
+    second = v1set.moves(files)
+    assert second is not None
+    assert len(files) == 4
+    files.close()
+    assert len(files) == 0
+    small = containment.ControlFiles(1)
+    assert containment.V1Set(by_controller, own).moves(small) is None
+    small.close()
+    again = v1set.moves(files)
+    assert again is not None
+    files.close()

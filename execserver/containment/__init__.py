@@ -76,7 +76,6 @@ from execserver.containment.cgroup import (
     ESCAPEE_RECHECK,
     CgroupTree,
     find_cgroup2_mount,
-    own_cgroup,
 )
 from execserver.containment.core import (
     MODES,
@@ -102,6 +101,7 @@ from execserver.containment.placement import (
 from execserver.containment.proc import (
     ProcInfo,
     boot_ticks,
+    own_cgroup,
     own_children,
     proc_table,
     read_proc,

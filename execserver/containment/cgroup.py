@@ -12,9 +12,10 @@ import attrs
 from twisted.logger import Logger
 
 from execserver import cgroups
-from execserver.cgroups import Usage
+from execserver.cgroups import Usage, mount_table
 from execserver.containment.proc import (
     _CLK_TCK,
+    _cgroup2_of,
     _descendants,
     _lineage,
     _signal_group,
@@ -52,6 +53,7 @@ class CgroupTree(_Owned):
         placement: LimitPlacement | None = None,
     ) -> None:
         self.path = path
+        self._events = os.path.join(path, "cgroup.events")
         self.leader = leader
         self.placement = placement
         #: Boot ticks just before the spawn: no member can be older.
@@ -157,14 +159,17 @@ class CgroupTree(_Owned):
         """No member is in the tree's cgroups (escapees aside)."""
         if self._known_empty:
             return True
-        try:
-            with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
-                populated = b"populated 1" in f.read()
-        except OSError:
-            populated = False
-        if not populated and self.placement is not None:
-            files = self._owner.files
-            populated = any(files.pids(d) for d in self.placement.v1_dirs)
+        events = _read_bytes(self._events)
+        populated = events is not None and b"populated 1" in events
+        placement = self.placement
+        if not populated and placement is not None:
+            v1set = placement.v1set
+            procs = (
+                v1set.procs
+                if v1set is not None
+                else [os.path.join(d, "cgroup.procs") for d in placement.v1_dirs]
+            )
+            populated = any(_has_members(p) for p in procs)
         self._known_empty = not populated
         return not populated
 
@@ -196,38 +201,50 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def _cgroup_pids(directory: str) -> list[int]:
+def _read_bytes(path: str, limit: int | None = None) -> bytes | None:
+    """A cgroupfs file's contents in unbuffered reads (None if unreadable).
+
+    ``limit``: stop after the first read of at most that many bytes.
+    """
     try:
-        with open(os.path.join(directory, "cgroup.procs"), "rb") as f:
-            return [int(pid) for pid in f.read().split()]
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return []
+        return None
+    try:
+        chunk = os.read(fd, limit or 65536)
+        if limit is not None or not chunk:
+            return chunk
+        chunks = [chunk]
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _cgroup_pids(directory: str) -> list[int]:
+    """The members of one cgroup (its ``cgroup.procs``), read by path.
+
+    Never through a kept descriptor: cgroup v1 keeps the member list it
+    loaded for an open file and serves it again to later reads of that
+    file while they come less than a second apart.
+    """
+    text = _read_bytes(os.path.join(directory, "cgroup.procs"))
+    return [int(pid) for pid in text.split()] if text else []
+
+
+def _has_members(procs: str) -> bool:
+    """Whether one cgroup has a member: ``bool(_cgroup_pids(directory))``,
+    ``procs`` being its ``cgroup.procs``."""
+    text = _read_bytes(procs, 64)
+    return bool(text and text.split())
 
 
 def find_cgroup2_mount(mounts: str = "/proc/self/mounts") -> str | None:
-    try:
-        with open(mounts) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == "cgroup2":
-            return fields[1].replace("\\040", " ")
-    return None
-
-
-def own_cgroup(path: str = "/proc/self/cgroup") -> str | None:
-    """The server's cgroup v2 path (relative to the hierarchy's root)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith("0::"):
-            return line[3:]
-    return None
+    """Where the (first) cgroup v2 hierarchy is mounted, from the mount table."""
+    return next((point for point, kind, _options in mount_table(mounts) if kind == "cgroup2"), None)
 
 
 def _remove_cgroup_tree(path: str, wait: float) -> bool:
@@ -251,7 +268,7 @@ def _remove_cgroup_tree(path: str, wait: float) -> bool:
 
 def _in_cgroup_below(pid: int, root: str, parent: str) -> bool:
     """Whether ``pid``'s cgroup v2 (hierarchy mounted at ``root``) is ``parent`` or below it."""
-    own = own_cgroup(f"/proc/{pid}/cgroup")
+    own = _cgroup2_of(pid)
     if own is None or not parent:
         return False
     path = os.path.normpath(root + "/" + own)

@@ -28,7 +28,6 @@ from execserver.containment.cgroup import (
     _return_to,
     _write,
     find_cgroup2_mount,
-    own_cgroup,
 )
 from execserver.containment.placement import (
     CGROUP_POOL,
@@ -49,6 +48,7 @@ from execserver.containment.proc import (
     _quick_proc,
     _signal_pid,
     boot_ticks,
+    own_cgroup,
     proc_table,
     reap_unknown_children,
 )
@@ -421,19 +421,7 @@ class Containment(LimitControllers, Attribution):
             try:
                 v1set = placement.v1set if placement is not None else None
                 if v1set is not None:
-                    for index, tasks in enumerate(v1set.tasks):
-                        # Exactness or nothing: a limit the child could
-                        # escape before it is moved is refused.
-                        # v1 moves one thread (``tasks``): only the one
-                        # that creates the child, which is all it inherits.
-                        try:
-                            self.files.write(tasks, "0")
-                        except OSError as exc:
-                            raise ContainmentError(
-                                f"cannot enter cgroup {v1set.dirs[index]}: {exc.strerror}",
-                                exc.errno or 0,
-                            ) from None
-                        v1_entered.append(index)
+                    self._enter_v1(v1set, v1_entered)
                 born = boot_ticks()
                 pid = create()  # (spawn wrapped it: oom_score_adj, RLIMIT_FSIZE)
                 if placement is not None and limits.max_processes is not None:

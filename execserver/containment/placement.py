@@ -44,9 +44,14 @@ log = Logger(namespace="execserver.containment")
 
 
 #: Descriptors of cgroup v1 control files kept open (:class:`ControlFiles`):
-#: at most this share of the soft ``RLIMIT_NOFILE`` (a quarter of the reserve
-#: :mod:`execserver.fdlimit` keeps beside the processes' descriptors).
-CONTROL_FILES_SHARE: Final = 64
+#: at most this share of the soft ``RLIMIT_NOFILE`` (half the reserve
+#: :mod:`execserver.fdlimit` keeps beside the processes' descriptors). A
+#: pooled set keeps 8 with all limits (:attr:`ControlFiles.KEPT`: 3
+#: ``tasks``, ``pids.max``, the peak reset, 3 counters); 625 at a soft limit
+#: of 20,000 covers the ~40-70 sets that 32 starts in flight keep (a quarter
+#: of the reserve, with the limit files kept too, ran out at ~50 sets: past
+#: it every access opened its file again).
+CONTROL_FILES_SHARE: Final = 32
 
 #: Empty per-process cgroups kept for reuse.
 CGROUP_POOL: Final = 64
@@ -83,14 +88,33 @@ class ControlFiles:
     files are opened once per directory, not per process. Member lists are
     always read by path (:meth:`pids`).
 
-    At most ``budget`` descriptors are kept; past it (and for a file that is
-    not a cgroupfs one: an ordinary file with contents, as in unit tests'
-    fake trees) each access opens the file as before. :meth:`forget` closes
-    a directory's descriptors before it is removed.
+    Only the files every start or exit touches are kept (:data:`KEPT`);
+    the limit files, rewritten only when a set's next user asks for other
+    limits, are written by path. At most ``budget`` descriptors are kept;
+    past it (and for a file that is not a cgroupfs one: an ordinary file
+    with contents, as in unit tests' fake trees) each access opens the file
+    as before. :meth:`forget` closes a directory's descriptors before it is
+    removed.
     """
+
+    #: The control files kept open: entering (``tasks``), the exact
+    #: ``pids.max``, the peak reset and the three event counters.
+    KEPT: Final = frozenset(
+        {
+            "tasks",
+            "pids.max",
+            "memory.max_usage_in_bytes",
+            "memory.oom_control",
+            "pids.events",
+            "cpu.stat",
+        }
+    )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        #: Moves on whenever a kept descriptor is closed: descriptors handed
+        #: out by :meth:`kept` are valid while it has not moved.
+        self.generation = 0
         self._fds: dict[tuple[str, bool], int] = {}
         #: Paths that are not kept (ordinary files).
         self._plain: set[str] = set()
@@ -101,7 +125,12 @@ class ControlFiles:
     def _fd(self, path: str, writing: bool) -> int | None:
         key = (path, writing)
         fd = self._fds.get(key)
-        if fd is not None or path in self._plain or len(self._fds) >= self.budget:
+        if (
+            fd is not None
+            or path in self._plain
+            or len(self._fds) >= self.budget
+            or path[path.rfind("/") + 1 :] not in self.KEPT
+        ):
             return fd
         fd = os.open(path, (os.O_WRONLY if writing else os.O_RDONLY) | os.O_CLOEXEC)
         if writing and os.fstat(fd).st_size:
@@ -112,6 +141,23 @@ class ControlFiles:
             return None
         self._fds[key] = fd
         return fd
+
+    def kept(self, paths: list[str], writing: bool = True) -> list[int] | None:
+        """Kept write (``writing``, else read) descriptors of ``paths``, all or
+        nothing (None: access them by path).
+
+        Valid until :attr:`generation` moves on (:meth:`forget`, :meth:`close`).
+        """
+        fds = []
+        for path in paths:
+            try:
+                fd = self._fd(path, writing)
+            except OSError:
+                return None
+            if fd is None:
+                return None
+            fds.append(fd)
+        return fds
 
     def write(self, path: str, text: str) -> None:
         """Write ``text`` to a control file (raises OSError as the kernel refuses)."""
@@ -145,11 +191,13 @@ class ControlFiles:
     def forget(self, directory: str) -> None:
         """Close the kept descriptors of ``directory``'s files."""
         prefix = directory + "/"
+        self.generation += 1
         for key in [k for k in self._fds if k[0].startswith(prefix)]:
             os.close(self._fds.pop(key))
         self._plain = {p for p in self._plain if not p.startswith(prefix)}
 
     def close(self) -> None:
+        self.generation += 1
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -188,11 +236,15 @@ class V1Set:
     """
 
     __slots__ = (
+        "_counter_keys",
+        "_moves",
+        "_reads",
         "by_controller",
         "counter_files",
         "dirs",
         "last",
         "own_tasks",
+        "pids_max",
         "procs",
         "tasks",
         "written",
@@ -206,6 +258,8 @@ class V1Set:
         #: The server's own ``tasks`` file in each directory's hierarchy.
         self.own_tasks = [own_tasks[os.path.dirname(d)] for d in self.dirs]
         self.procs = [d + "/cgroup.procs" for d in self.dirs]
+        pids = by_controller.get("pids")
+        self.pids_max = None if pids is None else pids + "/pids.max"
         self.counter_files = [
             (by_controller[c] + "/" + name, key) if c in by_controller else None
             for c, name, key in _V1_COUNTERS
@@ -214,13 +268,46 @@ class V1Set:
         self.written: Limits | None = None
         #: The counters when the set was last found empty.
         self.last: Counters | None = None
+        #: (generation, kept descriptors of ``tasks`` + ``own_tasks``).
+        self._moves: tuple[int, list[int]] | None = None
+        #: (generation, kept read descriptors of the counter files, or None).
+        self._reads: tuple[int, list[int] | None] | None = None
+        #: (index in Counters' order, key) of each counter file, in order.
+        self._counter_keys = [
+            (index, entry[1]) for index, entry in enumerate(self.counter_files) if entry
+        ]
+
+    def moves(self, files: ControlFiles) -> tuple[list[int], list[int]] | None:
+        """The kept descriptors to enter the directories (``tasks``) and leave
+        them (``own_tasks``), looked up once (None: they are not kept)."""
+        kept = self._moves
+        if kept is None or kept[0] != files.generation:
+            fds = files.kept([*self.tasks, *self.own_tasks])
+            if fds is None:
+                return None
+            kept = self._moves = (files.generation, fds)
+        half = len(self.tasks)
+        return kept[1][:half], kept[1][half:]
 
     def counters(self, files: ControlFiles) -> Counters:
-        oom, pids, throttled = (
-            0 if entry is None else _key_value(files.read(entry[0]), entry[1])
-            for entry in self.counter_files
-        )
-        return Counters(oom, pids, throttled)
+        found = [0, 0, 0]
+        kept = self._reads
+        if kept is None or kept[0] != files.generation:
+            paths = [entry[0] for entry in self.counter_files if entry is not None]
+            kept = self._reads = (files.generation, files.kept(paths, writing=False))
+        fds = kept[1]
+        if fds is None:
+            for index, entry in enumerate(self.counter_files):
+                if entry is not None:
+                    found[index] = _key_value(files.read(entry[0]), entry[1])
+        else:
+            for fd, (index, key) in zip(fds, self._counter_keys, strict=True):
+                try:
+                    text = os.pread(fd, 65536, 0).decode(errors="replace")
+                except OSError:
+                    continue
+                found[index] = _key_value(text, key)
+        return Counters(found[0], found[1], found[2])
 
 
 @attrs.define
@@ -663,7 +750,12 @@ class LimitControllers:
             placement.written = Limits(
                 mine.memory_bytes, limit, mine.cpu_percent, mine.file_size_bytes
             )
-        path = os.path.join(placement.dirs["pids"], "pids.max")
+        v1set = placement.v1set
+        path = (
+            v1set.pids_max
+            if v1set is not None and v1set.pids_max is not None
+            else os.path.join(placement.dirs["pids"], "pids.max")
+        )
         try:
             if "pids" in placement.v1_controllers:
                 self.files.write(path, str(limit))
@@ -680,11 +772,36 @@ class LimitControllers:
             return False
         return True
 
+    def _enter_v1(self, v1set: V1Set, entered: list[int]) -> None:
+        """Move the spawning thread into each of ``v1set``'s directories
+        (``entered`` gets the index of each it entered; raises
+        :class:`ContainmentError` at the first refusal)."""
+        moves = v1set.moves(self.files)
+        for index, tasks in enumerate(v1set.tasks):
+            # Exactness or nothing: a limit the child could escape before
+            # it is moved is refused. v1 moves one thread (``tasks``): only
+            # the one that creates the child, which is all it inherits.
+            try:
+                if moves is None:
+                    self.files.write(tasks, "0")
+                else:
+                    os.pwrite(moves[0][index], b"0", 0)
+            except OSError as exc:
+                raise ContainmentError(
+                    f"cannot enter cgroup {v1set.dirs[index]}: {exc.strerror}",
+                    exc.errno or 0,
+                ) from None
+            entered.append(index)
+
     def _leave_v1(self, v1set: V1Set, entered: list[int]) -> None:
+        moves = v1set.moves(self.files)
         for index in entered:
             own = v1set.own_tasks[index]
             try:
-                self.files.write(own, "0")
+                if moves is None:
+                    self.files.write(own, "0")
+                else:
+                    os.pwrite(moves[1][index], b"0", 0)
             except OSError:
                 _return_to(own, v1set.dirs[index])
 
@@ -725,8 +842,14 @@ class LimitControllers:
             if tree.released or placement is None:
                 self._oom_watch.discard(tree)
                 continue
-            now = cgroups.counters(1, {"memory": placement.dirs["memory"]}, self.files.read)
-            if now.oom_kills > placement.baseline.oom_kills:
+            v1set = placement.v1set
+            entry = v1set.counter_files[0] if v1set is not None else None
+            if entry is not None:
+                kills = _key_value(self.files.read(entry[0]), entry[1])
+            else:
+                dirs = {"memory": placement.dirs["memory"]}
+                kills = cgroups.counters(1, dirs, self.files.read).oom_kills
+            if kills > placement.baseline.oom_kills:
                 placement.oom_killed = True
                 self._oom_watch.discard(tree)
                 log.info(

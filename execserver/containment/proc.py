@@ -95,15 +95,21 @@ def _proc_bytes(path: str) -> bytes | None:
 _quick_proc = read_proc
 
 
-def _cgroup2_of(pid: int) -> str | None:
-    """``pid``'s cgroup v2 path (as :func:`own_cgroup`, in one unbuffered read)."""
-    text = _proc_bytes(f"/proc/{pid}/cgroup")
+def own_cgroup(path: str = "/proc/self/cgroup") -> str | None:
+    """The cgroup v2 path (relative to the hierarchy's root) in a ``/proc/*/cgroup``
+    file: the server's own by default; one unbuffered read."""
+    text = _proc_bytes(path)
     if text is None:
         return None
     for line in text.splitlines():
         if line.startswith(b"0::"):
             return line[3:].decode(errors="surrogateescape")
     return None
+
+
+def _cgroup2_of(pid: int) -> str | None:
+    """``pid``'s cgroup v2 path (:func:`own_cgroup` of its ``/proc/<pid>/cgroup``)."""
+    return own_cgroup(f"/proc/{pid}/cgroup")
 
 
 def boot_ticks() -> int:
