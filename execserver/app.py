@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from functools import partial
 
 import attrs
+import msgspec
 from twisted.internet.interfaces import IReactorTime
 
 from execserver import fs as filesystem
@@ -109,6 +110,7 @@ def build_dispatcher(
     dispatcher.add_method(p.Initialize, partial(handshake.initialize, sandbox=sandbox))
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
     dispatcher.add_method(p.EnvironmentInfoMethod, lambda c, a: _environment_info(sandbox))
+    dispatcher.add_method(p.EnvironmentStatusMethod, lambda c, a: _environment_status(a))
     watches = WatchHub(clock)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
@@ -126,6 +128,28 @@ def build_dispatcher(
 
 def _environment_info(sandbox: SandboxEngine | None) -> p.EnvironmentInfo:
     return describe_sandbox(environment_info.environment_info(), sandbox)
+
+
+def _environment_status(params: object) -> p.EnvironmentStatusResponse:
+    """``{"status": "ready"}``; params must be the reference's unit (null, absent or ``{}``)."""
+    if params is not None and params != {}:
+        raise RpcError.invalid_params(f"invalid type: {_serde_kind(params)}, expected unit")
+    return p.EnvironmentStatusResponse()
+
+
+def _serde_kind(value: object) -> str:
+    """How serde names an unexpected JSON value in ``invalid type: ...``."""
+    if isinstance(value, dict):
+        return "map"
+    if isinstance(value, list):
+        return "sequence"
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    return f"string {msgspec.json.encode(value).decode()}"
 
 
 def _add_process_routes(dispatcher: Dispatcher) -> None:

@@ -715,3 +715,77 @@ def test_the_reference_signal_forms() -> None:
         -32602,
         "unknown variant `terminate`, expected `interrupt`",
     )
+
+
+# --- the audit of codex exec-server 0.171.0's current answers ------------------------------
+#
+# Each request below was sent to the reference and to this server; the answers
+# here are the reference's, byte for byte (test_the_same_answers_as_the_reference_too
+# checks that they still are).
+
+
+async def _handshake_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """Before and after the handshake, as a Codex client that has not finished it."""
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any = None) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    await ask("info before initialize", "environment/info")
+    await ask("status before initialize", "environment/status")
+    await server.call("initialize", CODEX_INIT)
+    await ask("info before initialized", "environment/info")
+    await ask("status before initialized", "environment/status")
+    await ask("unknown before initialized", "no/such")
+    server.notify("initialized", {})
+    await ask("unknown", "no/such")
+    await ask("initialized as a request", "initialized", {})
+    for name, params in (("null", None), ("{}", {}), ("a map", {"x": 1}), ("a list", [1])):
+        await ask(f"status {name}", "environment/status", params)
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_same_answers_as_the_reference_too(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(None, env, reference=True) as reference:
+        expected = await _handshake_script(reference, tmp_path)
+    async with serving(None, env) as server:
+        got = await _handshake_script(server, tmp_path)
+    differences = [
+        f"{name}: reference {ref} | ours {ours}"
+        for (name, ref), (_, ours) in zip(expected, got, strict=True)
+        if ours != ref
+    ]
+    assert not differences, "\n".join(differences)
+
+
+@pytest_twisted.ensureDeferred
+async def test_environment_methods_and_unknown_methods_as_the_reference() -> None:
+    async with serving(None) as server:
+        error = (await server.request("environment/info"))["error"]
+        assert error == {
+            "code": -32600,
+            "message": "client must call initialize before using environment info methods",
+        }
+        await server.call("initialize", CODEX_INIT)
+        error = (await server.request("environment/status"))["error"]
+        assert error == {
+            "code": -32600,
+            "message": "client must send initialized before using environment status methods",
+        }
+        server.notify("initialized", {})
+        assert await server.call("environment/status") == {"status": "ready"}
+        assert await server.call("environment/status", {}) == {"status": "ready"}
+        error = (await server.request("environment/status", {"x": 1}))["error"]
+        assert error == {"code": -32602, "message": "invalid type: map, expected unit"}
+        assert (await server.request("no/such", {}))["error"] == {
+            "code": -32601,
+            "message": "exec-server stub does not implement `no/such` yet",
+        }
+    async with serving(SEED_INIT) as server:
+        # A seed-era client keeps the seed's answer.
+        assert (await server.request("no/such", {}))["error"] == {
+            "code": -32600,
+            "message": "unknown method: no/such",
+        }
