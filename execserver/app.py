@@ -30,6 +30,7 @@ from execserver.codex.watch import WatchHub
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
 from execserver.errors import RpcError
+from execserver.fs import handles as fs_handles
 from execserver.fs import walk as fs_walk
 from execserver.fs.paths import absolute_path
 from execserver.fs.pool import Runner
@@ -123,6 +124,7 @@ def build_dispatcher(
     environment_config.register(dispatcher, fs.run)
     capability_discovery.register(dispatcher, fs.run)
     fs_walk.register(dispatcher, fs.run)
+    fs_handles.register(dispatcher, fs.run, fs.guard)
     return dispatcher
 
 

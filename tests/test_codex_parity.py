@@ -10,6 +10,7 @@ docs/protocol.md ("Dialects"), docs/process-control.md ("Background descendants"
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
+from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
@@ -27,7 +29,7 @@ from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
 from tests.support.fakes import Harness, Second, drop
-from tests.support.harness import DEFAULT_TIMEOUT, pid_alive, server_env, unb64
+from tests.support.harness import DEFAULT_TIMEOUT, b64, pid_alive, server_env, unb64
 from tests.support.polling import until
 from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess
@@ -789,3 +791,117 @@ async def test_environment_methods_and_unknown_methods_as_the_reference() -> Non
             "code": -32600,
             "message": "unknown method: no/such",
         }
+
+
+async def _block_read_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """fs/open, fs/readBlock, fs/close, and fs/readFile of what is not a file."""
+    work = tmp_path / "blocks"
+    work.mkdir(parents=True)
+    (work / "f").write_bytes(b"hello world")
+    (work / "d").mkdir()
+    os.mkfifo(work / "fifo")
+    uri = path_to_uri(str(work))
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    for name in ("d", "fifo", "d/../d"):
+        await ask(f"read {name}", "fs/readFile", {"path": f"{uri}/{name}", "sandbox": None})
+        await ask(f"open {name}", "fs/open", {"handleId": "x", "path": f"{uri}/{name}"})
+    await ask("open missing", "fs/open", {"handleId": "x", "path": f"{uri}/nope"})
+    await ask("open", "fs/open", {"handleId": "h", "path": f"{uri}/f", "sandbox": None})
+    await ask("open again", "fs/open", {"handleId": "h", "path": f"{uri}/f"})
+    await ask("open 32 bytes", "fs/open", {"handleId": "\xe9" * 16, "path": f"{uri}/f"})
+    await ask("open 34 bytes", "fs/open", {"handleId": "\xe9" * 17, "path": f"{uri}/f"})
+    for offset, length in ((1, 3), (0, 11), (0, 12), (11, 1), (100, 2), (0, 0), (0, 1048577)):
+        params = {"handleId": "h", "offset": offset, "len": length}
+        await ask(f"block {offset}+{length}", "fs/readBlock", params)
+    await ask("block unknown", "fs/readBlock", {"handleId": "zz", "offset": 0, "len": 1})
+    await ask("block too far", "fs/readBlock", {"handleId": "h", "offset": p.I64_MAX, "len": 1})
+    await ask("block after a failed read", "fs/readBlock", {"handleId": "h", "offset": 0, "len": 1})
+    await ask("close unknown", "fs/close", {"handleId": "zz"})
+    await ask("close", "fs/close", {"handleId": "\xe9" * 16})
+    await ask("block closed", "fs/readBlock", {"handleId": "\xe9" * 16, "offset": 0, "len": 1})
+    for n in range(129):
+        params = {"handleId": f"n{n}", "path": f"{uri}/f", "sandbox": None}
+        response = _answer(await server.request("fs/open", params))
+        if n >= 127:
+            answers.append((f"open #{n + 1}", response))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_block_reads_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _block_read_script(reference, tmp_path / "ref")
+    async with serving(CODEX_INIT, env) as server:
+        got = await _block_read_script(server, tmp_path / "ours")
+    used: set[str] = set()
+    differences = []
+    for (name, ref), (_, ours) in zip(expected, got, strict=True):
+        shown = _strip_allowed(ours, ref, "", used)
+        ref_text = json.dumps(ref).replace(str(tmp_path / "ref"), "TMP")
+        if json.dumps(shown).replace(str(tmp_path / "ours"), "TMP") != ref_text:
+            differences.append(f"{name}: reference {ref} | ours {shown}")
+    assert not differences, "\n".join(differences)
+    answers = dict(expected)
+    assert answers["block 1+3"] == {"result": {"chunk": "ZWxs", "eof": False}}
+    assert answers["open #129"]["error"]["code"] == -32600
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_handle_reads_the_file_it_opened_until_closed(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"first")
+    async with serving(CODEX_INIT) as server:
+        opened = {"handleId": "h", "path": path_to_uri(str(target)), "sandbox": None}
+        assert await server.call("fs/open", opened) == {"handleId": "h"}
+        replacement = tmp_path / "g"
+        replacement.write_bytes(b"second")
+        replacement.replace(target)
+        block = {"handleId": "h", "offset": 0, "len": 16}
+        # The end of the file leaves the handle open; it reads what it opened.
+        for _ in range(2):
+            assert await server.call("fs/readBlock", block) == {"chunk": b64(b"first"), "eof": True}
+        replaced = f"{target} (deleted)"  # how /proc names the file renamed over
+        assert _descriptors_of(server.pid, replaced) == 1
+        assert await server.call("fs/close", {"handleId": "h"}) == {}
+        assert _descriptors_of(server.pid, replaced) == 0
+        error = (await server.request("fs/readBlock", block))["error"]
+        assert error == {"code": -32004, "message": "unknown file handle `h`"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connections_handles_close_with_it(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"x")
+    server = await WsServerProcess.start()
+    try:
+        assert server.pid is not None
+        client = await ws_connect(server.url)
+        await client.call("initialize", CODEX_INIT)
+        client.notify("initialized", {})
+        for n in range(3):
+            await client.call("fs/open", {"handleId": f"h{n}", "path": path_to_uri(str(target))})
+        assert _descriptors_of(server.pid, target) == 3
+        await client.close()
+        await until(
+            lambda: _descriptors_of(server.pid, target) == 0,
+            "the handles closed with their connection",
+            timeout=DEFAULT_TIMEOUT,
+        )
+    finally:
+        await server.stop()
+
+
+def _descriptors_of(pid: int | None, path: Path | str) -> int:
+    """How many of process ``pid``'s descriptors are open on ``path``."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found += os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)
+        except OSError:
+            continue
+    return found

@@ -1,0 +1,263 @@
+"""``fs/open``, ``fs/readBlock``, ``fs/close``: reads of a file in blocks through a handle.
+
+The reference's methods (codex exec-server 0.171.0), with its limits and
+texts (docs/filesystem.md, "Block reads"): the client names the handle
+(at most 32 bytes of UTF-8); a connection holds at most 128 handles; a
+block is 1 to 1 MiB from any offset, ``eof`` when it came short. A handle
+stays open at the end of the file and closes on ``fs/close``, on a read
+that fails, and with its connection.
+
+A handle is an open descriptor: what it reads is the file that was opened
+(checked by the sandbox then), whatever is renamed over its path later.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import msgspec
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+
+from execserver import protocol as p
+from execserver.errors import RpcError
+from execserver.fs.paths import absolute_path, closed_error, oserrors, resolve_path
+from execserver.fs.pool import Runner
+
+if TYPE_CHECKING:
+    from execserver.sandbox.fsguard import Guard
+
+#: The reference's bounds (its MAX_FILE_READ_HANDLE_ID_BYTES, per-connection
+#: handle cap and FILE_READ_BLOCK_SIZE).
+MAX_HANDLE_ID_BYTES: Final = 32
+MAX_HANDLES: Final = 128
+MAX_BLOCK_BYTES: Final = 1024 * 1024
+#: The reference's code for a missing path or handle (io::ErrorKind::NotFound).
+NOT_FOUND: Final = -32004
+
+FS_OPEN: Final = "fs/open"
+FS_READ_BLOCK: Final = "fs/readBlock"
+FS_CLOSE: Final = "fs/close"
+
+
+class FsOpenParams(msgspec.Struct, rename="camel"):
+    handle_id: str
+    path: str
+    sandbox: p.SandboxConfig | None = None
+
+
+class FsOpenResponse(msgspec.Struct, rename="camel"):
+    handle_id: str
+
+
+class FsReadBlockParams(msgspec.Struct, rename="camel"):
+    handle_id: str
+    offset: p.U64
+    len: p.U64
+
+    def __post_init__(self) -> None:
+        p._check_u64(self, ("offset", "len"))
+
+
+class FsReadBlockResponse(msgspec.Struct):
+    chunk: bytes
+    eof: bool
+
+
+class FsCloseParams(msgspec.Struct, rename="camel"):
+    handle_id: str
+
+
+FsOpen = p.Method(FS_OPEN, FsOpenParams, FsOpenResponse, "filesystem")
+FsReadBlock = p.Method(FS_READ_BLOCK, FsReadBlockParams, FsReadBlockResponse, "filesystem")
+FsClose = p.Method(FS_CLOSE, FsCloseParams, p.Empty, "filesystem")
+METHODS: Final = (FsOpen, FsReadBlock, FsClose)
+
+
+def not_a_file(path: str, kind: str) -> RpcError:
+    """The reference's refusal of a directory or of anything but a regular file."""
+    return RpcError.invalid_request(
+        f"path `{os.path.normpath(path)}` is not a file", {"kind": kind}
+    )
+
+
+def _checked_id(handle_id: str) -> str:
+    if len(handle_id.encode("utf-8", "surrogatepass")) > MAX_HANDLE_ID_BYTES:
+        raise RpcError.invalid_request(
+            f"file handle ID must not exceed {MAX_HANDLE_ID_BYTES} bytes"
+        )
+    return handle_id
+
+
+@oserrors
+def open_for_reading(path: str) -> int:
+    """A descriptor of the regular file at ``path`` (blocking: on the pool)."""
+    # O_NONBLOCK: a FIFO's open must not wait for a writer (it is refused
+    # below anyway); O_NOCTTY: a terminal never becomes ours.
+    fd = os.open(resolve_path(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_a_file(path, "isADirectory" if stat.S_ISDIR(mode) else "notRegularFile")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@oserrors
+def read_block(fd: int, offset: int, length: int) -> tuple[bytes, bool]:
+    """Up to ``length`` bytes at ``offset``; ``eof`` when fewer came (blocking)."""
+    if offset + length > p.I64_MAX:
+        # Past the largest file offset (Rust's pread says EINVAL).
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    pieces: list[bytes] = []
+    got = 0
+    while got < length:
+        try:
+            piece = os.pread(fd, length - got, offset + got)
+        except InterruptedError:
+            continue
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return b"".join(pieces), got < length
+
+
+@attrs.define(eq=False)
+class _Handle:
+    fd: int
+    #: Reads on the pool now: the descriptor is closed after the last one.
+    reading: int = 0
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+        if self.reading == 0 and self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+@attrs.define
+class FileHandles:
+    """Each connection's open handles; ``run(f, *args, owner=conn)`` runs blocking work."""
+
+    run: Runner
+    guard: Guard
+    _by_conn: dict[object, dict[str, _Handle]] = attrs.field(factory=dict)
+    #: Opens on the pool now, per connection (they count against the cap).
+    _opening: dict[object, int] = attrs.field(factory=dict)
+    #: Connections closed while an open of theirs was on the pool.
+    _gone: set[object] = attrs.field(factory=set)
+
+    def open(self, conn: object, params: FsOpenParams) -> Deferred[Any]:
+        handle_id = _checked_id(params.handle_id)
+        path = absolute_path(params.path)
+        if self.guard.applies(params.sandbox):
+            opened = self.run(
+                self.guard.run,
+                params.sandbox,
+                ((path, False),),
+                (),
+                open_for_reading,
+                path,
+                owner=conn,
+            )
+        else:
+            opened = self.run(open_for_reading, path, owner=conn)
+        self._opening[conn] = self._opening.get(conn, 0) + 1
+
+        def settled(result: int | Failure) -> int | Failure:
+            left = self._opening.pop(conn) - 1
+            gone = conn in self._gone
+            if left:
+                self._opening[conn] = left
+            else:
+                self._gone.discard(conn)
+            if gone and not isinstance(result, Failure):
+                # The connection closed while the file was being opened.
+                os.close(result)
+                raise closed_error()
+            return result
+
+        def keep(fd: int) -> FsOpenResponse:
+            handles = self._by_conn.get(conn, {})
+            error = None
+            if handle_id in handles:
+                error = RpcError.invalid_request(f"file handle `{handle_id}` already exists")
+            elif len(handles) >= MAX_HANDLES:
+                error = RpcError.invalid_request(
+                    f"at most {MAX_HANDLES} file handles may be open per connection"
+                )
+            if error is not None:
+                os.close(fd)
+                raise error
+            self._by_conn.setdefault(conn, handles)[handle_id] = _Handle(fd)
+            return FsOpenResponse(handle_id)
+
+        return opened.addBoth(settled).addCallback(keep)
+
+    def read_block(self, conn: object, params: FsReadBlockParams) -> Deferred[FsReadBlockResponse]:
+        handle_id = _checked_id(params.handle_id)
+        if not 1 <= params.len <= MAX_BLOCK_BYTES:
+            raise RpcError.invalid_request(
+                f"file read block length must be between 1 and {MAX_BLOCK_BYTES}"
+            )
+        handle = self._by_conn.get(conn, {}).get(handle_id)
+        if handle is None:
+            raise RpcError(NOT_FOUND, f"unknown file handle `{handle_id}`")
+        handle.reading += 1
+
+        def done(result: tuple[bytes, bool] | Failure) -> FsReadBlockResponse | Failure:
+            handle.reading -= 1
+            if isinstance(result, Failure):
+                # As the reference: a read that fails closes its handle.
+                self._forget(conn, handle_id, handle)
+                handle.close()
+                return result
+            if handle.closed:
+                handle.close()
+            data, eof = result
+            return FsReadBlockResponse(data, eof)
+
+        return self.run(read_block, handle.fd, params.offset, params.len, owner=conn).addBoth(done)
+
+    def close(self, conn: object, params: FsCloseParams) -> p.Empty:
+        handle_id = _checked_id(params.handle_id)
+        handle = self._by_conn.get(conn, {}).get(handle_id)
+        if handle is not None:
+            self._forget(conn, handle_id, handle)
+            handle.close()
+        return p.Empty()
+
+    def _forget(self, conn: object, handle_id: str, handle: _Handle) -> None:
+        handles = self._by_conn.get(conn)
+        if handles is not None and handles.get(handle_id) is handle:
+            del handles[handle_id]
+            if not handles:
+                del self._by_conn[conn]
+
+    def connection_closed(self, conn: object) -> None:
+        """Close every handle of ``conn`` (those being read, once their reads end)."""
+        for handle in self._by_conn.pop(conn, {}).values():
+            handle.close()
+        if conn in self._opening:
+            self._gone.add(conn)
+
+    def open_count(self) -> int:
+        return sum(len(handles) for handles in self._by_conn.values())
+
+
+def register(dispatcher: Any, run: Runner, guard: Guard) -> FileHandles:
+    """Add the three routes to ``dispatcher``; ``run`` and ``guard`` are the fs pool's."""
+    handles = FileHandles(run, guard)
+    dispatcher.add_method(FsOpen, handles.open)
+    dispatcher.add_method(FsReadBlock, handles.read_block)
+    dispatcher.add_method(FsClose, handles.close)
+    dispatcher.closed_hooks.append(handles.connection_closed)
+    return handles
