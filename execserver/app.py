@@ -32,8 +32,9 @@ from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
 from execserver.errors import RpcError
 from execserver.fs import handles as fs_handles
 from execserver.fs import walk as fs_walk
-from execserver.fs.paths import absolute_path
+from execserver.fs.paths import RELATIVE_PATH_MESSAGE, absolute_path
 from execserver.fs.pool import Runner
+from execserver.reference_rules import reference_path_error
 from execserver.retained import RetainedTally
 from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.sandbox.policy import SandboxPolicy
@@ -55,6 +56,14 @@ def _announces_current(method: str) -> bool:
 
 def _current_error(error: RpcError) -> RpcError:
     data = error.data
+    if (
+        isinstance(data, dict)
+        and data.get("kind") == "relativePath"
+        and "path" in data
+        and error.message == RELATIVE_PATH_MESSAGE
+    ):
+        # The current release's texts for a path that is not a file URI.
+        return reference_path_error(data["path"], data.get("field", "path")) or error
     if isinstance(data, dict) and data.get("kind") == "notFound" and "errno" in data:
         # The current release reports a missing fs path as -32004 (same text).
         return RpcError(FS_NOT_FOUND, error.message, data)

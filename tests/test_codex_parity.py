@@ -905,3 +905,67 @@ def _descriptors_of(pid: int | None, path: Path | str) -> int:
         except OSError:
             continue
     return found
+
+
+#: Paths that are not usable file URIs, and what codex exec-server 0.171.0 says of each.
+REFUSED_PATHS = (
+    ("rel", -32602, "invalid URI: relative URL without a base"),
+    ("", -32602, "invalid URI: relative URL without a base"),
+    ("HTTP://h/x", -32602, "unsupported path URI scheme `http`"),
+    ("c:/x", -32602, "unsupported path URI scheme `c`"),
+    ("file://host/x", -32600, "'file://host/x' is invalid on 'linux'"),
+    ("file://host/x?q#f", -32602, "query parameters are not allowed in path URIs"),
+    ("file://host/x#f", -32602, "fragments are not allowed in path URIs"),
+)
+
+
+async def _refused_paths_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    answers: list[tuple[str, Any]] = []
+    for value, _, _ in REFUSED_PATHS:
+        params = {"path": value, "sandbox": None}
+        answers.append(
+            (f"metadata {value!r}", _answer(await server.request("fs/getMetadata", params)))
+        )
+        copy = {"sourcePath": "file:///", "destinationPath": value, "recursive": False}
+        answers.append((f"copy to {value!r}", _answer(await server.request("fs/copy", copy))))
+        start = _start(f"p{value}", ["/bin/true"], value)
+        answers.append((f"cwd {value!r}", _answer(await server.request("process/start", start))))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_refused_paths_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _refused_paths_script(reference, tmp_path)
+    async with serving(CODEX_INIT, env) as server:
+        got = await _refused_paths_script(server, tmp_path)
+    used: set[str] = set()
+    differences = [
+        f"{name}: reference {ref} | ours {shown}"
+        for (name, ref), (_, ours) in zip(expected, got, strict=True)
+        if (shown := _strip_allowed(ours, ref, "", used)) != ref
+    ]
+    assert not differences, "\n".join(differences)
+    assert "error.data.kind" in used
+
+
+@pytest_twisted.ensureDeferred
+async def test_current_clients_get_the_references_path_texts() -> None:
+    async with serving(CODEX_INIT) as server:
+        for value, code, message in REFUSED_PATHS:
+            error = (await server.request("fs/readFile", {"path": value}))["error"]
+            assert (error["code"], error["message"]) == (code, message), value
+            assert error["data"] == {"kind": "relativePath", "field": "path", "path": value}
+        start = _start("p", ["/bin/true"], "file://host/x")
+        error = (await server.request("process/start", start))["error"]
+        assert error["message"] == (
+            "cwd URI `file://host/x` is not valid on this exec-server host: "
+            "'file://host/x' is invalid on 'linux'"
+        )
+    async with serving(SEED_INIT) as server:
+        # A seed-era client keeps the seed's texts.
+        error = (await server.request("fs/readFile", {"path": "rel"}))["error"]
+        assert error["message"] == "AbsolutePathBuf deserialized without a base path"
+        error = (await server.request("process/start", _start("p", ["/bin/true"], "rel")))["error"]
+        assert error == {"code": -32602, "message": "cwd must be an absolute path, got `rel`"}
