@@ -15,6 +15,7 @@ dispatcher here; nothing else imports the handlers' modules for the routes.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from functools import partial
 
@@ -54,8 +55,15 @@ def _announces_current(method: str) -> bool:
     return method.startswith("fs/") or method == p.PROCESS_START
 
 
+#: msgspec's text for a missing field (at the top or at ``- at `$.a.b```).
+_MISSING_FIELD = re.compile(r"^Object missing required field `([^`]+)`(?: - at `[^`]*`)?$")
+
+
 def _current_error(error: RpcError) -> RpcError:
     data = error.data
+    if error.code == p.INVALID_PARAMS and (missing := _MISSING_FIELD.match(error.message)):
+        # serde's text, as the reference words it (it names no path).
+        return RpcError(error.code, f"missing field `{missing[1]}`", data)
     if (
         isinstance(data, dict)
         and data.get("kind") == "relativePath"

@@ -326,7 +326,7 @@ async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
         missing = await error({"cwd": "/tmp", "configPaths": [["a"]]})
         assert missing == {
             "code": -32602,
-            "message": "Object missing required field `requirementsPaths`",
+            "message": "missing field `requirementsPaths`",
         }
         wrong = await error({"cwd": "/tmp", "configPaths": [["a", 1]], "requirementsPaths": []})
         assert wrong == {

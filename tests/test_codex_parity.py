@@ -969,3 +969,15 @@ async def test_current_clients_get_the_references_path_texts() -> None:
         assert error["message"] == "AbsolutePathBuf deserialized without a base path"
         error = (await server.request("process/start", _start("p", ["/bin/true"], "rel")))["error"]
         assert error == {"code": -32602, "message": "cwd must be an absolute path, got `rel`"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_missing_field_is_named_in_serdes_words_for_current_clients() -> None:
+    start = {"processId": "p", "argv": ["/bin/true"], "cwd": "file:///", "tty": False}
+    async with serving(CODEX_INIT) as server:
+        error = (await server.request("process/start", start))["error"]
+        # codex exec-server 0.171.0's answer, byte for byte.
+        assert error == {"code": -32602, "message": "missing field `env`"}
+    async with serving(SEED_INIT) as server:
+        error = (await server.request("process/start", dict(start, cwd="/")))["error"]
+        assert error == {"code": -32602, "message": "Object missing required field `env`"}
