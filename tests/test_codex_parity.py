@@ -981,3 +981,29 @@ async def test_a_missing_field_is_named_in_serdes_words_for_current_clients() ->
     async with serving(SEED_INIT) as server:
         error = (await server.request("process/start", dict(start, cwd="/")))["error"]
         assert error == {"code": -32602, "message": "Object missing required field `env`"}
+
+
+@pytest.mark.parametrize(
+    ("tmpdir", "directories", "temp"),
+    [
+        # What codex exec-server 0.171.0 reported with each $TMPDIR (its cwd: /w).
+        (None, [], "file:///tmp"),
+        ("relative/x", ["file:///w/relative/x"], "file:///w/relative/x"),
+        ("/nonexistent/dir", ["file:///nonexistent/dir"], "file:///nonexistent/dir"),
+        ("/tmp/", ["file:///tmp"], "file:///tmp"),
+        ("/tmp/a/../b", ["file:///tmp/b"], "file:///tmp/b"),
+    ],
+)
+def test_temporary_directories_as_the_reference_reports_them(
+    tmpdir: str | None, directories: list[str], temp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from execserver.codex.environment_info import environment_info
+
+    monkeypatch.chdir("/")
+    monkeypatch.setattr(os, "getcwd", lambda: "/w")
+    if tmpdir is None:
+        monkeypatch.delenv("TMPDIR", raising=False)
+    else:
+        monkeypatch.setenv("TMPDIR", tmpdir)
+    info = environment_info()
+    assert (info.temporary_directories, info.temp_dir) == (directories, temp)

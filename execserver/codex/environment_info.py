@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
+from collections.abc import Mapping
 from typing import Final
 
 from execserver import protocol as p
@@ -51,10 +51,22 @@ def _shell() -> p.ShellInfo:
     return p.ShellInfo(os.path.basename(path), path)
 
 
+def temporary_directory(environ: Mapping[str, str]) -> str | None:
+    """``$TMPDIR`` made absolute (against the cwd) and normal, as the reference reads it.
+
+    None when it is unset or empty (the reference's ``temporaryDirectories``
+    is then ``[]`` and its ``tempDir`` ``/tmp``). Whether it exists is not
+    asked, as the reference does not.
+    """
+    value = environ.get("TMPDIR", "")
+    return os.path.normpath(os.path.abspath(value)) if value else None
+
+
 def environment_info() -> p.EnvironmentInfo:
     # The home environmentConfig/read reports too: $HOME, else the password
     # database's (an empty $HOME is not a home).
     home = environment_config.user_home(os.environ) or "/"
+    tmpdir = temporary_directory(os.environ)
     return p.EnvironmentInfo(
         shell=_shell(),
         executor_version=EXECUTOR_VERSION,
@@ -62,7 +74,7 @@ def environment_info() -> p.EnvironmentInfo:
         user_home_dir=path_to_uri(home),
         platform_os=sys.platform if sys.platform != "darwin" else "macos",
         prepend_path_dirs=[],
-        temporary_directories=[],
-        temp_dir=path_to_uri(tempfile.gettempdir()),
+        temporary_directories=[] if tmpdir is None else [path_to_uri(tmpdir)],
+        temp_dir=path_to_uri(tmpdir or "/tmp"),
         capabilities=capabilities(),
     )
