@@ -1007,3 +1007,27 @@ def test_temporary_directories_as_the_reference_reports_them(
         monkeypatch.setenv("TMPDIR", tmpdir)
     info = environment_info()
     assert (info.temporary_directories, info.temp_dir) == (directories, temp)
+
+
+@pytest.mark.parametrize(
+    ("login", "shell"),
+    [
+        # What codex exec-server 0.171.0 reported for a user with each login
+        # shell (PATH /usr/bin:/bin; $SHELL is not asked).
+        ("/bin/sh", ("sh", "/bin/sh")),
+        ("/bin/bash", ("bash", "/bin/bash")),
+        ("/usr/bin/bash", ("bash", "/usr/bin/bash")),
+        ("/bin/dash", ("bash", "/usr/bin/bash")),
+        ("/nonexistent/zsh", ("bash", "/usr/bin/bash")),
+        (None, ("bash", "/usr/bin/bash")),
+    ],
+)
+def test_the_shell_as_the_reference_picks_it(
+    login: str | None, shell: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from execserver.codex.environment_info import shell_info
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("SHELL", "/bin/dash")
+    info = shell_info(login)
+    assert (info.name, info.path) == shell
