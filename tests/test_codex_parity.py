@@ -1031,3 +1031,73 @@ def test_the_shell_as_the_reference_picks_it(
     monkeypatch.setenv("SHELL", "/bin/dash")
     info = shell_info(login)
     assert (info.name, info.path) == shell
+
+
+async def _block_write_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """fs/open with ``"mode": "replace"``, fs/writeBlock, and what the files hold."""
+    work = tmp_path / "writes"
+    (work / "dir").mkdir(parents=True)
+    (work / "old").write_bytes(b"OLD CONTENT")
+    (work / "old").chmod(0o640)
+    uri = path_to_uri(str(work))
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    await ask("open new", "fs/open", {"handleId": "n", "path": f"{uri}/new", "mode": "replace"})
+    answers.append(("created at open", (work / "new").read_bytes()))
+    for offset, chunk in ((0, b"hello"), (10, b"x"), (5, b" world")):
+        params = {"handleId": "n", "offset": offset, "chunk": b64(chunk)}
+        await ask(f"write {offset}", "fs/writeBlock", params)
+    await ask("read a write handle", "fs/readBlock", {"handleId": "n", "offset": 0, "len": 1})
+    await ask(
+        "write after a failure", "fs/writeBlock", {"handleId": "n", "offset": 0, "chunk": "eA=="}
+    )
+    answers.append(("new", (work / "new").read_bytes()))
+    await ask("open old", "fs/open", {"handleId": "o", "path": f"{uri}/old", "mode": "replace"})
+    await ask("write old", "fs/writeBlock", {"handleId": "o", "offset": 0, "chunk": b64(b"new")})
+    for name, chunk, offset in (
+        ("too long", "A" * 1398104, 0),
+        ("empty", "", 0),
+        ("too far", "eA==", p.I64_MAX),
+        ("bad base64", "!!", 0),
+    ):
+        params = {"handleId": "o", "offset": offset, "chunk": chunk}
+        await ask(f"write {name}", "fs/writeBlock", params)
+    await ask("close old", "fs/close", {"handleId": "o"})
+    answers.append(("old", ((work / "old").read_bytes(), oct((work / "old").stat().st_mode))))
+    await ask(
+        "replace a directory", "fs/open", {"handleId": "d", "path": f"{uri}/dir", "mode": "replace"}
+    )
+    await ask(
+        "replace under a missing directory",
+        "fs/open",
+        {"handleId": "m", "path": f"{uri}/no/f", "mode": "replace"},
+    )
+    await ask("another mode", "fs/open", {"handleId": "w", "path": f"{uri}/new", "mode": "write"})
+    await ask("read", "fs/open", {"handleId": "r", "path": f"{uri}/new", "mode": "read"})
+    await ask(
+        "write a read handle", "fs/writeBlock", {"handleId": "r", "offset": 0, "chunk": "eA=="}
+    )
+    await ask("write unknown", "fs/writeBlock", {"handleId": "zz", "offset": 0, "chunk": "eA=="})
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_block_writes_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _block_write_script(reference, tmp_path / "ref")
+    async with serving(CODEX_INIT, env) as server:
+        got = await _block_write_script(server, tmp_path / "ours")
+    used: set[str] = set()
+    differences = []
+    for (name, ref), (_, ours) in zip(expected, got, strict=True):
+        shown = _strip_allowed(ours, ref, "", used)
+        if shown != ref:
+            differences.append(f"{name}: reference {ref} | ours {shown}")
+    assert not differences, "\n".join(differences)
+    answers = dict(expected)
+    assert answers["new"] == b"hello world"
+    assert answers["old"] == (b"new", "0o100640")

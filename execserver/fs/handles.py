@@ -1,4 +1,4 @@
-"""``fs/open``, ``fs/readBlock``, ``fs/close``: reads of a file in blocks through a handle.
+"""``fs/open``, ``fs/readBlock``, ``fs/writeBlock``, ``fs/close``: files in blocks, by handle.
 
 The reference's methods (codex exec-server 0.171.0), with its limits and
 texts (docs/filesystem.md, "Block reads"): the client names the handle
@@ -13,6 +13,7 @@ A handle is an open descriptor: what it reads is the file that was opened
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import stat
@@ -25,6 +26,7 @@ from twisted.python.failure import Failure
 
 from execserver import protocol as p
 from execserver.errors import RpcError
+from execserver.fs.b64 import rust_base64_error
 from execserver.fs.paths import absolute_path, closed_error, oserrors, resolve_path
 from execserver.fs.pool import Runner
 
@@ -42,12 +44,17 @@ NOT_FOUND: Final = -32004
 FS_OPEN: Final = "fs/open"
 FS_READ_BLOCK: Final = "fs/readBlock"
 FS_CLOSE: Final = "fs/close"
+FS_WRITE_BLOCK: Final = "fs/writeBlock"
+MODES: Final = ("read", "replace")
 
 
 class FsOpenParams(msgspec.Struct, rename="camel"):
     handle_id: str
     path: str
     sandbox: p.SandboxConfig | None = None
+    #: ``read`` (the default) or ``replace``: the file created or truncated,
+    #: then written in place with fs/writeBlock.
+    mode: str | None = None
 
 
 class FsOpenResponse(msgspec.Struct, rename="camel"):
@@ -68,6 +75,16 @@ class FsReadBlockResponse(msgspec.Struct):
     eof: bool
 
 
+class FsWriteBlockParams(msgspec.Struct, rename="camel"):
+    handle_id: str
+    offset: p.U64
+    #: Kept raw: decoded with the reference's base64 texts.
+    chunk: str
+
+    def __post_init__(self) -> None:
+        p._check_u64(self, ("offset",))
+
+
 class FsCloseParams(msgspec.Struct, rename="camel"):
     handle_id: str
 
@@ -75,7 +92,8 @@ class FsCloseParams(msgspec.Struct, rename="camel"):
 FsOpen = p.Method(FS_OPEN, FsOpenParams, FsOpenResponse, "filesystem")
 FsReadBlock = p.Method(FS_READ_BLOCK, FsReadBlockParams, FsReadBlockResponse, "filesystem")
 FsClose = p.Method(FS_CLOSE, FsCloseParams, p.Empty, "filesystem")
-METHODS: Final = (FsOpen, FsReadBlock, FsClose)
+FsWriteBlock = p.Method(FS_WRITE_BLOCK, FsWriteBlockParams, p.Empty, "filesystem")
+METHODS: Final = (FsOpen, FsReadBlock, FsWriteBlock, FsClose)
 
 
 def not_a_file(path: str, kind: str) -> RpcError:
@@ -107,6 +125,34 @@ def open_for_reading(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+@oserrors
+def open_for_replacing(path: str) -> int:
+    """A descriptor of the file at ``path``, created or truncated (blocking)."""
+    # In place, as the reference: an existing file keeps its inode and mode.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    fd = os.open(resolve_path(path), flags, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise not_a_file(path, "notRegularFile")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@oserrors
+def write_block(fd: int, offset: int, data: bytes) -> None:
+    """All of ``data`` at ``offset`` (blocking)."""
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.pwrite(fd, view, offset)
+        except InterruptedError:
+            continue
+        view = view[written:]
+        offset += written
 
 
 @oserrors
@@ -157,19 +203,20 @@ class FileHandles:
 
     def open(self, conn: object, params: FsOpenParams) -> Deferred[Any]:
         handle_id = _checked_id(params.handle_id)
+        mode = params.mode or "read"
+        if mode not in MODES:
+            raise RpcError.invalid_params(f"unknown variant `{mode}`, expected `read` or `replace`")
         path = absolute_path(params.path)
+        opener = open_for_reading if mode == "read" else open_for_replacing
         if self.guard.applies(params.sandbox):
+            reads, writes = (
+                (((path, False),), ()) if params.mode == "read" else ((), ((path, True),))
+            )
             opened = self.run(
-                self.guard.run,
-                params.sandbox,
-                ((path, False),),
-                (),
-                open_for_reading,
-                path,
-                owner=conn,
+                self.guard.run, params.sandbox, reads, writes, opener, path, owner=conn
             )
         else:
-            opened = self.run(open_for_reading, path, owner=conn)
+            opened = self.run(opener, path, owner=conn)
         self._opening[conn] = self._opening.get(conn, 0) + 1
 
         def settled(result: int | Failure) -> int | Failure:
@@ -211,21 +258,47 @@ class FileHandles:
         handle = self._by_conn.get(conn, {}).get(handle_id)
         if handle is None:
             raise RpcError(NOT_FOUND, f"unknown file handle `{handle_id}`")
+        return self._use(
+            conn, handle_id, handle, read_block, params.offset, params.len
+        ).addCallback(lambda block: FsReadBlockResponse(*block))
+
+    def write_block(self, conn: object, params: FsWriteBlockParams) -> Deferred[Any]:
+        handle_id = _checked_id(params.handle_id)
+        problem = rust_base64_error(params.chunk.encode("utf-8"))
+        if problem is not None:
+            raise RpcError.invalid_params(problem)
+        data = base64.b64decode(params.chunk)
+        if not 1 <= len(data) <= MAX_BLOCK_BYTES:
+            raise RpcError.invalid_request(
+                f"file write block length must be between 1 and {MAX_BLOCK_BYTES}"
+            )
+        if params.offset + len(data) > p.I64_MAX:
+            raise RpcError.invalid_request(
+                "file write range exceeds the signed 64-bit file offset limit"
+            )
+        handle = self._by_conn.get(conn, {}).get(handle_id)
+        if handle is None:
+            raise RpcError(NOT_FOUND, f"unknown file handle `{handle_id}`")
+        return self._use(conn, handle_id, handle, write_block, params.offset, data).addCallback(
+            lambda _: p.Empty()
+        )
+
+    def _use(
+        self, conn: object, handle_id: str, handle: _Handle, func: Any, *args: Any
+    ) -> Deferred[Any]:
+        """``func(fd, *args)`` on the pool; a failure closes the handle (as the reference)."""
         handle.reading += 1
 
-        def done(result: tuple[bytes, bool] | Failure) -> FsReadBlockResponse | Failure:
+        def done(result: object) -> object:
             handle.reading -= 1
             if isinstance(result, Failure):
-                # As the reference: a read that fails closes its handle.
                 self._forget(conn, handle_id, handle)
                 handle.close()
-                return result
-            if handle.closed:
+            elif handle.closed:
                 handle.close()
-            data, eof = result
-            return FsReadBlockResponse(data, eof)
+            return result
 
-        return self.run(read_block, handle.fd, params.offset, params.len, owner=conn).addBoth(done)
+        return self.run(func, handle.fd, *args, owner=conn).addBoth(done)
 
     def close(self, conn: object, params: FsCloseParams) -> p.Empty:
         handle_id = _checked_id(params.handle_id)
@@ -258,6 +331,7 @@ def register(dispatcher: Any, run: Runner, guard: Guard) -> FileHandles:
     handles = FileHandles(run, guard)
     dispatcher.add_method(FsOpen, handles.open)
     dispatcher.add_method(FsReadBlock, handles.read_block)
+    dispatcher.add_method(FsWriteBlock, handles.write_block)
     dispatcher.add_method(FsClose, handles.close)
     dispatcher.closed_hooks.append(handles.connection_closed)
     return handles
