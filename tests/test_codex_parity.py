@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,8 +30,16 @@ from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
 from tests.support.fakes import Harness, Second, drop
-from tests.support.harness import DEFAULT_TIMEOUT, b64, pid_alive, server_env, unb64
+from tests.support.harness import (
+    DEFAULT_TIMEOUT,
+    b64,
+    console_script,
+    pid_alive,
+    server_env,
+    unb64,
+)
 from tests.support.polling import until
+from tests.support.raw_server import RawServer
 from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess
 from tests.support.ws_harness import connect as ws_connect
@@ -1047,8 +1056,8 @@ async def _block_write_script(server: ServerProcess, tmp_path: Path) -> list[tup
 
     await ask("open new", "fs/open", {"handleId": "n", "path": f"{uri}/new", "mode": "replace"})
     answers.append(("created at open", (work / "new").read_bytes()))
-    for offset, chunk in ((0, b"hello"), (10, b"x"), (5, b" world")):
-        params = {"handleId": "n", "offset": offset, "chunk": b64(chunk)}
+    for offset, data in ((0, b"hello"), (10, b"x"), (5, b" world")):
+        params = {"handleId": "n", "offset": offset, "chunk": b64(data)}
         await ask(f"write {offset}", "fs/writeBlock", params)
     await ask("read a write handle", "fs/readBlock", {"handleId": "n", "offset": 0, "len": 1})
     await ask(
@@ -1101,3 +1110,49 @@ async def test_block_writes_as_the_reference(tmp_path: Path) -> None:
     answers = dict(expected)
     assert answers["new"] == b"hello world"
     assert answers["old"] == (b"new", "0o100640")
+
+
+#: Runs the server with soft and hard RLIMIT_NOFILE 256 (64 descriptors reserved).
+_LIMITED = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def _raw_answer(server: RawServer, request_id: int) -> dict[str, Any]:
+    while True:
+        message = server.read_message(DEFAULT_TIMEOUT)
+        if message.get("id") == request_id:
+            return message
+
+
+def test_handles_are_bounded_on_the_whole_server_too(tmp_path: Path) -> None:
+    """Beyond the reference's 128 per connection: half the descriptors kept out of
+    the process limit (a limit of 256 keeps 64, so 32 handles), so handles never
+    starve process starts."""
+    target = path_to_uri(str(tmp_path / "f"))
+    (tmp_path / "f").write_bytes(b"x")
+    server = RawServer(command=[sys.executable, "-c", _LIMITED, console_script("exec-server")])
+    try:
+        server.call("initialize", CODEX_INIT)
+        server.send({"method": "initialized", "params": {}})
+        for n in range(32):
+            request = server.request("fs/open", {"handleId": f"h{n}", "path": target})
+            assert _raw_answer(server, request)["result"] == {"handleId": f"h{n}"}
+        request = server.request("fs/open", {"handleId": "one more", "path": target})
+        assert _raw_answer(server, request)["error"] == {
+            "code": -32600,
+            "message": "too many file handles are open on this server (limit 32);"
+            " close some or retry later",
+            "data": {"kind": "busy"},
+        }
+        # A process still starts (the reserve is not used up), and a closed
+        # handle makes room.
+        start = _start("p", ["/bin/true"], "file:///")
+        assert "result" in _raw_answer(server, server.request("process/start", start))
+        assert _raw_answer(server, server.request("fs/close", {"handleId": "h0"}))["result"] == {}
+        request = server.request("fs/open", {"handleId": "one more", "path": target})
+        assert _raw_answer(server, request)["result"] == {"handleId": "one more"}
+    finally:
+        server.stop()

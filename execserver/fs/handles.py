@@ -24,6 +24,7 @@ import msgspec
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
+from execserver import fdlimit
 from execserver import protocol as p
 from execserver.errors import RpcError
 from execserver.fs.b64 import rust_base64_error
@@ -195,6 +196,11 @@ class FileHandles:
 
     run: Runner
     guard: Guard
+    #: Handles open on the whole server at most (this server's bound, not the
+    #: reference's): half the descriptors kept out of the process limit, so
+    #: handles never starve process starts, accepts or fs calls.
+    max_total: int = attrs.field(factory=lambda: fdlimit.reserved_fds(fdlimit.soft_limit()) // 2)
+    _total: int = 0
     _by_conn: dict[object, dict[str, _Handle]] = attrs.field(factory=dict)
     #: Opens on the pool now, per connection (they count against the cap).
     _opening: dict[object, int] = attrs.field(factory=dict)
@@ -241,10 +247,17 @@ class FileHandles:
                 error = RpcError.invalid_request(
                     f"at most {MAX_HANDLES} file handles may be open per connection"
                 )
+            elif self._total >= self.max_total:
+                error = RpcError.invalid_request(
+                    f"too many file handles are open on this server (limit {self.max_total});"
+                    " close some or retry later",
+                    {"kind": "busy"},
+                )
             if error is not None:
                 os.close(fd)
                 raise error
             self._by_conn.setdefault(conn, handles)[handle_id] = _Handle(fd)
+            self._total += 1
             return FsOpenResponse(handle_id)
 
         return opened.addBoth(settled).addCallback(keep)
@@ -312,18 +325,20 @@ class FileHandles:
         handles = self._by_conn.get(conn)
         if handles is not None and handles.get(handle_id) is handle:
             del handles[handle_id]
+            self._total -= 1
             if not handles:
                 del self._by_conn[conn]
 
     def connection_closed(self, conn: object) -> None:
         """Close every handle of ``conn`` (those being read, once their reads end)."""
         for handle in self._by_conn.pop(conn, {}).values():
+            self._total -= 1
             handle.close()
         if conn in self._opening:
             self._gone.add(conn)
 
     def open_count(self) -> int:
-        return sum(len(handles) for handles in self._by_conn.values())
+        return self._total
 
 
 def register(dispatcher: Any, run: Runner, guard: Guard) -> FileHandles:
