@@ -1156,3 +1156,39 @@ def test_handles_are_bounded_on_the_whole_server_too(tmp_path: Path) -> None:
         assert _raw_answer(server, request)["result"] == {"handleId": "one more"}
     finally:
         server.stop()
+
+
+def _listing(tmp_path: Path) -> Path:
+    listed = tmp_path / "listed"
+    (listed / "dir").mkdir(parents=True)
+    (listed / "file").write_bytes(b"x")
+    os.mkfifo(listed / "fifo")
+    for name, target in (
+        ("lfile", "file"),
+        ("ldir", "dir"),
+        ("lfifo", "fifo"),
+        ("dangling", "nowhere"),
+        ("loop", "loop"),
+    ):
+        (listed / name).symlink_to(target)
+    return listed
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_listing_leaves_dangling_symlinks_out_as_the_reference(tmp_path: Path) -> None:
+    listed = _listing(tmp_path)
+    params = {"path": path_to_uri(str(listed)), "sandbox": None}
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await reference.call("fs/readDirectory", params)
+    async with serving(CODEX_INIT, env) as server:
+        got = await server.call("fs/readDirectory", params)
+    ours = {e["fileName"]: {k: v for k, v in e.items() if k != "isSymlink"} for e in got["entries"]}
+    assert ours == {e["fileName"]: e for e in expected["entries"]}
+    assert set(ours) == {"dir", "file", "fifo", "lfile", "ldir", "lfifo"}
+    # A seed-era client still sees them, as symlinks to nothing.
+    async with serving(SEED_INIT) as server:
+        seed = await server.call("fs/readDirectory", {"path": str(listed)})
+    names = {e.pop("fileName"): e for e in seed["entries"]}
+    nothing = {"isDirectory": False, "isFile": False, "isSymlink": True}
+    assert names["dangling"] == names["loop"] == nothing

@@ -85,6 +85,11 @@ class Router(Protocol):
 # --- the handlers ---------------------------------------------------------------
 
 
+def _maybe_dangling(entry: p.FsReadDirectoryEntry) -> bool:
+    # A symlink to neither a file nor a directory: dangling, looping, or to a FIFO or device.
+    return entry.is_symlink is True and not entry.is_file and not entry.is_directory
+
+
 def _not_a_file(path: str, error: RpcError) -> RpcError:
     """Current dialect: fs/readFile of a directory or non-regular file, in the reference's text."""
     kind = error.data.get("kind") if isinstance(error.data, dict) else None
@@ -309,6 +314,31 @@ class FileSystem:
         return self._run_verified(directory, ops.get_metadata, path, owner=conn)
 
     def read_directory(
+        self, conn: object, params: p.FsReadDirectoryParams
+    ) -> Deferred[Any] | p.FsReadDirectoryResponse:
+        listed = self._read_directory(conn, params)
+        if not getattr(conn, "speaks_current_dialect", False):
+            return listed
+        # The current reference leaves dangling and looping symlinks out.
+        if isinstance(listed, Deferred):
+            return listed.addCallback(self._without_dangling, conn, params)
+        return self._without_dangling(listed, conn, params)
+
+    def _without_dangling(
+        self, listed: p.FsReadDirectoryResponse, conn: object, params: p.FsReadDirectoryParams
+    ) -> Deferred[Any] | p.FsReadDirectoryResponse:
+        if not any(_maybe_dangling(entry) for entry in listed.entries):
+            return listed
+        path = absolute_path(params.path)
+        if self.guard.applies(params.sandbox):
+            # Under the same confinement as the listing: a target it cannot
+            # see stays unseen.
+            return self._guarded(
+                conn, params.sandbox, ((path, False),), (), ops.without_dangling, listed, path
+            )
+        return self.run(ops.without_dangling, listed, path, owner=conn)
+
+    def _read_directory(
         self, conn: object, params: p.FsReadDirectoryParams
     ) -> Deferred[Any] | p.FsReadDirectoryResponse:
         path = absolute_path(params.path)
