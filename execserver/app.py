@@ -15,10 +15,12 @@ dispatcher here; nothing else imports the handlers' modules for the routes.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from functools import partial
 
 import attrs
+import msgspec
 from twisted.internet.interfaces import IReactorTime
 
 from execserver import fs as filesystem
@@ -29,9 +31,11 @@ from execserver.codex.watch import WatchHub
 from execserver.config import ServerConfig
 from execserver.dispatcher import Connection, CurrentDialect, Dispatcher
 from execserver.errors import RpcError
+from execserver.fs import handles as fs_handles
 from execserver.fs import walk as fs_walk
-from execserver.fs.paths import absolute_path
+from execserver.fs.paths import RELATIVE_PATH_MESSAGE, absolute_path
 from execserver.fs.pool import Runner
+from execserver.reference_rules import reference_path_error
 from execserver.retained import RetainedTally
 from execserver.sandbox.engine import SandboxEngine, describe_sandbox
 from execserver.sandbox.policy import SandboxPolicy
@@ -51,8 +55,23 @@ def _announces_current(method: str) -> bool:
     return method.startswith("fs/") or method == p.PROCESS_START
 
 
+#: msgspec's text for a missing field (at the top or at ``- at `$.a.b```).
+_MISSING_FIELD = re.compile(r"^Object missing required field `([^`]+)`(?: - at `[^`]*`)?$")
+
+
 def _current_error(error: RpcError) -> RpcError:
     data = error.data
+    if error.code == p.INVALID_PARAMS and (missing := _MISSING_FIELD.match(error.message)):
+        # serde's text, as the reference words it (it names no path).
+        return RpcError(error.code, f"missing field `{missing[1]}`", data)
+    if (
+        isinstance(data, dict)
+        and data.get("kind") == "relativePath"
+        and "path" in data
+        and error.message == RELATIVE_PATH_MESSAGE
+    ):
+        # The current release's texts for a path that is not a file URI.
+        return reference_path_error(data["path"], data.get("field", "path")) or error
     if isinstance(data, dict) and data.get("kind") == "notFound" and "errno" in data:
         # The current release reports a missing fs path as -32004 (same text).
         return RpcError(FS_NOT_FOUND, error.message, data)
@@ -109,6 +128,7 @@ def build_dispatcher(
     dispatcher.add_method(p.Initialize, partial(handshake.initialize, sandbox=sandbox))
     # Current dialect (docs/protocol.md, "Dialects"); its params are null.
     dispatcher.add_method(p.EnvironmentInfoMethod, lambda c, a: _environment_info(sandbox))
+    dispatcher.add_method(p.EnvironmentStatusMethod, lambda c, a: _environment_status(a))
     watches = WatchHub(clock)
     dispatcher.closed_hooks.append(watches.owner_closed)
     if watch.available():
@@ -121,11 +141,34 @@ def build_dispatcher(
     environment_config.register(dispatcher, fs.run)
     capability_discovery.register(dispatcher, fs.run)
     fs_walk.register(dispatcher, fs.run)
+    fs_handles.register(dispatcher, fs.run, fs.guard)
     return dispatcher
 
 
 def _environment_info(sandbox: SandboxEngine | None) -> p.EnvironmentInfo:
     return describe_sandbox(environment_info.environment_info(), sandbox)
+
+
+def _environment_status(params: object) -> p.EnvironmentStatusResponse:
+    """``{"status": "ready"}``; params must be the reference's unit (null, absent or ``{}``)."""
+    if params is not None and params != {}:
+        raise RpcError.invalid_params(f"invalid type: {_serde_kind(params)}, expected unit")
+    return p.EnvironmentStatusResponse()
+
+
+def _serde_kind(value: object) -> str:
+    """How serde names an unexpected JSON value in ``invalid type: ...``."""
+    if isinstance(value, dict):
+        return "map"
+    if isinstance(value, list):
+        return "sequence"
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    return f"string {msgspec.json.encode(value).decode()}"
 
 
 def _add_process_routes(dispatcher: Dispatcher) -> None:

@@ -49,6 +49,8 @@ LARGE_RESULT_BYTES = 64 * 1024
 
 #: The current dialect answers unknown methods with JSON-RPC's "method not found".
 METHOD_NOT_FOUND = -32601
+#: ... with the text of codex exec-server 0.171.0 (the seed's is ``unknown method: NAME``).
+CURRENT_UNKNOWN_METHOD = "exec-server stub does not implement `{}` yet"
 
 #: /readyz's reason (and the 503 to new WebSocket connections) while the
 #: server stops: the listeners stay open until every session has ended.
@@ -445,10 +447,11 @@ class Connection:
             self.session.speaks_current_dialect = True
         if route is None:
             self._count("<unknown>", "error")
-            message = f"unknown method: {req.method}"
             if self.speaks_current_dialect:
+                message = CURRENT_UNKNOWN_METHOD.format(req.method)
                 self._send_error(req.id, RpcError(METHOD_NOT_FOUND, message))
             else:
+                message = f"unknown method: {req.method}"
                 self._send_error(req.id, RpcError.invalid_request(message))
             return
         try:

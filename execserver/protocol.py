@@ -820,8 +820,22 @@ FS_WATCH_MISSING = "fs/watchMissing"
 #: No family: a connection calls it first. Clients read its result
 #: leniently (``clientcore.types.InitializeResult``).
 Initialize = Method(INITIALIZE, InitializeParams, InitializeResponse, None)
-#: Current dialect; its params are null (any value is accepted).
-EnvironmentInfoMethod = Method(ENVIRONMENT_INFO, object, EnvironmentInfo, None)
+#: Current dialect; its params are null (any value is accepted). Gated on
+#: the handshake as the reference gates it ("... environment info methods").
+EnvironmentInfoMethod = Method(ENVIRONMENT_INFO, object, EnvironmentInfo, "environment info")
+
+
+class EnvironmentStatusResponse(msgspec.Struct):
+    """``environment/status``: the reference's ``{"status": "ready"}``."""
+
+    status: Literal["ready"] = "ready"
+
+
+ENVIRONMENT_STATUS = "environment/status"
+#: Current dialect; params ``null``, absent or ``{}`` (the reference's unit).
+EnvironmentStatusMethod = Method(
+    ENVIRONMENT_STATUS, object, EnvironmentStatusResponse, "environment status"
+)
 FsWatchMissing = Method(
     FS_WATCH_MISSING, FsWatchMissingParams, FsWatchMissingResponse, "filesystem"
 )
@@ -834,6 +848,7 @@ FsWalk = Method(FS_WALK, FsWalkParams, FsWalkResponse, "filesystem")
 DIALECT_METHODS: tuple[Method[Any, Any], ...] = (
     Initialize,
     EnvironmentInfoMethod,
+    EnvironmentStatusMethod,
     FsWatchMissing,
     FsCanonicalize,
     FsWalk,

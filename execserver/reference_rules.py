@@ -7,6 +7,7 @@ spawn-error wording (docs/protocol.md, "Dialects").
 from __future__ import annotations
 
 import errno
+import re
 
 from execserver.errors import RpcError
 from execserver.spawn import SpawnError, os_error_text
@@ -66,3 +67,40 @@ def reference_spawn_error(exc: SpawnError) -> RpcError:
     else:
         kind = exc.kind
     return RpcError(exc.code, os_error_text(exc.errno), {"kind": kind, "errno": exc.errno})
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def reference_path_error(value: str, field: str, *, process_cwd: bool = False) -> RpcError | None:
+    """The current reference's refusal of a path that is not a usable ``file://`` URI.
+
+    Its texts, as codex exec-server 0.171.0 words them (docs/protocol.md,
+    "Dialects"): no scheme, another scheme, a query, a fragment (in this
+    order), another host (``-32600``; ``-32602`` for a ``cwd``, worded
+    differently for process/start's: ``process_cwd``). ``None`` where the
+    reference would take the value (``file:/x``, ``file:x``): this server's
+    own relative-path error stays.
+    ``data`` is this server's (``relativePath``, the field, the value).
+    """
+    data = {"kind": "relativePath", "field": field, "path": value}
+    scheme = _SCHEME.match(value)
+    if scheme is None:
+        return RpcError.invalid_params("invalid URI: relative URL without a base", data)
+    if scheme[1].lower() != "file":
+        return RpcError.invalid_params(f"unsupported path URI scheme `{scheme[1].lower()}`", data)
+    if "?" in value:
+        return RpcError.invalid_params("query parameters are not allowed in path URIs", data)
+    if "#" in value:
+        return RpcError.invalid_params("fragments are not allowed in path URIs", data)
+    rest = value[scheme.end() :]
+    if rest.startswith("//") and rest[2:].split("/", 1)[0].lower() not in ("", "localhost"):
+        invalid = f"'{value}' is invalid on 'linux'"
+        if process_cwd:
+            return RpcError.invalid_params(
+                f"cwd URI `{value}` is not valid on this exec-server host: {invalid}", data
+            )
+        if field == "cwd":  # environmentConfig/read's, capabilities/discoverV2's
+            return RpcError.invalid_params(invalid, data)
+        return RpcError.invalid_request(invalid, data)
+    return None

@@ -35,6 +35,9 @@ log = Logger()
 #: The identity of every connection until a transport authenticates.
 ANONYMOUS: Final = "anonymous"
 
+#: The current reference's code for a resume of a session attached elsewhere.
+SESSION_ALREADY_ATTACHED = -32010
+
 
 @implementer(IPushProducer)
 class ResumableSession(Protocol):
@@ -143,14 +146,18 @@ class SessionRegistry:
         """The detached session ``session_id`` for a connection of ``identity``.
 
         Raises the exact errors of the contract: ``unknown session id ID``
-        (never created, expired, ended, or owned by someone else) and
-        ``session ID is already attached``.
+        (never created, expired, ended, or owned by someone else) and, as
+        codex exec-server 0.171.0, ``-32010`` ``session ID is already attached
+        to another connection`` (the code its client's recovery retries on).
         """
         session = self._sessions.get(session_id)
         if session is None or session.owner != identity:
             raise RpcError.invalid_request(f"unknown session id {session_id}")
         if session.attached:
-            raise RpcError.invalid_request(f"session {session_id} is already attached")
+            raise RpcError(
+                SESSION_ALREADY_ATTACHED,
+                f"session {session_id} is already attached to another connection",
+            )
         self._cancel_expiry(session_id)
         return session
 

@@ -36,7 +36,11 @@ from execserver.env_policy import build_env
 from execserver.errors import RpcError
 from execserver.fs.paths import uri_to_path
 from execserver.processes import ManagedProcess
-from execserver.reference_rules import reference_signal, reference_spawn_error
+from execserver.reference_rules import (
+    reference_path_error,
+    reference_signal,
+    reference_spawn_error,
+)
 from execserver.retained import RetainedChunk, RetainedTally
 from execserver.sandbox import confine
 from execserver.spawn import ProcessSpec, Spawner, SpawnError
@@ -227,7 +231,12 @@ class Session:
         else:
             cwd = params.cwd
         if not os.path.isabs(cwd):
-            raise RpcError.invalid_params(f"cwd must be an absolute path, got `{params.cwd}`")
+            refused = self.speaks_current_dialect and reference_path_error(
+                params.cwd, "cwd", process_cwd=True
+            )
+            raise refused or RpcError.invalid_params(
+                f"cwd must be an absolute path, got `{params.cwd}`"
+            )
         for arg in params.argv:
             _validate_text("argv", arg)
         _validate_text("cwd", cwd)

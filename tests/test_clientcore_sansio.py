@@ -420,9 +420,11 @@ def test_resume_gives_up_at_once_on_an_unknown_session_or_a_refused_token() -> N
     withdrawn = AuthRefused("ws://h:1", 401, "HTTP 401: token refused")
     assert attempts.failed(withdrawn, 0.1, refused=False) == "HTTP 401: token refused"
     # "already attached": the server has not noticed the drop yet; go on.
-    attached = ServerError(p.INITIALIZE, -32600, "session s-1 is already attached")
+    attached = ServerError(
+        p.INITIALIZE, -32010, "session s-1 is already attached to another connection"
+    )
     assert attempts.failed(attached, 0.1, refused=False) is None
-    assert attempts.cause == "session s-1 is already attached"
+    assert attempts.cause == "session s-1 is already attached to another connection"
 
 
 def test_resume_retries_refused_connections_for_two_seconds_then_the_server_is_gone() -> None:

@@ -276,7 +276,7 @@ async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
         )
         assert await error({}) == {
             "code": -32602,
-            "message": "Object missing required field `cwd`",
+            "message": "missing field `cwd`",
         }
         assert (await error({"cwd": 5}))["code"] == -32602
         assert (await error(None))["code"] == -32602

@@ -176,7 +176,10 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
         assert error["code"] == -32004
         assert error["message"] == "No such file or directory (os error 2)"
         unknown = (await server.request("no/suchMethod", {}))["error"]
-        assert unknown == {"code": -32601, "message": "unknown method: no/suchMethod"}
+        assert unknown == {
+            "code": -32601,
+            "message": "exec-server stub does not implement `no/suchMethod` yet",
+        }
 
 
 @pytest_twisted.ensureDeferred

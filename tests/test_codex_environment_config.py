@@ -320,12 +320,13 @@ async def test_bad_params_are_precise_errors(tmp_path: Path) -> None:
         }
         relative = await error(read_params("work"))
         assert relative["code"] == -32602
-        assert relative["message"] == "AbsolutePathBuf deserialized without a base path"
+        # The current dialect's text (codex exec-server 0.171.0's).
+        assert relative["message"] == "invalid URI: relative URL without a base"
         assert relative["data"] == {"kind": "relativePath", "field": "cwd", "path": "work"}
         missing = await error({"cwd": "/tmp", "configPaths": [["a"]]})
         assert missing == {
             "code": -32602,
-            "message": "Object missing required field `requirementsPaths`",
+            "message": "missing field `requirementsPaths`",
         }
         wrong = await error({"cwd": "/tmp", "configPaths": [["a", 1]], "requirementsPaths": []})
         assert wrong == {

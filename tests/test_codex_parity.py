@@ -10,8 +10,10 @@ docs/protocol.md ("Dialects"), docs/process-control.md ("Background descendants"
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 import pytest_twisted
 
+from execserver import protocol as p
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
 from execserver.fs.paths import path_to_uri
@@ -27,8 +30,16 @@ from execserver.reference_rules import reference_signal, reference_spawn_error
 from execserver.spawn import SpawnError
 from tests.codex.fetch_codex import fetch
 from tests.support.fakes import Harness, Second, drop
-from tests.support.harness import DEFAULT_TIMEOUT, pid_alive, server_env, unb64
+from tests.support.harness import (
+    DEFAULT_TIMEOUT,
+    b64,
+    console_script,
+    pid_alive,
+    server_env,
+    unb64,
+)
 from tests.support.polling import until
+from tests.support.raw_server import RawServer
 from tests.support.stdio_server import ServerProcess
 from tests.support.ws_harness import WsServerProcess
 from tests.support.ws_harness import connect as ws_connect
@@ -715,3 +726,469 @@ def test_the_reference_signal_forms() -> None:
         -32602,
         "unknown variant `terminate`, expected `interrupt`",
     )
+
+
+# --- the audit of codex exec-server 0.171.0's current answers ------------------------------
+#
+# Each request below was sent to the reference and to this server; the answers
+# here are the reference's, byte for byte (test_the_same_answers_as_the_reference_too
+# checks that they still are).
+
+
+async def _handshake_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """Before and after the handshake, as a Codex client that has not finished it."""
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any = None) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    await ask("info before initialize", "environment/info")
+    await ask("status before initialize", "environment/status")
+    await server.call("initialize", CODEX_INIT)
+    await ask("info before initialized", "environment/info")
+    await ask("status before initialized", "environment/status")
+    await ask("unknown before initialized", "no/such")
+    server.notify("initialized", {})
+    await ask("unknown", "no/such")
+    await ask("initialized as a request", "initialized", {})
+    for name, params in (("null", None), ("{}", {}), ("a map", {"x": 1}), ("a list", [1])):
+        await ask(f"status {name}", "environment/status", params)
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_same_answers_as_the_reference_too(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(None, env, reference=True) as reference:
+        expected = await _handshake_script(reference, tmp_path)
+    async with serving(None, env) as server:
+        got = await _handshake_script(server, tmp_path)
+    differences = [
+        f"{name}: reference {ref} | ours {ours}"
+        for (name, ref), (_, ours) in zip(expected, got, strict=True)
+        if ours != ref
+    ]
+    assert not differences, "\n".join(differences)
+
+
+@pytest_twisted.ensureDeferred
+async def test_environment_methods_and_unknown_methods_as_the_reference() -> None:
+    async with serving(None) as server:
+        error = (await server.request("environment/info"))["error"]
+        assert error == {
+            "code": -32600,
+            "message": "client must call initialize before using environment info methods",
+        }
+        await server.call("initialize", CODEX_INIT)
+        error = (await server.request("environment/status"))["error"]
+        assert error == {
+            "code": -32600,
+            "message": "client must send initialized before using environment status methods",
+        }
+        server.notify("initialized", {})
+        assert await server.call("environment/status") == {"status": "ready"}
+        assert await server.call("environment/status", {}) == {"status": "ready"}
+        error = (await server.request("environment/status", {"x": 1}))["error"]
+        assert error == {"code": -32602, "message": "invalid type: map, expected unit"}
+        assert (await server.request("no/such", {}))["error"] == {
+            "code": -32601,
+            "message": "exec-server stub does not implement `no/such` yet",
+        }
+    async with serving(SEED_INIT) as server:
+        # A seed-era client keeps the seed's answer.
+        assert (await server.request("no/such", {}))["error"] == {
+            "code": -32600,
+            "message": "unknown method: no/such",
+        }
+
+
+async def _block_read_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """fs/open, fs/readBlock, fs/close, and fs/readFile of what is not a file."""
+    work = tmp_path / "blocks"
+    work.mkdir(parents=True)
+    (work / "f").write_bytes(b"hello world")
+    (work / "d").mkdir()
+    os.mkfifo(work / "fifo")
+    uri = path_to_uri(str(work))
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    for name in ("d", "fifo", "d/../d"):
+        await ask(f"read {name}", "fs/readFile", {"path": f"{uri}/{name}", "sandbox": None})
+        await ask(f"open {name}", "fs/open", {"handleId": "x", "path": f"{uri}/{name}"})
+    await ask("open missing", "fs/open", {"handleId": "x", "path": f"{uri}/nope"})
+    await ask("open", "fs/open", {"handleId": "h", "path": f"{uri}/f", "sandbox": None})
+    await ask("open again", "fs/open", {"handleId": "h", "path": f"{uri}/f"})
+    await ask("open 32 bytes", "fs/open", {"handleId": "\xe9" * 16, "path": f"{uri}/f"})
+    await ask("open 34 bytes", "fs/open", {"handleId": "\xe9" * 17, "path": f"{uri}/f"})
+    for offset, length in ((1, 3), (0, 11), (0, 12), (11, 1), (100, 2), (0, 0), (0, 1048577)):
+        params = {"handleId": "h", "offset": offset, "len": length}
+        await ask(f"block {offset}+{length}", "fs/readBlock", params)
+    await ask("block unknown", "fs/readBlock", {"handleId": "zz", "offset": 0, "len": 1})
+    await ask("block too far", "fs/readBlock", {"handleId": "h", "offset": p.I64_MAX, "len": 1})
+    await ask("block after a failed read", "fs/readBlock", {"handleId": "h", "offset": 0, "len": 1})
+    await ask("close unknown", "fs/close", {"handleId": "zz"})
+    await ask("close", "fs/close", {"handleId": "\xe9" * 16})
+    await ask("block closed", "fs/readBlock", {"handleId": "\xe9" * 16, "offset": 0, "len": 1})
+    for n in range(129):
+        params = {"handleId": f"n{n}", "path": f"{uri}/f", "sandbox": None}
+        response = _answer(await server.request("fs/open", params))
+        if n >= 127:
+            answers.append((f"open #{n + 1}", response))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_block_reads_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _block_read_script(reference, tmp_path / "ref")
+    async with serving(CODEX_INIT, env) as server:
+        got = await _block_read_script(server, tmp_path / "ours")
+    used: set[str] = set()
+    differences = []
+    for (name, ref), (_, ours) in zip(expected, got, strict=True):
+        shown = _strip_allowed(ours, ref, "", used)
+        ref_text = json.dumps(ref).replace(str(tmp_path / "ref"), "TMP")
+        if json.dumps(shown).replace(str(tmp_path / "ours"), "TMP") != ref_text:
+            differences.append(f"{name}: reference {ref} | ours {shown}")
+    assert not differences, "\n".join(differences)
+    answers = dict(expected)
+    assert answers["block 1+3"] == {"result": {"chunk": "ZWxs", "eof": False}}
+    assert answers["open #129"]["error"]["code"] == -32600
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_handle_reads_the_file_it_opened_until_closed(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"first")
+    async with serving(CODEX_INIT) as server:
+        opened = {"handleId": "h", "path": path_to_uri(str(target)), "sandbox": None}
+        assert await server.call("fs/open", opened) == {"handleId": "h"}
+        replacement = tmp_path / "g"
+        replacement.write_bytes(b"second")
+        replacement.replace(target)
+        block = {"handleId": "h", "offset": 0, "len": 16}
+        # The end of the file leaves the handle open; it reads what it opened.
+        for _ in range(2):
+            assert await server.call("fs/readBlock", block) == {"chunk": b64(b"first"), "eof": True}
+        replaced = f"{target} (deleted)"  # how /proc names the file renamed over
+        assert _descriptors_of(server.pid, replaced) == 1
+        assert await server.call("fs/close", {"handleId": "h"}) == {}
+        assert _descriptors_of(server.pid, replaced) == 0
+        error = (await server.request("fs/readBlock", block))["error"]
+        assert error == {"code": -32004, "message": "unknown file handle `h`"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connections_handles_close_with_it(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"x")
+    server = await WsServerProcess.start()
+    try:
+        assert server.pid is not None
+        client = await ws_connect(server.url)
+        await client.call("initialize", CODEX_INIT)
+        client.notify("initialized", {})
+        for n in range(3):
+            await client.call("fs/open", {"handleId": f"h{n}", "path": path_to_uri(str(target))})
+        assert _descriptors_of(server.pid, target) == 3
+        await client.close()
+        await until(
+            lambda: _descriptors_of(server.pid, target) == 0,
+            "the handles closed with their connection",
+            timeout=DEFAULT_TIMEOUT,
+        )
+    finally:
+        await server.stop()
+
+
+def _descriptors_of(pid: int | None, path: Path | str) -> int:
+    """How many of process ``pid``'s descriptors are open on ``path``."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found += os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)
+        except OSError:
+            continue
+    return found
+
+
+#: Paths that are not usable file URIs, and what codex exec-server 0.171.0 says of each.
+REFUSED_PATHS = (
+    ("rel", -32602, "invalid URI: relative URL without a base"),
+    ("", -32602, "invalid URI: relative URL without a base"),
+    ("HTTP://h/x", -32602, "unsupported path URI scheme `http`"),
+    ("c:/x", -32602, "unsupported path URI scheme `c`"),
+    ("file://host/x", -32600, "'file://host/x' is invalid on 'linux'"),
+    ("file://host/x?q#f", -32602, "query parameters are not allowed in path URIs"),
+    ("file://host/x#f", -32602, "fragments are not allowed in path URIs"),
+)
+
+
+async def _refused_paths_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    answers: list[tuple[str, Any]] = []
+    for value, _, _ in REFUSED_PATHS:
+        params = {"path": value, "sandbox": None}
+        answers.append(
+            (f"metadata {value!r}", _answer(await server.request("fs/getMetadata", params)))
+        )
+        copy = {"sourcePath": "file:///", "destinationPath": value, "recursive": False}
+        answers.append((f"copy to {value!r}", _answer(await server.request("fs/copy", copy))))
+        start = _start(f"p{value}", ["/bin/true"], value)
+        answers.append((f"cwd {value!r}", _answer(await server.request("process/start", start))))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_refused_paths_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _refused_paths_script(reference, tmp_path)
+    async with serving(CODEX_INIT, env) as server:
+        got = await _refused_paths_script(server, tmp_path)
+    used: set[str] = set()
+    differences = [
+        f"{name}: reference {ref} | ours {shown}"
+        for (name, ref), (_, ours) in zip(expected, got, strict=True)
+        if (shown := _strip_allowed(ours, ref, "", used)) != ref
+    ]
+    assert not differences, "\n".join(differences)
+    assert "error.data.kind" in used
+
+
+@pytest_twisted.ensureDeferred
+async def test_current_clients_get_the_references_path_texts() -> None:
+    async with serving(CODEX_INIT) as server:
+        for value, code, message in REFUSED_PATHS:
+            error = (await server.request("fs/readFile", {"path": value}))["error"]
+            assert (error["code"], error["message"]) == (code, message), value
+            assert error["data"] == {"kind": "relativePath", "field": "path", "path": value}
+        start = _start("p", ["/bin/true"], "file://host/x")
+        error = (await server.request("process/start", start))["error"]
+        assert error["message"] == (
+            "cwd URI `file://host/x` is not valid on this exec-server host: "
+            "'file://host/x' is invalid on 'linux'"
+        )
+    async with serving(SEED_INIT) as server:
+        # A seed-era client keeps the seed's texts.
+        error = (await server.request("fs/readFile", {"path": "rel"}))["error"]
+        assert error["message"] == "AbsolutePathBuf deserialized without a base path"
+        error = (await server.request("process/start", _start("p", ["/bin/true"], "rel")))["error"]
+        assert error == {"code": -32602, "message": "cwd must be an absolute path, got `rel`"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_missing_field_is_named_in_serdes_words_for_current_clients() -> None:
+    start = {"processId": "p", "argv": ["/bin/true"], "cwd": "file:///", "tty": False}
+    async with serving(CODEX_INIT) as server:
+        error = (await server.request("process/start", start))["error"]
+        # codex exec-server 0.171.0's answer, byte for byte.
+        assert error == {"code": -32602, "message": "missing field `env`"}
+    async with serving(SEED_INIT) as server:
+        error = (await server.request("process/start", dict(start, cwd="/")))["error"]
+        assert error == {"code": -32602, "message": "Object missing required field `env`"}
+
+
+@pytest.mark.parametrize(
+    ("tmpdir", "directories", "temp"),
+    [
+        # What codex exec-server 0.171.0 reported with each $TMPDIR (its cwd: /w).
+        (None, [], "file:///tmp"),
+        ("relative/x", ["file:///w/relative/x"], "file:///w/relative/x"),
+        ("/nonexistent/dir", ["file:///nonexistent/dir"], "file:///nonexistent/dir"),
+        ("/tmp/", ["file:///tmp"], "file:///tmp"),
+        ("/tmp/a/../b", ["file:///tmp/b"], "file:///tmp/b"),
+    ],
+)
+def test_temporary_directories_as_the_reference_reports_them(
+    tmpdir: str | None, directories: list[str], temp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from execserver.codex.environment_info import environment_info
+
+    monkeypatch.chdir("/")
+    monkeypatch.setattr(os, "getcwd", lambda: "/w")
+    if tmpdir is None:
+        monkeypatch.delenv("TMPDIR", raising=False)
+    else:
+        monkeypatch.setenv("TMPDIR", tmpdir)
+    info = environment_info()
+    assert (info.temporary_directories, info.temp_dir) == (directories, temp)
+
+
+@pytest.mark.parametrize(
+    ("login", "shell"),
+    [
+        # What codex exec-server 0.171.0 reported for a user with each login
+        # shell (PATH /usr/bin:/bin; $SHELL is not asked).
+        ("/bin/sh", ("sh", "/bin/sh")),
+        ("/bin/bash", ("bash", "/bin/bash")),
+        ("/usr/bin/bash", ("bash", "/usr/bin/bash")),
+        ("/bin/dash", ("bash", "/usr/bin/bash")),
+        ("/nonexistent/zsh", ("bash", "/usr/bin/bash")),
+        (None, ("bash", "/usr/bin/bash")),
+    ],
+)
+def test_the_shell_as_the_reference_picks_it(
+    login: str | None, shell: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from execserver.codex.environment_info import shell_info
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("SHELL", "/bin/dash")
+    info = shell_info(login)
+    assert (info.name, info.path) == shell
+
+
+async def _block_write_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """fs/open with ``"mode": "replace"``, fs/writeBlock, and what the files hold."""
+    work = tmp_path / "writes"
+    (work / "dir").mkdir(parents=True)
+    (work / "old").write_bytes(b"OLD CONTENT")
+    (work / "old").chmod(0o640)
+    uri = path_to_uri(str(work))
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    await ask("open new", "fs/open", {"handleId": "n", "path": f"{uri}/new", "mode": "replace"})
+    answers.append(("created at open", (work / "new").read_bytes()))
+    for offset, data in ((0, b"hello"), (10, b"x"), (5, b" world")):
+        params = {"handleId": "n", "offset": offset, "chunk": b64(data)}
+        await ask(f"write {offset}", "fs/writeBlock", params)
+    await ask("read a write handle", "fs/readBlock", {"handleId": "n", "offset": 0, "len": 1})
+    await ask(
+        "write after a failure", "fs/writeBlock", {"handleId": "n", "offset": 0, "chunk": "eA=="}
+    )
+    answers.append(("new", (work / "new").read_bytes()))
+    await ask("open old", "fs/open", {"handleId": "o", "path": f"{uri}/old", "mode": "replace"})
+    await ask("write old", "fs/writeBlock", {"handleId": "o", "offset": 0, "chunk": b64(b"new")})
+    for name, chunk, offset in (
+        ("too long", "A" * 1398104, 0),
+        ("empty", "", 0),
+        ("too far", "eA==", p.I64_MAX),
+        ("bad base64", "!!", 0),
+    ):
+        params = {"handleId": "o", "offset": offset, "chunk": chunk}
+        await ask(f"write {name}", "fs/writeBlock", params)
+    await ask("close old", "fs/close", {"handleId": "o"})
+    answers.append(("old", ((work / "old").read_bytes(), oct((work / "old").stat().st_mode))))
+    await ask(
+        "replace a directory", "fs/open", {"handleId": "d", "path": f"{uri}/dir", "mode": "replace"}
+    )
+    await ask(
+        "replace under a missing directory",
+        "fs/open",
+        {"handleId": "m", "path": f"{uri}/no/f", "mode": "replace"},
+    )
+    await ask("another mode", "fs/open", {"handleId": "w", "path": f"{uri}/new", "mode": "write"})
+    await ask("read", "fs/open", {"handleId": "r", "path": f"{uri}/new", "mode": "read"})
+    await ask(
+        "write a read handle", "fs/writeBlock", {"handleId": "r", "offset": 0, "chunk": "eA=="}
+    )
+    await ask("write unknown", "fs/writeBlock", {"handleId": "zz", "offset": 0, "chunk": "eA=="})
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_block_writes_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _block_write_script(reference, tmp_path / "ref")
+    async with serving(CODEX_INIT, env) as server:
+        got = await _block_write_script(server, tmp_path / "ours")
+    used: set[str] = set()
+    differences = []
+    for (name, ref), (_, ours) in zip(expected, got, strict=True):
+        shown = _strip_allowed(ours, ref, "", used)
+        if shown != ref:
+            differences.append(f"{name}: reference {ref} | ours {shown}")
+    assert not differences, "\n".join(differences)
+    answers = dict(expected)
+    assert answers["new"] == b"hello world"
+    assert answers["old"] == (b"new", "0o100640")
+
+
+#: Runs the server with soft and hard RLIMIT_NOFILE 256 (64 descriptors reserved).
+_LIMITED = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def _raw_answer(server: RawServer, request_id: int) -> dict[str, Any]:
+    while True:
+        message = server.read_message(DEFAULT_TIMEOUT)
+        if message.get("id") == request_id:
+            return message
+
+
+def test_handles_are_bounded_on_the_whole_server_too(tmp_path: Path) -> None:
+    """Beyond the reference's 128 per connection: half the descriptors kept out of
+    the process limit (a limit of 256 keeps 64, so 32 handles), so handles never
+    starve process starts."""
+    target = path_to_uri(str(tmp_path / "f"))
+    (tmp_path / "f").write_bytes(b"x")
+    server = RawServer(command=[sys.executable, "-c", _LIMITED, console_script("exec-server")])
+    try:
+        server.call("initialize", CODEX_INIT)
+        server.send({"method": "initialized", "params": {}})
+        for n in range(32):
+            request = server.request("fs/open", {"handleId": f"h{n}", "path": target})
+            assert _raw_answer(server, request)["result"] == {"handleId": f"h{n}"}
+        request = server.request("fs/open", {"handleId": "one more", "path": target})
+        assert _raw_answer(server, request)["error"] == {
+            "code": -32600,
+            "message": "too many file handles are open on this server (limit 32);"
+            " close some or retry later",
+            "data": {"kind": "busy"},
+        }
+        # A process still starts (the reserve is not used up), and a closed
+        # handle makes room.
+        start = _start("p", ["/bin/true"], "file:///")
+        assert "result" in _raw_answer(server, server.request("process/start", start))
+        assert _raw_answer(server, server.request("fs/close", {"handleId": "h0"}))["result"] == {}
+        request = server.request("fs/open", {"handleId": "one more", "path": target})
+        assert _raw_answer(server, request)["result"] == {"handleId": "one more"}
+    finally:
+        server.stop()
+
+
+def _listing(tmp_path: Path) -> Path:
+    listed = tmp_path / "listed"
+    (listed / "dir").mkdir(parents=True)
+    (listed / "file").write_bytes(b"x")
+    os.mkfifo(listed / "fifo")
+    for name, target in (
+        ("lfile", "file"),
+        ("ldir", "dir"),
+        ("lfifo", "fifo"),
+        ("dangling", "nowhere"),
+        ("loop", "loop"),
+    ):
+        (listed / name).symlink_to(target)
+    return listed
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_listing_leaves_dangling_symlinks_out_as_the_reference(tmp_path: Path) -> None:
+    listed = _listing(tmp_path)
+    params = {"path": path_to_uri(str(listed)), "sandbox": None}
+    env = _server_env(tmp_path)
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await reference.call("fs/readDirectory", params)
+    async with serving(CODEX_INIT, env) as server:
+        got = await server.call("fs/readDirectory", params)
+    ours = {e["fileName"]: {k: v for k, v in e.items() if k != "isSymlink"} for e in got["entries"]}
+    assert ours == {e["fileName"]: e for e in expected["entries"]}
+    assert set(ours) == {"dir", "file", "fifo", "lfile", "ldir", "lfifo"}
+    # A seed-era client still sees them, as symlinks to nothing.
+    async with serving(SEED_INIT) as server:
+        seed = await server.call("fs/readDirectory", {"path": str(listed)})
+    names = {e.pop("fileName"): e for e in seed["entries"]}
+    nothing = {"isDirectory": False, "isFile": False, "isSymlink": True}
+    assert names["dangling"] == names["loop"] == nothing

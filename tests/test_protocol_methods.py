@@ -153,8 +153,15 @@ def test_every_server_route_is_a_declared_method() -> None:
     from execserver.codex.capability_discovery import CapabilitiesDiscoverV2
     from execserver.codex.environment_config import EnvironmentConfigRead
     from execserver.fs.handlers import ReadFileWire, WriteFileWire
+    from execserver.fs.handles import METHODS as BLOCK_READS
 
-    declarations = (*p.METHODS, *p.DIALECT_METHODS, CapabilitiesDiscoverV2, EnvironmentConfigRead)
+    declarations = (
+        *p.METHODS,
+        *p.DIALECT_METHODS,
+        *BLOCK_READS,
+        CapabilitiesDiscoverV2,
+        EnvironmentConfigRead,
+    )
     declared = {method.name: method for method in declarations}
     assert len(declared) == len(declarations)  # each name declared once
     server_decode = {p.FS_READ_FILE: ReadFileWire, p.FS_WRITE_FILE: WriteFileWire}

@@ -74,9 +74,10 @@ def test_an_attached_session_cannot_be_taken_and_is_never_replaced() -> None:
     h = resumable()
     other = Second(h)
     response = other.call("initialize", {"clientName": "t", "resumeSessionId": h.session_id})
+    # codex exec-server 0.171.0's answer (its client retries on -32010).
     assert response["error"] == {
-        "code": -32600,
-        "message": f"session {h.session_id} is already attached",
+        "code": -32010,
+        "message": f"session {h.session_id} is already attached to another connection",
     }
     # The refused connection can still create its own session.
     fresh = other.call("initialize", {"clientName": "t"})["result"]

@@ -64,8 +64,8 @@ async def test_resume_error_texts_are_exact() -> None:
         other = await connect(server.url)
         taken = await initialize(other, resumeSessionId=session_id)
         assert taken["error"] == {
-            "code": -32600,
-            "message": f"session {session_id} is already attached",
+            "code": -32010,
+            "message": f"session {session_id} is already attached to another connection",
         }
         await other.close()
         await client.close()

@@ -10,9 +10,10 @@ environment is built with is :mod:`execserver.env_policy` (the session's).
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import sys
-import tempfile
+from collections.abc import Mapping
 from typing import Final
 
 from execserver import protocol as p
@@ -46,23 +47,58 @@ def capabilities() -> dict[str, bool]:
     return found
 
 
-def _shell() -> p.ShellInfo:
-    path = os.environ.get("SHELL") or shutil.which("bash") or "/bin/sh"
-    return p.ShellInfo(os.path.basename(path), path)
+#: The shells the reference names from a login shell (others fall back to bash).
+KNOWN_SHELLS: Final = frozenset({"bash", "zsh", "sh"})
+
+
+def login_shell() -> str | None:
+    """The user's login shell from the password database (None if unknown)."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_shell or None
+    except KeyError:
+        return None
+
+
+def shell_info(login: str | None) -> p.ShellInfo:
+    """As codex exec-server 0.171.0 reports the shell (``$SHELL`` is not asked).
+
+    The login shell when it is bash, zsh or sh and exists; else bash on
+    ``PATH``; else ``/bin/sh``. (Measured: login shells /bin/sh, /bin/bash
+    and /usr/bin/bash were reported as they are; /bin/dash and a missing
+    /nonexistent/zsh as ``bash`` at ``/usr/bin/bash`` with PATH /usr/bin:/bin.)
+    """
+    if login and os.path.basename(login) in KNOWN_SHELLS and os.access(login, os.X_OK):
+        return p.ShellInfo(os.path.basename(login), login)
+    bash = shutil.which("bash")
+    if bash is not None:
+        return p.ShellInfo("bash", bash)
+    return p.ShellInfo("sh", "/bin/sh")
+
+
+def temporary_directory(environ: Mapping[str, str]) -> str | None:
+    """``$TMPDIR`` made absolute (against the cwd) and normal, as the reference reads it.
+
+    None when it is unset or empty (the reference's ``temporaryDirectories``
+    is then ``[]`` and its ``tempDir`` ``/tmp``). Whether it exists is not
+    asked, as the reference does not.
+    """
+    value = environ.get("TMPDIR", "")
+    return os.path.normpath(os.path.abspath(value)) if value else None
 
 
 def environment_info() -> p.EnvironmentInfo:
     # The home environmentConfig/read reports too: $HOME, else the password
     # database's (an empty $HOME is not a home).
     home = environment_config.user_home(os.environ) or "/"
+    tmpdir = temporary_directory(os.environ)
     return p.EnvironmentInfo(
-        shell=_shell(),
+        shell=shell_info(login_shell()),
         executor_version=EXECUTOR_VERSION,
         cwd=path_to_uri(os.getcwd()),
         user_home_dir=path_to_uri(home),
         platform_os=sys.platform if sys.platform != "darwin" else "macos",
         prepend_path_dirs=[],
-        temporary_directories=[],
-        temp_dir=path_to_uri(tempfile.gettempdir()),
+        temporary_directories=[] if tmpdir is None else [path_to_uri(tmpdir)],
+        temp_dir=path_to_uri(tmpdir or "/tmp"),
         capabilities=capabilities(),
     )

@@ -20,7 +20,7 @@ from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.config import ServerConfig
 from execserver.errors import RpcError
-from execserver.fs import journal, local, ops, stream
+from execserver.fs import handles, journal, local, ops, stream
 from execserver.fs.budget import Charge, Charged, ReplyBudget
 from execserver.fs.local import Locality
 from execserver.fs.paths import absolute_path, invalid
@@ -85,6 +85,19 @@ class Router(Protocol):
 # --- the handlers ---------------------------------------------------------------
 
 
+def _maybe_dangling(entry: p.FsReadDirectoryEntry) -> bool:
+    # A symlink to neither a file nor a directory: dangling, looping, or to a FIFO or device.
+    return entry.is_symlink is True and not entry.is_file and not entry.is_directory
+
+
+def _not_a_file(path: str, error: RpcError) -> RpcError:
+    """Current dialect: fs/readFile of a directory or non-regular file, in the reference's text."""
+    kind = error.data.get("kind") if isinstance(error.data, dict) else None
+    if kind in ("isADirectory", "notRegularFile"):
+        return handles.not_a_file(absolute_path(path), kind)
+    return error
+
+
 def _verified(locality: Locality, directory: str, func: Any, *args: Any) -> Any:
     """Run ``func`` (on the pool), then consider ``directory`` for inline calls."""
     result = func(*args)
@@ -122,6 +135,23 @@ class FileSystem:
         return self.run(self.guard.run, sandbox, reads, writes, func, *args, owner=conn)
 
     def read_file(self, conn: object, params: ReadFileWire) -> Deferred[Any] | Charged:
+        if not getattr(conn, "speaks_current_dialect", False):
+            return self._read_file(conn, params)
+        try:
+            answer = self._read_file(conn, params)
+        except RpcError as error:
+            raise _not_a_file(params.path, error) from None
+        if isinstance(answer, Deferred):
+
+            def reworded(failure: Failure) -> None:
+                error = failure.trap(RpcError) and failure.value
+                assert isinstance(error, RpcError)
+                raise _not_a_file(params.path, error)
+
+            return answer.addErrback(reworded)
+        return answer
+
+    def _read_file(self, conn: object, params: ReadFileWire) -> Deferred[Any] | Charged:
         path = absolute_path(params.path)
         limit = self.max_read_file_bytes
         ranged = params.offset is not None or params.length is not None
@@ -284,6 +314,31 @@ class FileSystem:
         return self._run_verified(directory, ops.get_metadata, path, owner=conn)
 
     def read_directory(
+        self, conn: object, params: p.FsReadDirectoryParams
+    ) -> Deferred[Any] | p.FsReadDirectoryResponse:
+        listed = self._read_directory(conn, params)
+        if not getattr(conn, "speaks_current_dialect", False):
+            return listed
+        # The current reference leaves dangling and looping symlinks out.
+        if isinstance(listed, Deferred):
+            return listed.addCallback(self._without_dangling, conn, params)
+        return self._without_dangling(listed, conn, params)
+
+    def _without_dangling(
+        self, listed: p.FsReadDirectoryResponse, conn: object, params: p.FsReadDirectoryParams
+    ) -> Deferred[Any] | p.FsReadDirectoryResponse:
+        if not any(_maybe_dangling(entry) for entry in listed.entries):
+            return listed
+        path = absolute_path(params.path)
+        if self.guard.applies(params.sandbox):
+            # Under the same confinement as the listing: a target it cannot
+            # see stays unseen.
+            return self._guarded(
+                conn, params.sandbox, ((path, False),), (), ops.without_dangling, listed, path
+            )
+        return self.run(ops.without_dangling, listed, path, owner=conn)
+
+    def _read_directory(
         self, conn: object, params: p.FsReadDirectoryParams
     ) -> Deferred[Any] | p.FsReadDirectoryResponse:
         path = absolute_path(params.path)

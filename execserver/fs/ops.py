@@ -647,6 +647,20 @@ def read_directory(path: str) -> p.FsReadDirectoryResponse:
     return p.FsReadDirectoryResponse(entries)
 
 
+def without_dangling(listed: p.FsReadDirectoryResponse, path: str) -> p.FsReadDirectoryResponse:
+    """``listed`` without its dangling or looping symlinks (the current reference's listing)."""
+    directory = resolve_path(path)
+    kept = []
+    for entry in listed.entries:
+        if entry.is_symlink is True and not entry.is_file and not entry.is_directory:
+            try:
+                os.stat(os.path.join(directory, entry.file_name))
+            except OSError:
+                continue
+        kept.append(entry)
+    return p.FsReadDirectoryResponse(kept)
+
+
 def _refuse_root() -> NoReturn:
     raise invalid(ROOT_MESSAGE, "rootDirectory")
 

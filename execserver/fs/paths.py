@@ -30,6 +30,8 @@ _T = TypeVar("_T")
 #: Family named in "client must call initialize before using filesystem methods".
 FAMILY: Final = "filesystem"
 _RELATIVE_PATH_MESSAGE: Final = "AbsolutePathBuf deserialized without a base path"
+#: (Public: the current dialect rewords it, app._current_error.)
+RELATIVE_PATH_MESSAGE: Final = _RELATIVE_PATH_MESSAGE
 NUL_MESSAGE: Final = "file name contained an unexpected NUL byte"
 ROOT_MESSAGE: Final = "fs/remove refuses to remove the root directory `/`"
 # --- errors -------------------------------------------------------------------
