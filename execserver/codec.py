@@ -745,7 +745,9 @@ def cut_long_params(line: Line, raw: msgspec.Raw | None, key: str) -> LongCut | 
 
     One search for the string (its quotes, a ``memchr`` each) and one parse of
     the copy without it, done once per request: :func:`decode_long_params` and
-    :func:`has_uri_value` both use the result.
+    :func:`has_uri_value` both use the result. The first ``"key":"`` may lie
+    outside the params (an unknown member before them): then there is no cut
+    either (the stand-in, which no client can send, is not in the params).
     """
     if raw is None or len(raw) < LONG_PARAMS_BYTES:
         return None
@@ -756,8 +758,8 @@ def cut_long_params(line: Line, raw: msgspec.Raw | None, key: str) -> LongCut | 
         envelope = _envelope_decoder.decode(_cut(memoryview(line), span))
     except Exception:  # the full decode gives the exact answer
         return None
-    if not isinstance(envelope.params, msgspec.Raw):
-        return None
+    if not isinstance(envelope.params, msgspec.Raw) or _STAND_IN not in bytes(envelope.params):
+        return None  # (the string cut lies outside the params)
     return envelope.params, span
 
 
