@@ -104,32 +104,30 @@ class MappedBuffer:
         self._spare = spare
         self.size = 0
 
-    def append(self, data: bytes | bytearray | memoryview) -> None:
+    def _room(self, size: int, populate: bool) -> mmap.mmap:
+        """The mapping, grown to hold ``size`` bytes after the content; with
+        ``populate``, their pages faulted in first (those resident already
+        are not walked again: on a reused mapping that walk cost as much as
+        the copy)."""
         buffer = self._map
-        assert buffer is not None, "append after take"
-        end = self.size + len(data)
+        assert buffer is not None, "append or tail after take"
+        end = self.size + size
         if end > len(buffer):
             buffer.resize(max(end, 2 * len(buffer)))
-        if len(data) >= POPULATE_BYTES and end > self._populated:
-            # (Pages already resident are not walked again: on a reused
-            # mapping that walk cost as much as the copy.)
+        if populate and end > self._populated:
             _populate(buffer, max(self.size, self._populated), end)
             self._populated = end
-        buffer[self.size : end] = data
+        return buffer
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        end = self.size + len(data)
+        self._room(len(data), len(data) >= POPULATE_BYTES)[self.size : end] = data
         self.size = end
 
     def tail(self, size: int) -> memoryview:
         """A writable view of the ``size`` bytes after the content, its pages
         resident: read into it, release it, then :meth:`commit` what was read."""
-        buffer = self._map
-        assert buffer is not None, "tail after take"
-        end = self.size + size
-        if end > len(buffer):
-            buffer.resize(max(end, 2 * len(buffer)))
-        if end > self._populated:
-            _populate(buffer, max(self.size, self._populated), end)
-            self._populated = end
-        return memoryview(buffer)[self.size : end]
+        return memoryview(self._room(size, True))[self.size : self.size + size]
 
     def commit(self, size: int) -> None:
         """The next ``size`` bytes of :meth:`tail` are content now."""
