@@ -104,32 +104,30 @@ class MappedBuffer:
         self._spare = spare
         self.size = 0
 
-    def append(self, data: bytes | bytearray | memoryview) -> None:
+    def _room(self, size: int, populate: bool) -> mmap.mmap:
+        """The mapping, grown to hold ``size`` bytes after the content; with
+        ``populate``, their pages faulted in first (those resident already
+        are not walked again: on a reused mapping that walk cost as much as
+        the copy)."""
         buffer = self._map
-        assert buffer is not None, "append after take"
-        end = self.size + len(data)
+        assert buffer is not None, "append or tail after take"
+        end = self.size + size
         if end > len(buffer):
             buffer.resize(max(end, 2 * len(buffer)))
-        if len(data) >= POPULATE_BYTES and end > self._populated:
-            # (Pages already resident are not walked again: on a reused
-            # mapping that walk cost as much as the copy.)
+        if populate and end > self._populated:
             _populate(buffer, max(self.size, self._populated), end)
             self._populated = end
-        buffer[self.size : end] = data
+        return buffer
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        end = self.size + len(data)
+        self._room(len(data), len(data) >= POPULATE_BYTES)[self.size : end] = data
         self.size = end
 
     def tail(self, size: int) -> memoryview:
         """A writable view of the ``size`` bytes after the content, its pages
         resident: read into it, release it, then :meth:`commit` what was read."""
-        buffer = self._map
-        assert buffer is not None, "tail after take"
-        end = self.size + size
-        if end > len(buffer):
-            buffer.resize(max(end, 2 * len(buffer)))
-        if end > self._populated:
-            _populate(buffer, max(self.size, self._populated), end)
-            self._populated = end
-        return memoryview(buffer)[self.size : end]
+        return memoryview(self._room(size, True))[self.size : self.size + size]
 
     def commit(self, size: int) -> None:
         """The next ``size`` bytes of :meth:`tail` are content now."""
@@ -745,7 +743,9 @@ def cut_long_params(line: Line, raw: msgspec.Raw | None, key: str) -> LongCut | 
 
     One search for the string (its quotes, a ``memchr`` each) and one parse of
     the copy without it, done once per request: :func:`decode_long_params` and
-    :func:`has_uri_value` both use the result.
+    :func:`has_uri_value` both use the result. The first ``"key":"`` may lie
+    outside the params (an unknown member before them): then there is no cut
+    either (the stand-in, which no client can send, is not in the params).
     """
     if raw is None or len(raw) < LONG_PARAMS_BYTES:
         return None
@@ -756,8 +756,8 @@ def cut_long_params(line: Line, raw: msgspec.Raw | None, key: str) -> LongCut | 
         envelope = _envelope_decoder.decode(_cut(memoryview(line), span))
     except Exception:  # the full decode gives the exact answer
         return None
-    if not isinstance(envelope.params, msgspec.Raw):
-        return None
+    if not isinstance(envelope.params, msgspec.Raw) or _STAND_IN not in bytes(envelope.params):
+        return None  # (the string cut lies outside the params)
     return envelope.params, span
 
 

@@ -455,10 +455,9 @@ class Connection:
                 self._send_error(req.id, RpcError.invalid_request(message))
             return
         try:
-            if isinstance(line, codec.StreamedLine) and long_string is not None:
-                params = codec.decode_long_params(line, req.params, route.params_type, *long_string)
-            elif long_string is not None and not isinstance(line, str):
-                # (fs/writeFile: its data is not parsed a second time.)
+            if long_string is not None and not isinstance(line, str):
+                # (fs/writeFile: its data is not parsed a second time; a
+                # streamed line has no cut, its sink consumed the string.)
                 key, attribute = long_string
                 params = codec.decode_long_params(
                     line, req.params, route.params_type, key, attribute, cut=cut

@@ -314,3 +314,50 @@ async def test_a_start_in_flight_at_a_drop_is_sent_again_and_its_output_is_whole
             assert marker.read_text() == "ran "  # started once
 
     await in_asyncio_then_stop(scenario, proxy, server)
+
+
+#: The request_timeout of the test below (seconds): the start and the resume fit in it.
+START_TIMEOUT = 8.0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_resent_starts_catch_up_is_not_bounded_by_the_starts_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start answered on the resumed session ("already exists") then catches
+    its handle up; that catch-up is the handle's, not the request's: one that
+    runs past the start's ``request_timeout`` neither fails the start with
+    TimeoutError nor terminates the process that started (the catch-up is
+    slowed here by START_TIMEOUT seconds, so it must cross that bound)."""
+    from execserver.aio import client as aio_client
+
+    original = aio_client.Client._catch_up
+
+    async def slow_catch_up(self: Any, rpc: Any, handle: Any) -> None:
+        await asyncio.sleep(START_TIMEOUT)  # (a slow catch-up, not a synchronisation)
+        await original(self, rpc, handle)
+
+    monkeypatch.setattr(aio_client.Client, "_catch_up", slow_catch_up)
+    server, proxy = await started()
+    marker = tmp_path / "running"
+    child = f"open({str(marker)!r}, 'a').write('ran ')\n" + STREAM_SCRIPT
+
+    async def scenario() -> None:
+        async with connect(proxy, request_timeout=START_TIMEOUT) as client:
+            await on_reactor(proxy.stall_replies)
+            starting = asyncio.ensure_future(
+                client.start([sys.executable, "-c", child], cwd=CWD, env=child_env())
+            )
+            await until_asyncio(marker.exists, "the child to run", timeout=START_TIMEOUT)
+            await on_reactor(proxy.cut)
+            await on_reactor(proxy.unstall)
+            proc = await starting
+            recorder = Recorder()
+            proc.add_output_listener(recorder.output, gaps=True)
+            assert await proc.wait(timeout=30) == EXIT_CODE
+            await proc.closed(timeout=30)
+            assert bytes(recorder.data) == expected_stream()
+            assert client.resumes == 1
+            assert marker.read_text() == "ran "  # started once
+
+    await in_asyncio_then_stop(scenario, proxy, server)

@@ -490,10 +490,10 @@ def test_a_failed_start_unregisters_and_a_failed_resend_abandons_the_catch_up() 
 def test_after_start_fails_on_a_lost_session_ends_on_a_drop_for_good() -> None:
     table: ProcessTable[_Handle] = ProcessTable(_Clock().schedule)
     kept, ended, failed = _Handle("a"), _Handle("b"), _Handle("c")
-    table.after_start(kept, up=False, following=True, lost=None)
-    table.after_start(ended, up=False, following=False, lost=None)
+    assert table.after_start(kept, up=False, following=True, lost=None) is True
+    assert table.after_start(ended, up=False, following=False, lost=None) is False
     lost = SessionLost("s", "gone")
-    table.after_start(failed, up=True, following=True, lost=lost)
+    assert table.after_start(failed, up=True, following=True, lost=lost) is False
     assert not kept.has_exited
     assert ended.has_exited and ended.exit_code is None and ended.is_closed
     assert failed.lost_reason is lost

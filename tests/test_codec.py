@@ -720,3 +720,30 @@ def test_the_uri_check_on_the_cut_params_answers_as_on_the_whole_params(
         cut = codec.cut_long_params(line, request.params, "dataBase64")
     assert cut is not None
     assert codec.has_uri_value(line, cut) == _has_uri_value(request.params)
+
+
+@pytest.mark.parametrize("decoy", [b'"file://x"', b'"QUJD"'])
+def test_the_uri_check_ignores_a_long_string_key_outside_the_params(decoy: bytes) -> None:
+    """The first ``"dataBase64":"`` of the line may lie outside the params
+    (an unknown top-level member before them): the cut then holds the whole
+    params, and the check answers as the search of the whole params does,
+    whatever that other string starts with."""
+    from execserver.dispatcher import _has_uri_value
+
+    line = (
+        b'{"id":1,"method":"fs/writeFile","x":{"dataBase64":'
+        + decoy
+        + b'},"params":{"path":"/tmp/t","dataBase64":"'
+        + b"QUJD" * 8
+        + b'"}}'
+    )
+    request = codec.decode_message(line)
+    assert isinstance(request, codec.IncomingRequest) and request.params is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "LONG_PARAMS_BYTES", 16)
+        cut = codec.cut_long_params(line, request.params, "dataBase64")
+    assert _has_uri_value(request.params) is False
+    # (the dispatcher's choice: the check on the cut, else the whole params searched)
+    assert (
+        codec.has_uri_value(line, cut) if cut is not None else _has_uri_value(request.params)
+    ) is False

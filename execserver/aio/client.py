@@ -678,12 +678,17 @@ class Client:
         requested = params.process_id
         handle = Process(self, requested, detach=detach, backlog_bytes=self._backlog_bytes)
 
+        resent: list[AsyncRpc] = []
+
+        async def catch_up_later(rpc: AsyncRpc) -> None:
+            resent[:] = [rpc]
+
         def send(rpc: AsyncRpc, again: bool) -> Awaitable[None]:
             # ProcessTable.start: sent again (same processId) once the
-            # session is resumed when it was in flight at a drop.
-            return self._table.start(
-                rpc.call, handle, params, again, lambda h: self._catch_up(rpc, h)
-            )
+            # session is resumed when it was in flight at a drop. The
+            # catch-up that then follows is the handle's, not the request's:
+            # made below, outside the request's timeout.
+            return self._table.start(rpc.call, handle, params, again, lambda h: catch_up_later(rpc))
 
         try:
             async with asyncio.timeout(self._request_timeout):
@@ -696,12 +701,14 @@ class Client:
                 # The request may have been carried out: do not leave an orphan.
                 self._terminate_later(requested, None)
             raise
-        self._table.after_start(
+        followed = self._table.after_start(
             handle,
             up=not self._rpc.is_closed,
             following=self._resume_enabled and self.resumable,
             lost=self.lost,
         )
+        if followed and resent:
+            await self._catch_up(resent[0], handle)
         return handle
 
     #: The one name every client gives it (the Twisted client's): ``start``

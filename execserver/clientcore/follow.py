@@ -170,15 +170,19 @@ class ProcessTable(Generic[H]):
         if again:
             await catch_up(handle)
 
-    def after_start(self, handle: H, *, up: bool, following: bool, lost: Exception | None) -> None:
+    def after_start(self, handle: H, *, up: bool, following: bool, lost: Exception | None) -> bool:
         """A start was answered (or the start loop ended): a session that
         is ``lost`` fails the handle, a connection that dropped for good
         (neither ``up`` nor ``following`` the session) ends it; otherwise it
-        is followed (a drop of a followed session keeps it for the resume)."""
+        is followed (a drop of a followed session keeps it for the resume):
+        then True."""
         if lost is not None:
             handle.fail(lost)
         elif not up and not following:
             handle.connection_lost()
+        else:
+            return True
+        return False
 
     # --- notifications ----------------------------------------------------------------
 

@@ -103,12 +103,16 @@ class LineProtocol(Protocol):
         self._transport.registerProducer(self._outbox, True)
 
     def dataReceived(self, data: bytes) -> None:
+        self._received(self._framer.feed, data)
+
+    def _received(self, frame: Callable[[Any], list[Framed]], read: object) -> None:
+        """Deliver what ``frame(read)`` (a framer's feed or filled) hands over."""
         # Small messages sent while this read is handled (typically the
         # answers to the requests in it) are gathered and written at once:
         # one write instead of one per message.
         self._batch = []
         try:
-            self._deliver(self._framer.feed(data))
+            self._deliver(frame(read))
         finally:
             self._flush_batch()
             self._batch = None
@@ -132,14 +136,7 @@ class LineProtocol(Protocol):
 
     def filled(self, size: int) -> None:
         """``size`` bytes were read into :meth:`read_target`'s view: as dataReceived."""
-        self._batch = []
-        try:
-            self._deliver(self._framer.filled(size))
-        finally:
-            self._flush_batch()
-            self._batch = None
-        if self._framer.spare.kept != self._spares_seen:
-            self._keep_spare_a_while()
+        self._received(self._framer.filled, size)
 
     def _flush_batch(self) -> None:
         batch = self._batch
