@@ -286,3 +286,35 @@ def test_the_cli_sends_the_end_of_input_again_when_a_drop_made_its_outcome_unkno
     assert proc.closes == 1
     lost.errback(OutcomeUnknown(p.PROCESS_CLOSE_STDIN, "peer dropped the TCP connection"))
     assert proc.closes == (1 if tty else 2)
+
+
+def test_a_start_sent_again_whose_catch_up_is_cut_waits_for_the_next_resume() -> None:
+    """A start in flight at a drop is sent again ("already exists") and the
+    connection drops again during its catch-up read. The handle must wait
+    for the next resume (and be caught up there), not end as if the session
+    were gone: the Twisted Deferred of the cut read resumes the start before
+    the connection's own lost listener has judged the drop. Before the fix
+    the handle exited without a code and the CLI's ``run`` said "connection
+    lost while ... was running" (exit 255) with nothing printed: the flake
+    of test_cli_run_over_websocket_survives_cuts_byte_exact."""
+    r = Resuming()
+    started = outcome(r.client.start_process(["child"], process_id="p1"))
+    expect(r.first, 1)
+    r.first.drop()
+    second = r.resumed()
+    (again,) = expect(second, 1)
+    assert again["method"] == p.PROCESS_START
+    second.error(again["id"], -32600, "process p1 already exists")
+    catch_up_read(second, 0)
+    second.drop()  # the catch-up read's answer is lost with the connection
+    (handle,) = started
+    assert isinstance(handle, RemoteProcess), handle
+    assert not handle.has_exited, "ended by a drop of a session that is resumed"
+    seen: list[bytes] = []
+    handle.add_output_listener(lambda event: seen.append(event.chunk))
+    r.first.clock.advance(5)  # the resume's backoff
+    third = r.resumed()
+    finish_catch_up(third)
+    assert b"".join(seen) == b"one two"
+    assert outcome(handle.exited()) == [5]
+    assert outcome(handle.closed()) == [None]
