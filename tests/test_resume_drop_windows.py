@@ -318,3 +318,39 @@ def test_a_start_sent_again_whose_catch_up_is_cut_waits_for_the_next_resume() ->
     assert b"".join(seen) == b"one two"
     assert outcome(handle.exited()) == [5]
     assert outcome(handle.closed()) == [None]
+
+
+def test_run_waits_for_the_close_through_a_resume_slower_than_its_bound() -> None:
+    """A drop between ``process/exited`` and ``process/closed``, and a resume
+    slower than the 2 s ``run`` gives the rest of the output after the exit
+    (a loaded machine): ``run`` must wait for the resume's catch-up, which
+    brings the output written after the exit (a descendant's) and the close.
+    Before the fix ``run`` stopped waiting at 2 s and exited with the
+    command's code, that output lost without a word."""
+    from execserver.client.cli.run import CLOSED_AFTER_EXIT_SECONDS, rest_of_output
+
+    r = Resuming()
+    started = outcome(r.client.start_process(["child"], process_id="p1"))
+    (start,) = expect(r.first, 1)
+    r.first.reply(start["id"], {"processId": "p1"})
+    (handle,) = started
+    assert isinstance(handle, RemoteProcess), handle
+    seen: list[bytes] = []
+    handle.add_output_listener(lambda event: seen.append(event.chunk))
+    r.first.send({"method": p.PROCESS_OUTPUT, "params": {"processId": "p1", **chunk(1, b"one ")}})
+    r.first.send(
+        {"method": p.PROCESS_EXITED, "params": {"processId": "p1", "exitCode": 5, "seq": 2}}
+    )
+    assert outcome(handle.exited()) == [5]
+    done = outcome(Deferred.fromCoroutine(rest_of_output(handle, r.client, r.first.clock)))
+    r.first.drop()  # process/closed (and the output after the exit) lost with it
+    r.first.clock.advance(CLOSED_AFTER_EXIT_SECONDS + 1)  # the resume is slow
+    assert done == [], "run gave up on the rest of the output during the resume"
+    second = r.resumed()
+    read = catch_up_read(second, 2)
+    answer = read_answer([chunk(3, b"late")], 5, 5)
+    answer.update({"exitedSeq": 2, "closedSeq": 4})
+    second.reply(read["id"], answer)
+    second.reply(catch_up_read(second, 4)["id"], {**answer, "chunks": []})
+    assert done == [True]
+    assert b"".join(seen) == b"one late"

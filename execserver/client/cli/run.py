@@ -463,7 +463,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 f"{_closed_reason(client) or 'connection closed'}",
                 EXIT_CONNECTION,
             )
-        await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, reactor)
+        await rest_of_output(proc, client, reactor)
         if output.broken:
             return EXIT_BROKEN_PIPE
         if interrupts.stopped_by is not None:
@@ -494,6 +494,20 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         if limit_hit is not None:
             note(limit_hit)
         await client.close()
+
+
+async def rest_of_output(proc: RemoteProcess, client: object, clock: Any) -> bool:
+    """After ``process/exited``: wait for ``process/closed`` (the rest of the
+    output), at most :data:`CLOSED_AFTER_EXIT_SECONDS` while connected. A
+    drop meanwhile is ridden through first: while ``client`` (a
+    :class:`ResumingClient`) re-dials or catches the handle up, the bound
+    starts again, so a slow resume cannot cut the output short. False when
+    the close did not come (a baseline server, or a descendant holding the
+    output open)."""
+    while not await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, clock):
+        if not (isinstance(client, ResumingClient) and (client.resuming or proc.catching_up)):
+            return False
+    return True
 
 
 def gap_line(gap: GapEvent, argv0: str, code: int | None) -> str:
