@@ -354,3 +354,34 @@ def test_run_waits_for_the_close_through_a_resume_slower_than_its_bound() -> Non
     second.reply(catch_up_read(second, 4)["id"], {**answer, "chunks": []})
     assert done == [True]
     assert b"".join(seen) == b"one late"
+
+
+def test_run_sends_the_terminate_of_a_gone_reader_again_after_a_drop() -> None:
+    """``run``'s reader went away (EPIPE) and the terminate it sent was in
+    flight at a drop (outcome unknown): it is sent again on the resumed
+    session. Before the fix it was dropped, the command (``yes``) ran on
+    with nobody reading and ``run`` waited for its exit forever."""
+    from execserver.client.cli.run import terminate_through_drops
+
+    r = Resuming()
+    started = outcome(r.client.start_process(["yes"], process_id="p1"))
+    (start,) = expect(r.first, 1)
+    r.first.reply(start["id"], {"processId": "p1"})
+    (handle,) = started
+    assert isinstance(handle, RemoteProcess), handle
+    terminate_through_drops(handle)
+    (term,) = expect(r.first, 1)
+    assert term["method"] == p.PROCESS_TERMINATE
+    r.first.drop()  # the terminate's outcome is unknown
+    second = r.resumed()
+    read = catch_up_read(second, 0)
+    second.reply(read["id"], read_answer([], 1, None))
+    (again,) = expect(second, 1)
+    assert again["method"] == p.PROCESS_TERMINATE
+    assert again["params"]["processId"] == "p1"
+    second.reply(again["id"], {"running": True})
+    second.send(
+        {"method": p.PROCESS_EXITED, "params": {"processId": "p1", "exitCode": 143, "seq": 1}}
+    )
+    assert outcome(handle.exited()) == [143]
+    assert expect(second, 0) == []  # sent again once, not more

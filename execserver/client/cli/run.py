@@ -318,6 +318,21 @@ def _ignore(_: Failure) -> None:
     """Writes racing the process's exit fail; the exit is reported anyway."""
 
 
+def terminate_through_drops(proc: RemoteProcess) -> None:
+    """Terminate ``proc`` (its output's reader went away), sent again on the
+    resumed session when a drop left the outcome unknown: nobody presses
+    Ctrl-C again for a terminate nobody asked for, and the command, its
+    output now unread, would run on while ``run`` waits for its exit.
+    A terminate repeated is harmless (the process is ending either way)."""
+
+    def failed(failure: Failure) -> None:
+        if failure.check(OutcomeUnknown) and not proc.has_exited:
+            terminate_through_drops(proc)
+
+    if not proc.has_exited:
+        proc.terminate().addErrback(failed)
+
+
 class _Interrupts:
     """Escalates on each Ctrl-C: SIGINT, then terminate, then kill at once.
 
@@ -422,8 +437,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             # As a local process would die of SIGPIPE; we then exit 141.
             if forwarder is not None:
                 forwarder.stop()
-            if not proc.has_exited:
-                proc.terminate().addErrback(_ignore)
+            terminate_through_drops(proc)
 
         output = _Output(reader_gone)
         proc.add_output_listener(output, gaps=True)
