@@ -7,7 +7,7 @@ FIN first); :meth:`CuttingProxy.cut_after` arms a cut that happens once the
 server-to-client direction has carried a given number of further bytes, so
 a test (or hypothesis) can choose where in a stream the cut falls. The
 count is of bytes handed to the client side's transport: the abort discards
-what its buffer (or the client's unread socket) still holds, as a real drop
+what its write buffer still holds (Twisted sends it on a later turn), as a real drop
 loses what is in flight, so on a loaded machine a cut "after N bytes" may
 leave the client with far fewer -- even before a reply written ahead of
 them (a ``process/start`` answer: the start is then sent again on the
