@@ -179,6 +179,11 @@ async def run_through_cuts(
         await with_timeout(observe(proto.ended), 60.0, "the CLI to finish")
         return proto
     finally:
+        # Shown with a failure (a timeout included): where the cuts fell and
+        # how far the CLI got.
+        print(f"cuts {proxy.cuts}, {proxy.s2c_bytes} bytes forwarded, {proxy.accepted} accepted")
+        print(f"CLI: ended {proto.ended.called}, stdout {len(proto.out)} bytes, stderr:")
+        print(bytes(proto.err)[-4000:].decode(errors="replace"))
         proxy.release()
         proxy.cut_at = None
         if not proto.ended.called:

@@ -302,6 +302,11 @@ async def test_cli_run_over_websocket_survives_cuts_byte_exact() -> None:
         assert bytes(proto.out) == expected_stream(), bytes(proto.err)
         assert code == EXIT_CODE, bytes(proto.err)
     finally:
+        # Shown with a failure (a timeout included): where the cuts fell and
+        # what the CLI said.
+        print(f"cuts {proxy.cuts}, {proxy.s2c_bytes} bytes forwarded, {proxy.accepted} accepted")
+        print(f"CLI: ended {proto.ended.called}, stdout {len(proto.out)} bytes, stderr:")
+        print(bytes(proto.err)[-4000:].decode(errors="replace"))
         if not proto.ended.called:
             proto.transport.signalProcess("KILL")  # type: ignore[union-attr]
         await proxy.stop()

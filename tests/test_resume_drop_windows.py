@@ -286,3 +286,102 @@ def test_the_cli_sends_the_end_of_input_again_when_a_drop_made_its_outcome_unkno
     assert proc.closes == 1
     lost.errback(OutcomeUnknown(p.PROCESS_CLOSE_STDIN, "peer dropped the TCP connection"))
     assert proc.closes == (1 if tty else 2)
+
+
+def test_a_start_sent_again_whose_catch_up_is_cut_waits_for_the_next_resume() -> None:
+    """A start in flight at a drop is sent again ("already exists") and the
+    connection drops again during its catch-up read. The handle must wait
+    for the next resume (and be caught up there), not end as if the session
+    were gone: the Twisted Deferred of the cut read resumes the start before
+    the connection's own lost listener has judged the drop. Before the fix
+    the handle exited without a code and the CLI's ``run`` said "connection
+    lost while ... was running" (exit 255) with nothing printed: the flake
+    of test_cli_run_over_websocket_survives_cuts_byte_exact."""
+    r = Resuming()
+    started = outcome(r.client.start_process(["child"], process_id="p1"))
+    expect(r.first, 1)
+    r.first.drop()
+    second = r.resumed()
+    (again,) = expect(second, 1)
+    assert again["method"] == p.PROCESS_START
+    second.error(again["id"], -32600, "process p1 already exists")
+    catch_up_read(second, 0)
+    second.drop()  # the catch-up read's answer is lost with the connection
+    (handle,) = started
+    assert isinstance(handle, RemoteProcess), handle
+    assert not handle.has_exited, "ended by a drop of a session that is resumed"
+    seen: list[bytes] = []
+    handle.add_output_listener(lambda event: seen.append(event.chunk))
+    r.first.clock.advance(5)  # the resume's backoff
+    third = r.resumed()
+    finish_catch_up(third)
+    assert b"".join(seen) == b"one two"
+    assert outcome(handle.exited()) == [5]
+    assert outcome(handle.closed()) == [None]
+
+
+def test_run_waits_for_the_close_through_a_resume_slower_than_its_bound() -> None:
+    """A drop between ``process/exited`` and ``process/closed``, and a resume
+    slower than the 2 s ``run`` gives the rest of the output after the exit
+    (a loaded machine): ``run`` must wait for the resume's catch-up, which
+    brings the output written after the exit (a descendant's) and the close.
+    Before the fix ``run`` stopped waiting at 2 s and exited with the
+    command's code, that output lost without a word."""
+    from execserver.client.cli.run import CLOSED_AFTER_EXIT_SECONDS, rest_of_output
+
+    r = Resuming()
+    started = outcome(r.client.start_process(["child"], process_id="p1"))
+    (start,) = expect(r.first, 1)
+    r.first.reply(start["id"], {"processId": "p1"})
+    (handle,) = started
+    assert isinstance(handle, RemoteProcess), handle
+    seen: list[bytes] = []
+    handle.add_output_listener(lambda event: seen.append(event.chunk))
+    r.first.send({"method": p.PROCESS_OUTPUT, "params": {"processId": "p1", **chunk(1, b"one ")}})
+    r.first.send(
+        {"method": p.PROCESS_EXITED, "params": {"processId": "p1", "exitCode": 5, "seq": 2}}
+    )
+    assert outcome(handle.exited()) == [5]
+    done = outcome(Deferred.fromCoroutine(rest_of_output(handle, r.client, r.first.clock)))
+    r.first.drop()  # process/closed (and the output after the exit) lost with it
+    r.first.clock.advance(CLOSED_AFTER_EXIT_SECONDS + 1)  # the resume is slow
+    assert done == [], "run gave up on the rest of the output during the resume"
+    second = r.resumed()
+    read = catch_up_read(second, 2)
+    answer = read_answer([chunk(3, b"late")], 5, 5)
+    answer.update({"exitedSeq": 2, "closedSeq": 4})
+    second.reply(read["id"], answer)
+    second.reply(catch_up_read(second, 4)["id"], {**answer, "chunks": []})
+    assert done == [True]
+    assert b"".join(seen) == b"one late"
+
+
+def test_run_sends_the_terminate_of_a_gone_reader_again_after_a_drop() -> None:
+    """``run``'s reader went away (EPIPE) and the terminate it sent was in
+    flight at a drop (outcome unknown): it is sent again on the resumed
+    session. Before the fix it was dropped, the command (``yes``) ran on
+    with nobody reading and ``run`` waited for its exit forever."""
+    from execserver.client.cli.run import terminate_through_drops
+
+    r = Resuming()
+    started = outcome(r.client.start_process(["yes"], process_id="p1"))
+    (start,) = expect(r.first, 1)
+    r.first.reply(start["id"], {"processId": "p1"})
+    (handle,) = started
+    assert isinstance(handle, RemoteProcess), handle
+    terminate_through_drops(handle)
+    (term,) = expect(r.first, 1)
+    assert term["method"] == p.PROCESS_TERMINATE
+    r.first.drop()  # the terminate's outcome is unknown
+    second = r.resumed()
+    read = catch_up_read(second, 0)
+    second.reply(read["id"], read_answer([], 1, None))
+    (again,) = expect(second, 1)
+    assert again["method"] == p.PROCESS_TERMINATE
+    assert again["params"]["processId"] == "p1"
+    second.reply(again["id"], {"running": True})
+    second.send(
+        {"method": p.PROCESS_EXITED, "params": {"processId": "p1", "exitCode": 143, "seq": 1}}
+    )
+    assert outcome(handle.exited()) == [143]
+    assert expect(second, 0) == []  # sent again once, not more

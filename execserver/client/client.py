@@ -406,7 +406,7 @@ class ExecServerClient(ClientApi, FileTransfers):
         await self._table.start(self._call, handle, params, again, self._catch_up)
         # A resumable session's drop keeps the handle for the resume to adopt.
         self._table.after_start(
-            handle, up=not self._rpc.is_closed, following=self._suspended, lost=None
+            handle, up=not self._rpc.is_closed, following=self._follows_drop(), lost=None
         )
         return handle
 
@@ -438,8 +438,16 @@ class ExecServerClient(ClientApi, FileTransfers):
     def _on_connection_lost(self, reason: str) -> None:
         # A resumable session lives on in the server: the handles wait for
         # a new connection to adopt them (or for fail_suspended).
-        self._suspended = self._table.dropped(self.resumable and self._closing is None)
+        self._suspended = self._table.dropped(self._follows_drop())
         self._emit(DisconnectedEvent(reason))
+
+    def _follows_drop(self) -> bool:
+        """Whether the handles outlive a drop of this connection (and wait
+        for a resume). Asked by the drop's lost listener and by a start
+        whose catch-up read the drop failed: the rpc fails the pending calls
+        (resuming their callers at once) before its lost listeners run, so
+        such a start cannot go by ``_suspended``, not set yet."""
+        return self.resumable and self._closing is None
 
     # --- resumed sessions -----------------------------------------------------------
 

@@ -511,6 +511,11 @@ class ResumingClient(_FollowsSession):
         return self.client.session_id
 
     @property
+    def resuming(self) -> bool:
+        """A drop is being ridden through: re-dialling, or catching the handles up."""
+        return self._resuming
+
+    @property
     def closed_reason(self) -> str | None:
         if self.lost is not None:
             return str(self.lost)

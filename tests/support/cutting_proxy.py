@@ -5,7 +5,13 @@ connection to ``target``. :meth:`CuttingProxy.cut` aborts every proxied
 connection on both sides (as a network failure would: no close frame, no
 FIN first); :meth:`CuttingProxy.cut_after` arms a cut that happens once the
 server-to-client direction has carried a given number of further bytes, so
-a test (or hypothesis) can choose where in a stream the cut falls.
+a test (or hypothesis) can choose where in a stream the cut falls. The
+count is of bytes handed to the client side's transport: the abort discards
+what its write buffer still holds (Twisted sends it on a later turn), as a real drop
+loses what is in flight, so on a loaded machine a cut "after N bytes" may
+leave the client with far fewer -- even before a reply written ahead of
+them (a ``process/start`` answer: the start is then sent again on the
+resumed session, and its catch-up may be cut by the next cut).
 :meth:`stall` stops forwarding without closing (a dead peer) until
 :meth:`unstall`; :meth:`stall_replies` stops only the server-to-client
 direction (requests arrive, answers are lost with the next cut).

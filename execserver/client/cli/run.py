@@ -318,6 +318,21 @@ def _ignore(_: Failure) -> None:
     """Writes racing the process's exit fail; the exit is reported anyway."""
 
 
+def terminate_through_drops(proc: RemoteProcess) -> None:
+    """Terminate ``proc`` (its output's reader went away), sent again on the
+    resumed session when a drop left the outcome unknown: nobody presses
+    Ctrl-C again for a terminate nobody asked for, and the command, its
+    output now unread, would run on while ``run`` waits for its exit.
+    A terminate repeated is harmless (the process is ending either way)."""
+
+    def failed(failure: Failure) -> None:
+        if failure.check(OutcomeUnknown) and not proc.has_exited:
+            terminate_through_drops(proc)
+
+    if not proc.has_exited:
+        proc.terminate().addErrback(failed)
+
+
 class _Interrupts:
     """Escalates on each Ctrl-C: SIGINT, then terminate, then kill at once.
 
@@ -422,8 +437,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
             # As a local process would die of SIGPIPE; we then exit 141.
             if forwarder is not None:
                 forwarder.stop()
-            if not proc.has_exited:
-                proc.terminate().addErrback(_ignore)
+            terminate_through_drops(proc)
 
         output = _Output(reader_gone)
         proc.add_output_listener(output, gaps=True)
@@ -463,7 +477,7 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
                 f"{_closed_reason(client) or 'connection closed'}",
                 EXIT_CONNECTION,
             )
-        await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, reactor)
+        await rest_of_output(proc, client, reactor)
         if output.broken:
             return EXIT_BROKEN_PIPE
         if interrupts.stopped_by is not None:
@@ -494,6 +508,20 @@ async def run_process(reactor: Any, args: argparse.Namespace, tty_mode: bool) ->
         if limit_hit is not None:
             note(limit_hit)
         await client.close()
+
+
+async def rest_of_output(proc: RemoteProcess, client: object, clock: Any) -> bool:
+    """After ``process/exited``: wait for ``process/closed`` (the rest of the
+    output), at most :data:`CLOSED_AFTER_EXIT_SECONDS` while connected. A
+    drop meanwhile is ridden through first: while ``client`` (a
+    :class:`ResumingClient`) re-dials or catches the handle up, the bound
+    starts again, so a slow resume cannot cut the output short. False when
+    the close did not come (a baseline server, or a descendant holding the
+    output open)."""
+    while not await wait_at_most(proc.closed(), CLOSED_AFTER_EXIT_SECONDS, clock):
+        if not (isinstance(client, ResumingClient) and (client.resuming or proc.catching_up)):
+            return False
+    return True
 
 
 def gap_line(gap: GapEvent, argv0: str, code: int | None) -> str:
