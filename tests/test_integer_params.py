@@ -49,6 +49,10 @@ def _base(method: str, scratch: Path | None = None) -> dict[str, Any]:
             "dataBase64": "",
             "missing": [],
             "watchId": 1,
+            "handleId": "h1",
+            "offset": 0,
+            "len": 1,
+            "chunk": "AA==",
             "sourcePath": str(target),
             "destinationPath": f"{target}.copy",
         }

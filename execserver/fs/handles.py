@@ -17,7 +17,7 @@ import base64
 import errno
 import os
 import stat
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import attrs
 import msgspec
@@ -67,8 +67,10 @@ class FsReadBlockParams(msgspec.Struct, rename="camel"):
     offset: p.U64
     len: p.U64
 
+    U64_FIELDS: ClassVar[tuple[str, ...]] = ("offset", "len")
+
     def __post_init__(self) -> None:
-        p._check_u64(self, ("offset", "len"))
+        p._check_u64(self, self.U64_FIELDS)
 
 
 class FsReadBlockResponse(msgspec.Struct):
@@ -82,8 +84,10 @@ class FsWriteBlockParams(msgspec.Struct, rename="camel"):
     #: Kept raw: decoded with the reference's base64 texts.
     chunk: str
 
+    U64_FIELDS: ClassVar[tuple[str, ...]] = ("offset",)
+
     def __post_init__(self) -> None:
-        p._check_u64(self, ("offset",))
+        p._check_u64(self, self.U64_FIELDS)
 
 
 class FsCloseParams(msgspec.Struct, rename="camel"):
