@@ -208,3 +208,30 @@ async def test_an_unrestricted_file_system_with_the_network_restricted(dirs: Dir
         "exec-server-seccomp-"
     ), refused.value.message
     assert refused.value.message.endswith(", where the server keeps its seccomp filters, writable")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_deny_rule_on_a_symlink_to_the_root_hides_the_root(dirs: Dirs) -> None:
+    # A rule on a symlink counts on its real path too: `deny` on a link to /
+    # hides / (none beats read), as a confined fs call judges it; only the
+    # deeper rules show. Before the fix bwrap was given `--ro-bind / /`
+    # (the root chosen by the lexical rules alone): everything was readable.
+    (dirs.outside / "other").write_text("other\n")
+    link = dirs.work / "root"
+    link.symlink_to("/")
+    minimal = {"type": "special", "value": {"kind": "minimal"}}
+    data = dirs.outside / "data"
+    data.mkdir()
+    sandbox = profile(dirs, (ROOT, "read"), (minimal, "read"), (link, "deny"), (data, "write"))
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ran = await run(
+            server,
+            attempt(data / "in")
+            + f'; cat "{dirs.outside}/other" 2>/dev/null && echo LEAK'
+            + f'; cat "{link}{dirs.outside}/other" 2>/dev/null && echo LINK-LEAK',
+            data,
+            sandbox,
+            env=env_for(dirs, "bwrap"),
+        )
+    assert outcome(ran.output) == {str(data / "in"): "OK"}, ran.output
+    assert b"LEAK" not in ran.output, ran.output

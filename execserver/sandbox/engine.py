@@ -547,9 +547,11 @@ class SandboxEngine:
         args.append("--unshare-pid")
         if not policy.network:
             args.append("--unshare-net")
-        # Rules on symlinks count on their real paths too (below).
+        # Rules on symlinks count on their real paths too (below), the root's
+        # as well: a ``deny`` on a link to / hides / (none beats read).
         seen = effective(policy)
-        if not policy.full_read:
+        full_read = seen.full_read
+        if not full_read:
             args += ["--tmpfs", "/"]
         elif seen.access("/") == "write":
             # A writable / (as the reference binds it): what the deeper rules,
@@ -574,14 +576,14 @@ class SandboxEngine:
             real = realpath(rule.path)
             if (
                 rule.access != "write"
-                and not policy.full_read
+                and not full_read
                 and not any(is_within(rule.path, root) for root in linked)
             ):
                 real = rule.path  # a bind onto the empty root: bwrap creates it
             elif (
                 rule.access == "write"
                 and real != rule.path
-                and not policy.full_read
+                and not full_read
                 and policy.access(os.path.dirname(rule.path)) == "none"
                 and not policy.is_hidden(os.path.dirname(rule.path))
             ):
@@ -609,7 +611,7 @@ class SandboxEngine:
             if access == "write":
                 args += ["--bind-try", path, path]
             elif (
-                not policy.full_read
+                not full_read
                 or seen.access(os.path.dirname(path) or "/") == "write"
                 or path.startswith("/dev")
             ):
