@@ -235,3 +235,51 @@ async def test_a_deny_rule_on_a_symlink_to_the_root_hides_the_root(dirs: Dirs) -
         )
     assert outcome(ran.output) == {str(data / "in"): "OK"}, ran.output
     assert b"LEAK" not in ran.output, ran.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_a_readable_root_rules_on_symlinks_hold_at_their_targets(
+    dirs: Dirs,
+) -> None:
+    # No readable root: a read or deny rule on a symlink held at the link's
+    # own path only (a bind onto the empty root), not where it leads.
+    # Before the fix, a deny on a link into a writable root left its target
+    # readable there, a read-only rule on one left its target writable, and
+    # a readable link bound the whole target, a path hidden inside it too.
+    minimal = {"type": "special", "value": {"kind": "minimal"}}
+    data = dirs.outside / "data"
+    for sub in ("secret", "sub", "pub/hidden"):
+        (data / sub).mkdir(parents=True)
+    (data / "secret" / "key").write_text("k")
+    (data / "pub" / "hidden" / "key").write_text("k")
+    links = dirs.work / "links"
+    links.mkdir()
+    for name, target in (("secret", "secret"), ("data", ""), ("pub", "pub")):
+        (links / name).symlink_to(data / target)
+    sandbox = profile(
+        dirs,
+        (minimal, "read"),
+        (data, "write"),
+        (links / "secret", "deny"),
+        (links / "data" / "sub", "read"),
+        (links / "pub", "read"),
+        (data / "pub" / "hidden", "deny"),
+    )
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ran = await run(
+            server,
+            attempt(data / "in", data / "sub" / "x", links / "data" / "sub" / "y")
+            + f'; cat "{data}/secret/key" 2>/dev/null && echo LEAK-SECRET'
+            + f'; cat "{links}/pub/hidden/key" 2>/dev/null && echo LEAK-HIDDEN'
+            + f'; ls "{links}/pub/" && echo PUB-SHOWN',
+            data,
+            sandbox,
+            env=env_for(dirs, "bwrap"),
+        )
+    assert outcome(ran.output) == {
+        str(data / "in"): "OK",
+        str(data / "sub" / "x"): "NO",
+        str(links / "data" / "sub" / "y"): "NO",
+    }, ran.output
+    assert b"LEAK" not in ran.output and b"PUB-SHOWN" in ran.output, ran.output
+    assert not (data / "sub" / "x").exists()

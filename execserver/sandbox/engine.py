@@ -562,33 +562,28 @@ class SandboxEngine:
         # Before every other mount (none of them is /: one would cover it).
         args += ["--dev", "/dev"]
         # bwrap cannot mount onto a symlink (the link's target is looked up
-        # outside the new root): a writable root is mounted where its path
-        # really leads, as the reference binds a symlinked writable root at
-        # its target, and so is every rule beneath it and, under a readable
-        # root, every rule (the link itself, read-only there, still leads to
-        # the mount). Judged on the real paths too (``effective``), as a
+        # outside the new root): every rule is mounted where its path really
+        # leads, as the reference binds a symlinked writable root at its
+        # target, so the deeper rules, on their real paths too, land beneath
+        # it (a read-only or hidden target inside a writable or readable one
+        # stays so). Judged on the real paths too (``effective``), as a
         # confined fs call judges them: a hidden target stays hidden. A rule
         # leading to / itself is the root's (above), never a mount of its own.
-        linked = [root for root in policy.writable_roots() if realpath(root) != root]
         mounts: dict[str, str] = {}
         links: list[tuple[str, str]] = []
         for rule in policy.rules:
             real = realpath(rule.path)
             if (
-                rule.access != "write"
-                and not full_read
-                and not any(is_within(rule.path, root) for root in linked)
-            ):
-                real = rule.path  # a bind onto the empty root: bwrap creates it
-            elif (
-                rule.access == "write"
+                rule.access != "none"
                 and real != rule.path
                 and not full_read
-                and policy.access(os.path.dirname(rule.path)) == "none"
-                and not policy.is_hidden(os.path.dirname(rule.path))
+                and seen.access(os.path.dirname(rule.path)) == "none"
+                and not seen.is_hidden(os.path.dirname(rule.path))
             ):
-                # Nothing shows the link: make it (not inside a hidden path,
-                # whose empty mount is read-only: there the link stays unseen).
+                # Nothing shows the link (under a readable root, the link
+                # itself, read-only there, still leads to the mount): make it
+                # (not inside a hidden path, whose empty mount is read-only:
+                # there the link stays unseen).
                 links.append((real, rule.path))
             if "/" in (rule.path, real) or real in mounts:
                 continue
