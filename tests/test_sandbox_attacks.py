@@ -315,3 +315,35 @@ async def test_the_servers_token_file_is_hidden_from_the_sandbox(
     finally:
         assert await server.stop() == 0
     assert ran.exit_code != 0 and b"tok-4f1c9e" not in ran.output, ran.output
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "shape"),
+    [("bwrap", "missing"), ("landlock", "missing"), ("bwrap", "symlink")],
+)
+@pytest_twisted.ensureDeferred
+async def test_a_hidden_path_the_command_could_create_or_replace_is_a_refusal(
+    dirs: Dirs, mechanism: str, shape: str
+) -> None:
+    # A hidden path (deny) inside a writable root that does not exist, or is
+    # a symlink there: a mount masks only what exists (and the link's
+    # target), so the command could create the path, or replace the link by
+    # a directory of its own, and write there, which the profile denies (a
+    # confined fs call refuses it). Before the fix both ran (ESCAPED).
+    w = dirs.work
+    sandbox = profile_for(dirs, mechanism)
+    protected = w / "denied"
+    if shape == "symlink":
+        (dirs.outside / "secret").mkdir()
+        protected.symlink_to(dirs.outside / "secret")
+    sandbox["permissions"]["file_system"]["entries"].append(
+        {"path": {"type": "path", "path": str(protected)}, "access": "deny"}
+    )
+    script = f"rm -f {protected}; mkdir {protected} && echo pwn > {protected}/x && echo ESCAPED"
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        with pytest.raises(RpcFailure) as refused:
+            await run(server, script, w, sandbox, env_for(dirs, mechanism))
+    assert refused.value.code == -32602
+    assert refused.value.message.startswith("sandbox intent cannot be enforced on this executor")
+    assert str(protected) in refused.value.message
+    assert protected.is_symlink() if shape == "symlink" else not protected.exists()

@@ -349,12 +349,13 @@ def _existing(paths: Iterable[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
-def _unprotectable(policy: SandboxPolicy, path: str) -> str | None:
-    """Why read-only ``path`` (inside a writable root) cannot be kept so, if it cannot.
+def _unprotectable(policy: SandboxPolicy, path: str, kept: str = "read-only") -> str | None:
+    """Why ``path`` (inside a writable root) cannot be kept ``kept``, if it cannot.
 
     A mount protects what exists: a missing component the command may
     create (its parent writable) or a symlink it may replace (same) would
-    let it make the path its own (a ``.git`` of its own, with hooks).
+    let it make the path its own (a ``.git`` of its own, with hooks; a
+    hidden path written).
     """
     current = ""
     for part in path.strip("/").split("/"):
@@ -365,13 +366,13 @@ def _unprotectable(policy: SandboxPolicy, path: str) -> str | None:
             continue
         if not os.path.lexists(current):
             return (
-                f"{path} is read-only inside a writable root but {current} does not exist: "
+                f"{path} is {kept} inside a writable root but {current} does not exist: "
                 "a confined process could create it (create it before the start, or send "
                 'the entry with "missing_path_behavior": "skip")'
             )
         if os.path.islink(current):
             return (
-                f"{path} is read-only inside a writable root but {current} is a symlink "
+                f"{path} is {kept} inside a writable root but {current} is a symlink "
                 "a confined process could replace (make it a directory, or leave the path "
                 "out of the profile)"
             )
@@ -485,8 +486,11 @@ class SandboxEngine:
                 f"{CANNOT_ENFORCE}: the profile makes {exposed}, where the server keeps its "
                 "seccomp filters, writable"
             )
-        for path in policy.read_only_carveouts():
-            problem = _unprotectable(policy, path)
+        for path, kept in (
+            *((path, "read-only") for path in policy.read_only_carveouts()),
+            *((path, "hidden") for path in policy.hidden()),
+        ):
+            problem = _unprotectable(policy, path, kept)
             if problem is not None:
                 raise RpcError.invalid_params(f"{CANNOT_ENFORCE}: {problem}")
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
