@@ -7,6 +7,7 @@ apply. Each test failed before its fix (see the commit that adds it).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +348,39 @@ async def test_a_hidden_path_the_command_could_create_or_replace_is_a_refusal(
     assert refused.value.message.startswith("sandbox intent cannot be enforced on this executor")
     assert str(protected) in refused.value.message
     assert protected.is_symlink() if shape == "symlink" else not protected.exists()
+
+
+#: A file capability (VFS_CAP_REVISION_2, effective): CAP_SYS_ADMIN permitted.
+_CAP_SYS_ADMIN_XATTR = "struct.pack('<5I', 0x02000001, 1 << 21, 0, 0, 0)"
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_a_confined_command_has_no_capability_to_set_a_file_capability(
+    dirs: Dirs, mechanism: str
+) -> None:
+    # A server run as root: bubblewrap keeps every capability (in the
+    # command's user namespace, where uid 0 is the host's root) unless told
+    # to drop them, and CAP_SETFCAP there writes a file capability the host
+    # honours (its root id is the host's root): any later, unconfined run of
+    # the file would get CAP_SYS_ADMIN, what the filter's refusal of setuid
+    # bits is there to prevent. Before the fix (bwrap): CapEff 1fffeffffff
+    # and the capability set.
+    import sys
+
+    assert os.geteuid() == 0  # CI runs as root: the case this pins
+    w = dirs.work
+    target = w / "tool"
+    target.write_bytes(b"#!/bin/sh\n")
+    script = (
+        "grep CapEff /proc/self/status; "
+        f'{sys.executable} -I -c "import os, struct; '
+        f"os.setxattr('{target}', 'security.capability', {_CAP_SYS_ADMIN_XATTR})\" "
+        "2>/dev/null && echo SETFCAP"
+    )
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        ran = await run(server, script, w, profile_for(dirs, mechanism), env_for(dirs, mechanism))
+    assert b"CapEff:\t0000000000000000\n" in ran.output, ran.output
+    assert b"SETFCAP" not in ran.output, ran.output
+    with pytest.raises(OSError):
+        os.getxattr(target, "security.capability")

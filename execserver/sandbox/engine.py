@@ -551,6 +551,13 @@ class SandboxEngine:
         args.append("--unshare-pid")
         if not policy.network:
             args.append("--unshare-net")
+        if os.getuid() == 0:
+            # Run by root, bwrap keeps every capability for the command (in
+            # its user namespace, where uid 0 is the host's root: CAP_SETFCAP
+            # there writes file capabilities the host honours). Not given
+            # otherwise: bwrap then drops them itself, and a setuid bwrap
+            # refuses --cap-drop from a user.
+            args += ["--cap-drop", "ALL"]
         # Rules on symlinks count on their real paths too (below), the root's
         # as well: a ``deny`` on a link to / hides / (none beats read).
         seen = effective(policy)
