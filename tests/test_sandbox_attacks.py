@@ -384,3 +384,35 @@ async def test_a_confined_command_has_no_capability_to_set_a_file_capability(
     assert b"SETFCAP" not in ran.output, ran.output
     with pytest.raises(OSError):
         os.getxattr(target, "security.capability")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bwrap_confined_command_cannot_reach_the_hosts_system_v_ipc(dirs: Dirs) -> None:
+    # A read-only profile, the network restricted: the host's System V shared
+    # memory (a segment of the server's user, mode 0600) is out of reach.
+    # Before the fix (no --unshare-ipc) the command removed it: IPC_RMID by
+    # its owner's uid, no capability needed.
+    import ctypes
+    import sys
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ipc_private, ipc_creat, ipc_rmid = 0, 0o1000, 0
+    segment = libc.shmget(ipc_private, 4096, ipc_creat | 0o600)
+    assert segment >= 0, os.strerror(ctypes.get_errno())
+    remove = (
+        f"import ctypes; libc = ctypes.CDLL(None); "
+        f"print('REMOVED' if libc.shmctl({segment}, {ipc_rmid}, None) == 0 else 'UNSEEN')"
+    )
+    try:
+        async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+            ran = await run(
+                server,
+                f'{sys.executable} -I -c "{remove}"',
+                dirs.work,
+                profile_for(dirs, "bwrap", write=False),
+                env_for(dirs, "bwrap"),
+            )
+        assert ran.output == b"UNSEEN\n", ran.output
+    finally:
+        gone = libc.shmctl(segment, ipc_rmid, None) != 0
+    assert not gone  # the host's segment was still there

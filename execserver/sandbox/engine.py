@@ -558,6 +558,9 @@ class SandboxEngine:
             # otherwise: bwrap then drops them itself, and a setuid bwrap
             # refuses --cap-drop from a user.
             args += ["--cap-drop", "ALL"]
+        # The host's System V IPC (shared memory, semaphores, message queues)
+        # is reached by uid, not by path: a namespace of its own.
+        args.append("--unshare-ipc")
         # Rules on symlinks count on their real paths too (below), the root's
         # as well: a ``deny`` on a link to / hides / (none beats read).
         seen = effective(policy)
