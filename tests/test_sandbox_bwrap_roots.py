@@ -283,3 +283,28 @@ async def test_without_a_readable_root_rules_on_symlinks_hold_at_their_targets(
     }, ran.output
     assert b"LEAK" not in ran.output and b"PUB-SHOWN" in ran.output, ran.output
     assert not (data / "sub" / "x").exists()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_rule_inside_a_hidden_directory_is_mounted_there(dirs: Dirs) -> None:
+    # A writable directory inside a hidden one: its mount point is made in
+    # the hidden directory's empty mount before that is made read-only.
+    # Before the fix the start failed (bwrap: Can't mkdir ...: Read-only
+    # file system): the empty mount was read-only already.
+    data = dirs.outside / "data"
+    (data / "w").mkdir(parents=True)
+    (data / "key").write_text("k")
+    sandbox = profile(dirs, (ROOT, "read"), (data, "deny"), (data / "w", "write"))
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ran = await run(
+            server,
+            attempt(data / "w" / "in", data / "out")
+            + f'; cat "{data}/key" 2>/dev/null && echo LEAK',
+            dirs.work,
+            sandbox,
+            env=env_for(dirs, "bwrap"),
+        )
+    assert outcome(ran.output) == {str(data / "w" / "in"): "OK", str(data / "out"): "NO"}, (
+        ran.output
+    )
+    assert b"LEAK" not in ran.output and not (data / "out").exists(), ran.output

@@ -607,7 +607,21 @@ class SandboxEngine:
             access = mounts[path]
             if access == "none":
                 if os.path.isdir(path):
-                    args += ["--perms", "000", "--tmpfs", path, "--remount-ro", path]
+                    # A deeper directory's mount point is made in the empty
+                    # mount while it is still writable, and the way to it
+                    # may be walked (not listed).
+                    deeper = [
+                        other
+                        for other in mounts
+                        if other != path
+                        and is_within(other, path)
+                        and mounts[other] != "none"
+                        and os.path.isdir(other)
+                    ]
+                    args += ["--perms", "111" if deeper else "000", "--tmpfs", path]
+                    for other in deeper:
+                        args += ["--perms", "111", "--dir", other]
+                    args += ["--remount-ro", path]
                 elif os.path.lexists(path):
                     args += ["--ro-bind", "/dev/null", path]
                 continue
