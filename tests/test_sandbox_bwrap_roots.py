@@ -293,13 +293,17 @@ async def test_a_rule_inside_a_hidden_directory_is_mounted_there(dirs: Dirs) -> 
     # file system): the empty mount was read-only already.
     data = dirs.outside / "data"
     (data / "w").mkdir(parents=True)
+    (data / "pub").mkdir()
+    (data / "pub" / "note").write_text("shown\n")
     (data / "key").write_text("k")
-    sandbox = profile(dirs, (ROOT, "read"), (data, "deny"), (data / "w", "write"))
+    sandbox = profile(
+        dirs, (ROOT, "read"), (data, "deny"), (data / "w", "write"), (data / "pub", "read")
+    )
     async with stdio_server("--sandbox-mechanism", "bwrap") as server:
         ran = await run(
             server,
             attempt(data / "w" / "in", data / "out")
-            + f'; cat "{data}/key" 2>/dev/null && echo LEAK',
+            + f'; cat "{data}/key" 2>/dev/null && echo LEAK; cat "{data}/pub/note"',
             dirs.work,
             sandbox,
             env=env_for(dirs, "bwrap"),
@@ -308,3 +312,6 @@ async def test_a_rule_inside_a_hidden_directory_is_mounted_there(dirs: Dirs) -> 
         ran.output
     )
     assert b"LEAK" not in ran.output and not (data / "out").exists(), ran.output
+    # A readable directory there too (under a readable root it needs a bind
+    # of its own once its parent is hidden): before, an empty directory.
+    assert b"shown\n" in ran.output, ran.output

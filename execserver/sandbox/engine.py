@@ -635,7 +635,7 @@ class SandboxEngine:
                 args += ["--bind-try", path, path]
             elif (
                 not full_read
-                or seen.access(os.path.dirname(path) or "/") == "write"
+                or seen.access(os.path.dirname(path) or "/") != "read"
                 or path.startswith("/dev")
             ):
                 args += ["--ro-bind-try", path, path]
