@@ -315,3 +315,22 @@ async def test_a_rule_inside_a_hidden_directory_is_mounted_there(dirs: Dirs) -> 
     # A readable directory there too (under a readable root it needs a bind
     # of its own once its parent is hidden): before, an empty directory.
     assert b"shown\n" in ran.output, ran.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_read_rule_on_dev_keeps_the_fresh_dev(dirs: Dirs) -> None:
+    # bwrap's fresh /dev is readable already; binding the host's over it
+    # (every bind is nodev) left no device usable. Before the fix:
+    # `/dev/null: Permission denied`.
+    minimal = {"type": "special", "value": {"kind": "minimal"}}
+    for base in (ROOT, minimal):
+        sandbox = profile(dirs, (base, "read"), ("/dev", "read"), (dirs.work, "write"))
+        async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+            ran = await run(
+                server,
+                "echo hi > /dev/null && head -c 1 /dev/urandom >/dev/null && echo DEV-OK",
+                dirs.work,
+                sandbox,
+                env=env_for(dirs, "bwrap"),
+            )
+        assert ran.output == b"DEV-OK\n", (base, ran.output)

@@ -625,7 +625,9 @@ class SandboxEngine:
                 elif os.path.lexists(path):
                     args += ["--ro-bind", "/dev/null", path]
                 continue
-            if not os.path.exists(path):
+            if not os.path.exists(path) or (path == "/dev" and access == "read"):
+                # (bwrap's fresh /dev is readable: the host's, bound over
+                # it, would leave no device usable, every bind being nodev.)
                 continue
             # "-try": a path that vanished since the policy was resolved binds
             # nothing (a writable root stays read-only; a carve-out that no
