@@ -7,6 +7,7 @@ apply. Each test failed before its fix (see the commit that adds it).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +316,103 @@ async def test_the_servers_token_file_is_hidden_from_the_sandbox(
     finally:
         assert await server.stop() == 0
     assert ran.exit_code != 0 and b"tok-4f1c9e" not in ran.output, ran.output
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "shape"),
+    [("bwrap", "missing"), ("landlock", "missing"), ("bwrap", "symlink")],
+)
+@pytest_twisted.ensureDeferred
+async def test_a_hidden_path_the_command_could_create_or_replace_is_a_refusal(
+    dirs: Dirs, mechanism: str, shape: str
+) -> None:
+    # A hidden path (deny) inside a writable root that does not exist, or is
+    # a symlink there: a mount masks only what exists (and the link's
+    # target), so the command could create the path, or replace the link by
+    # a directory of its own, and write there, which the profile denies (a
+    # confined fs call refuses it). Before the fix both ran (ESCAPED).
+    w = dirs.work
+    sandbox = profile_for(dirs, mechanism)
+    protected = w / "denied"
+    if shape == "symlink":
+        (dirs.outside / "secret").mkdir()
+        protected.symlink_to(dirs.outside / "secret")
+    sandbox["permissions"]["file_system"]["entries"].append(
+        {"path": {"type": "path", "path": str(protected)}, "access": "deny"}
+    )
+    script = f"rm -f {protected}; mkdir {protected} && echo pwn > {protected}/x && echo ESCAPED"
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        with pytest.raises(RpcFailure) as refused:
+            await run(server, script, w, sandbox, env_for(dirs, mechanism))
+    assert refused.value.code == -32602
+    assert refused.value.message.startswith("sandbox intent cannot be enforced on this executor")
+    assert str(protected) in refused.value.message
+    assert protected.is_symlink() if shape == "symlink" else not protected.exists()
+
+
+#: A file capability (VFS_CAP_REVISION_2, effective): CAP_SYS_ADMIN permitted.
+_CAP_SYS_ADMIN_XATTR = "struct.pack('<5I', 0x02000001, 1 << 21, 0, 0, 0)"
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest_twisted.ensureDeferred
+async def test_a_confined_command_has_no_capability_to_set_a_file_capability(
+    dirs: Dirs, mechanism: str
+) -> None:
+    # A server run as root: bubblewrap keeps every capability (in the
+    # command's user namespace, where uid 0 is the host's root) unless told
+    # to drop them, and CAP_SETFCAP there writes a file capability the host
+    # honours (its root id is the host's root): any later, unconfined run of
+    # the file would get CAP_SYS_ADMIN, what the filter's refusal of setuid
+    # bits is there to prevent. Before the fix (bwrap): CapEff 1fffeffffff
+    # and the capability set.
+    import sys
+
+    assert os.geteuid() == 0  # CI runs as root: the case this pins
+    w = dirs.work
+    target = w / "tool"
+    target.write_bytes(b"#!/bin/sh\n")
+    script = (
+        "grep CapEff /proc/self/status; "
+        f'{sys.executable} -I -c "import os, struct; '
+        f"os.setxattr('{target}', 'security.capability', {_CAP_SYS_ADMIN_XATTR})\" "
+        "2>/dev/null && echo SETFCAP"
+    )
+    async with stdio_server("--sandbox-mechanism", mechanism) as server:
+        ran = await run(server, script, w, profile_for(dirs, mechanism), env_for(dirs, mechanism))
+    assert b"CapEff:\t0000000000000000\n" in ran.output, ran.output
+    assert b"SETFCAP" not in ran.output, ran.output
+    with pytest.raises(OSError):
+        os.getxattr(target, "security.capability")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bwrap_confined_command_cannot_reach_the_hosts_system_v_ipc(dirs: Dirs) -> None:
+    # A read-only profile, the network restricted: the host's System V shared
+    # memory (a segment of the server's user, mode 0600) is out of reach.
+    # Before the fix (no --unshare-ipc) the command removed it: IPC_RMID by
+    # its owner's uid, no capability needed.
+    import ctypes
+    import sys
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ipc_private, ipc_creat, ipc_rmid = 0, 0o1000, 0
+    segment = libc.shmget(ipc_private, 4096, ipc_creat | 0o600)
+    assert segment >= 0, os.strerror(ctypes.get_errno())
+    remove = (
+        f"import ctypes; libc = ctypes.CDLL(None); "
+        f"print('REMOVED' if libc.shmctl({segment}, {ipc_rmid}, None) == 0 else 'UNSEEN')"
+    )
+    try:
+        async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+            ran = await run(
+                server,
+                f'{sys.executable} -I -c "{remove}"',
+                dirs.work,
+                profile_for(dirs, "bwrap", write=False),
+                env_for(dirs, "bwrap"),
+            )
+        assert ran.output == b"UNSEEN\n", ran.output
+    finally:
+        gone = libc.shmctl(segment, ipc_rmid, None) != 0
+    assert not gone  # the host's segment was still there

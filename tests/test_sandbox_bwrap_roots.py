@@ -208,3 +208,129 @@ async def test_an_unrestricted_file_system_with_the_network_restricted(dirs: Dir
         "exec-server-seccomp-"
     ), refused.value.message
     assert refused.value.message.endswith(", where the server keeps its seccomp filters, writable")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_deny_rule_on_a_symlink_to_the_root_hides_the_root(dirs: Dirs) -> None:
+    # A rule on a symlink counts on its real path too: `deny` on a link to /
+    # hides / (none beats read), as a confined fs call judges it; only the
+    # deeper rules show. Before the fix bwrap was given `--ro-bind / /`
+    # (the root chosen by the lexical rules alone): everything was readable.
+    (dirs.outside / "other").write_text("other\n")
+    link = dirs.work / "root"
+    link.symlink_to("/")
+    minimal = {"type": "special", "value": {"kind": "minimal"}}
+    data = dirs.outside / "data"
+    data.mkdir()
+    sandbox = profile(dirs, (ROOT, "read"), (minimal, "read"), (link, "deny"), (data, "write"))
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ran = await run(
+            server,
+            attempt(data / "in")
+            + f'; cat "{dirs.outside}/other" 2>/dev/null && echo LEAK'
+            + f'; cat "{link}{dirs.outside}/other" 2>/dev/null && echo LINK-LEAK',
+            data,
+            sandbox,
+            env=env_for(dirs, "bwrap"),
+        )
+    assert outcome(ran.output) == {str(data / "in"): "OK"}, ran.output
+    assert b"LEAK" not in ran.output, ran.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_a_readable_root_rules_on_symlinks_hold_at_their_targets(
+    dirs: Dirs,
+) -> None:
+    # No readable root: a read or deny rule on a symlink held at the link's
+    # own path only (a bind onto the empty root), not where it leads.
+    # Before the fix, a deny on a link into a writable root left its target
+    # readable there, a read-only rule on one left its target writable, and
+    # a readable link bound the whole target, a path hidden inside it too.
+    minimal = {"type": "special", "value": {"kind": "minimal"}}
+    data = dirs.outside / "data"
+    for sub in ("secret", "sub", "pub/hidden"):
+        (data / sub).mkdir(parents=True)
+    (data / "secret" / "key").write_text("k")
+    (data / "pub" / "hidden" / "key").write_text("k")
+    links = dirs.work / "links"
+    links.mkdir()
+    for name, target in (("secret", "secret"), ("data", ""), ("pub", "pub")):
+        (links / name).symlink_to(data / target)
+    sandbox = profile(
+        dirs,
+        (minimal, "read"),
+        (data, "write"),
+        (links / "secret", "deny"),
+        (links / "data" / "sub", "read"),
+        (links / "pub", "read"),
+        (data / "pub" / "hidden", "deny"),
+    )
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ran = await run(
+            server,
+            attempt(data / "in", data / "sub" / "x", links / "data" / "sub" / "y")
+            + f'; cat "{data}/secret/key" 2>/dev/null && echo LEAK-SECRET'
+            + f'; cat "{links}/pub/hidden/key" 2>/dev/null && echo LEAK-HIDDEN'
+            + f'; ls "{links}/pub/" && echo PUB-SHOWN',
+            data,
+            sandbox,
+            env=env_for(dirs, "bwrap"),
+        )
+    assert outcome(ran.output) == {
+        str(data / "in"): "OK",
+        str(data / "sub" / "x"): "NO",
+        str(links / "data" / "sub" / "y"): "NO",
+    }, ran.output
+    assert b"LEAK" not in ran.output and b"PUB-SHOWN" in ran.output, ran.output
+    assert not (data / "sub" / "x").exists()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_rule_inside_a_hidden_directory_is_mounted_there(dirs: Dirs) -> None:
+    # A writable directory inside a hidden one: its mount point is made in
+    # the hidden directory's empty mount before that is made read-only.
+    # Before the fix the start failed (bwrap: Can't mkdir ...: Read-only
+    # file system): the empty mount was read-only already.
+    data = dirs.outside / "data"
+    (data / "w").mkdir(parents=True)
+    (data / "pub").mkdir()
+    (data / "pub" / "note").write_text("shown\n")
+    (data / "key").write_text("k")
+    sandbox = profile(
+        dirs, (ROOT, "read"), (data, "deny"), (data / "w", "write"), (data / "pub", "read")
+    )
+    async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+        ran = await run(
+            server,
+            attempt(data / "w" / "in", data / "out")
+            + f'; cat "{data}/key" 2>/dev/null && echo LEAK; cat "{data}/pub/note"',
+            dirs.work,
+            sandbox,
+            env=env_for(dirs, "bwrap"),
+        )
+    assert outcome(ran.output) == {str(data / "w" / "in"): "OK", str(data / "out"): "NO"}, (
+        ran.output
+    )
+    assert b"LEAK" not in ran.output and not (data / "out").exists(), ran.output
+    # A readable directory there too (under a readable root it needs a bind
+    # of its own once its parent is hidden): before, an empty directory.
+    assert b"shown\n" in ran.output, ran.output
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_read_rule_on_dev_keeps_the_fresh_dev(dirs: Dirs) -> None:
+    # bwrap's fresh /dev is readable already; binding the host's over it
+    # (every bind is nodev) left no device usable. Before the fix:
+    # `/dev/null: Permission denied`.
+    minimal = {"type": "special", "value": {"kind": "minimal"}}
+    for base in (ROOT, minimal):
+        sandbox = profile(dirs, (base, "read"), ("/dev", "read"), (dirs.work, "write"))
+        async with stdio_server("--sandbox-mechanism", "bwrap") as server:
+            ran = await run(
+                server,
+                "echo hi > /dev/null && head -c 1 /dev/urandom >/dev/null && echo DEV-OK",
+                dirs.work,
+                sandbox,
+                env=env_for(dirs, "bwrap"),
+            )
+        assert ran.output == b"DEV-OK\n", (base, ran.output)

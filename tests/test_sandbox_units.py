@@ -100,6 +100,9 @@ def test_mounts_go_shallow_to_deep(tmp_path: Path) -> None:
         "--unshare-pid", "--unshare-net",
     ]  # fmt: skip
     joined = " ".join(args)
+    # Run by root, bwrap would keep every capability for the command.
+    assert ("--unshare-net --cap-drop ALL --unshare-ipc" in joined) == (os.getuid() == 0)
+    assert "--unshare-ipc --ro-bind / / --dev /dev" in joined
     assert "--ro-bind / / --dev /dev" in joined
     bind = joined.index(f"--bind-try {work} {work}")
     assert joined.index(f"--ro-bind-try {work}/.git {work}/.git") > bind

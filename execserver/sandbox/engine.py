@@ -349,12 +349,13 @@ def _existing(paths: Iterable[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
-def _unprotectable(policy: SandboxPolicy, path: str) -> str | None:
-    """Why read-only ``path`` (inside a writable root) cannot be kept so, if it cannot.
+def _unprotectable(policy: SandboxPolicy, path: str, kept: str = "read-only") -> str | None:
+    """Why ``path`` (inside a writable root) cannot be kept ``kept``, if it cannot.
 
     A mount protects what exists: a missing component the command may
     create (its parent writable) or a symlink it may replace (same) would
-    let it make the path its own (a ``.git`` of its own, with hooks).
+    let it make the path its own (a ``.git`` of its own, with hooks; a
+    hidden path written).
     """
     current = ""
     for part in path.strip("/").split("/"):
@@ -365,13 +366,13 @@ def _unprotectable(policy: SandboxPolicy, path: str) -> str | None:
             continue
         if not os.path.lexists(current):
             return (
-                f"{path} is read-only inside a writable root but {current} does not exist: "
+                f"{path} is {kept} inside a writable root but {current} does not exist: "
                 "a confined process could create it (create it before the start, or send "
                 'the entry with "missing_path_behavior": "skip")'
             )
         if os.path.islink(current):
             return (
-                f"{path} is read-only inside a writable root but {current} is a symlink "
+                f"{path} is {kept} inside a writable root but {current} is a symlink "
                 "a confined process could replace (make it a directory, or leave the path "
                 "out of the profile)"
             )
@@ -485,8 +486,11 @@ class SandboxEngine:
                 f"{CANNOT_ENFORCE}: the profile makes {exposed}, where the server keeps its "
                 "seccomp filters, writable"
             )
-        for path in policy.read_only_carveouts():
-            problem = _unprotectable(policy, path)
+        for path, kept in (
+            *((path, "read-only") for path in policy.read_only_carveouts()),
+            *((path, "hidden") for path in policy.hidden()),
+        ):
+            problem = _unprotectable(policy, path, kept)
             if problem is not None:
                 raise RpcError.invalid_params(f"{CANNOT_ENFORCE}: {problem}")
         executable = resolve_executable(spec.argv[0], spec.env, spec.cwd)
@@ -547,9 +551,21 @@ class SandboxEngine:
         args.append("--unshare-pid")
         if not policy.network:
             args.append("--unshare-net")
-        # Rules on symlinks count on their real paths too (below).
+        if os.getuid() == 0:
+            # Run by root, bwrap keeps every capability for the command (in
+            # its user namespace, where uid 0 is the host's root: CAP_SETFCAP
+            # there writes file capabilities the host honours). Not given
+            # otherwise: bwrap then drops them itself, and a setuid bwrap
+            # refuses --cap-drop from a user.
+            args += ["--cap-drop", "ALL"]
+        # The host's System V IPC (shared memory, semaphores, message queues)
+        # is reached by uid, not by path: a namespace of its own.
+        args.append("--unshare-ipc")
+        # Rules on symlinks count on their real paths too (below), the root's
+        # as well: a ``deny`` on a link to / hides / (none beats read).
         seen = effective(policy)
-        if not policy.full_read:
+        full_read = seen.full_read
+        if not full_read:
             args += ["--tmpfs", "/"]
         elif seen.access("/") == "write":
             # A writable / (as the reference binds it): what the deeper rules,
@@ -560,33 +576,28 @@ class SandboxEngine:
         # Before every other mount (none of them is /: one would cover it).
         args += ["--dev", "/dev"]
         # bwrap cannot mount onto a symlink (the link's target is looked up
-        # outside the new root): a writable root is mounted where its path
-        # really leads, as the reference binds a symlinked writable root at
-        # its target, and so is every rule beneath it and, under a readable
-        # root, every rule (the link itself, read-only there, still leads to
-        # the mount). Judged on the real paths too (``effective``), as a
+        # outside the new root): every rule is mounted where its path really
+        # leads, as the reference binds a symlinked writable root at its
+        # target, so the deeper rules, on their real paths too, land beneath
+        # it (a read-only or hidden target inside a writable or readable one
+        # stays so). Judged on the real paths too (``effective``), as a
         # confined fs call judges them: a hidden target stays hidden. A rule
         # leading to / itself is the root's (above), never a mount of its own.
-        linked = [root for root in policy.writable_roots() if realpath(root) != root]
         mounts: dict[str, str] = {}
         links: list[tuple[str, str]] = []
         for rule in policy.rules:
             real = realpath(rule.path)
             if (
-                rule.access != "write"
-                and not policy.full_read
-                and not any(is_within(rule.path, root) for root in linked)
-            ):
-                real = rule.path  # a bind onto the empty root: bwrap creates it
-            elif (
-                rule.access == "write"
+                rule.access != "none"
                 and real != rule.path
-                and not policy.full_read
-                and policy.access(os.path.dirname(rule.path)) == "none"
-                and not policy.is_hidden(os.path.dirname(rule.path))
+                and not full_read
+                and seen.access(os.path.dirname(rule.path)) == "none"
+                and not seen.is_hidden(os.path.dirname(rule.path))
             ):
-                # Nothing shows the link: make it (not inside a hidden path,
-                # whose empty mount is read-only: there the link stays unseen).
+                # Nothing shows the link (under a readable root, the link
+                # itself, read-only there, still leads to the mount): make it
+                # (not inside a hidden path, whose empty mount is read-only:
+                # there the link stays unseen).
                 links.append((real, rule.path))
             if "/" in (rule.path, real) or real in mounts:
                 continue
@@ -596,11 +607,27 @@ class SandboxEngine:
             access = mounts[path]
             if access == "none":
                 if os.path.isdir(path):
-                    args += ["--perms", "000", "--tmpfs", path, "--remount-ro", path]
+                    # A deeper directory's mount point is made in the empty
+                    # mount while it is still writable, and the way to it
+                    # may be walked (not listed).
+                    deeper = [
+                        other
+                        for other in mounts
+                        if other != path
+                        and is_within(other, path)
+                        and mounts[other] != "none"
+                        and os.path.isdir(other)
+                    ]
+                    args += ["--perms", "111" if deeper else "000", "--tmpfs", path]
+                    for other in deeper:
+                        args += ["--perms", "111", "--dir", other]
+                    args += ["--remount-ro", path]
                 elif os.path.lexists(path):
                     args += ["--ro-bind", "/dev/null", path]
                 continue
-            if not os.path.exists(path):
+            if not os.path.exists(path) or (path == "/dev" and access == "read"):
+                # (bwrap's fresh /dev is readable: the host's, bound over
+                # it, would leave no device usable, every bind being nodev.)
                 continue
             # "-try": a path that vanished since the policy was resolved binds
             # nothing (a writable root stays read-only; a carve-out that no
@@ -609,8 +636,8 @@ class SandboxEngine:
             if access == "write":
                 args += ["--bind-try", path, path]
             elif (
-                not policy.full_read
-                or seen.access(os.path.dirname(path) or "/") == "write"
+                not full_read
+                or seen.access(os.path.dirname(path) or "/") != "read"
                 or path.startswith("/dev")
             ):
                 args += ["--ro-bind-try", path, path]
