@@ -78,6 +78,7 @@ CONNECTION_HEADERS: Final = (
 
 TIMED_OUT: Final = "operation timed out"
 BODY_ERROR: Final = "error decoding response body"
+BODY_CUT: Final = "the connection closed before the end of the body"
 
 
 @attrs.frozen
@@ -315,7 +316,7 @@ class _Exchange:
             return f"{BODY_ERROR}: {TIMED_OUT}"
         if self.cancelled:
             return f"{BODY_ERROR}: request cancelled"
-        return f"{BODY_ERROR}: {_reason(failure)}"
+        return f"{BODY_ERROR}: {BODY_CUT}"
 
     def succeed(self, result: object) -> None:
         self._end()

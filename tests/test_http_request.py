@@ -1,0 +1,340 @@
+"""``http/request`` and ``http/request/bodyDelta``: the real server over stdio
+and WebSocket against a twisted.web server on 127.0.0.1 (and the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest_twisted
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from execserver.http_request import MAX_BUFFERED_BODY_BYTES, MAX_IN_FLIGHT
+from tests.codex.fetch_codex import fetch
+from tests.support import codex_session
+from tests.support.harness import b64, reactor, unb64, with_timeout
+from tests.support.polling import until
+from tests.support.stdio_server import ServerProcess
+from tests.support.ws_harness import WsServerProcess, connect
+
+TIMEOUT = 20.0
+
+
+class _Web(Resource):
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sse: list[Request] = []
+        self.hanging: list[Request] = []
+        #: Fires for each hanging request whose client went away.
+        self.gone: list[Deferred[None]] = []
+
+    def render(self, request: Request) -> Any:
+        path = request.path
+        if path == b"/echo":
+            headers = request.requestHeaders
+            body = json.dumps(
+                {
+                    "method": request.method.decode(),
+                    "body": request.content.read().decode() if request.content else "",
+                    "x-r": [v.decode() for v in headers.getRawHeaders(b"x-r", [])],
+                }
+            ).encode()
+            request.responseHeaders.addRawHeader(b"x-a", b"1")
+            request.responseHeaders.addRawHeader(b"x-a", b"2")
+            request.responseHeaders.addRawHeader(b"x-bin", b"caf\xe9")
+            request.setHeader(b"content-length", str(len(body)).encode())
+            return body
+        if path == b"/sse":
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.write(b"data: 0\n\n")
+            self.sse.append(request)
+            return NOT_DONE_YET
+        if path == b"/drop":
+            request.setHeader(b"content-length", b"100")
+            request.write(b"12345")
+            reactor.callLater(0.05, _abort, request)
+            return NOT_DONE_YET
+        if path == b"/big":
+            return b"x" * (MAX_BUFFERED_BODY_BYTES + 1)
+        # /hang: never answers; tells when its client is gone.
+        gone: Deferred[None] = Deferred()
+        request.notifyFinish().addErrback(lambda _: gone.callback(None))
+        self.gone.append(gone)
+        self.hanging.append(request)
+        return NOT_DONE_YET
+
+
+def _abort(request: Request) -> None:
+    """Drop the request's TCP connection at once (no clean end)."""
+    transport: Any = request.channel.transport if request.channel is not None else None
+    if transport is not None:
+        transport.abortConnection()
+
+
+@asynccontextmanager
+async def web() -> AsyncIterator[tuple[_Web, str]]:
+    root = _Web()
+    port = reactor.listenTCP(0, Site(root), interface="127.0.0.1")
+    try:
+        yield root, f"http://127.0.0.1:{port.getHost().port}"
+    finally:
+        for request in root.sse + root.hanging:
+            if not request.finished and request.channel is not None:
+                _abort(request)
+        await port.stopListening()
+
+
+def serving() -> Any:
+    return codex_session.serving(codex_session.CODEX_INIT)
+
+
+def _deltas(server: Any, request_id: str) -> list[dict[str, Any]]:
+    return [
+        m["params"]
+        for m in server.notifications
+        if m.get("method") == "http/request/bodyDelta" and m["params"]["requestId"] == request_id
+    ]
+
+
+async def _done(server: Any, request_id: str) -> list[dict[str, Any]]:
+    await server.wait_for(
+        lambda m: (
+            m.get("method") == "http/request/bodyDelta"
+            and m["params"]["requestId"] == request_id
+            and m["params"]["done"]
+        ),
+        TIMEOUT,
+        f"the last bodyDelta of {request_id}",
+    )
+    return _deltas(server, request_id)
+
+
+@pytest_twisted.ensureDeferred
+async def test_buffered_get_and_post_with_headers_and_body() -> None:
+    async with web() as (_, base), serving() as server:
+        got = await server.call(
+            "http/request", {"method": "GET", "url": base + "/echo", "requestId": "a"}
+        )
+        assert got["status"] == 200
+        names = [h["name"] for h in got["headers"]]
+        # Lower-case names, repeats kept in order, the non-ASCII value dropped.
+        assert [h["value"] for h in got["headers"] if h["name"] == "x-a"] == ["1", "2"]
+        assert "x-bin" not in names
+        assert all(name == name.lower() for name in names)
+        assert json.loads(unb64(got["bodyBase64"]))["method"] == "GET"
+        params = {
+            "method": "POST",
+            "url": base + "/echo",
+            "requestId": "b",
+            "headers": [{"name": "X-R", "value": "1"}, {"name": "x-r", "value": "2"}],
+            "bodyBase64": b64(b"hi there"),
+            "timeoutMs": 10000,
+        }
+        posted = await server.call("http/request", params)
+        assert json.loads(unb64(posted["bodyBase64"])) == {
+            "method": "POST",
+            "body": "hi there",
+            "x-r": ["1", "2"],
+        }
+        assert {"name": "content-length", "value": str(len(unb64(posted["bodyBase64"])))} in (
+            posted["headers"]
+        )
+
+
+@pytest_twisted.ensureDeferred
+async def test_streamed_events_arrive_in_order_before_the_end() -> None:
+    async with web() as (site, base), serving() as server:
+        params = {"method": "GET", "url": base + "/sse", "requestId": "s", "streamResponse": True}
+        got = await server.call("http/request", params)
+        assert got["bodyBase64"] == "" and got["status"] == 200
+        await server.wait_notification("http/request/bodyDelta", timeout=TIMEOUT)
+        [sse] = site.sse
+        assert _deltas(server, "s") == [
+            {
+                "requestId": "s",
+                "seq": 1,
+                "deltaBase64": b64(b"data: 0\n\n"),
+                "done": False,
+                "error": None,
+            }
+        ]
+        sse.write(b"data: 1\n\n")
+        sse.finish()
+        deltas = await _done(server, "s")
+        assert [d["seq"] for d in deltas] == list(range(1, len(deltas) + 1))
+        assert b"".join(unb64(d["deltaBase64"]) for d in deltas) == b"data: 0\n\ndata: 1\n\n"
+        assert deltas[-1]["done"] and deltas[-1]["error"] is None
+        assert deltas[-1]["deltaBase64"] == ""
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_body_cut_short_ends_the_stream_with_an_error() -> None:
+    async with web() as (_, base), serving() as server:
+        params = {"method": "GET", "url": base + "/drop", "requestId": "d", "streamResponse": True}
+        await server.call("http/request", params)
+        deltas = await _done(server, "d")
+        assert unb64(deltas[0]["deltaBase64"]) == b"12345"
+        assert deltas[-1]["error"] == (
+            "error decoding response body: the connection closed before the end of the body"
+        )
+        buffered = await server.request("http/request", {**params, "streamResponse": False})
+        assert buffered["error"]["code"] == -32603
+        assert buffered["error"]["message"].startswith(
+            "failed to read http/request response body: error decoding response body"
+        )
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_timeout_covers_the_request_and_closes_its_connection() -> None:
+    async with web() as (site, base), serving() as server:
+        url = base + "/hang"
+        reply = await server.request(
+            "http/request", {"method": "GET", "url": url, "requestId": "t", "timeoutMs": 200}
+        )
+        assert reply["error"] == {
+            "code": -32603,
+            "message": f"http/request failed: error sending request for url ({url}): "
+            "operation timed out",
+        }
+        await with_timeout(site.gone[0], TIMEOUT, "the HTTP server to see the disconnect")
+
+
+@pytest_twisted.ensureDeferred
+async def test_invalid_params_get_the_reference_texts() -> None:
+    async with web() as (_, base), serving() as server:
+        for params, message in _INVALID(base):
+            reply = await server.request("http/request", params)
+            assert reply["error"] == {"code": -32602, "message": message}, params
+
+
+def _INVALID(base: str) -> list[tuple[dict[str, Any], str]]:
+    ok = {"method": "GET", "url": base + "/echo", "requestId": "x"}
+    return [
+        ({**ok, "method": "G ET"}, "http/request method is invalid: invalid HTTP method"),
+        ({**ok, "method": ""}, "http/request method is invalid: invalid HTTP method"),
+        ({**ok, "url": "not a url"}, "http/request url is invalid: relative URL without a base"),
+        ({**ok, "url": "http://"}, "http/request url is invalid: empty host"),
+        ({**ok, "url": "http://h:99999/"}, "http/request url is invalid: invalid port number"),
+        ({**ok, "url": "ftp://x/"}, "http/request only supports http and https URLs, got ftp"),
+        (
+            {**ok, "url": "file:///etc/passwd"},
+            "http/request only supports http and https URLs, got file",
+        ),
+        (
+            {**ok, "headers": [{"name": "bad name", "value": "v"}]},
+            "http/request header name is invalid: invalid HTTP header name",
+        ),
+        (
+            {**ok, "headers": [{"name": "X", "value": "a\nb"}]},
+            "http/request header value is invalid for X: failed to parse header value",
+        ),
+        ({"method": "GET", "url": base, "streamResponse": True}, "missing field `requestId`"),
+        ({"url": base, "requestId": "x"}, "missing field `method`"),
+    ]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_buffered_body_over_the_cap_is_refused() -> None:
+    async with web() as (_, base), serving() as server:
+        reply = await server.request(
+            "http/request", {"method": "GET", "url": base + "/big", "requestId": "b"}
+        )
+        assert reply["error"] == {
+            "code": -32603,
+            "message": "failed to read http/request response body: the body exceeds "
+            f"{MAX_BUFFERED_BODY_BYTES} bytes, the limit of a buffered body "
+            "(stream larger ones with streamResponse)",
+        }
+
+
+@pytest_twisted.ensureDeferred
+async def test_requests_in_flight_are_capped_per_connection() -> None:
+    async with web() as (site, base), serving() as server:
+        params = {"method": "GET", "url": base + "/hang", "requestId": "h"}
+        pending = [
+            ensureDeferred(server.request("http/request", params)) for _ in range(MAX_IN_FLIGHT)
+        ]
+        await until(lambda: len(site.hanging) == MAX_IN_FLIGHT, "32 requests", timeout=TIMEOUT)
+        reply = await server.request("http/request", params)
+        assert reply["error"] == {
+            "code": -32600,
+            "message": f"too many http/request calls in flight on this connection: "
+            f"{MAX_IN_FLIGHT}, the limit is {MAX_IN_FLIGHT}",
+        }
+        for request in site.hanging:
+            request.setResponseCode(204)
+            request.finish()
+        for answer in pending:
+            assert (await answer)["result"]["status"] == 204
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_closed_connection_cancels_its_stream() -> None:
+    async with web() as (site, base):
+        server = await WsServerProcess.start()
+        try:
+            client = await connect(server.url)
+            await client.handshake()
+            params = {
+                "method": "GET",
+                "url": base + "/sse",
+                "requestId": "s",
+                "streamResponse": True,
+            }
+            await client.call("http/request", params)
+            await client.wait_notification("http/request/bodyDelta", timeout=TIMEOUT)
+            [sse] = site.sse
+            gone: Deferred[None] = Deferred()
+            sse.notifyFinish().addErrback(lambda _: gone.callback(None))
+            client.abort()
+            await with_timeout(gone, TIMEOUT, "the HTTP server to see the disconnect")
+        finally:
+            await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
+    codex = fetch()
+    (tmp_path / "codex-home").mkdir()
+    (tmp_path / "tmp").mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "CODEX_HOME": str(tmp_path / "codex-home"),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    async with web() as (_, base):
+        cases = [params for params, _ in _INVALID(base)]
+        cases.append(
+            {"method": "POST", "url": base + "/echo", "requestId": "p", "bodyBase64": b64(b"x")}
+        )
+        argv = [str(codex), "exec-server", "--listen", "stdio"]
+        reference = ServerProcess().launch(argv, env=env, description="codex exec-server (stdio)")
+        reference.allow_stderr(".")
+        try:
+            await reference.call("initialize", codex_session.CODEX_INIT)
+            reference.notify("initialized", {})
+            expected = [await reference.request("http/request", c) for c in cases]
+        finally:
+            await reference.stop()
+        async with serving() as server:
+            answers = [await server.request("http/request", c) for c in cases]
+    for want, got in zip(expected, answers, strict=True):
+        if "result" in want:
+            drop = {"date", "server"}
+            for reply in (want, got):
+                # (the same headers; content-length is last in ours)
+                reply["result"]["headers"] = sorted(
+                    (h for h in reply["result"]["headers"] if h["name"] not in drop),
+                    key=lambda h: (h["name"], h["value"]),
+                )
+        assert got == want
