@@ -25,8 +25,9 @@ Beyond the reference (docs/protocol.md, "http/request"):
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from io import BytesIO
 from typing import Any, Final
 from urllib.parse import quote
@@ -38,13 +39,14 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (
     Agent,
+    BrowserLikeRedirectAgent,
     FileBodyProducer,
     HTTPConnectionPool,
     ResponseDone,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 
 from execserver import protocol as p
 from execserver.errors import RpcError
@@ -75,6 +77,29 @@ _URL_SAFE: Final = "!$&'()*+,;=:@/?%-._~"
 CONNECTION_HEADERS: Final = (
     "connection, keep-alive, proxy-connection, te, trailers, transfer-encoding, upgrade"
 )
+
+#: Server variables a header may not carry (``valueEnvVar``): the
+#: reference's list, compared without regard to case.
+HEADER_ENV_DENYLIST: Final = frozenset(
+    {
+        "CODEX_EXEC_SERVER_NOISE_AUTH_TOKEN",
+        "OPENAI_FEDERATION_RULE_ID",
+        "OPENAI_IDENTITY_TOKEN_FILE",
+        "OPENAI_WORKLOAD_IDENTITY_CONTEXT",
+        "OPENAI_API_KEY",
+        "CODEX_API_KEY",
+        "CODEX_ACCESS_TOKEN",
+        "CODEX_CONNECTORS_TOKEN",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AZURE_CLIENT_SECRET",
+        "AZURE_FEDERATED_TOKEN_FILE",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    }
+)
+#: Redirects followed at most with ``redirectPolicy`` ``follow`` (reqwest's default).
+MAX_REDIRECTS: Final = 10
 
 TIMED_OUT: Final = "operation timed out"
 BODY_ERROR: Final = "error decoding response body"
@@ -174,7 +199,31 @@ def _host(host: str) -> str:
     return host
 
 
-def request_headers(headers: list[p.HttpHeader]) -> Headers:
+def _header_value(header: p.HttpHeader, environ: Mapping[str, str]) -> str:
+    """``value``, and after it the server's ``valueEnvVar`` (-32602 if refused or unset)."""
+    variable = header.value_env_var
+    if not isinstance(variable, str):
+        return header.value
+    if variable.upper() in HEADER_ENV_DENYLIST:
+        raise RpcError.invalid_params(
+            f"http/request header {header.name} cannot use executor environment variable {variable}"
+        )
+    found = environ.get(variable) if variable and "=" not in variable else None
+    if found is None:
+        raise RpcError.invalid_params(
+            f"http/request header {header.name} requires executor environment variable {variable}"
+        )
+    if not found:
+        raise RpcError.invalid_params(
+            f"http/request header {header.name} requires a non-empty executor environment "
+            f"variable {variable}"
+        )
+    return header.value + found
+
+
+def request_headers(
+    headers: list[p.HttpHeader], environ: Mapping[str, str] = os.environ
+) -> Headers:
     """The request's headers, repeats kept (-32602 naming the first bad one)."""
     result = Headers()
     for header in headers:
@@ -183,12 +232,15 @@ def request_headers(headers: list[p.HttpHeader]) -> Headers:
             raise RpcError.invalid_params(
                 "http/request header name is invalid: invalid HTTP header name"
             )
-        if _BAD_VALUE.search(header.value):
+        value = _header_value(header, environ)
+        if _BAD_VALUE.search(value):
             raise RpcError.invalid_params(
                 f"http/request header value is invalid for {header.name}: "
                 "failed to parse header value"
             )
-        result.addRawHeader(name, header.value.encode("utf-8"))
+        result.addRawHeader(name, value.encode("utf-8"))
+    if not result.hasHeader(b"accept"):
+        result.addRawHeader(b"accept", b"*/*")  # (as reqwest)
     return result
 
 
@@ -253,7 +305,7 @@ class _Exchange:
         self.cancelled = False
         self.finished = False
 
-    def start(self, agent: Agent, headers: Headers) -> None:
+    def start(self, agent: IAgent, headers: Headers) -> None:
         params = self.params
         producer = (
             None if params.body_base64 is None else FileBodyProducer(BytesIO(params.body_base64))
@@ -449,12 +501,12 @@ class _StreamedBody(_Body):
 class HttpRequests:
     """The server's ``http/request`` calls: the agent and each connection's requests."""
 
-    def __init__(self, clock: IReactorTime, agent: Agent | None = None) -> None:
+    def __init__(self, clock: IReactorTime) -> None:
         self.clock = clock
-        if agent is None:
-            # A connection per request, closed at its end (no idle sockets).
-            agent = Agent(clock, pool=HTTPConnectionPool(clock, persistent=False))
-        self.agent = agent
+        # A connection per request, closed at its end (no idle sockets).
+        self.agent = Agent(clock, pool=HTTPConnectionPool(clock, persistent=False))
+        # (strips credentials on a redirect to another origin)
+        self.following = BrowserLikeRedirectAgent(self.agent, redirectLimit=MAX_REDIRECTS)
         self.in_flight: dict[Any, set[_Exchange]] = {}
 
     def handle(self, conn: Any, params: p.HttpRequestParams) -> Deferred[Any]:
@@ -468,7 +520,8 @@ class HttpRequests:
         exchange = _Exchange(self, conn, params, target)
         held.add(exchange)
         reply = exchange.reply
-        exchange.start(self.agent, headers)
+        agent = self.following if params.redirect_policy == "follow" else self.agent
+        exchange.start(agent, headers)
         return reply
 
     def forget(self, exchange: _Exchange) -> None:

@@ -861,11 +861,15 @@ HTTP_REQUEST = "http/request"
 HTTP_REQUEST_BODY_DELTA = "http/request/bodyDelta"
 
 
-class HttpHeader(msgspec.Struct):
+class HttpHeader(msgspec.Struct, rename="camel"):
     """One header; repeated names are repeated items, in order."""
 
     name: str
+    #: The value; with ``valueEnvVar``, the prefix of it (``"Bearer "``).
     value: str
+    #: An environment variable of the server whose value is appended to
+    #: ``value`` (credentials stay on the executor; ``httpHeaderEnvVars``).
+    value_env_var: str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class HttpRequestParams(msgspec.Struct, rename="camel"):
@@ -883,6 +887,8 @@ class HttpRequestParams(msgspec.Struct, rename="camel"):
     timeout_ms: NonNegative | None = None
     #: Answer at the response headers and send the body as notifications.
     stream_response: bool = False
+    #: ``follow`` (up to 10 redirects, the default) or ``stop`` (a 3xx is the answer).
+    redirect_policy: Literal["follow", "stop"] = "follow"
 
 
 class HttpRequestResponse(msgspec.Struct, rename="camel"):

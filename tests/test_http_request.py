@@ -46,6 +46,9 @@ class _Web(Resource):
                     "method": request.method.decode(),
                     "body": request.content.read().decode() if request.content else "",
                     "x-r": [v.decode() for v in headers.getRawHeaders(b"x-r", [])],
+                    "authorization": [
+                        v.decode() for v in headers.getRawHeaders(b"authorization", [])
+                    ],
                 }
             ).encode()
             request.responseHeaders.addRawHeader(b"x-a", b"1")
@@ -63,6 +66,10 @@ class _Web(Resource):
             request.write(b"12345")
             reactor.callLater(0.05, _abort, request)
             return NOT_DONE_YET
+        if path == b"/redir":
+            request.setResponseCode(302)
+            request.setHeader(b"location", b"/echo")
+            return b""
         if path == b"/big":
             return b"x" * (MAX_BUFFERED_BODY_BYTES + 1)
         # /hang: never answers; tells when its client is gone.
@@ -93,8 +100,12 @@ async def web() -> AsyncIterator[tuple[_Web, str]]:
         await port.stopListening()
 
 
+#: Server variables the valueEnvVar tests name (given to both servers).
+HEADER_ENV = {"MCP_TOKEN": "tok", "EMPTY_VAR": "", "OPENAI_API_KEY": "sk-test"}
+
+
 def serving() -> Any:
-    return codex_session.serving(codex_session.CODEX_INIT)
+    return codex_session.serving(codex_session.CODEX_INIT, HEADER_ENV)
 
 
 def _deltas(server: Any, request_id: str) -> list[dict[str, Any]]:
@@ -144,6 +155,7 @@ async def test_buffered_get_and_post_with_headers_and_body() -> None:
             "method": "POST",
             "body": "hi there",
             "x-r": ["1", "2"],
+            "authorization": [],
         }
         assert {"name": "content-length", "value": str(len(unb64(posted["bodyBase64"])))} in (
             posted["headers"]
@@ -239,7 +251,42 @@ def _INVALID(base: str) -> list[tuple[dict[str, Any], str]]:
         ),
         ({"method": "GET", "url": base, "streamResponse": True}, "missing field `requestId`"),
         ({"url": base, "requestId": "x"}, "missing field `method`"),
+        (
+            {**ok, "headers": [{"name": "Authorization", "value": "", "valueEnvVar": "NOPE"}]},
+            "http/request header Authorization requires executor environment variable NOPE",
+        ),
+        (
+            {**ok, "headers": [{"name": "A", "value": "", "valueEnvVar": "EMPTY_VAR"}]},
+            "http/request header A requires a non-empty executor environment variable EMPTY_VAR",
+        ),
+        (
+            {**ok, "headers": [{"name": "A", "value": "", "valueEnvVar": "openai_api_key"}]},
+            "http/request header A cannot use executor environment variable openai_api_key",
+        ),
     ]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_header_takes_its_value_from_the_server_environment() -> None:
+    async with web() as (_, base), serving() as server:
+        header = {"name": "Authorization", "value": "Bearer ", "valueEnvVar": "MCP_TOKEN"}
+        params = {"method": "GET", "url": base + "/echo", "requestId": "e", "headers": [header]}
+        got = await server.call("http/request", params)
+        assert json.loads(unb64(got["bodyBase64"]))["authorization"] == ["Bearer tok"]
+        # Response headers carry no valueEnvVar.
+        assert all(set(h) == {"name", "value"} for h in got["headers"])
+
+
+@pytest_twisted.ensureDeferred
+async def test_redirects_are_followed_unless_told_to_stop() -> None:
+    async with web() as (_, base), serving() as server:
+        params = {"method": "GET", "url": base + "/redir", "requestId": "r"}
+        followed = await server.call("http/request", params)
+        assert followed["status"] == 200
+        assert json.loads(unb64(followed["bodyBase64"]))["method"] == "GET"
+        stopped = await server.call("http/request", {**params, "redirectPolicy": "stop"})
+        assert stopped["status"] == 302
+        assert {"name": "location", "value": "/echo"} in stopped["headers"]
 
 
 @pytest_twisted.ensureDeferred
@@ -311,12 +358,16 @@ async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
         "HOME": str(tmp_path),
         "CODEX_HOME": str(tmp_path / "codex-home"),
         "TMPDIR": str(tmp_path / "tmp"),
+        **HEADER_ENV,
     }
     async with web() as (_, base):
         cases = [params for params, _ in _INVALID(base)]
-        cases.append(
-            {"method": "POST", "url": base + "/echo", "requestId": "p", "bodyBase64": b64(b"x")}
-        )
+        header = {"name": "Authorization", "value": "Bearer ", "valueEnvVar": "MCP_TOKEN"}
+        cases += [
+            {"method": "POST", "url": base + "/echo", "requestId": "p", "bodyBase64": b64(b"x")},
+            {"method": "GET", "url": base + "/echo", "requestId": "e", "headers": [header]},
+            {"method": "GET", "url": base + "/redir", "requestId": "r", "redirectPolicy": "stop"},
+        ]
         argv = [str(codex), "exec-server", "--listen", "stdio"]
         reference = ServerProcess().launch(argv, env=env, description="codex exec-server (stdio)")
         reference.allow_stderr(".")
