@@ -389,3 +389,60 @@ async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
                     key=lambda h: (h["name"], h["value"]),
                 )
         assert got == want
+
+
+# --- flow control, driven by hand ------------------------------------------------------
+
+
+class _FakeTransport:
+    def __init__(self) -> None:
+        self.paused = False
+        self.stopped = False
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+
+    def stopProducing(self) -> None:
+        self.stopped = True
+
+
+def _streamed_body(session_paused: bool) -> tuple[Any, Any, list[Any], _FakeTransport]:
+    from execserver import protocol as p
+    from execserver.http_request import HttpRequests, _Exchange, _StreamedBody
+
+    sent: list[Any] = []
+    session = type("S", (), {"flow_listeners": [], "paused": session_paused})()
+    conn = type("C", (), {"session": session, "send": staticmethod(sent.append)})()
+    params = p.HttpRequestParams("GET", "http://127.0.0.1/", "f", stream_response=True)
+    exchange = _Exchange(HttpRequests(reactor), conn, params, None)  # type: ignore[arg-type]
+    body = _StreamedBody(exchange)
+    transport = _FakeTransport()
+    body.makeConnection(transport)
+    return body, session, sent, transport
+
+
+def test_a_streamed_body_pauses_and_resumes_with_the_connection() -> None:
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseDone
+
+    body, session, sent, transport = _streamed_body(session_paused=False)
+    assert session.flow_listeners == [body] and not transport.paused
+    for listener in session.flow_listeners:  # the transport's buffer is over its mark
+        listener.pauseProducing()
+    assert transport.paused
+    for listener in session.flow_listeners:  # ... and has drained
+        listener.resumeProducing()
+    assert not transport.paused
+    body.dataReceived(b"x" * (64 * 1024 + 1))  # split into notifications of 64 KiB at most
+    body.connectionLost(Failure(ResponseDone()))
+    assert [len(m.params.delta_base64) for m in sent] == [64 * 1024, 1, 0]
+    assert [m.params.seq for m in sent] == [1, 2, 3] and sent[-1].params.done
+    assert session.flow_listeners == []  # it let go at its end
+
+
+def test_a_stream_starting_on_a_paused_connection_starts_paused() -> None:
+    _, _, _, transport = _streamed_body(session_paused=True)
+    assert transport.paused
