@@ -102,6 +102,8 @@ HEADER_ENV_DENYLIST: Final = frozenset(
 MAX_REDIRECTS: Final = 10
 
 TIMED_OUT: Final = "operation timed out"
+CANCELLED: Final = "request cancelled"
+SHUTTING_DOWN: Final = "the server is shutting down"
 BODY_ERROR: Final = "error decoding response body"
 BODY_CUT: Final = "the connection closed before the end of the body"
 
@@ -302,7 +304,8 @@ class _Exchange:
         self.body: _Body | None = None
         self.timer: IDelayedCall | None = None
         self.timed_out = False
-        self.cancelled = False
+        #: Why the request was cancelled, once it is.
+        self.cancelled: str | None = None
         self.finished = False
 
     def start(self, agent: IAgent, headers: Headers) -> None:
@@ -342,8 +345,10 @@ class _Exchange:
             return
         if self.timed_out:
             self.fail(self._send_error(TIMED_OUT))
-        elif self.cancelled or failure.check(CancelledError):
-            self.fail(self._send_error("request cancelled"))
+        elif self.cancelled is not None:
+            self.fail(self._send_error(self.cancelled))
+        elif failure.check(CancelledError):
+            self.fail(self._send_error(CANCELLED))
         else:
             self.fail(self._send_error(_reason(failure)))
 
@@ -352,9 +357,9 @@ class _Exchange:
         self.timed_out = True
         self.abort()
 
-    def cancel(self) -> None:
-        """The connection is gone: stop, sending nothing more."""
-        self.cancelled = True
+    def cancel(self, reason: str) -> None:
+        """The connection is gone or shutting down: stop (closing the HTTP connection)."""
+        self.cancelled = reason
         self.abort()
 
     def abort(self) -> None:
@@ -366,8 +371,8 @@ class _Exchange:
     def body_error(self, failure: Failure) -> str:
         if self.timed_out:
             return f"{BODY_ERROR}: {TIMED_OUT}"
-        if self.cancelled:
-            return f"{BODY_ERROR}: request cancelled"
+        if self.cancelled is not None:
+            return f"{BODY_ERROR}: {self.cancelled}"
         return f"{BODY_ERROR}: {BODY_CUT}"
 
     def succeed(self, result: object) -> None:
@@ -491,9 +496,10 @@ class _StreamedBody(_Body):
         exchange = self.exchange
         if exchange.finished:
             return
-        if _clean_end(reason) and not exchange.timed_out:
+        # (Sent only while the connection is open: not after it closed.)
+        if _clean_end(reason) and not exchange.timed_out and exchange.cancelled is None:
             self._notify(b"", done=True)
-        elif not exchange.cancelled:
+        else:
             self._notify(b"", done=True, error=exchange.body_error(reason))
         exchange.succeed(None)
 
@@ -534,12 +540,12 @@ class HttpRequests:
     def connection_closed(self, conn: Any) -> None:
         """Cancel every request of ``conn`` still running (its sockets closed)."""
         for exchange in list(self.in_flight.get(conn, ())):
-            exchange.cancel()
+            exchange.cancel(CANCELLED)
 
-    def cancel_all(self) -> None:
-        for held in list(self.in_flight.values()):
-            for exchange in list(held):
-                exchange.cancel()
+    def connection_shutting_down(self, conn: Any) -> None:
+        """End ``conn``'s requests, answered with an error, so its shutdown does not wait."""
+        for exchange in list(self.in_flight.get(conn, ())):
+            exchange.cancel(SHUTTING_DOWN)
 
 
 def register(router: Any, clock: IReactorTime) -> HttpRequests:
@@ -547,4 +553,5 @@ def register(router: Any, clock: IReactorTime) -> HttpRequests:
     requests = HttpRequests(clock)
     router.add_method(p.HttpRequest, requests.handle)
     router.closed_hooks.append(requests.connection_closed)
+    router.shutdown_hooks.append(requests.connection_shutting_down)
     return requests

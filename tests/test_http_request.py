@@ -446,3 +446,28 @@ def test_a_streamed_body_pauses_and_resumes_with_the_connection() -> None:
 def test_a_stream_starting_on_a_paused_connection_starts_paused() -> None:
     _, _, _, transport = _streamed_body(session_paused=True)
     assert transport.paused
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_shutdown_answers_and_closes_requests_in_flight() -> None:
+    # Without a timeout a request could wait forever: SIGTERM must not.
+    async with web() as (site, base):
+        server = await WsServerProcess.start()
+        try:
+            client = await connect(server.url)
+            await client.handshake()
+            params = {"method": "GET", "url": base + "/hang", "requestId": "h"}
+            pending = ensureDeferred(client.request("http/request", params))
+            await until(lambda: site.hanging, "the request to arrive", timeout=TIMEOUT)
+            assert server.transport is not None
+            server.transport.signalProcess("TERM")
+            reply = await with_timeout(pending, TIMEOUT, "the reply at shutdown")
+            assert reply["error"] == {
+                "code": -32603,
+                "message": f"http/request failed: error sending request for url ({base}/hang): "
+                "the server is shutting down",
+            }
+            await with_timeout(site.gone[0], TIMEOUT, "the HTTP server to see the disconnect")
+            await with_timeout(server.exited(), TIMEOUT, "the server to exit")
+        finally:
+            await server.stop()
