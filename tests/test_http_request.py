@@ -27,6 +27,48 @@ from tests.support.ws_harness import WsServerProcess, connect
 TIMEOUT = 20.0
 
 
+#: Bytes /flood sends: far more than the flow-control bound below.
+FLOOD_BYTES = 96 * 1024 * 1024
+FLOOD_CHUNK = 256 * 1024
+
+
+class _Flood:
+    """Writes FLOOD_BYTES as fast as its client takes them (an IPushProducer)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.written = 0
+        self.paused = False
+        self.done = False
+        request.registerProducer(self, True)
+        reactor.callLater(0, self._write)
+
+    def _write(self) -> None:
+        while not self.paused and not self.done:
+            if self.written >= FLOOD_BYTES:
+                self.done = True
+                self.request.unregisterProducer()
+                self.request.finish()
+                return
+            # Each chunk names its offset: order and loss show in the bytes.
+            self.request.write(self.written.to_bytes(8, "big") * (FLOOD_CHUNK // 8))
+            self.written += FLOOD_CHUNK
+            if self.written % (4 * 1024 * 1024) == 0:
+                reactor.callLater(0, self._write)  # let the reactor breathe
+                return
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        if self.paused:
+            self.paused = False
+            reactor.callLater(0, self._write)
+
+    def stopProducing(self) -> None:
+        self.done = True
+
+
 class _Web(Resource):
     isLeaf = True
 
@@ -34,6 +76,7 @@ class _Web(Resource):
         super().__init__()
         self.sse: list[Request] = []
         self.hanging: list[Request] = []
+        self.flood: _Flood | None = None
         #: Fires for each hanging request whose client went away.
         self.gone: list[Deferred[None]] = []
 
@@ -70,6 +113,9 @@ class _Web(Resource):
             request.setResponseCode(302)
             request.setHeader(b"location", b"/echo")
             return b""
+        if path == b"/flood":
+            self.flood = _Flood(request)
+            return NOT_DONE_YET
         if path == b"/big":
             return b"x" * (MAX_BUFFERED_BODY_BYTES + 1)
         # /hang: never answers; tells when its client is gone.
@@ -469,5 +515,52 @@ async def test_server_shutdown_answers_and_closes_requests_in_flight() -> None:
             }
             await with_timeout(site.gone[0], TIMEOUT, "the HTTP server to see the disconnect")
             await with_timeout(server.exited(), TIMEOUT, "the server to exit")
+        finally:
+            await server.stop()
+
+
+#: Body bytes a stalled client may leave in flight: the connection's 2 MiB
+#: outbound mark (as base64) plus the kernel's socket buffers on both sides
+#: of both connections (a few MiB each on loopback), with a margin.
+FLOW_BOUND = 32 * 1024 * 1024
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stalled_client_holds_the_http_server_back() -> None:
+    async with web() as (site, base):
+        server = await WsServerProcess.start()
+        try:
+            client = await connect(server.url)
+            await client.handshake()
+            params = {
+                "method": "GET",
+                "url": base + "/flood",
+                "requestId": "f",
+                "streamResponse": True,
+            }
+            await client.call("http/request", params)
+            assert client.transport is not None
+            client.transport.pauseProducing()  # type: ignore[attr-defined]
+            flood = site.flood
+            assert flood is not None
+            seen: list[int] = []
+
+            def settled() -> bool:
+                # Paused, and nothing more written over five polls.
+                seen.append(flood.written)
+                return flood.done or (flood.paused and len(set(seen[-5:])) == 1 < len(seen) - 4)
+
+            await until(settled, "the HTTP server to be held back", timeout=TIMEOUT)
+            held = flood.written
+            assert not flood.done, "the whole body was read while the client read nothing"
+            assert held <= FLOW_BOUND, held
+            client.transport.resumeProducing()  # type: ignore[attr-defined]
+            deltas = await _done(client, "f")
+            body = b"".join(unb64(d["deltaBase64"]) for d in deltas)
+            assert deltas[-1]["error"] is None and len(body) == FLOOD_BYTES
+            offsets = [
+                int.from_bytes(body[at : at + 8], "big") for at in range(0, len(body), FLOOD_CHUNK)
+            ]
+            assert offsets == list(range(0, FLOOD_BYTES, FLOOD_CHUNK))
         finally:
             await server.stop()
