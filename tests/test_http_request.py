@@ -564,3 +564,33 @@ async def test_a_stalled_client_holds_the_http_server_back() -> None:
             assert offsets == list(range(0, FLOOD_BYTES, FLOOD_CHUNK))
         finally:
             await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_https_is_verified_against_the_trusted_roots(tmp_path: Path) -> None:
+    from twisted.internet import ssl
+
+    from tests.support.tls import Pki
+
+    pki = Pki(tmp_path)
+    pem = Path(pki.server_cert).read_text() + Path(pki.server_key).read_text()
+    certificate = ssl.PrivateCertificate.loadPEM(pem)
+    root = _Web()
+    port = reactor.listenSSL(0, Site(root), certificate.options(), interface="127.0.0.1")
+    url = f"https://127.0.0.1:{port.getHost().port}/echo"
+    params = {"method": "GET", "url": url, "requestId": "s"}
+    try:
+        # The server trusts the test CA (OpenSSL's SSL_CERT_FILE): verified.
+        trusted = {**HEADER_ENV, "SSL_CERT_FILE": pki.ca_file}
+        async with codex_session.serving(codex_session.CODEX_INIT, trusted) as server:
+            assert (await server.call("http/request", params))["status"] == 200
+        # Another CA: the certificate is refused, the request fails.
+        other = {**HEADER_ENV, "SSL_CERT_FILE": pki.other_ca_file}
+        async with codex_session.serving(codex_session.CODEX_INIT, other) as server:
+            reply = await server.request("http/request", params)
+            assert reply["error"]["code"] == -32603
+            assert reply["error"]["message"].startswith(
+                f"http/request failed: error sending request for url ({url}): "
+            )
+    finally:
+        await port.stopListening()
