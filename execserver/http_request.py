@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Mapping
 from io import BytesIO
 from typing import Any, Final
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
@@ -184,21 +184,54 @@ def _host(host: str) -> str:
             return f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
         except ValueError:
             raise _url_error("invalid IPv6 address") from None
+    host = unquote(host, errors="strict") if "%" in host else host
+    idn = _url_error("invalid international domain name")
+    if _FORBIDDEN_HOST.search(host):
+        raise idn
     if not host.isascii():
         try:
             host = host.encode("idna").decode("ascii")
         except UnicodeError:
-            raise _url_error("invalid international domain name") from None
+            raise idn from None
     host = host.lower()
-    if _FORBIDDEN_HOST.search(host):
-        raise _url_error("invalid domain character")
-    last = host.rstrip(".").rsplit(".", 1)[-1]
+    for label in host.split("."):
+        if label.startswith("xn--"):
+            try:
+                if not label[4:] or not label[4:].encode("ascii").decode("punycode"):
+                    raise idn
+            except UnicodeError:
+                raise idn from None
+    last = host[:-1] if host.endswith(".") else host
+    last = last.rsplit(".", 1)[-1]
     if last and (last.isdigit() or re.fullmatch(r"0x[0-9a-f]*", last)):
-        try:
-            return str(ipaddress.IPv4Address(host.rstrip(".")))
-        except ValueError:
-            raise _url_error("invalid IPv4 address") from None
+        return _ipv4(host)
     return host
+
+
+def _ipv4(host: str) -> str:
+    """The WHATWG IPv4 parser (``1.2.3`` is 1.2.0.3; hex and octal parts)."""
+    failure = _url_error("invalid IPv4 address")
+    parts = host.split(".")
+    if parts[-1] == "" and len(parts) > 1:
+        parts.pop()
+    if len(parts) > 4:
+        raise failure
+    numbers = []
+    for part in parts:
+        if re.fullmatch(r"0[xX][0-9a-fA-F]*", part):
+            numbers.append(int(part[2:] or "0", 16))
+        elif re.fullmatch(r"0[0-7]+", part):
+            numbers.append(int(part, 8))
+        elif re.fullmatch(r"[0-9]+", part):
+            numbers.append(int(part))
+        else:
+            raise failure
+    if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
+        raise failure
+    value = numbers[-1]
+    for index, number in enumerate(numbers[:-1]):
+        value += number * 256 ** (3 - index)
+    return str(ipaddress.IPv4Address(value))
 
 
 def _header_value(header: p.HttpHeader, environ: Mapping[str, str]) -> str:

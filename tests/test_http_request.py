@@ -4,6 +4,7 @@ and WebSocket against a twisted.web server on 127.0.0.1 (and the reference).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from collections.abc import AsyncIterator
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest_twisted
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -283,6 +286,24 @@ def _INVALID(base: str) -> list[tuple[dict[str, Any], str]]:
         ({**ok, "url": "http://"}, "http/request url is invalid: empty host"),
         ({**ok, "url": "http://h:99999/"}, "http/request url is invalid: invalid port number"),
         ({**ok, "url": "ftp://x/"}, "http/request only supports http and https URLs, got ftp"),
+        ({**ok, "url": "mailto:x"}, "http/request only supports http and https URLs, got mailto"),
+        ({**ok, "url": "http://[::1/"}, "http/request url is invalid: invalid IPv6 address"),
+        ({**ok, "url": "http://1.2.3.999/"}, "http/request url is invalid: invalid IPv4 address"),
+        (
+            {**ok, "url": "http://999999999999/"},
+            "http/request url is invalid: invalid IPv4 address",
+        ),
+        ({**ok, "url": "http://0x1g.1/"}, "http/request url is invalid: invalid IPv4 address"),
+        (
+            {**ok, "url": "http://a%20b/"},
+            "http/request url is invalid: invalid international domain name",
+        ),
+        (
+            {**ok, "url": "http://xn--/"},
+            "http/request url is invalid: invalid international domain name",
+        ),
+        ({**ok, "url": "http://h:-1/"}, "http/request url is invalid: invalid port number"),
+        ({**ok, "url": "http://u@/"}, "http/request url is invalid: empty host"),
         (
             {**ok, "url": "file:///etc/passwd"},
             "http/request only supports http and https URLs, got file",
@@ -594,3 +615,19 @@ async def test_https_is_verified_against_the_trusted_roots(tmp_path: Path) -> No
             )
     finally:
         await port.stopListening()
+
+
+@given(st.integers(min_value=0, max_value=2**32 - 1))
+def test_ipv4_hosts_read_as_the_whatwg_parser_reads_them(value: int) -> None:
+    from execserver.http_request import parse_url
+
+    dotted = str(ipaddress.IPv4Address(value))
+    a, b, c, d = (int(part) for part in dotted.split("."))
+    for host in (
+        dotted,
+        str(value),
+        hex(value),
+        f"{a}.{b}.{c * 256 + d}",
+        f"0x{a:x}.{b}.{c}.0{d:o}",
+    ):
+        assert parse_url(f"http://{host}/x").url == f"http://{dotted}/x", host
