@@ -17,8 +17,9 @@ Beyond the reference (docs/protocol.md, "http/request"):
   high-water mark, and resumed when it drains;
 - a connection holds at most :data:`MAX_IN_FLIGHT` requests (a streamed one
   until its last notification);
-- a request still running when its connection goes away is cancelled (its
-  HTTP connection closed);
+- a request still running when its connection goes away, or when the
+  server shuts down, is cancelled (its HTTP connection closed; at shutdown
+  it is answered with an error first);
 - ``timeoutMs`` covers the whole request, body included, as reqwest's does.
 """
 
@@ -73,11 +74,6 @@ _SCHEME: Final = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(.*)", re.DOTALL)
 _FORBIDDEN_HOST: Final = re.compile(r"[\x00-\x20#%/:<>?@\[\\\]^|\x7f]")
 #: Characters kept as they are in a path or query (others percent-encoded).
 _URL_SAFE: Final = "!$&'()*+,;=:@/?%-._~"
-#: Headers Twisted's client keeps to itself (connection control) and does not report.
-CONNECTION_HEADERS: Final = (
-    "connection, keep-alive, proxy-connection, te, trailers, transfer-encoding, upgrade"
-)
-
 #: Server variables a header may not carry (``valueEnvVar``): the
 #: reference's list, compared without regard to case.
 HEADER_ENV_DENYLIST: Final = frozenset(
