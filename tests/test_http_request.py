@@ -106,6 +106,7 @@ class _Web(Resource):
             request.setHeader(b"content-type", b"text/event-stream")
             request.write(b"data: 0\n\n")
             self.sse.append(request)
+            self._watch(request)
             return NOT_DONE_YET
         if path == b"/drop":
             request.setHeader(b"content-length", b"100")
@@ -122,11 +123,15 @@ class _Web(Resource):
         if path == b"/big":
             return b"x" * (MAX_BUFFERED_BODY_BYTES + 1)
         # /hang: never answers; tells when its client is gone.
+        self._watch(request)
+        self.hanging.append(request)
+        return NOT_DONE_YET
+
+    def _watch(self, request: Request) -> None:
+        """``gone`` gets a Deferred that fires if the client goes before the end."""
         gone: Deferred[None] = Deferred()
         request.notifyFinish().addErrback(lambda _: gone.callback(None))
         self.gone.append(gone)
-        self.hanging.append(request)
-        return NOT_DONE_YET
 
 
 def _abort(request: Request) -> None:
@@ -406,11 +411,8 @@ async def test_a_closed_connection_cancels_its_stream() -> None:
             }
             await client.call("http/request", params)
             await client.wait_notification("http/request/bodyDelta", timeout=TIMEOUT)
-            [sse] = site.sse
-            gone: Deferred[None] = Deferred()
-            sse.notifyFinish().addErrback(lambda _: gone.callback(None))
             client.abort()
-            await with_timeout(gone, TIMEOUT, "the HTTP server to see the disconnect")
+            await with_timeout(site.gone[0], TIMEOUT, "the HTTP server to see the disconnect")
         finally:
             await server.stop()
 
@@ -631,3 +633,20 @@ def test_ipv4_hosts_read_as_the_whatwg_parser_reads_them(value: int) -> None:
         f"0x{a:x}.{b}.{c}.0{d:o}",
     ):
         assert parse_url(f"http://{host}/x").url == f"http://{dotted}/x", host
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_timeout_covers_a_streamed_body() -> None:
+    async with web() as (site, base), serving() as server:
+        params = {
+            "method": "GET",
+            "url": base + "/sse",
+            "requestId": "t",
+            "streamResponse": True,
+            "timeoutMs": 500,
+        }
+        assert (await server.call("http/request", params))["status"] == 200
+        deltas = await _done(server, "t")
+        assert unb64(deltas[0]["deltaBase64"]) == b"data: 0\n\n"
+        assert deltas[-1]["error"] == "error decoding response body: operation timed out"
+        await with_timeout(site.gone[0], TIMEOUT, "the HTTP server to see the disconnect")
