@@ -293,6 +293,19 @@ def response_headers(response: IResponse) -> list[p.HttpHeader]:
     return result
 
 
+def redirect_policy(value: str | dict[str, None]) -> str:
+    """``follow`` or ``stop``, from serde's string or map form (-32602 otherwise)."""
+    if isinstance(value, dict):
+        if len(value) != 1:
+            raise RpcError.invalid_params(
+                f"invalid length {len(value)}, expected map with a single key"
+            )
+        [value] = value
+    if value not in ("follow", "stop"):
+        raise RpcError.invalid_params(f"unknown variant `{value}`, expected `follow` or `stop`")
+    return value
+
+
 def check_params(params: p.HttpRequestParams) -> tuple[Target, Headers]:
     """The reference's checks, in its order: method, url, headers."""
     if _TOKEN.fullmatch(params.method.encode("utf-8")) is None:
@@ -545,6 +558,7 @@ class HttpRequests:
         self.in_flight: dict[Any, set[_Exchange]] = {}
 
     def handle(self, conn: Any, params: p.HttpRequestParams) -> Deferred[Any]:
+        follow = redirect_policy(params.redirect_policy) == "follow"
         target, headers = check_params(params)
         held = self.in_flight.setdefault(conn, set())
         if len(held) >= MAX_IN_FLIGHT:
@@ -555,7 +569,7 @@ class HttpRequests:
         exchange = _Exchange(self, conn, params, target)
         held.add(exchange)
         reply = exchange.reply
-        agent = self.following if params.redirect_policy == "follow" else self.agent
+        agent = self.following if follow else self.agent
         exchange.start(agent, headers)
         return reply
 

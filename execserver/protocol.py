@@ -887,8 +887,10 @@ class HttpRequestParams(msgspec.Struct, rename="camel"):
     timeout_ms: NonNegative | None = None
     #: Answer at the response headers and send the body as notifications.
     stream_response: bool = False
-    #: ``follow`` (up to 10 redirects, the default) or ``stop`` (a 3xx is the answer).
-    redirect_policy: Literal["follow", "stop"] = "follow"
+    #: ``follow`` (up to 10 redirects, the default) or ``stop`` (a 3xx is the
+    #: answer); serde's map form (``{"stop": null}``) too. Checked by the
+    #: route, with the reference's texts.
+    redirect_policy: str | dict[str, None] = "follow"
 
 
 class HttpRequestResponse(msgspec.Struct, rename="camel"):

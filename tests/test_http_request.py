@@ -324,6 +324,14 @@ def _INVALID(base: str) -> list[tuple[dict[str, Any], str]]:
         ({"method": "GET", "url": base, "streamResponse": True}, "missing field `requestId`"),
         ({"url": base, "requestId": "x"}, "missing field `method`"),
         (
+            {**ok, "redirectPolicy": "none"},
+            "unknown variant `none`, expected `follow` or `stop`",
+        ),
+        (
+            {**ok, "redirectPolicy": {"limited": None}},
+            "unknown variant `limited`, expected `follow` or `stop`",
+        ),
+        (
             {**ok, "headers": [{"name": "Authorization", "value": "", "valueEnvVar": "NOPE"}]},
             "http/request header Authorization requires executor environment variable NOPE",
         ),
@@ -436,6 +444,13 @@ async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
             {"method": "POST", "url": base + "/echo", "requestId": "p", "bodyBase64": b64(b"x")},
             {"method": "GET", "url": base + "/echo", "requestId": "e", "headers": [header]},
             {"method": "GET", "url": base + "/redir", "requestId": "r", "redirectPolicy": "stop"},
+            {
+                "method": "GET",
+                "url": base + "/redir",
+                "requestId": "r",
+                "redirectPolicy": {"stop": None},
+            },
+            {"method": "GET", "url": base + "/redir", "requestId": "r", "redirectPolicy": "follow"},
         ]
         argv = [str(codex), "exec-server", "--listen", "stdio"]
         reference = ServerProcess().launch(argv, env=env, description="codex exec-server (stdio)")
