@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
@@ -142,9 +143,11 @@ class _McpServer(Resource):
 
     isLeaf = True
 
-    def __init__(self) -> None:
+    def __init__(self, sse: bool) -> None:
         super().__init__()
         self.methods: list[str] = []
+        #: Answer as server-sent events (one event per answer), not JSON.
+        self.sse = sse
 
     def render_GET(self, request: Request) -> bytes:
         request.setResponseCode(405)  # no server-initiated stream
@@ -172,23 +175,27 @@ class _McpServer(Resource):
                 ]
             },
         }
-        request.setHeader(b"content-type", b"application/json")
         if message["method"] in results:
             answer = {"jsonrpc": "2.0", "id": message["id"], "result": results[message["method"]]}
         else:
             error = {"code": -32601, "message": "method not found"}
             answer = {"jsonrpc": "2.0", "id": message["id"], "error": error}
+        if self.sse:
+            request.setHeader(b"content-type", b"text/event-stream")
+            return b"event: message\ndata: " + json.dumps(answer).encode() + b"\n\n"
+        request.setHeader(b"content-type", b"application/json")
         return json.dumps(answer).encode()
 
 
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
 @pytest_twisted.ensureDeferred
 async def test_executor_config_is_read_through_the_server(
-    codex_binary: Path, tmp_path: Path
+    codex_binary: Path, tmp_path: Path, sse: bool
 ) -> None:
     # Advertised as environmentConfigRead, so Codex asks the server for the
     # MCP servers in the executor's own config.toml, and reaches the HTTP
     # one through the executor (http/request): its tool reaches the model.
-    mcp = _McpServer()
+    mcp = _McpServer(sse)
     port = reactor.listenTCP(0, Site(mcp), interface="127.0.0.1")
     home = tmp_path / "server-codex-home"
     home.mkdir()
