@@ -355,6 +355,9 @@ class _Exchange:
         producer = (
             None if params.body_base64 is None else FileBodyProducer(BytesIO(params.body_base64))
         )
+        if producer is not None and headers.hasHeader(b"content-length"):
+            # Twisted writes the body's own length: one Content-Length, not two.
+            headers.removeHeader(b"content-length")
         if params.timeout_ms is not None:
             self.timer = self.owner.clock.callLater(params.timeout_ms / 1000.0, self._time_out)
         self.sending = agent.request(

@@ -443,6 +443,13 @@ async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
         cases += [
             {"method": "POST", "url": base + "/echo", "requestId": "p", "bodyBase64": b64(b"x")},
             {"method": "GET", "url": base + "/echo", "requestId": "e", "headers": [header]},
+            {
+                "method": "POST",
+                "url": base + "/echo",
+                "requestId": "l",
+                "headers": [{"name": "Content-Length", "value": "2"}],
+                "bodyBase64": b64(b"hi"),
+            },
             {"method": "GET", "url": base + "/redir", "requestId": "r", "redirectPolicy": "stop"},
             {
                 "method": "GET",
