@@ -24,7 +24,7 @@ import msgspec
 from twisted.internet.interfaces import IReactorTime
 
 from execserver import fs as filesystem
-from execserver import handshake
+from execserver import handshake, http_request
 from execserver import protocol as p
 from execserver.codex import capability_discovery, environment_config, environment_info, watch
 from execserver.codex.watch import WatchHub
@@ -142,6 +142,7 @@ def build_dispatcher(
     capability_discovery.register(dispatcher, fs.run)
     fs_walk.register(dispatcher, fs.run)
     fs_handles.register(dispatcher, fs.run, fs.guard)
+    http_request.register(dispatcher, clock)
     return dispatcher
 
 

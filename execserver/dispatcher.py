@@ -233,6 +233,8 @@ class Dispatcher:
         self.routes: dict[str, Route] = {}
         #: Told when a connection's transport is gone (drop its queued work).
         self.closed_hooks: list[Callable[[Connection], None]] = []
+        #: Told when a connection begins to shut down (end its work in flight).
+        self.shutdown_hooks: list[Callable[[Connection], None]] = []
         #: Each says why the server should not get new work now, or None.
         self.readiness_checks: list[Callable[[], str | None]] = []
         #: What the composition root built around this dispatcher
@@ -652,6 +654,8 @@ class Connection:
         shutdown it is terminated like any other.
         """
         if self._shutdown is None:
+            for hook in self.dispatcher.shutdown_hooks:
+                hook(self)
             session = self.session
             registry = self.dispatcher.sessions
             if (

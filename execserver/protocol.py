@@ -853,3 +853,62 @@ DIALECT_METHODS: tuple[Method[Any, Any], ...] = (
     FsCanonicalize,
     FsWalk,
 )
+
+
+# --- http/request: HTTP made by the executor (remote MCP servers), declared once ------------
+
+HTTP_REQUEST = "http/request"
+HTTP_REQUEST_BODY_DELTA = "http/request/bodyDelta"
+
+
+class HttpHeader(msgspec.Struct, rename="camel"):
+    """One header; repeated names are repeated items, in order."""
+
+    name: str
+    #: The value; with ``valueEnvVar``, the prefix of it (``"Bearer "``).
+    value: str
+    #: An environment variable of the server whose value is appended to
+    #: ``value`` (credentials stay on the executor; ``httpHeaderEnvVars``).
+    value_env_var: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class HttpRequestParams(msgspec.Struct, rename="camel"):
+    #: An HTTP token (``GET``, ``POST``, ...; case kept).
+    method: str
+    #: An absolute ``http://`` or ``https://`` URL.
+    url: str
+    #: Names this request's ``http/request/bodyDelta`` notifications; required
+    #: even when the body is buffered (as the reference).
+    request_id: str
+    headers: list[HttpHeader] = msgspec.field(default_factory=list)
+    #: The request body (base64 on the wire); absent: none.
+    body_base64: bytes | None = None
+    #: The whole request's deadline; absent or null: none (as codex 0.171.0).
+    timeout_ms: NonNegative | None = None
+    #: Answer at the response headers and send the body as notifications.
+    stream_response: bool = False
+    #: ``follow`` (up to 10 redirects, the default) or ``stop`` (a 3xx is the
+    #: answer); serde's map form (``{"stop": null}``) too. Checked by the
+    #: route, with the reference's texts.
+    redirect_policy: str | dict[str, None] = "follow"
+
+
+class HttpRequestResponse(msgspec.Struct, rename="camel"):
+    status: int
+    headers: list[HttpHeader]
+    #: The whole body when buffered; empty with ``streamResponse``.
+    body_base64: bytes
+
+
+class HttpRequestBodyDeltaNotification(msgspec.Struct, rename="camel"):
+    request_id: str
+    #: 1, 2, ... per request; the last one has ``done`` true.
+    seq: int
+    delta_base64: bytes
+    done: bool = False
+    #: Why the body ended early; set only on the last one.
+    error: str | None = None
+
+
+#: Gated on the handshake as the reference gates it ("... using http methods").
+HttpRequest = Method(HTTP_REQUEST, HttpRequestParams, HttpRequestResponse, "http")

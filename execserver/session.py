@@ -21,7 +21,7 @@ import re
 import secrets
 import signal as _signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
@@ -195,6 +195,9 @@ class Session:
         #: The session whose pipes this one's flow control steers instead
         #: (set on the placeholder session of a connection that resumed).
         self._flow_target: ResumableSession | None = None
+        #: Also paused and resumed with the transport (http/request's
+        #: streamed bodies); each removes itself when it ends.
+        self.flow_listeners: list[Any] = []
         #: The client speaks the reference's current dialect (docs/protocol.md,
         #: "Dialects"): results and notifications carry its fields.
         self.speaks_current_dialect = False
@@ -815,6 +818,8 @@ class Session:
         for proc in self.processes.values():
             if not proc.full_paused:
                 proc.pause_reading()
+        for listener in list(self.flow_listeners):
+            listener.pauseProducing()
 
     def resumeProducing(self) -> None:
         if self._flow_target is not None:
@@ -826,6 +831,8 @@ class Session:
         for proc in self.processes.values():
             if not proc.full_paused:
                 proc.resume_reading()
+        for listener in list(self.flow_listeners):
+            listener.resumeProducing()
 
     def stopProducing(self) -> None:
         # A lost transport stops its producer; a session with a TTL is

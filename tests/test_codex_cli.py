@@ -11,6 +11,7 @@ when it cannot be fetched.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -19,8 +20,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
 
 from tests.support.children import Collected
 from tests.support.codex_cli import (
@@ -134,22 +138,75 @@ async def test_agents_md_is_read_through_the_server(codex_binary: Path, tmp_path
     assert "quokka-7731" in requests
 
 
+class _McpServer(Resource):
+    """A Streamable HTTP MCP server with one tool (JSON answers, no SSE stream)."""
+
+    isLeaf = True
+
+    def __init__(self, sse: bool) -> None:
+        super().__init__()
+        self.methods: list[str] = []
+        #: Answer as server-sent events (one event per answer), not JSON.
+        self.sse = sse
+
+    def render_GET(self, request: Request) -> bytes:
+        request.setResponseCode(405)  # no server-initiated stream
+        return b""
+
+    def render_POST(self, request: Request) -> bytes:
+        message = json.loads(request.content.read() if request.content else b"{}")
+        self.methods.append(message.get("method", "<response>"))
+        if "id" not in message or "method" not in message:
+            request.setResponseCode(202)
+            return b""
+        results = {
+            "initialize": {
+                "protocolVersion": message.get("params", {}).get("protocolVersion", "2025-03-26"),
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": "docs", "version": "1.0.0"},
+            },
+            "tools/list": {
+                "tools": [
+                    {
+                        "name": "quokka_lookup",
+                        "description": "Looks a quokka up.",
+                        "inputSchema": {"type": "object", "properties": {}},
+                    }
+                ]
+            },
+        }
+        if message["method"] in results:
+            answer = {"jsonrpc": "2.0", "id": message["id"], "result": results[message["method"]]}
+        else:
+            error = {"code": -32601, "message": "method not found"}
+            answer = {"jsonrpc": "2.0", "id": message["id"], "error": error}
+        if self.sse:
+            request.setHeader(b"content-type", b"text/event-stream")
+            return b"event: message\ndata: " + json.dumps(answer).encode() + b"\n\n"
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(answer).encode()
+
+
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
 @pytest_twisted.ensureDeferred
 async def test_executor_config_is_read_through_the_server(
-    codex_binary: Path, tmp_path: Path
+    codex_binary: Path, tmp_path: Path, sse: bool
 ) -> None:
     # Advertised as environmentConfigRead, so Codex asks the server for the
-    # MCP servers in the executor's own config.toml. It acts on the answer:
-    # it tries to reach the HTTP one through the executor, with a method
-    # this server does not implement (one -32601; a stdio-only config makes
-    # none), and the run goes on as without it.
+    # MCP servers in the executor's own config.toml, and reaches the HTTP
+    # one through the executor (http/request): its tool reaches the model.
+    mcp = _McpServer(sse)
+    port = reactor.listenTCP(0, Site(mcp), interface="127.0.0.1")
     home = tmp_path / "server-codex-home"
     home.mkdir()
     (home / "config.toml").write_text(
         '[mcp_servers.local]\ncommand = "/bin/false"\n'
-        '[mcp_servers.docs]\nurl = "http://127.0.0.1:9/mcp"\n'
+        f'[mcp_servers.docs]\nurl = "http://127.0.0.1:{port.getHost().port}/mcp"\n'
     )
-    run = await scenario(codex_binary, tmp_path, {"cmd": "echo configured-$INTEROP_SIDE"})
+    try:
+        run = await scenario(codex_binary, tmp_path, {"cmd": "echo configured-$INTEROP_SIDE"})
+    finally:
+        await port.stopListening()
     [item] = run.items("command_execution")
     assert item["exit_code"] == 0, item
     assert item["aggregated_output"] == "configured-exec-server\n", item
@@ -157,7 +214,10 @@ async def test_executor_config_is_read_through_the_server(
         run.metric('exec_server_requests_total{method="environmentConfig/read",outcome="ok"}') >= 1
     )
     assert 'method="environmentConfig/read",outcome="error"' not in run.metrics
-    assert run.metric('exec_server_requests_total{method="<unknown>",outcome="error"}') >= 1
+    # The MCP handshake and the tool list went through the executor.
+    assert run.metric('exec_server_requests_total{method="http/request",outcome="ok"}') >= 2
+    assert mcp.methods[:1] == ["initialize"] and "tools/list" in mcp.methods, mcp.methods
+    assert "quokka_lookup" in (tmp_path / "model.jsonl").read_text()
 
 
 @pytest_twisted.ensureDeferred

@@ -123,6 +123,7 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
             "fsWatchMissing": True,
             "capabilityDiscoveryV2": True,
             "environmentConfigRead": True,
+            "httpHeaderEnvVars": True,
         }
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"

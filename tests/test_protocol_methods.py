@@ -161,6 +161,7 @@ def test_every_server_route_is_a_declared_method() -> None:
         *BLOCK_READS,
         CapabilitiesDiscoverV2,
         EnvironmentConfigRead,
+        p.HttpRequest,
     )
     declared = {method.name: method for method in declarations}
     assert len(declared) == len(declarations)  # each name declared once

@@ -32,6 +32,9 @@ EXECUTOR_VERSION: Final = "0.171.0"
 FS_WATCH_MISSING: Final = "fsWatchMissing"
 CAPABILITY_DISCOVERY_V2: Final = "capabilityDiscoveryV2"
 ENVIRONMENT_CONFIG_READ: Final = "environmentConfigRead"
+#: ``http/request`` headers may take their value from the server's
+#: environment (``valueEnvVar``, execserver.http_request).
+HTTP_HEADER_ENV_VARS: Final = "httpHeaderEnvVars"
 
 
 def capabilities() -> dict[str, bool]:
@@ -44,6 +47,7 @@ def capabilities() -> dict[str, bool]:
     found = {FS_WATCH_MISSING: True} if watch.available() else {}
     found[CAPABILITY_DISCOVERY_V2] = True
     found[ENVIRONMENT_CONFIG_READ] = True
+    found[HTTP_HEADER_ENV_VARS] = True
     return found
 
 
