@@ -142,7 +142,9 @@ def build_dispatcher(
     capability_discovery.register(dispatcher, fs.run)
     fs_walk.register(dispatcher, fs.run)
     fs_handles.register(dispatcher, fs.run, fs.guard)
-    http_request.register(dispatcher, clock)
+    http_request.register(
+        dispatcher, clock, floor_network=sandbox_floor is None or sandbox_floor.network
+    )
     return dispatcher
 
 

@@ -552,8 +552,11 @@ class _StreamedBody(_Body):
 class HttpRequests:
     """The server's ``http/request`` calls: the agent and each connection's requests."""
 
-    def __init__(self, clock: IReactorTime) -> None:
+    def __init__(self, clock: IReactorTime, floor_network: bool = True) -> None:
         self.clock = clock
+        #: False under ``--sandbox-floor ... --floor-no-network``: no
+        #: process may reach the network, so neither may the server for a client.
+        self.floor_network = floor_network
         # A connection per request, closed at its end (no idle sockets).
         self.agent = Agent(clock, pool=HTTPConnectionPool(clock, persistent=False))
         # (strips credentials on a redirect to another origin)
@@ -561,6 +564,8 @@ class HttpRequests:
         self.in_flight: dict[Any, set[_Exchange]] = {}
 
     def handle(self, conn: Any, params: p.HttpRequestParams) -> Deferred[Any]:
+        if not self.floor_network:
+            raise RpcError.invalid_params(FLOOR_REFUSAL)
         follow = redirect_policy(params.redirect_policy) == "follow"
         target, headers = check_params(params)
         held = self.in_flight.setdefault(conn, set())
@@ -594,9 +599,21 @@ class HttpRequests:
             exchange.cancel(SHUTTING_DOWN)
 
 
-def register(router: Any, clock: IReactorTime) -> HttpRequests:
-    """Add ``http/request`` to ``router``; cancel a closed connection's requests."""
-    requests = HttpRequests(clock)
+#: The answer to every ``http/request`` under a floor without network.
+FLOOR_REFUSAL: Final = (
+    "http/request is refused: this server's sandbox floor allows no network "
+    "(--floor-no-network) for any process or request"
+)
+
+
+def register(router: Any, clock: IReactorTime, floor_network: bool = True) -> HttpRequests:
+    """Add ``http/request`` to ``router``; cancel a closed connection's requests.
+
+    ``floor_network`` False (the operator's ``--floor-no-network``) refuses
+    every request: the server would otherwise reach the network for a
+    client whose every command the floor keeps off it.
+    """
+    requests = HttpRequests(clock, floor_network)
     router.add_method(p.HttpRequest, requests.handle)
     router.closed_hooks.append(requests.connection_closed)
     router.shutdown_hooks.append(requests.connection_shutting_down)

@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from execserver.http_request import MAX_BUFFERED_BODY_BYTES, MAX_IN_FLIGHT
+from execserver.http_request import FLOOR_REFUSAL, MAX_BUFFERED_BODY_BYTES, MAX_IN_FLIGHT
 from tests.codex.fetch_codex import fetch
 from tests.support import codex_session
 from tests.support.harness import b64, reactor, unb64, with_timeout
@@ -381,6 +381,37 @@ async def test_a_buffered_body_over_the_cap_is_refused() -> None:
             f"{MAX_BUFFERED_BODY_BYTES} bytes, the limit of a buffered body "
             "(stream larger ones with streamResponse)",
         }
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_floor_without_network_refuses_every_request() -> None:
+    # --floor-no-network keeps every process off the network, whatever the
+    # client asks: the server must not reach it for the client either.
+    async with web() as (site, base):
+        server = ServerProcess.start("--sandbox-floor", "read-only", "--floor-no-network")
+        try:
+            await server.call("initialize", codex_session.CODEX_INIT)
+            server.notify("initialized", {})
+            for params in (
+                {"method": "GET", "url": base + "/hang", "requestId": "f"},
+                {"method": "GET", "url": base + "/sse", "requestId": "g", "streamResponse": True},
+            ):
+                reply = await server.request("http/request", params)
+                assert reply["error"] == {"code": -32602, "message": FLOOR_REFUSAL}
+            assert site.hanging == [] and site.sse == []
+            # A floor that allows the network leaves the method alone.
+        finally:
+            await server.stop()
+        server = ServerProcess.start("--sandbox-floor", "read-only")
+        try:
+            await server.call("initialize", codex_session.CODEX_INIT)
+            server.notify("initialized", {})
+            got = await server.call(
+                "http/request", {"method": "GET", "url": base + "/echo", "requestId": "e"}
+            )
+            assert got["status"] == 200
+        finally:
+            await server.stop()
 
 
 @pytest_twisted.ensureDeferred
