@@ -707,3 +707,33 @@ def test_a_sets_moves_use_kept_descriptors_until_they_are_closed(tmp_path: Path)
     again = v1set.moves(files)
     assert again is not None
     files.close()
+
+
+def test_a_cgroups_events_are_read_through_a_kept_descriptor(tmp_path: Path) -> None:
+    """``cgroup.events`` (each exit's emptiness look) is kept open: a read sees
+    each new content; forgetting its directory closes it without moving the
+    generation that the v1 sets' kept descriptors depend on."""
+    events = tmp_path / "7" / "cgroup.events"
+    events.parent.mkdir()
+    events.write_text("populated 1\nfrozen 0\n")
+    files = containment.ControlFiles(100)
+    assert files.read_bytes(str(events)) == b"populated 1\nfrozen 0\n"
+    assert len(files) == 1
+    events.write_text("populated 0\nfrozen 0\n")
+    assert files.read_bytes(str(events), 64) == b"populated 0\nfrozen 0\n"
+    assert len(files) == 1
+    assert files.read_bytes(str(tmp_path / "8" / "cgroup.events")) is None
+    generation = files.generation
+    files.forget(str(events.parent))
+    assert len(files) == 0
+    assert files.generation == generation
+    tasks = tmp_path / "7" / "tasks"
+    tasks.write_text("")
+    files.write(str(tasks), "0")
+    files.forget(str(events.parent))
+    assert files.generation == generation + 1
+    # Without a budget, by path as before.
+    unkept = containment.ControlFiles(0)
+    assert unkept.read_bytes(str(events)) == b"populated 0\nfrozen 0\n"
+    assert len(unkept) == 0
+    files.close()

@@ -98,9 +98,12 @@ class ControlFiles:
     """
 
     #: The control files kept open: entering (``tasks``), the exact
-    #: ``pids.max``, the peak reset and the three event counters.
+    #: ``pids.max``, the peak reset, the three event counters and the v2
+    #: cgroup's ``cgroup.events`` (a pooled cgroup's emptiness at each exit:
+    #: generated afresh by every read at offset 0, unlike v1's member lists).
     KEPT: Final = frozenset(
         {
+            "cgroup.events",
             "tasks",
             "pids.max",
             "memory.max_usage_in_bytes",
@@ -167,6 +170,22 @@ class ControlFiles:
         else:
             os.pwrite(fd, text.encode(), 0)
 
+    def read_bytes(self, path: str, limit: int = 65536) -> bytes | None:
+        """The first read (at most ``limit`` bytes) of a control file, None if
+        it cannot be read (through a kept descriptor where :data:`KEPT`
+        allows, looked up by path at every call: see :meth:`forget`)."""
+        try:
+            fd = self._fd(path, False)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    return os.read(fd, limit)
+                finally:
+                    os.close(fd)
+            return os.pread(fd, limit, 0)
+        except OSError:
+            return None
+
     def read(self, path: str) -> str | None:
         """A control file's text, None if it cannot be read."""
         try:
@@ -189,10 +208,18 @@ class ControlFiles:
         return _cgroup_pids(directory)
 
     def forget(self, directory: str) -> None:
-        """Close the kept descriptors of ``directory``'s files."""
+        """Close the kept descriptors of ``directory``'s files.
+
+        :attr:`generation` moves on only if one of them may have been handed
+        out by :meth:`kept` (``cgroup.events`` never is: it is looked up by
+        path at every read), so removing a pooled v2 cgroup does not make
+        every v1 set look its descriptors up again.
+        """
         prefix = directory + "/"
-        self.generation += 1
-        for key in [k for k in self._fds if k[0].startswith(prefix)]:
+        closing = [k for k in self._fds if k[0].startswith(prefix)]
+        if any(not k[0].endswith(_LOOKED_UP_EACH_TIME) for k in closing):
+            self.generation += 1
+        for key in closing:
             os.close(self._fds.pop(key))
         self._plain = {p for p in self._plain if not p.startswith(prefix)}
 
@@ -204,6 +231,9 @@ class ControlFiles:
         self._fds.clear()
         self._plain.clear()
 
+
+#: The kept file that is never handed out by :meth:`ControlFiles.kept`.
+_LOOKED_UP_EACH_TIME: Final = "/cgroup.events"
 
 #: v1 event counter files: controller -> (file, key), in Counters' order.
 _V1_COUNTERS: Final = (
