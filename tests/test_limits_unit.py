@@ -675,6 +675,15 @@ def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: P
 def test_key_values_are_read_as_read_key_does(values: dict[str, int], key: str) -> None:
     content = "".join(f"{name} {value}\n" for name, value in values.items())
     assert placement._key_value(content, key) == values.get(key, 0)
+    # The exit's counters parse the raw bytes the same way.
+    head = key.encode() + b" "
+    assert placement._counter_value(content.encode(), head, b"\n" + head) == values.get(key, 0)
+
+
+def test_counter_bytes_without_a_newline_or_a_number() -> None:
+    for data, found in ((b"max 3", 3), (b"max x\n", 0), (b"", 0), (b"maxi 2\nmax 4\n", 4)):
+        assert placement._counter_value(data, b"max ", b"\nmax ") == found
+        assert placement._key_value(data.decode(), "max") == found
 
 
 def test_a_sets_moves_use_kept_descriptors_until_they_are_closed(tmp_path: Path) -> None:

@@ -243,6 +243,23 @@ _V1_COUNTERS: Final = (
 )
 
 
+def _counter_value(data: bytes, head: bytes, needle: bytes) -> int:
+    """:func:`_key_value` of a counter file's raw bytes (no decoding, no
+    copy of the text): ``head`` is ``key + b" "``, ``needle`` ``b"\\n" + head``."""
+    if data.startswith(head):
+        at = len(head)
+    else:
+        at = data.find(needle)
+        if at < 0:
+            return 0
+        at += len(needle)
+    end = data.find(b"\n", at)
+    try:
+        return int(data[at : end if end >= 0 else None])
+    except ValueError:
+        return 0
+
+
 def _key_value(text: str | None, key: str) -> int:
     """``key``'s value in a flat-keyed control file's text (0 if absent)."""
     if not text:
@@ -298,13 +315,16 @@ class V1Set:
         self.written: Limits | None = None
         #: The counters when the set was last found empty.
         self.last: Counters | None = None
-        #: (generation, kept descriptors of ``tasks`` + ``own_tasks``).
-        self._moves: tuple[int, list[int]] | None = None
+        #: (generation, kept descriptors of ``tasks``, of ``own_tasks``).
+        self._moves: tuple[int, list[int], list[int]] | None = None
         #: (generation, kept read descriptors of the counter files, or None).
         self._reads: tuple[int, list[int] | None] | None = None
-        #: (index in Counters' order, key) of each counter file, in order.
+        #: (index in Counters' order, ``key + b" "``, ``b"\\n" + key + b" "``)
+        #: of each counter file, in order.
         self._counter_keys = [
-            (index, entry[1]) for index, entry in enumerate(self.counter_files) if entry
+            (index, entry[1].encode() + b" ", b"\n" + entry[1].encode() + b" ")
+            for index, entry in enumerate(self.counter_files)
+            if entry
         ]
 
     def moves(self, files: ControlFiles) -> tuple[list[int], list[int]] | None:
@@ -315,9 +335,9 @@ class V1Set:
             fds = files.kept([*self.tasks, *self.own_tasks])
             if fds is None:
                 return None
-            kept = self._moves = (files.generation, fds)
-        half = len(self.tasks)
-        return kept[1][:half], kept[1][half:]
+            half = len(self.tasks)
+            kept = self._moves = (files.generation, fds[:half], fds[half:])
+        return kept[1], kept[2]
 
     def counters(self, files: ControlFiles) -> Counters:
         found = [0, 0, 0]
@@ -331,12 +351,12 @@ class V1Set:
                 if entry is not None:
                     found[index] = _key_value(files.read(entry[0]), entry[1])
         else:
-            for fd, (index, key) in zip(fds, self._counter_keys, strict=True):
+            for fd, (index, head, needle) in zip(fds, self._counter_keys, strict=True):
                 try:
-                    text = os.pread(fd, 65536, 0).decode(errors="replace")
+                    data = os.pread(fd, 65536, 0)
                 except OSError:
                     continue
-                found[index] = _key_value(text, key)
+                found[index] = _counter_value(data, head, needle)
         return Counters(found[0], found[1], found[2])
 
 
