@@ -746,3 +746,31 @@ def test_a_cgroups_events_are_read_through_a_kept_descriptor(tmp_path: Path) -> 
     assert unkept.read_bytes(str(events)) == b"populated 0\nfrozen 0\n"
     assert len(unkept) == 0
     files.close()
+
+
+def test_the_oom_watch_reads_the_memory_counter_alone(tmp_path: Path) -> None:
+    """The OOM watch's look at a set is one pread of ``memory.oom_control``
+    (kept) parsed as the exit's counters are; without a memory directory
+    there is nothing to read."""
+    own = {}
+    by_controller = {}
+    for name in ("memory", "pids"):
+        parent = tmp_path / name / "svc" / "exec-server-1-ns1"
+        (parent / "7").mkdir(parents=True)
+        (tmp_path / name / "svc" / "tasks").write_text("")
+        own[str(parent)] = str(tmp_path / name / "svc" / "tasks")
+        by_controller[name] = str(parent / "7")
+    oom = Path(by_controller["memory"], "memory.oom_control")
+    oom.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    Path(by_controller["pids"], "pids.events").write_text("max 5\n")
+    for files in (containment.ControlFiles(100), containment.ControlFiles(0)):
+        # (A set serves one containment's ControlFiles.)
+        v1set = containment.V1Set(by_controller, own)
+        assert v1set.oom_kills(files) == 0
+        oom.write_text("oom_kill_disable 0\nunder_oom 1\noom_kill 3\n")
+        assert v1set.oom_kills(files) == 3
+        assert v1set.counters(files) == Counters(3, 5, 0)
+        oom.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+        files.close()
+    pids_only = containment.V1Set({"pids": by_controller["pids"]}, own)
+    assert pids_only.oom_kills(containment.ControlFiles(100)) is None

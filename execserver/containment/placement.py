@@ -339,13 +339,34 @@ class V1Set:
             kept = self._moves = (files.generation, fds[:half], fds[half:])
         return kept[1], kept[2]
 
-    def counters(self, files: ControlFiles) -> Counters:
-        found = [0, 0, 0]
+    def _read_fds(self, files: ControlFiles) -> list[int] | None:
+        """The kept read descriptors of the counter files, in ``_counter_keys``'
+        order, looked up once (None: read them by path)."""
         kept = self._reads
         if kept is None or kept[0] != files.generation:
             paths = [entry[0] for entry in self.counter_files if entry is not None]
             kept = self._reads = (files.generation, files.kept(paths, writing=False))
-        fds = kept[1]
+        return kept[1]
+
+    def oom_kills(self, files: ControlFiles) -> int | None:
+        """The memory directory's ``oom_kill`` count alone (the OOM watch's
+        look), None if the set has no memory directory."""
+        entry = self.counter_files[0]
+        if entry is None:
+            return None
+        fds = self._read_fds(files)
+        if fds is None:
+            return _key_value(files.read(entry[0]), entry[1])
+        try:
+            data = os.pread(fds[0], 65536, 0)
+        except OSError:
+            return 0
+        _index, head, needle = self._counter_keys[0]
+        return _counter_value(data, head, needle)
+
+    def counters(self, files: ControlFiles) -> Counters:
+        found = [0, 0, 0]
+        fds = self._read_fds(files)
         if fds is None:
             for index, entry in enumerate(self.counter_files):
                 if entry is not None:
@@ -893,9 +914,9 @@ class LimitControllers:
                 self._oom_watch.discard(tree)
                 continue
             v1set = placement.v1set
-            entry = v1set.counter_files[0] if v1set is not None else None
-            if entry is not None:
-                kills = _key_value(self.files.read(entry[0]), entry[1])
+            found = v1set.oom_kills(self.files) if v1set is not None else None
+            if found is not None:
+                kills = found
             else:
                 dirs = {"memory": placement.dirs["memory"]}
                 kills = cgroups.counters(1, dirs, self.files.read).oom_kills
