@@ -774,36 +774,3 @@ def test_the_oom_watch_reads_the_memory_counter_alone(tmp_path: Path) -> None:
         files.close()
     pids_only = containment.V1Set({"pids": by_controller["pids"]}, own)
     assert pids_only.oom_kills(containment.ControlFiles(100)) is None
-
-
-def test_a_sets_pids_count_of_0_spares_reading_its_members(tmp_path: Path) -> None:
-    """The exit's emptiness look at a set reads the pids directory's
-    ``pids.current`` (kept) before its member list: 0 proves it empty; any
-    other count (a zombie not yet reaped counts there, not in
-    ``cgroup.procs``) or none readable falls back to the members."""
-    own = {}
-    by_controller = {}
-    for name in ("memory", "pids"):
-        parent = tmp_path / name / "svc" / "exec-server-1-ns1"
-        (parent / "7").mkdir(parents=True)
-        (tmp_path / name / "svc" / "tasks").write_text("")
-        own[str(parent)] = str(tmp_path / name / "svc" / "tasks")
-        by_controller[name] = str(parent / "7")
-    memory_procs = Path(by_controller["memory"], "cgroup.procs")
-    pids_procs = Path(by_controller["pids"], "cgroup.procs")
-    current = Path(by_controller["pids"], "pids.current")
-    memory_procs.write_text("")
-    files = containment.ControlFiles(100)
-    v1set = containment.V1Set(by_controller, own)
-    pids_procs.write_text("4242\n")
-    assert v1set.populated(files)  # no pids.current: the members are read
-    current.write_text("0\n")
-    assert not v1set.populated(files)  # the count is trusted: not read
-    current.write_text("1\n")
-    assert v1set.populated(files)
-    pids_procs.write_text("")
-    assert not v1set.populated(files)  # a zombie: counted, not a member
-    memory_procs.write_text("4243\n")
-    current.write_text("0\n")
-    assert v1set.populated(files)
-    files.close()

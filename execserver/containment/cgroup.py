@@ -166,11 +166,12 @@ class CgroupTree(_Owned):
         placement = self.placement
         if not populated and placement is not None:
             v1set = placement.v1set
-            if v1set is not None:
-                populated = v1set.populated(self._owner.files)
-            else:
-                procs = [os.path.join(d, "cgroup.procs") for d in placement.v1_dirs]
-                populated = any(_has_members(p) for p in procs)
+            procs = (
+                v1set.procs
+                if v1set is not None
+                else [os.path.join(d, "cgroup.procs") for d in placement.v1_dirs]
+            )
+            populated = any(_has_members(p) for p in procs)
         self._known_empty = not populated
         return not populated
 

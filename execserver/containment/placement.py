@@ -23,7 +23,6 @@ from execserver.cgroups import Counters, Usage
 from execserver.containment.cgroup import (
     CGROUP_PREFIX,
     _cgroup_pids,
-    _has_members,
     _kill_members,
     _remove_dead_servers_dirs,
     _return_to,
@@ -99,10 +98,9 @@ class ControlFiles:
     """
 
     #: The control files kept open: entering (``tasks``), the exact
-    #: ``pids.max``, the peak reset, the three event counters, and the
-    #: exit's emptiness looks: the v2 cgroup's ``cgroup.events`` and the v1
-    #: ``pids.current`` (both generated afresh by every read at offset 0,
-    #: unlike v1's member lists).
+    #: ``pids.max``, the peak reset, the three event counters and the v2
+    #: cgroup's ``cgroup.events`` (a pooled cgroup's emptiness at each exit:
+    #: generated afresh by every read at offset 0, unlike v1's member lists).
     KEPT: Final = frozenset(
         {
             "cgroup.events",
@@ -111,7 +109,6 @@ class ControlFiles:
             "memory.max_usage_in_bytes",
             "memory.oom_control",
             "pids.events",
-            "pids.current",
             "cpu.stat",
         }
     )
@@ -288,8 +285,6 @@ class V1Set:
     __slots__ = (
         "_counter_keys",
         "_moves",
-        "_pids_current",
-        "_pids_procs",
         "_reads",
         "by_controller",
         "counter_files",
@@ -312,10 +307,6 @@ class V1Set:
         self.procs = [d + "/cgroup.procs" for d in self.dirs]
         pids = by_controller.get("pids")
         self.pids_max = None if pids is None else pids + "/pids.max"
-        #: The pids directory's ``pids.current`` and ``cgroup.procs``: a
-        #: count of 0 proves that directory empty without reading its members.
-        self._pids_current = None if pids is None else pids + "/pids.current"
-        self._pids_procs = None if pids is None else pids + "/cgroup.procs"
         self.counter_files = [
             (by_controller[c] + "/" + name, key) if c in by_controller else None
             for c, name, key in _V1_COUNTERS
@@ -347,26 +338,6 @@ class V1Set:
             half = len(self.tasks)
             kept = self._moves = (files.generation, fds[:half], fds[half:])
         return kept[1], kept[2]
-
-    def populated(self, files: ControlFiles) -> bool:
-        """Whether any of the directories has a member (its ``cgroup.procs``,
-        read by path).
-
-        The pids directory is looked at through its ``pids.current`` first
-        (a kept descriptor): every task in the directory, zombies until they
-        are reaped included, is counted there, so 0 means it has no member
-        and its member list need not be opened.
-        """
-        for procs in self.procs:
-            if (
-                procs == self._pids_procs
-                and self._pids_current is not None
-                and files.read_bytes(self._pids_current, 32) == b"0\n"
-            ):
-                continue
-            if _has_members(procs):
-                return True
-        return False
 
     def _read_fds(self, files: ControlFiles) -> list[int] | None:
         """The kept read descriptors of the counter files, in ``_counter_keys``'
