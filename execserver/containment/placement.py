@@ -47,8 +47,10 @@ log = Logger(namespace="execserver.containment")
 #: at most this share of the soft ``RLIMIT_NOFILE`` (half the reserve
 #: :mod:`execserver.fdlimit` keeps beside the processes' descriptors). A
 #: pooled set keeps 8 with all limits (:attr:`ControlFiles.KEPT`: 3
-#: ``tasks``, ``pids.max``, the peak reset, 3 counters); 625 at a soft limit
-#: of 20,000 covers the ~40-70 sets that 32 starts in flight keep (a quarter
+#: ``tasks``, ``pids.max``, the peak reset, 3 counters), a pooled v2 cgroup
+#: one (``cgroup.events``); 625 at a soft limit of 20,000 covers the ~40-70
+#: sets that 32 starts in flight keep (64 of each: 579; 561 measured at 62;
+#: one more file per set, ``pids.current``, filled it at 62 sets; a quarter
 #: of the reserve, with the limit files kept too, ran out at ~50 sets: past
 #: it every access opened its file again).
 CONTROL_FILES_SHARE: Final = 32
