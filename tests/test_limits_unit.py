@@ -675,6 +675,15 @@ def test_control_files_keep_cgroupfs_descriptors_within_their_budget(tmp_path: P
 def test_key_values_are_read_as_read_key_does(values: dict[str, int], key: str) -> None:
     content = "".join(f"{name} {value}\n" for name, value in values.items())
     assert placement._key_value(content, key) == values.get(key, 0)
+    # The exit's counters parse the raw bytes the same way.
+    head = key.encode() + b" "
+    assert placement._counter_value(content.encode(), head, b"\n" + head) == values.get(key, 0)
+
+
+def test_counter_bytes_without_a_newline_or_a_number() -> None:
+    for data, found in ((b"max 3", 3), (b"max x\n", 0), (b"", 0), (b"maxi 2\nmax 4\n", 4)):
+        assert placement._counter_value(data, b"max ", b"\nmax ") == found
+        assert placement._key_value(data.decode(), "max") == found
 
 
 def test_a_sets_moves_use_kept_descriptors_until_they_are_closed(tmp_path: Path) -> None:
@@ -707,3 +716,61 @@ def test_a_sets_moves_use_kept_descriptors_until_they_are_closed(tmp_path: Path)
     again = v1set.moves(files)
     assert again is not None
     files.close()
+
+
+def test_a_cgroups_events_are_read_through_a_kept_descriptor(tmp_path: Path) -> None:
+    """``cgroup.events`` (each exit's emptiness look) is kept open: a read sees
+    each new content; forgetting its directory closes it without moving the
+    generation that the v1 sets' kept descriptors depend on."""
+    events = tmp_path / "7" / "cgroup.events"
+    events.parent.mkdir()
+    events.write_text("populated 1\nfrozen 0\n")
+    files = containment.ControlFiles(100)
+    assert files.read_bytes(str(events)) == b"populated 1\nfrozen 0\n"
+    assert len(files) == 1
+    events.write_text("populated 0\nfrozen 0\n")
+    assert files.read_bytes(str(events), 64) == b"populated 0\nfrozen 0\n"
+    assert len(files) == 1
+    assert files.read_bytes(str(tmp_path / "8" / "cgroup.events")) is None
+    generation = files.generation
+    files.forget(str(events.parent))
+    assert len(files) == 0
+    assert files.generation == generation
+    tasks = tmp_path / "7" / "tasks"
+    tasks.write_text("")
+    files.write(str(tasks), "0")
+    files.forget(str(events.parent))
+    assert files.generation == generation + 1
+    # Without a budget, by path as before.
+    unkept = containment.ControlFiles(0)
+    assert unkept.read_bytes(str(events)) == b"populated 0\nfrozen 0\n"
+    assert len(unkept) == 0
+    files.close()
+
+
+def test_the_oom_watch_reads_the_memory_counter_alone(tmp_path: Path) -> None:
+    """The OOM watch's look at a set is one pread of ``memory.oom_control``
+    (kept) parsed as the exit's counters are; without a memory directory
+    there is nothing to read."""
+    own = {}
+    by_controller = {}
+    for name in ("memory", "pids"):
+        parent = tmp_path / name / "svc" / "exec-server-1-ns1"
+        (parent / "7").mkdir(parents=True)
+        (tmp_path / name / "svc" / "tasks").write_text("")
+        own[str(parent)] = str(tmp_path / name / "svc" / "tasks")
+        by_controller[name] = str(parent / "7")
+    oom = Path(by_controller["memory"], "memory.oom_control")
+    oom.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    Path(by_controller["pids"], "pids.events").write_text("max 5\n")
+    for files in (containment.ControlFiles(100), containment.ControlFiles(0)):
+        # (A set serves one containment's ControlFiles.)
+        v1set = containment.V1Set(by_controller, own)
+        assert v1set.oom_kills(files) == 0
+        oom.write_text("oom_kill_disable 0\nunder_oom 1\noom_kill 3\n")
+        assert v1set.oom_kills(files) == 3
+        assert v1set.counters(files) == Counters(3, 5, 0)
+        oom.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+        files.close()
+    pids_only = containment.V1Set({"pids": by_controller["pids"]}, own)
+    assert pids_only.oom_kills(containment.ControlFiles(100)) is None

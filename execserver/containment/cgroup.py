@@ -159,7 +159,9 @@ class CgroupTree(_Owned):
         """No member is in the tree's cgroups (escapees aside)."""
         if self._known_empty:
             return True
-        events = _read_bytes(self._events)
+        # A kept descriptor (read at offset 0: the kernel generates the
+        # text afresh); v1 member lists are read by path (see ControlFiles).
+        events = self._owner.files.read_bytes(self._events)
         populated = events is not None and b"populated 1" in events
         placement = self.placement
         if not populated and placement is not None:

@@ -499,6 +499,7 @@ class Containment(LimitControllers, Attribution):
                 # empty ones are kept for the next spawns.
                 self._free.append(tree.path)
             else:
+                self.files.forget(tree.path)
                 try:
                     os.rmdir(tree.path)
                 except FileNotFoundError:

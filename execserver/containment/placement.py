@@ -47,8 +47,10 @@ log = Logger(namespace="execserver.containment")
 #: at most this share of the soft ``RLIMIT_NOFILE`` (half the reserve
 #: :mod:`execserver.fdlimit` keeps beside the processes' descriptors). A
 #: pooled set keeps 8 with all limits (:attr:`ControlFiles.KEPT`: 3
-#: ``tasks``, ``pids.max``, the peak reset, 3 counters); 625 at a soft limit
-#: of 20,000 covers the ~40-70 sets that 32 starts in flight keep (a quarter
+#: ``tasks``, ``pids.max``, the peak reset, 3 counters), a pooled v2 cgroup
+#: one (``cgroup.events``); 625 at a soft limit of 20,000 covers the ~40-70
+#: sets that 32 starts in flight keep (64 of each: 579; 561 measured at 62;
+#: one more file per set, ``pids.current``, filled it at 62 sets; a quarter
 #: of the reserve, with the limit files kept too, ran out at ~50 sets: past
 #: it every access opened its file again).
 CONTROL_FILES_SHARE: Final = 32
@@ -98,9 +100,12 @@ class ControlFiles:
     """
 
     #: The control files kept open: entering (``tasks``), the exact
-    #: ``pids.max``, the peak reset and the three event counters.
+    #: ``pids.max``, the peak reset, the three event counters and the v2
+    #: cgroup's ``cgroup.events`` (a pooled cgroup's emptiness at each exit:
+    #: generated afresh by every read at offset 0, unlike v1's member lists).
     KEPT: Final = frozenset(
         {
+            "cgroup.events",
             "tasks",
             "pids.max",
             "memory.max_usage_in_bytes",
@@ -167,6 +172,22 @@ class ControlFiles:
         else:
             os.pwrite(fd, text.encode(), 0)
 
+    def read_bytes(self, path: str, limit: int = 65536) -> bytes | None:
+        """The first read (at most ``limit`` bytes) of a control file, None if
+        it cannot be read (through a kept descriptor where :data:`KEPT`
+        allows, looked up by path at every call: see :meth:`forget`)."""
+        try:
+            fd = self._fd(path, False)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    return os.read(fd, limit)
+                finally:
+                    os.close(fd)
+            return os.pread(fd, limit, 0)
+        except OSError:
+            return None
+
     def read(self, path: str) -> str | None:
         """A control file's text, None if it cannot be read."""
         try:
@@ -189,10 +210,18 @@ class ControlFiles:
         return _cgroup_pids(directory)
 
     def forget(self, directory: str) -> None:
-        """Close the kept descriptors of ``directory``'s files."""
+        """Close the kept descriptors of ``directory``'s files.
+
+        :attr:`generation` moves on only if one of them may have been handed
+        out by :meth:`kept` (``cgroup.events`` never is: it is looked up by
+        path at every read), so removing a pooled v2 cgroup does not make
+        every v1 set look its descriptors up again.
+        """
         prefix = directory + "/"
-        self.generation += 1
-        for key in [k for k in self._fds if k[0].startswith(prefix)]:
+        closing = [k for k in self._fds if k[0].startswith(prefix)]
+        if any(not k[0].endswith(_LOOKED_UP_EACH_TIME) for k in closing):
+            self.generation += 1
+        for key in closing:
             os.close(self._fds.pop(key))
         self._plain = {p for p in self._plain if not p.startswith(prefix)}
 
@@ -205,12 +234,32 @@ class ControlFiles:
         self._plain.clear()
 
 
+#: The kept file that is never handed out by :meth:`ControlFiles.kept`.
+_LOOKED_UP_EACH_TIME: Final = "/cgroup.events"
+
 #: v1 event counter files: controller -> (file, key), in Counters' order.
 _V1_COUNTERS: Final = (
     ("memory", "memory.oom_control", "oom_kill"),
     ("pids", "pids.events", "max"),
     ("cpu", "cpu.stat", "nr_throttled"),
 )
+
+
+def _counter_value(data: bytes, head: bytes, needle: bytes) -> int:
+    """:func:`_key_value` of a counter file's raw bytes (no decoding, no
+    copy of the text): ``head`` is ``key + b" "``, ``needle`` ``b"\\n" + head``."""
+    if data.startswith(head):
+        at = len(head)
+    else:
+        at = data.find(needle)
+        if at < 0:
+            return 0
+        at += len(needle)
+    end = data.find(b"\n", at)
+    try:
+        return int(data[at : end if end >= 0 else None])
+    except ValueError:
+        return 0
 
 
 def _key_value(text: str | None, key: str) -> int:
@@ -268,13 +317,16 @@ class V1Set:
         self.written: Limits | None = None
         #: The counters when the set was last found empty.
         self.last: Counters | None = None
-        #: (generation, kept descriptors of ``tasks`` + ``own_tasks``).
-        self._moves: tuple[int, list[int]] | None = None
+        #: (generation, kept descriptors of ``tasks``, of ``own_tasks``).
+        self._moves: tuple[int, list[int], list[int]] | None = None
         #: (generation, kept read descriptors of the counter files, or None).
         self._reads: tuple[int, list[int] | None] | None = None
-        #: (index in Counters' order, key) of each counter file, in order.
+        #: (index in Counters' order, ``key + b" "``, ``b"\\n" + key + b" "``)
+        #: of each counter file, in order.
         self._counter_keys = [
-            (index, entry[1]) for index, entry in enumerate(self.counter_files) if entry
+            (index, entry[1].encode() + b" ", b"\n" + entry[1].encode() + b" ")
+            for index, entry in enumerate(self.counter_files)
+            if entry
         ]
 
     def moves(self, files: ControlFiles) -> tuple[list[int], list[int]] | None:
@@ -285,28 +337,49 @@ class V1Set:
             fds = files.kept([*self.tasks, *self.own_tasks])
             if fds is None:
                 return None
-            kept = self._moves = (files.generation, fds)
-        half = len(self.tasks)
-        return kept[1][:half], kept[1][half:]
+            half = len(self.tasks)
+            kept = self._moves = (files.generation, fds[:half], fds[half:])
+        return kept[1], kept[2]
 
-    def counters(self, files: ControlFiles) -> Counters:
-        found = [0, 0, 0]
+    def _read_fds(self, files: ControlFiles) -> list[int] | None:
+        """The kept read descriptors of the counter files, in ``_counter_keys``'
+        order, looked up once (None: read them by path)."""
         kept = self._reads
         if kept is None or kept[0] != files.generation:
             paths = [entry[0] for entry in self.counter_files if entry is not None]
             kept = self._reads = (files.generation, files.kept(paths, writing=False))
-        fds = kept[1]
+        return kept[1]
+
+    def oom_kills(self, files: ControlFiles) -> int | None:
+        """The memory directory's ``oom_kill`` count alone (the OOM watch's
+        look), None if the set has no memory directory."""
+        entry = self.counter_files[0]
+        if entry is None:
+            return None
+        fds = self._read_fds(files)
+        if fds is None:
+            return _key_value(files.read(entry[0]), entry[1])
+        try:
+            data = os.pread(fds[0], 65536, 0)
+        except OSError:
+            return 0
+        _index, head, needle = self._counter_keys[0]
+        return _counter_value(data, head, needle)
+
+    def counters(self, files: ControlFiles) -> Counters:
+        found = [0, 0, 0]
+        fds = self._read_fds(files)
         if fds is None:
             for index, entry in enumerate(self.counter_files):
                 if entry is not None:
                     found[index] = _key_value(files.read(entry[0]), entry[1])
         else:
-            for fd, (index, key) in zip(fds, self._counter_keys, strict=True):
+            for fd, (index, head, needle) in zip(fds, self._counter_keys, strict=True):
                 try:
-                    text = os.pread(fd, 65536, 0).decode(errors="replace")
+                    data = os.pread(fd, 65536, 0)
                 except OSError:
                     continue
-                found[index] = _key_value(text, key)
+                found[index] = _counter_value(data, head, needle)
         return Counters(found[0], found[1], found[2])
 
 
@@ -843,9 +916,9 @@ class LimitControllers:
                 self._oom_watch.discard(tree)
                 continue
             v1set = placement.v1set
-            entry = v1set.counter_files[0] if v1set is not None else None
-            if entry is not None:
-                kills = _key_value(self.files.read(entry[0]), entry[1])
+            found = v1set.oom_kills(self.files) if v1set is not None else None
+            if found is not None:
+                kills = found
             else:
                 dirs = {"memory": placement.dirs["memory"]}
                 kills = cgroups.counters(1, dirs, self.files.read).oom_kills
