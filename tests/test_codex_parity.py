@@ -32,6 +32,7 @@ from tests.codex.fetch_codex import fetch
 from tests.support.fakes import Harness, Second, drop
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
+    RpcFailure,
     b64,
     console_script,
     pid_alive,
@@ -1192,3 +1193,40 @@ async def test_a_listing_leaves_dangling_symlinks_out_as_the_reference(tmp_path:
     names = {e.pop("fileName"): e for e in seed["entries"]}
     nothing = {"isDirectory": False, "isFile": False, "isSymlink": True}
     assert names["dangling"] == names["loop"] == nothing
+
+
+@pytest_twisted.ensureDeferred
+async def test_handles_honour_the_sandbox_and_the_floor_as_read_and_write_file(
+    tmp_path: Path,
+) -> None:
+    """fs/open checks what fs/readFile and fs/writeFile check: a read (the default
+    mode too) where reading is allowed, a replace only where writing is."""
+    target = tmp_path / "f"
+    target.write_bytes(b"kept")
+    uri = path_to_uri(str(target))
+    read_only = {"mode": "readOnly"}
+    async with serving(SEED_INIT) as server:
+        for n, mode in enumerate((None, "read")):
+            params: dict[str, Any] = {"handleId": f"r{n}", "path": uri, "sandbox": read_only}
+            if mode is not None:
+                params["mode"] = mode
+            assert await server.call("fs/open", params) == {"handleId": f"r{n}"}
+            block = await server.call("fs/readBlock", {"handleId": f"r{n}", "offset": 0, "len": 9})
+            assert unb64(block["chunk"]) == b"kept"
+        with pytest.raises(RpcFailure) as refused:
+            await server.call(
+                "fs/open", {"handleId": "w", "path": uri, "sandbox": read_only, "mode": "replace"}
+            )
+        assert (refused.value.code, refused.value.message) == (
+            -32603,
+            "Read-only file system (os error 30)",
+        )
+    async with serving(SEED_INIT, None, "--sandbox-floor", "read-only") as server:
+        assert await server.call("fs/open", {"handleId": "r", "path": uri}) == {"handleId": "r"}
+        with pytest.raises(RpcFailure) as refused:
+            await server.call("fs/open", {"handleId": "w", "path": uri, "mode": "replace"})
+        assert (refused.value.code, refused.value.message) == (
+            -32603,
+            "Read-only file system (os error 30)",
+        )
+    assert target.read_bytes() == b"kept"
