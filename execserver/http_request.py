@@ -484,7 +484,9 @@ class _BufferedBody(_Body):
                     "(stream larger ones with streamResponse)"
                 )
             )
-        elif _clean_end(reason) and not exchange.timed_out:
+        elif _clean_end(reason) and not exchange.timed_out and exchange.cancelled is None:
+            # (A body without a length ends at its connection's close: the
+            # close a cancel makes is not its end.)
             self.result.body_base64 = b"".join(self.parts)
             exchange.succeed(self.result)
         else:

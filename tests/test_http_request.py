@@ -16,6 +16,8 @@ import pytest_twisted
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -593,6 +595,52 @@ async def test_server_shutdown_answers_and_closes_requests_in_flight() -> None:
             await with_timeout(server.exited(), TIMEOUT, "the server to exit")
         finally:
             await server.stop()
+
+
+class _Unsized(Protocol):
+    """Answers any request with a body that has no length (it ends at the close), cut short."""
+
+    def __init__(self, seen: list[_Unsized]) -> None:
+        self.seen = seen
+        self.gone: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self not in self.seen:
+            self.seen.append(self)
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npartial")
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.gone.callback(None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_shutdown_while_an_unsized_body_is_read_is_an_error_not_a_short_body() -> None:
+    # A body without a length ends when its connection closes: the close the
+    # shutdown makes must not read as its end (a truncated body answered as whole).
+    seen: list[_Unsized] = []
+    port = reactor.listenTCP(0, Factory.forProtocol(lambda: _Unsized(seen)), interface="127.0.0.1")
+    url = f"http://127.0.0.1:{port.getHost().port}/unsized"
+    server = await WsServerProcess.start()
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        params = {"method": "GET", "url": url, "requestId": "u"}
+        pending = ensureDeferred(client.request("http/request", params))
+        await until(lambda: seen, "the request to arrive", timeout=TIMEOUT)
+        assert server.transport is not None
+        server.transport.signalProcess("TERM")
+        reply = await with_timeout(pending, TIMEOUT, "the reply at shutdown")
+        assert reply.get("error") == {
+            "code": -32603,
+            "message": "failed to read http/request response body: error decoding response "
+            "body: the server is shutting down",
+        }
+        await with_timeout(seen[0].gone, TIMEOUT, "the HTTP server to see the disconnect")
+        await with_timeout(server.exited(), TIMEOUT, "the server to exit")
+    finally:
+        await server.stop()
+        await port.stopListening()
 
 
 #: Body bytes a stalled client may leave in flight: the connection's 2 MiB
