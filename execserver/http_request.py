@@ -11,7 +11,8 @@ connection per request, closed at its end; HTTPS verified against the
 system's trust roots by :class:`~twisted.web.client.BrowserLikePolicyForHTTPS`).
 Beyond the reference (docs/protocol.md, "http/request"):
 
-- a buffered body is capped at :data:`MAX_BUFFERED_BODY_BYTES`;
+- a buffered body is capped at :data:`MAX_BUFFERED_BODY_BYTES`, and the
+  buffered bodies of the whole server at :data:`MAX_BUFFERED_TOTAL_BYTES`;
 - a streamed body follows the connection's flow control: its HTTP
   connection is paused while the connection's outbound buffer is over its
   high-water mark, and resumed when it drains;
@@ -59,6 +60,10 @@ MAX_IN_FLIGHT: Final = 32
 #: base64 in the reply). A larger body fails the request (``-32603``); a
 #: caller that expects more streams it.
 MAX_BUFFERED_BODY_BYTES: Final = 8 * 1024 * 1024
+#: Bytes the buffered bodies being read hold on the whole server at most: one
+#: connection's worth (32 x 8 MiB). A body that would go past it fails the
+#: request (``-32603``), so many connections cannot hold 256 MiB each.
+MAX_BUFFERED_TOTAL_BYTES: Final = MAX_IN_FLIGHT * MAX_BUFFERED_BODY_BYTES
 #: Bytes of body one notification carries at most (the reference's client
 #: refuses more than 1 MiB).
 MAX_DELTA_BYTES: Final = 64 * 1024
@@ -458,25 +463,50 @@ class _BufferedBody(_Body):
         super().__init__(exchange)
         self.result = result
         self.parts: list[bytes] = []
+        #: Bytes held, counted in the server's :attr:`HttpRequests.buffered`.
         self.size = 0
         self.too_large = False
+        #: The server's buffered bodies held :data:`MAX_BUFFERED_TOTAL_BYTES` (with this one's).
+        self.server_full: int | None = None
 
     def dataReceived(self, data: bytes) -> None:
-        if self.too_large:
+        if self.too_large or self.server_full is not None:
             return
-        self.size += len(data)
-        if self.size > MAX_BUFFERED_BODY_BYTES:
+        owner = self.exchange.owner
+        if self.size + len(data) > MAX_BUFFERED_BODY_BYTES:
             self.too_large = True
-            self.parts = []
-            self.stop()
+        elif owner.buffered + len(data) > owner.max_buffered_total:
+            self.server_full = owner.buffered + len(data)
+        else:
+            self.size += len(data)
+            owner.buffered += len(data)
+            self.parts.append(data)
             return
-        self.parts.append(data)
+        self._let_go()
+        self.stop()
+
+    def _let_go(self) -> None:
+        self.exchange.owner.buffered -= self.size
+        self.size = 0
+        self.parts = []
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
+        parts = self.parts
+        self._let_go()
         exchange = self.exchange
         if exchange.finished:
             return
-        if self.too_large:
+        if self.server_full is not None:
+            owner = exchange.owner
+            exchange.fail(
+                RpcError.internal(
+                    "failed to read http/request response body: the buffered bodies being "
+                    f"read on this server would hold {self.server_full} bytes, the limit is "
+                    f"{owner.max_buffered_total} (stream the body with streamResponse, or "
+                    "retry later)"
+                )
+            )
+        elif self.too_large:
             exchange.fail(
                 RpcError.internal(
                     "failed to read http/request response body: the body exceeds "
@@ -487,7 +517,7 @@ class _BufferedBody(_Body):
         elif _clean_end(reason) and not exchange.timed_out and exchange.cancelled is None:
             # (A body without a length ends at its connection's close: the
             # close a cancel makes is not its end.)
-            self.result.body_base64 = b"".join(self.parts)
+            self.result.body_base64 = b"".join(parts)
             exchange.succeed(self.result)
         else:
             exchange.fail(
@@ -554,8 +584,16 @@ class _StreamedBody(_Body):
 class HttpRequests:
     """The server's ``http/request`` calls: the agent and each connection's requests."""
 
-    def __init__(self, clock: IReactorTime, floor_network: bool = True) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        floor_network: bool = True,
+        max_buffered_total: int = MAX_BUFFERED_TOTAL_BYTES,
+    ) -> None:
         self.clock = clock
+        #: Bytes the buffered bodies being read hold now, on the whole server.
+        self.buffered = 0
+        self.max_buffered_total = max_buffered_total
         #: False under ``--sandbox-floor ... --floor-no-network``: no
         #: process may reach the network, so neither may the server for a client.
         self.floor_network = floor_network

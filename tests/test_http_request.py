@@ -572,6 +572,56 @@ def test_a_stream_starting_on_a_paused_connection_starts_paused() -> None:
     assert transport.paused
 
 
+def test_buffered_bodies_are_capped_on_the_whole_server() -> None:
+    """Beyond the per-body 8 MiB: the bodies being buffered on the server hold at
+    most 256 MiB together (32 x 8 MiB), whatever the number of connections."""
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseDone
+
+    from execserver import protocol as p
+    from execserver.errors import RpcError
+    from execserver.http_request import (
+        MAX_BUFFERED_TOTAL_BYTES,
+        HttpRequests,
+        _BufferedBody,
+        _Exchange,
+    )
+
+    assert MAX_BUFFERED_TOTAL_BYTES == 32 * MAX_BUFFERED_BODY_BYTES
+    requests = HttpRequests(reactor, max_buffered_total=10)
+    params = p.HttpRequestParams("GET", "http://127.0.0.1/", "b")
+    bodies, replies, transports = [], [], []
+    for _ in range(3):
+        exchange = _Exchange(requests, object(), params, None)  # type: ignore[arg-type]
+        result = p.HttpRequestResponse(200, [], b"")
+        body = _BufferedBody(exchange, result)
+        transport = _FakeTransport()
+        body.makeConnection(transport)
+        got: list[Any] = []
+        exchange.reply.addBoth(got.append)
+        bodies.append(body)
+        replies.append(got)
+        transports.append(transport)
+    bodies[0].dataReceived(b"x" * 6)
+    bodies[1].dataReceived(b"y" * 4)
+    assert requests.buffered == 10
+    bodies[2].dataReceived(b"z")  # one byte past the server's cap: refused, its HTTP closed
+    assert transports[2].stopped and not transports[0].stopped and requests.buffered == 10
+    bodies[2].connectionLost(Failure(ResponseDone()))
+    [refused] = replies[2]
+    assert isinstance(refused.value, RpcError)
+    assert (refused.value.code, refused.value.message) == (
+        -32603,
+        "failed to read http/request response body: the buffered bodies being read on "
+        "this server would hold 11 bytes, the limit is 10 (stream the body with "
+        "streamResponse, or retry later)",
+    )
+    bodies[0].connectionLost(Failure(ResponseDone()))  # its end makes room
+    assert replies[0][0].body_base64 == b"x" * 6 and requests.buffered == 4
+    bodies[1].connectionLost(Failure(RuntimeError("cut")))  # so does a failure
+    assert isinstance(replies[1][0].value, RpcError) and requests.buffered == 0
+
+
 @pytest_twisted.ensureDeferred
 async def test_server_shutdown_answers_and_closes_requests_in_flight() -> None:
     # Without a timeout a request could wait forever: SIGTERM must not.
