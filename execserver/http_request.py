@@ -35,7 +35,7 @@ from typing import Any, Final
 from urllib.parse import quote, unquote
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
@@ -365,8 +365,14 @@ class _Exchange:
             headers.removeHeader(b"content-length")
         if params.timeout_ms is not None:
             self.timer = self.owner.clock.callLater(params.timeout_ms / 1000.0, self._time_out)
-        self.sending = agent.request(
-            params.method.encode("ascii"), self.target.url.encode("ascii"), headers, producer
+        # (maybeDeferred: the TLS client refuses some hosts, an empty label
+        # say, by raising before it connects; that is a send failure too.)
+        self.sending = maybeDeferred(
+            agent.request,
+            params.method.encode("ascii"),
+            self.target.url.encode("ascii"),
+            headers,
+            producer,
         )
         self.sending.addCallbacks(self._response, self._send_failed)
 

@@ -417,6 +417,29 @@ async def test_a_floor_without_network_refuses_every_request() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_an_https_host_tls_refuses_is_answered_and_holds_nothing() -> None:
+    # An empty or over-long label passes the URL parser but not IDNA, which the
+    # TLS client applies before it connects: a precise answer, no slot kept.
+    async with web() as (_, base), serving() as server:
+        for n in range(MAX_IN_FLIGHT + 1):
+            for host, cause in (("a..b", "Empty Label"), ("a" * 64 + ".com", "Label too long")):
+                params = {
+                    "method": "GET",
+                    "url": f"https://{host}/",
+                    "requestId": f"t{n}",
+                    "timeoutMs": 60_000,
+                }
+                reply = await server.request("http/request", params)
+                assert reply["error"] == {
+                    "code": -32603,
+                    "message": "http/request failed: error sending request for url "
+                    f"(https://{host}/): {cause}",
+                }
+        echo = {"method": "GET", "url": base + "/echo", "requestId": "e"}
+        assert (await server.call("http/request", echo))["status"] == 200
+
+
+@pytest_twisted.ensureDeferred
 async def test_requests_in_flight_are_capped_per_connection() -> None:
     async with web() as (site, base), serving() as server:
         params = {"method": "GET", "url": base + "/hang", "requestId": "h"}
