@@ -1230,3 +1230,54 @@ async def test_handles_honour_the_sandbox_and_the_floor_as_read_and_write_file(
             "Read-only file system (os error 30)",
         )
     assert target.read_bytes() == b"kept"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_refused_replace_open_touches_no_file(tmp_path: Path) -> None:
+    """As the reference: a duplicate id or a full connection is refused before
+    the file is opened, so a replace neither truncates nor creates it."""
+    kept, missing = tmp_path / "kept", tmp_path / "missing"
+    kept.write_bytes(b"precious")
+    async with serving(SEED_INIT) as server:
+        open_read = {"handleId": "0", "path": path_to_uri(str(kept))}
+        assert await server.call("fs/open", open_read) == {"handleId": "0"}
+        for handle_count, handle_id, message in (
+            (1, "0", "file handle `0` already exists"),
+            (128, "overflow", "at most 128 file handles may be open per connection"),
+        ):
+            for n in range(1, handle_count):
+                params = {"handleId": f"n{n}", "path": path_to_uri(str(kept))}
+                assert await server.call("fs/open", params) == {"handleId": f"n{n}"}
+            for target in (kept, missing):
+                uri = path_to_uri(str(target))
+                params = {"handleId": handle_id, "path": uri, "mode": "replace"}
+                with pytest.raises(RpcFailure) as refused:
+                    await server.call("fs/open", params)
+                assert (refused.value.code, refused.value.message) == (-32600, message)
+            assert kept.read_bytes() == b"precious" and not missing.exists()
+
+
+def test_a_replace_open_past_the_server_cap_touches_no_file(tmp_path: Path) -> None:
+    from twisted.internet.defer import maybeDeferred
+
+    from execserver.fs.handles import FileHandles, FsOpenParams, FsOpenResponse
+    from execserver.fs.pool import inline_runner
+    from execserver.sandbox.fsguard import Guard
+
+    kept = tmp_path / "kept"
+    kept.write_bytes(b"precious")
+    handles = FileHandles(inline_runner, Guard(), max_total=1)
+    conn, other = object(), object()
+    answers: list[Any] = []
+    maybeDeferred(handles.open, conn, FsOpenParams("a", str(kept))).addBoth(answers.append)
+    params = FsOpenParams("b", str(tmp_path / "missing"), mode="replace")
+    maybeDeferred(handles.open, other, params).addBoth(answers.append)
+    assert answers[0] == FsOpenResponse("a")
+    refused = answers[1].value
+    assert isinstance(refused, RpcError) and refused.code == -32600
+    assert refused.message == (
+        "too many file handles are open on this server (limit 1); close some or retry later"
+    )
+    assert not (tmp_path / "missing").exists() and kept.read_bytes() == b"precious"
+    handles.connection_closed(conn)
+    assert handles.open_count() == 0
