@@ -28,12 +28,14 @@ _BASE: dict[str, dict[str, Any]] = {
     p.PROCESS_WRITE: {"processId": "proc-1", "chunk": ""},
     p.PROCESS_SIGNAL: {"processId": "proc-1", "signal": 15},
     p.PROCESS_RESIZE: {"processId": "proc-1", "rows": 24, "cols": 80},
+    p.HTTP_REQUEST: {"method": "GET", "url": "http://127.0.0.1:9/", "requestId": "r"},
 }
 
 
 #: Methods whose handlers need a real reactor (tested through the real server
-#: elsewhere: tests/test_codex_dialect.py).
-NEEDS_A_REAL_REACTOR = frozenset({"fs/watchMissing"})
+#: elsewhere: tests/test_codex_dialect.py, tests/test_http_request.py, whose
+#: requests connect over TCP, which the fake reactor cannot).
+NEEDS_A_REAL_REACTOR = frozenset({"fs/watchMissing", p.HTTP_REQUEST})
 
 
 def _base(method: str, scratch: Path | None = None) -> dict[str, Any]:
