@@ -26,6 +26,7 @@ Beyond the reference (docs/protocol.md, "http/request"):
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import os
 import re
@@ -115,6 +116,9 @@ class Target:
 
     url: str
     scheme: str
+    #: ``Basic ...`` from the URL's user and password (reqwest takes them out
+    #: of the URL it sends and names), None without them.
+    basic: bytes | None = None
 
 
 def _url_error(reason: str) -> RpcError:
@@ -126,7 +130,8 @@ def parse_url(text: str) -> Target:
 
     Only http and https are taken; the URL is normalised as the crate
     serialises it (lower-case scheme and host, ``/`` for an empty path,
-    no fragment, non-ASCII percent-encoded).
+    no fragment, non-ASCII percent-encoded), without the user and password,
+    which become :attr:`Target.basic`.
     """
     text = re.sub(r"[\t\n\r]", "", text.strip("\x00- "))
     match = _SCHEME.fullmatch(text)
@@ -153,9 +158,13 @@ def parse_url(text: str) -> Target:
     path_query = quote(path_query, safe=_URL_SAFE)
     default = {"http": 80, "https": 443}[scheme]
     netloc = host if port is None or port == default else f"{host}:{port}"
+    basic = None
     if userinfo:
-        netloc = f"{quote(userinfo, safe=_URL_SAFE)}@{netloc}"
-    return Target(f"{scheme}://{netloc}{path_query}", scheme)
+        user, _, password = userinfo.partition(":")
+        if user or password:  # (the url crate drops an empty user and password)
+            credentials = f"{unquote(user)}:{unquote(password)}".encode()
+            basic = b"Basic " + base64.b64encode(credentials)
+    return Target(f"{scheme}://{netloc}{path_query}", scheme, basic)
 
 
 def _split_port(hostport: str) -> tuple[str, int | None]:
@@ -316,7 +325,10 @@ def check_params(params: p.HttpRequestParams) -> tuple[Target, Headers]:
     if _TOKEN.fullmatch(params.method.encode("utf-8")) is None:
         raise RpcError.invalid_params("http/request method is invalid: invalid HTTP method")
     target = parse_url(params.url)
-    return target, request_headers(params.headers)
+    headers = request_headers(params.headers)
+    if target.basic is not None and not headers.hasHeader(b"authorization"):
+        headers.addRawHeader(b"authorization", target.basic)  # (a header's own wins)
+    return target, headers
 
 
 def _reason(failure: Failure) -> str:

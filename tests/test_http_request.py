@@ -515,6 +515,13 @@ async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
             },
             {"method": "GET", "url": base + "/redir", "requestId": "r", "redirectPolicy": "follow"},
         ]
+        # Credentials in the URL: sent as Basic authorization, unless a header names one.
+        with_user = base.replace("://", "://us%20er:p%3Ass@") + "/echo"
+        cases += [
+            {"method": "GET", "url": with_user, "requestId": "u"},
+            {"method": "GET", "url": base.replace("://", "://user@") + "/echo", "requestId": "u"},
+            {"method": "GET", "url": with_user, "requestId": "u", "headers": [header]},
+        ]
         argv = [str(codex), "exec-server", "--listen", "stdio"]
         reference = ServerProcess().launch(argv, env=env, description="codex exec-server (stdio)")
         reference.allow_stderr(".")
