@@ -50,6 +50,7 @@ from twisted.web.client import (
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
+from zope.interface import implementer
 
 from execserver import protocol as p
 from execserver.errors import RpcError
@@ -599,6 +600,44 @@ class _StreamedBody(_Body):
         exchange.succeed(None)
 
 
+#: The codes BrowserLikeRedirectAgent follows (or fails on): such a response
+#: from the agent beneath it never reaches the caller.
+_REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+
+
+class _Discard(Protocol):
+    """Reads nothing: closes the body's connection at once."""
+
+    def makeConnection(self, transport: Any) -> None:
+        transport.stopProducing()
+
+
+@implementer(IAgent)
+@attrs.frozen
+class _ClosingRedirects:
+    """``agent``, but a redirect's connection is closed when it arrives.
+
+    The redirect agent neither reads nor closes a redirect's body: its
+    connection stayed open, buffering what came, after the request ended.
+    """
+
+    agent: IAgent
+
+    def request(
+        self,
+        method: bytes,
+        uri: bytes,
+        headers: Headers | None = None,
+        bodyProducer: Any = None,
+    ) -> Deferred[IResponse]:
+        def closed(response: IResponse) -> IResponse:
+            if response.code in _REDIRECTS:
+                response.deliverBody(_Discard())
+            return response
+
+        return self.agent.request(method, uri, headers, bodyProducer).addCallback(closed)
+
+
 class HttpRequests:
     """The server's ``http/request`` calls: the agent and each connection's requests."""
 
@@ -618,7 +657,9 @@ class HttpRequests:
         # A connection per request, closed at its end (no idle sockets).
         self.agent = Agent(clock, pool=HTTPConnectionPool(clock, persistent=False))
         # (strips credentials on a redirect to another origin)
-        self.following = BrowserLikeRedirectAgent(self.agent, redirectLimit=MAX_REDIRECTS)
+        self.following = BrowserLikeRedirectAgent(
+            _ClosingRedirects(self.agent), redirectLimit=MAX_REDIRECTS
+        )
         self.in_flight: dict[Any, set[_Exchange]] = {}
 
     def handle(self, conn: Any, params: p.HttpRequestParams) -> Deferred[Any]:

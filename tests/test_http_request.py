@@ -115,6 +115,14 @@ class _Web(Resource):
             request.write(b"12345")
             reactor.callLater(0.05, _abort, request)
             return NOT_DONE_YET
+        if path == b"/redir-endless":
+            # A redirect whose body never ends: only its close ends it.
+            request.setResponseCode(302)
+            request.setHeader(b"location", b"/echo")
+            request.write(b"moved " * 1000)
+            self._watch(request)
+            self.hanging.append(request)
+            return NOT_DONE_YET
         if path == b"/redir":
             request.setResponseCode(302)
             request.setHeader(b"location", b"/echo")
@@ -369,6 +377,18 @@ async def test_redirects_are_followed_unless_told_to_stop() -> None:
         stopped = await server.call("http/request", {**params, "redirectPolicy": "stop"})
         assert stopped["status"] == 302
         assert {"name": "location", "value": "/echo"} in stopped["headers"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_followed_redirect_closes_its_connection() -> None:
+    # The redirect's body is not read: its connection is closed, not left
+    # open (buffering what comes) after the request ends.
+    async with web() as (site, base), serving() as server:
+        params = {"method": "GET", "url": base + "/redir-endless", "requestId": "r"}
+        followed = await server.call("http/request", params)
+        assert followed["status"] == 200
+        assert json.loads(unb64(followed["bodyBase64"]))["method"] == "GET"
+        await with_timeout(site.gone[0], TIMEOUT, "the redirect's connection to close")
 
 
 @pytest_twisted.ensureDeferred
