@@ -52,8 +52,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 from zope.interface import implementer
 
+from execserver import codec
 from execserver import protocol as p
 from execserver.errors import RpcError
+from execserver.replies import Charged
 
 #: Requests a connection may have in flight (a streamed one until its last
 #: notification); one more is refused with ``-32600``.
@@ -428,6 +430,8 @@ class _Exchange:
 
     def cancel(self, reason: str) -> None:
         """The connection is gone or shutting down: stop (closing the HTTP connection)."""
+        if self.finished:
+            return  # (answered, its reply not yet sent: nothing runs)
         self.cancelled = reason
         self.abort()
 
@@ -444,21 +448,27 @@ class _Exchange:
             return f"{BODY_ERROR}: {self.cancelled}"
         return f"{BODY_ERROR}: {BODY_CUT}"
 
-    def succeed(self, result: object) -> None:
-        self._end()
+    def succeed(self, result: object, held: bool = False) -> None:
+        """Answer ``result``; ``held``: the request stays in flight until
+        :meth:`let_go` (a buffered reply, until the transport has sent it)."""
+        self._end(forget=not held)
         self.reply.callback(result)
+
+    def let_go(self) -> None:
+        self.owner.forget(self)
 
     def fail(self, error: RpcError) -> None:
         self._end()
         self.reply.errback(error)
 
-    def _end(self) -> None:
+    def _end(self, forget: bool = True) -> None:
         self.finished = True
         if self.timer is not None:
             if self.timer.active():
                 self.timer.cancel()
             self.timer = None
-        self.owner.forget(self)
+        if forget:
+            self.owner.forget(self)
 
 
 class _Body(Protocol):
@@ -510,9 +520,27 @@ class _BufferedBody(_Body):
         self.parts = []
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
-        parts = self.parts
-        self._let_go()
         exchange = self.exchange
+        if (
+            not exchange.finished
+            and self.server_full is None
+            and not self.too_large
+            and _clean_end(reason)
+            and not exchange.timed_out
+            and exchange.cancelled is None
+        ):
+            # (A body without a length ends at its connection's close: the
+            # close a cancel makes is not its end.)
+            self.result.body_base64 = b"".join(self.parts)
+            self.parts = []
+            rendered = codec.RenderedParts((codec.encode(self.result),))
+            self.result.body_base64 = b""
+            # Its bytes and its place among the connection's requests are
+            # held until the reply has been sent: a client that does not
+            # read holds 32 replies at most, not one per request it sends.
+            exchange.succeed(Charged(rendered, _Sent(self)), held=True)
+            return
+        self._let_go()
         if exchange.finished:
             return
         if self.server_full is not None:
@@ -533,17 +561,26 @@ class _BufferedBody(_Body):
                     "(stream larger ones with streamResponse)"
                 )
             )
-        elif _clean_end(reason) and not exchange.timed_out and exchange.cancelled is None:
-            # (A body without a length ends at its connection's close: the
-            # close a cancel makes is not its end.)
-            self.result.body_base64 = b"".join(parts)
-            exchange.succeed(self.result)
         else:
             exchange.fail(
                 RpcError.internal(
                     f"failed to read http/request response body: {exchange.body_error(reason)}"
                 )
             )
+
+
+@attrs.define
+class _Sent:
+    """Lets a buffered body's bytes and request go once its reply is sent."""
+
+    body: _BufferedBody
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.body._let_go()
+            self.body.exchange.let_go()
 
 
 class _StreamedBody(_Body):

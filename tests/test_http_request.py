@@ -666,10 +666,45 @@ def test_buffered_bodies_are_capped_on_the_whole_server() -> None:
         "this server would hold 11 bytes, the limit is 10 (stream the body with "
         "streamResponse, or retry later)",
     )
-    bodies[0].connectionLost(Failure(ResponseDone()))  # its end makes room
-    assert replies[0][0].body_base64 == b"x" * 6 and requests.buffered == 4
+    bodies[0].connectionLost(Failure(ResponseDone()))
+    [charged] = replies[0]  # its bytes are held until its reply has been sent
+    assert json.loads(b"".join(charged.result.parts))["bodyBase64"] == b64(b"x" * 6)
+    assert requests.buffered == 10
+    charged.charge.release()  # (the transport sent it): room made
+    assert requests.buffered == 4
     bodies[1].connectionLost(Failure(RuntimeError("cut")))  # so does a failure
     assert isinstance(replies[1][0].value, RpcError) and requests.buffered == 0
+
+
+def test_a_buffered_reply_holds_its_place_until_sent() -> None:
+    """A client that sends requests and reads nothing holds 32 replies at most:
+    a buffered request stays in flight until the transport has sent its reply."""
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseDone
+
+    from execserver import protocol as p
+    from execserver.errors import RpcError
+    from execserver.http_request import HttpRequests, _BufferedBody, _Exchange
+
+    requests = HttpRequests(reactor)
+    conn = object()
+    params = p.HttpRequestParams("GET", "http://127.0.0.1/", "b")
+    exchange = _Exchange(requests, conn, params, None)  # type: ignore[arg-type]
+    requests.in_flight[conn] = {exchange}
+    body = _BufferedBody(exchange, p.HttpRequestResponse(200, [], b""))
+    body.makeConnection(_FakeTransport())
+    got: list[Any] = []
+    exchange.reply.addBoth(got.append)
+    body.dataReceived(b"x" * 10)
+    body.connectionLost(Failure(ResponseDone()))
+    [charged] = got
+    assert requests.in_flight == {conn: {exchange}} and requests.buffered == 10
+    requests.connection_shutting_down(conn)  # answered: nothing is cancelled
+    assert exchange.cancelled is None
+    charged.charge.release()
+    charged.charge.release()  # (once)
+    assert requests.in_flight == {} and requests.buffered == 0
+    assert not isinstance(charged, RpcError)
 
 
 @pytest_twisted.ensureDeferred
