@@ -1281,3 +1281,20 @@ def test_a_replace_open_past_the_server_cap_touches_no_file(tmp_path: Path) -> N
     assert not (tmp_path / "missing").exists() and kept.read_bytes() == b"precious"
     handles.connection_closed(conn)
     assert handles.open_count() == 0
+
+
+def test_replacing_a_fifo_is_not_a_file_and_does_not_wait(tmp_path: Path) -> None:
+    """docs/filesystem.md: a FIFO is "not a file" for both modes; a replace
+    neither waits for a reader (the reference's open would) nor says ENXIO."""
+    from execserver.fs.handles import open_for_reading, open_for_replacing
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for opener in (open_for_reading, open_for_replacing):
+        with pytest.raises(RpcError) as refused:
+            opener(str(fifo))
+        assert (refused.value.code, refused.value.message, refused.value.data) == (
+            -32600,
+            f"path `{fifo}` is not a file",
+            {"kind": "notRegularFile"},
+        )

@@ -137,7 +137,15 @@ def open_for_replacing(path: str) -> int:
     """A descriptor of the file at ``path``, created or truncated (blocking)."""
     # In place, as the reference: an existing file keeps its inode and mode.
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-    fd = os.open(resolve_path(path), flags, 0o666)
+    resolved = resolve_path(path)
+    try:
+        fd = os.open(resolved, flags, 0o666)
+    except OSError as exc:
+        # ENXIO: a FIFO without a reader (O_NONBLOCK: not waited for) or a
+        # socket; neither is a file.
+        if exc.errno == errno.ENXIO and not stat.S_ISREG(os.stat(resolved).st_mode):
+            raise not_a_file(path, "notRegularFile") from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise not_a_file(path, "notRegularFile")
