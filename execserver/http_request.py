@@ -11,7 +11,8 @@ connection per request, closed at its end; HTTPS verified against the
 system's trust roots by :class:`~twisted.web.client.BrowserLikePolicyForHTTPS`).
 Beyond the reference (docs/protocol.md, "http/request"):
 
-- a buffered body is capped at :data:`MAX_BUFFERED_BODY_BYTES`;
+- a buffered body is capped at :data:`MAX_BUFFERED_BODY_BYTES`, and the
+  buffered bodies of the whole server at :data:`MAX_BUFFERED_TOTAL_BYTES`;
 - a streamed body follows the connection's flow control: its HTTP
   connection is paused while the connection's outbound buffer is over its
   high-water mark, and resumed when it drains;
@@ -25,6 +26,7 @@ Beyond the reference (docs/protocol.md, "http/request"):
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import os
 import re
@@ -34,7 +36,7 @@ from typing import Any, Final
 from urllib.parse import quote, unquote
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
@@ -48,9 +50,12 @@ from twisted.web.client import (
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
+from zope.interface import implementer
 
+from execserver import codec
 from execserver import protocol as p
 from execserver.errors import RpcError
+from execserver.replies import Charged
 
 #: Requests a connection may have in flight (a streamed one until its last
 #: notification); one more is refused with ``-32600``.
@@ -59,6 +64,10 @@ MAX_IN_FLIGHT: Final = 32
 #: base64 in the reply). A larger body fails the request (``-32603``); a
 #: caller that expects more streams it.
 MAX_BUFFERED_BODY_BYTES: Final = 8 * 1024 * 1024
+#: Bytes the buffered bodies being read hold on the whole server at most: one
+#: connection's worth (32 x 8 MiB). A body that would go past it fails the
+#: request (``-32603``), so many connections cannot hold 256 MiB each.
+MAX_BUFFERED_TOTAL_BYTES: Final = MAX_IN_FLIGHT * MAX_BUFFERED_BODY_BYTES
 #: Bytes of body one notification carries at most (the reference's client
 #: refuses more than 1 MiB).
 MAX_DELTA_BYTES: Final = 64 * 1024
@@ -110,6 +119,9 @@ class Target:
 
     url: str
     scheme: str
+    #: ``Basic ...`` from the URL's user and password (reqwest takes them out
+    #: of the URL it sends and names), None without them.
+    basic: bytes | None = None
 
 
 def _url_error(reason: str) -> RpcError:
@@ -121,7 +133,8 @@ def parse_url(text: str) -> Target:
 
     Only http and https are taken; the URL is normalised as the crate
     serialises it (lower-case scheme and host, ``/`` for an empty path,
-    no fragment, non-ASCII percent-encoded).
+    no fragment, non-ASCII percent-encoded), without the user and password,
+    which become :attr:`Target.basic`.
     """
     text = re.sub(r"[\t\n\r]", "", text.strip("\x00- "))
     match = _SCHEME.fullmatch(text)
@@ -148,9 +161,13 @@ def parse_url(text: str) -> Target:
     path_query = quote(path_query, safe=_URL_SAFE)
     default = {"http": 80, "https": 443}[scheme]
     netloc = host if port is None or port == default else f"{host}:{port}"
+    basic = None
     if userinfo:
-        netloc = f"{quote(userinfo, safe=_URL_SAFE)}@{netloc}"
-    return Target(f"{scheme}://{netloc}{path_query}", scheme)
+        user, _, password = userinfo.partition(":")
+        if user or password:  # (the url crate drops an empty user and password)
+            credentials = f"{unquote(user)}:{unquote(password)}".encode()
+            basic = b"Basic " + base64.b64encode(credentials)
+    return Target(f"{scheme}://{netloc}{path_query}", scheme, basic)
 
 
 def _split_port(hostport: str) -> tuple[str, int | None]:
@@ -311,7 +328,10 @@ def check_params(params: p.HttpRequestParams) -> tuple[Target, Headers]:
     if _TOKEN.fullmatch(params.method.encode("utf-8")) is None:
         raise RpcError.invalid_params("http/request method is invalid: invalid HTTP method")
     target = parse_url(params.url)
-    return target, request_headers(params.headers)
+    headers = request_headers(params.headers)
+    if target.basic is not None and not headers.hasHeader(b"authorization"):
+        headers.addRawHeader(b"authorization", target.basic)  # (a header's own wins)
+    return target, headers
 
 
 def _reason(failure: Failure) -> str:
@@ -360,8 +380,14 @@ class _Exchange:
             headers.removeHeader(b"content-length")
         if params.timeout_ms is not None:
             self.timer = self.owner.clock.callLater(params.timeout_ms / 1000.0, self._time_out)
-        self.sending = agent.request(
-            params.method.encode("ascii"), self.target.url.encode("ascii"), headers, producer
+        # (maybeDeferred: the TLS client refuses some hosts, an empty label
+        # say, by raising before it connects; that is a send failure too.)
+        self.sending = maybeDeferred(
+            agent.request,
+            params.method.encode("ascii"),
+            self.target.url.encode("ascii"),
+            headers,
+            producer,
         )
         self.sending.addCallbacks(self._response, self._send_failed)
 
@@ -404,6 +430,8 @@ class _Exchange:
 
     def cancel(self, reason: str) -> None:
         """The connection is gone or shutting down: stop (closing the HTTP connection)."""
+        if self.finished:
+            return  # (answered, its reply not yet sent: nothing runs)
         self.cancelled = reason
         self.abort()
 
@@ -420,21 +448,27 @@ class _Exchange:
             return f"{BODY_ERROR}: {self.cancelled}"
         return f"{BODY_ERROR}: {BODY_CUT}"
 
-    def succeed(self, result: object) -> None:
-        self._end()
+    def succeed(self, result: object, held: bool = False) -> None:
+        """Answer ``result``; ``held``: the request stays in flight until
+        :meth:`let_go` (a buffered reply, until the transport has sent it)."""
+        self._end(forget=not held)
         self.reply.callback(result)
+
+    def let_go(self) -> None:
+        self.owner.forget(self)
 
     def fail(self, error: RpcError) -> None:
         self._end()
         self.reply.errback(error)
 
-    def _end(self) -> None:
+    def _end(self, forget: bool = True) -> None:
         self.finished = True
         if self.timer is not None:
             if self.timer.active():
                 self.timer.cancel()
             self.timer = None
-        self.owner.forget(self)
+        if forget:
+            self.owner.forget(self)
 
 
 class _Body(Protocol):
@@ -458,25 +492,68 @@ class _BufferedBody(_Body):
         super().__init__(exchange)
         self.result = result
         self.parts: list[bytes] = []
+        #: Bytes held, counted in the server's :attr:`HttpRequests.buffered`.
         self.size = 0
         self.too_large = False
+        #: The server's buffered bodies held :data:`MAX_BUFFERED_TOTAL_BYTES` (with this one's).
+        self.server_full: int | None = None
 
     def dataReceived(self, data: bytes) -> None:
-        if self.too_large:
+        if self.too_large or self.server_full is not None:
             return
-        self.size += len(data)
-        if self.size > MAX_BUFFERED_BODY_BYTES:
+        owner = self.exchange.owner
+        if self.size + len(data) > MAX_BUFFERED_BODY_BYTES:
             self.too_large = True
-            self.parts = []
-            self.stop()
+        elif owner.buffered + len(data) > owner.max_buffered_total:
+            self.server_full = owner.buffered + len(data)
+        else:
+            self.size += len(data)
+            owner.buffered += len(data)
+            self.parts.append(data)
             return
-        self.parts.append(data)
+        self._let_go()
+        self.stop()
+
+    def _let_go(self) -> None:
+        self.exchange.owner.buffered -= self.size
+        self.size = 0
+        self.parts = []
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
         exchange = self.exchange
+        if (
+            not exchange.finished
+            and self.server_full is None
+            and not self.too_large
+            and _clean_end(reason)
+            and not exchange.timed_out
+            and exchange.cancelled is None
+        ):
+            # (A body without a length ends at its connection's close: the
+            # close a cancel makes is not its end.)
+            self.result.body_base64 = b"".join(self.parts)
+            self.parts = []
+            rendered = codec.RenderedParts((codec.encode(self.result),))
+            self.result.body_base64 = b""
+            # Its bytes and its place among the connection's requests are
+            # held until the reply has been sent: a client that does not
+            # read holds 32 replies at most, not one per request it sends.
+            exchange.succeed(Charged(rendered, _Sent(self)), held=True)
+            return
+        self._let_go()
         if exchange.finished:
             return
-        if self.too_large:
+        if self.server_full is not None:
+            owner = exchange.owner
+            exchange.fail(
+                RpcError.internal(
+                    "failed to read http/request response body: the buffered bodies being "
+                    f"read on this server would hold {self.server_full} bytes, the limit is "
+                    f"{owner.max_buffered_total} (stream the body with streamResponse, or "
+                    "retry later)"
+                )
+            )
+        elif self.too_large:
             exchange.fail(
                 RpcError.internal(
                     "failed to read http/request response body: the body exceeds "
@@ -484,15 +561,26 @@ class _BufferedBody(_Body):
                     "(stream larger ones with streamResponse)"
                 )
             )
-        elif _clean_end(reason) and not exchange.timed_out:
-            self.result.body_base64 = b"".join(self.parts)
-            exchange.succeed(self.result)
         else:
             exchange.fail(
                 RpcError.internal(
                     f"failed to read http/request response body: {exchange.body_error(reason)}"
                 )
             )
+
+
+@attrs.define
+class _Sent:
+    """Lets a buffered body's bytes and request go once its reply is sent."""
+
+    body: _BufferedBody
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.body._let_go()
+            self.body.exchange.let_go()
 
 
 class _StreamedBody(_Body):
@@ -549,18 +637,66 @@ class _StreamedBody(_Body):
         exchange.succeed(None)
 
 
+#: The codes BrowserLikeRedirectAgent follows (or fails on): such a response
+#: from the agent beneath it never reaches the caller.
+_REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+
+
+class _Discard(Protocol):
+    """Reads nothing: closes the body's connection at once."""
+
+    def makeConnection(self, transport: Any) -> None:
+        transport.stopProducing()
+
+
+@implementer(IAgent)
+@attrs.frozen
+class _ClosingRedirects:
+    """``agent``, but a redirect's connection is closed when it arrives.
+
+    The redirect agent neither reads nor closes a redirect's body: its
+    connection stayed open, buffering what came, after the request ended.
+    """
+
+    agent: IAgent
+
+    def request(
+        self,
+        method: bytes,
+        uri: bytes,
+        headers: Headers | None = None,
+        bodyProducer: Any = None,
+    ) -> Deferred[IResponse]:
+        def closed(response: IResponse) -> IResponse:
+            if response.code in _REDIRECTS:
+                response.deliverBody(_Discard())
+            return response
+
+        return self.agent.request(method, uri, headers, bodyProducer).addCallback(closed)
+
+
 class HttpRequests:
     """The server's ``http/request`` calls: the agent and each connection's requests."""
 
-    def __init__(self, clock: IReactorTime, floor_network: bool = True) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        floor_network: bool = True,
+        max_buffered_total: int = MAX_BUFFERED_TOTAL_BYTES,
+    ) -> None:
         self.clock = clock
+        #: Bytes the buffered bodies being read hold now, on the whole server.
+        self.buffered = 0
+        self.max_buffered_total = max_buffered_total
         #: False under ``--sandbox-floor ... --floor-no-network``: no
         #: process may reach the network, so neither may the server for a client.
         self.floor_network = floor_network
         # A connection per request, closed at its end (no idle sockets).
         self.agent = Agent(clock, pool=HTTPConnectionPool(clock, persistent=False))
         # (strips credentials on a redirect to another origin)
-        self.following = BrowserLikeRedirectAgent(self.agent, redirectLimit=MAX_REDIRECTS)
+        self.following = BrowserLikeRedirectAgent(
+            _ClosingRedirects(self.agent), redirectLimit=MAX_REDIRECTS
+        )
         self.in_flight: dict[Any, set[_Exchange]] = {}
 
     def handle(self, conn: Any, params: p.HttpRequestParams) -> Deferred[Any]:

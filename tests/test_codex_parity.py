@@ -32,6 +32,7 @@ from tests.codex.fetch_codex import fetch
 from tests.support.fakes import Harness, Second, drop
 from tests.support.harness import (
     DEFAULT_TIMEOUT,
+    RpcFailure,
     b64,
     console_script,
     pid_alive,
@@ -1192,3 +1193,108 @@ async def test_a_listing_leaves_dangling_symlinks_out_as_the_reference(tmp_path:
     names = {e.pop("fileName"): e for e in seed["entries"]}
     nothing = {"isDirectory": False, "isFile": False, "isSymlink": True}
     assert names["dangling"] == names["loop"] == nothing
+
+
+@pytest_twisted.ensureDeferred
+async def test_handles_honour_the_sandbox_and_the_floor_as_read_and_write_file(
+    tmp_path: Path,
+) -> None:
+    """fs/open checks what fs/readFile and fs/writeFile check: a read (the default
+    mode too) where reading is allowed, a replace only where writing is."""
+    target = tmp_path / "f"
+    target.write_bytes(b"kept")
+    uri = path_to_uri(str(target))
+    read_only = {"mode": "readOnly"}
+    async with serving(SEED_INIT) as server:
+        for n, mode in enumerate((None, "read")):
+            params: dict[str, Any] = {"handleId": f"r{n}", "path": uri, "sandbox": read_only}
+            if mode is not None:
+                params["mode"] = mode
+            assert await server.call("fs/open", params) == {"handleId": f"r{n}"}
+            block = await server.call("fs/readBlock", {"handleId": f"r{n}", "offset": 0, "len": 9})
+            assert unb64(block["chunk"]) == b"kept"
+        with pytest.raises(RpcFailure) as refused:
+            await server.call(
+                "fs/open", {"handleId": "w", "path": uri, "sandbox": read_only, "mode": "replace"}
+            )
+        assert (refused.value.code, refused.value.message) == (
+            -32603,
+            "Read-only file system (os error 30)",
+        )
+    async with serving(SEED_INIT, None, "--sandbox-floor", "read-only") as server:
+        assert await server.call("fs/open", {"handleId": "r", "path": uri}) == {"handleId": "r"}
+        with pytest.raises(RpcFailure) as refused:
+            await server.call("fs/open", {"handleId": "w", "path": uri, "mode": "replace"})
+        assert (refused.value.code, refused.value.message) == (
+            -32603,
+            "Read-only file system (os error 30)",
+        )
+    assert target.read_bytes() == b"kept"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_refused_replace_open_touches_no_file(tmp_path: Path) -> None:
+    """As the reference: a duplicate id or a full connection is refused before
+    the file is opened, so a replace neither truncates nor creates it."""
+    kept, missing = tmp_path / "kept", tmp_path / "missing"
+    kept.write_bytes(b"precious")
+    async with serving(SEED_INIT) as server:
+        open_read = {"handleId": "0", "path": path_to_uri(str(kept))}
+        assert await server.call("fs/open", open_read) == {"handleId": "0"}
+        for handle_count, handle_id, message in (
+            (1, "0", "file handle `0` already exists"),
+            (128, "overflow", "at most 128 file handles may be open per connection"),
+        ):
+            for n in range(1, handle_count):
+                params = {"handleId": f"n{n}", "path": path_to_uri(str(kept))}
+                assert await server.call("fs/open", params) == {"handleId": f"n{n}"}
+            for target in (kept, missing):
+                uri = path_to_uri(str(target))
+                params = {"handleId": handle_id, "path": uri, "mode": "replace"}
+                with pytest.raises(RpcFailure) as refused:
+                    await server.call("fs/open", params)
+                assert (refused.value.code, refused.value.message) == (-32600, message)
+            assert kept.read_bytes() == b"precious" and not missing.exists()
+
+
+def test_a_replace_open_past_the_server_cap_touches_no_file(tmp_path: Path) -> None:
+    from twisted.internet.defer import maybeDeferred
+
+    from execserver.fs.handles import FileHandles, FsOpenParams, FsOpenResponse
+    from execserver.fs.pool import inline_runner
+    from execserver.sandbox.fsguard import Guard
+
+    kept = tmp_path / "kept"
+    kept.write_bytes(b"precious")
+    handles = FileHandles(inline_runner, Guard(), max_total=1)
+    conn, other = object(), object()
+    answers: list[Any] = []
+    maybeDeferred(handles.open, conn, FsOpenParams("a", str(kept))).addBoth(answers.append)
+    params = FsOpenParams("b", str(tmp_path / "missing"), mode="replace")
+    maybeDeferred(handles.open, other, params).addBoth(answers.append)
+    assert answers[0] == FsOpenResponse("a")
+    refused = answers[1].value
+    assert isinstance(refused, RpcError) and refused.code == -32600
+    assert refused.message == (
+        "too many file handles are open on this server (limit 1); close some or retry later"
+    )
+    assert not (tmp_path / "missing").exists() and kept.read_bytes() == b"precious"
+    handles.connection_closed(conn)
+    assert handles.open_count() == 0
+
+
+def test_replacing_a_fifo_is_not_a_file_and_does_not_wait(tmp_path: Path) -> None:
+    """docs/filesystem.md: a FIFO is "not a file" for both modes; a replace
+    neither waits for a reader (the reference's open would) nor says ENXIO."""
+    from execserver.fs.handles import open_for_reading, open_for_replacing
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for opener in (open_for_reading, open_for_replacing):
+        with pytest.raises(RpcError) as refused:
+            opener(str(fifo))
+        assert (refused.value.code, refused.value.message, refused.value.data) == (
+            -32600,
+            f"path `{fifo}` is not a file",
+            {"kind": "notRegularFile"},
+        )

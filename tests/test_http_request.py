@@ -16,6 +16,8 @@ import pytest_twisted
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -112,6 +114,14 @@ class _Web(Resource):
             request.setHeader(b"content-length", b"100")
             request.write(b"12345")
             reactor.callLater(0.05, _abort, request)
+            return NOT_DONE_YET
+        if path == b"/redir-endless":
+            # A redirect whose body never ends: only its close ends it.
+            request.setResponseCode(302)
+            request.setHeader(b"location", b"/echo")
+            request.write(b"moved " * 1000)
+            self._watch(request)
+            self.hanging.append(request)
             return NOT_DONE_YET
         if path == b"/redir":
             request.setResponseCode(302)
@@ -370,6 +380,18 @@ async def test_redirects_are_followed_unless_told_to_stop() -> None:
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_followed_redirect_closes_its_connection() -> None:
+    # The redirect's body is not read: its connection is closed, not left
+    # open (buffering what comes) after the request ends.
+    async with web() as (site, base), serving() as server:
+        params = {"method": "GET", "url": base + "/redir-endless", "requestId": "r"}
+        followed = await server.call("http/request", params)
+        assert followed["status"] == 200
+        assert json.loads(unb64(followed["bodyBase64"]))["method"] == "GET"
+        await with_timeout(site.gone[0], TIMEOUT, "the redirect's connection to close")
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_buffered_body_over_the_cap_is_refused() -> None:
     async with web() as (_, base), serving() as server:
         reply = await server.request(
@@ -412,6 +434,29 @@ async def test_a_floor_without_network_refuses_every_request() -> None:
             assert got["status"] == 200
         finally:
             await server.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_https_host_tls_refuses_is_answered_and_holds_nothing() -> None:
+    # An empty or over-long label passes the URL parser but not IDNA, which the
+    # TLS client applies before it connects: a precise answer, no slot kept.
+    async with web() as (_, base), serving() as server:
+        for n in range(MAX_IN_FLIGHT + 1):
+            for host, cause in (("a..b", "Empty Label"), ("a" * 64 + ".com", "Label too long")):
+                params = {
+                    "method": "GET",
+                    "url": f"https://{host}/",
+                    "requestId": f"t{n}",
+                    "timeoutMs": 60_000,
+                }
+                reply = await server.request("http/request", params)
+                assert reply["error"] == {
+                    "code": -32603,
+                    "message": "http/request failed: error sending request for url "
+                    f"(https://{host}/): {cause}",
+                }
+        echo = {"method": "GET", "url": base + "/echo", "requestId": "e"}
+        assert (await server.call("http/request", echo))["status"] == 200
 
 
 @pytest_twisted.ensureDeferred
@@ -489,6 +534,13 @@ async def test_the_same_answers_as_the_reference(tmp_path: Path) -> None:
                 "redirectPolicy": {"stop": None},
             },
             {"method": "GET", "url": base + "/redir", "requestId": "r", "redirectPolicy": "follow"},
+        ]
+        # Credentials in the URL: sent as Basic authorization, unless a header names one.
+        with_user = base.replace("://", "://us%20er:p%3Ass@") + "/echo"
+        cases += [
+            {"method": "GET", "url": with_user, "requestId": "u"},
+            {"method": "GET", "url": base.replace("://", "://user@") + "/echo", "requestId": "u"},
+            {"method": "GET", "url": with_user, "requestId": "u", "headers": [header]},
         ]
         argv = [str(codex), "exec-server", "--listen", "stdio"]
         reference = ServerProcess().launch(argv, env=env, description="codex exec-server (stdio)")
@@ -570,6 +622,91 @@ def test_a_stream_starting_on_a_paused_connection_starts_paused() -> None:
     assert transport.paused
 
 
+def test_buffered_bodies_are_capped_on_the_whole_server() -> None:
+    """Beyond the per-body 8 MiB: the bodies being buffered on the server hold at
+    most 256 MiB together (32 x 8 MiB), whatever the number of connections."""
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseDone
+
+    from execserver import protocol as p
+    from execserver.errors import RpcError
+    from execserver.http_request import (
+        MAX_BUFFERED_TOTAL_BYTES,
+        HttpRequests,
+        _BufferedBody,
+        _Exchange,
+    )
+
+    assert MAX_BUFFERED_TOTAL_BYTES == 32 * MAX_BUFFERED_BODY_BYTES
+    requests = HttpRequests(reactor, max_buffered_total=10)
+    params = p.HttpRequestParams("GET", "http://127.0.0.1/", "b")
+    bodies, replies, transports = [], [], []
+    for _ in range(3):
+        exchange = _Exchange(requests, object(), params, None)  # type: ignore[arg-type]
+        result = p.HttpRequestResponse(200, [], b"")
+        body = _BufferedBody(exchange, result)
+        transport = _FakeTransport()
+        body.makeConnection(transport)
+        got: list[Any] = []
+        exchange.reply.addBoth(got.append)
+        bodies.append(body)
+        replies.append(got)
+        transports.append(transport)
+    bodies[0].dataReceived(b"x" * 6)
+    bodies[1].dataReceived(b"y" * 4)
+    assert requests.buffered == 10
+    bodies[2].dataReceived(b"z")  # one byte past the server's cap: refused, its HTTP closed
+    assert transports[2].stopped and not transports[0].stopped and requests.buffered == 10
+    bodies[2].connectionLost(Failure(ResponseDone()))
+    [refused] = replies[2]
+    assert isinstance(refused.value, RpcError)
+    assert (refused.value.code, refused.value.message) == (
+        -32603,
+        "failed to read http/request response body: the buffered bodies being read on "
+        "this server would hold 11 bytes, the limit is 10 (stream the body with "
+        "streamResponse, or retry later)",
+    )
+    bodies[0].connectionLost(Failure(ResponseDone()))
+    [charged] = replies[0]  # its bytes are held until its reply has been sent
+    assert json.loads(b"".join(charged.result.parts))["bodyBase64"] == b64(b"x" * 6)
+    assert requests.buffered == 10
+    charged.charge.release()  # (the transport sent it): room made
+    assert requests.buffered == 4
+    bodies[1].connectionLost(Failure(RuntimeError("cut")))  # so does a failure
+    assert isinstance(replies[1][0].value, RpcError) and requests.buffered == 0
+
+
+def test_a_buffered_reply_holds_its_place_until_sent() -> None:
+    """A client that sends requests and reads nothing holds 32 replies at most:
+    a buffered request stays in flight until the transport has sent its reply."""
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseDone
+
+    from execserver import protocol as p
+    from execserver.errors import RpcError
+    from execserver.http_request import HttpRequests, _BufferedBody, _Exchange
+
+    requests = HttpRequests(reactor)
+    conn = object()
+    params = p.HttpRequestParams("GET", "http://127.0.0.1/", "b")
+    exchange = _Exchange(requests, conn, params, None)  # type: ignore[arg-type]
+    requests.in_flight[conn] = {exchange}
+    body = _BufferedBody(exchange, p.HttpRequestResponse(200, [], b""))
+    body.makeConnection(_FakeTransport())
+    got: list[Any] = []
+    exchange.reply.addBoth(got.append)
+    body.dataReceived(b"x" * 10)
+    body.connectionLost(Failure(ResponseDone()))
+    [charged] = got
+    assert requests.in_flight == {conn: {exchange}} and requests.buffered == 10
+    requests.connection_shutting_down(conn)  # answered: nothing is cancelled
+    assert exchange.cancelled is None
+    charged.charge.release()
+    charged.charge.release()  # (once)
+    assert requests.in_flight == {} and requests.buffered == 0
+    assert not isinstance(charged, RpcError)
+
+
 @pytest_twisted.ensureDeferred
 async def test_server_shutdown_answers_and_closes_requests_in_flight() -> None:
     # Without a timeout a request could wait forever: SIGTERM must not.
@@ -593,6 +730,52 @@ async def test_server_shutdown_answers_and_closes_requests_in_flight() -> None:
             await with_timeout(server.exited(), TIMEOUT, "the server to exit")
         finally:
             await server.stop()
+
+
+class _Unsized(Protocol):
+    """Answers any request with a body that has no length (it ends at the close), cut short."""
+
+    def __init__(self, seen: list[_Unsized]) -> None:
+        self.seen = seen
+        self.gone: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self not in self.seen:
+            self.seen.append(self)
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npartial")
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.gone.callback(None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_shutdown_while_an_unsized_body_is_read_is_an_error_not_a_short_body() -> None:
+    # A body without a length ends when its connection closes: the close the
+    # shutdown makes must not read as its end (a truncated body answered as whole).
+    seen: list[_Unsized] = []
+    port = reactor.listenTCP(0, Factory.forProtocol(lambda: _Unsized(seen)), interface="127.0.0.1")
+    url = f"http://127.0.0.1:{port.getHost().port}/unsized"
+    server = await WsServerProcess.start()
+    try:
+        client = await connect(server.url)
+        await client.handshake()
+        params = {"method": "GET", "url": url, "requestId": "u"}
+        pending = ensureDeferred(client.request("http/request", params))
+        await until(lambda: seen, "the request to arrive", timeout=TIMEOUT)
+        assert server.transport is not None
+        server.transport.signalProcess("TERM")
+        reply = await with_timeout(pending, TIMEOUT, "the reply at shutdown")
+        assert reply.get("error") == {
+            "code": -32603,
+            "message": "failed to read http/request response body: error decoding response "
+            "body: the server is shutting down",
+        }
+        await with_timeout(seen[0].gone, TIMEOUT, "the HTTP server to see the disconnect")
+        await with_timeout(server.exited(), TIMEOUT, "the server to exit")
+    finally:
+        await server.stop()
+        await port.stopListening()
 
 
 #: Body bytes a stalled client may leave in flight: the connection's 2 MiB

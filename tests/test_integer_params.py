@@ -33,7 +33,8 @@ _BASE: dict[str, dict[str, Any]] = {
 
 
 #: Methods whose handlers need a real reactor (tested through the real server
-#: elsewhere: tests/test_codex_dialect.py, tests/test_http_request.py).
+#: elsewhere: tests/test_codex_dialect.py, tests/test_http_request.py, whose
+#: requests connect over TCP, which the fake reactor cannot).
 NEEDS_A_REAL_REACTOR = frozenset({"fs/watchMissing", p.HTTP_REQUEST})
 
 
@@ -162,6 +163,10 @@ def test_the_known_integer_fields_are_all_found_and_bounded() -> None:
         (p.PROCESS_RESIZE, "cols"): dims,
         (p.PROCESS_WAIT, "timeoutMs"): i64,
         ("fs/watchMissing", "watchId"): u64,
+        ("fs/readBlock", "offset"): u64,
+        ("fs/readBlock", "len"): u64,
+        ("fs/writeBlock", "offset"): u64,
+        (p.HTTP_REQUEST, "timeoutMs"): i64,
         # A signal number is checked against 1..NSIG-1 by the session.
         (p.PROCESS_SIGNAL, "signal"): (None, None),
     }

@@ -137,7 +137,15 @@ def open_for_replacing(path: str) -> int:
     """A descriptor of the file at ``path``, created or truncated (blocking)."""
     # In place, as the reference: an existing file keeps its inode and mode.
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
-    fd = os.open(resolve_path(path), flags, 0o666)
+    resolved = resolve_path(path)
+    try:
+        fd = os.open(resolved, flags, 0o666)
+    except OSError as exc:
+        # ENXIO: a FIFO without a reader (O_NONBLOCK: not waited for) or a
+        # socket; neither is a file.
+        if exc.errno == errno.ENXIO and not stat.S_ISREG(os.stat(resolved).st_mode):
+            raise not_a_file(path, "notRegularFile") from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise not_a_file(path, "notRegularFile")
@@ -206,8 +214,10 @@ class FileHandles:
     max_total: int = attrs.field(factory=lambda: fdlimit.reserved_fds(fdlimit.soft_limit()) // 2)
     _total: int = 0
     _by_conn: dict[object, dict[str, _Handle]] = attrs.field(factory=dict)
-    #: Opens on the pool now, per connection (they count against the cap).
-    _opening: dict[object, int] = attrs.field(factory=dict)
+    #: The ids of the opens on the pool now, per connection: they count
+    #: against the caps and their ids are taken.
+    _opening: dict[object, set[str]] = attrs.field(factory=dict)
+    _opening_total: int = 0
     #: Connections closed while an open of theirs was on the pool.
     _gone: set[object] = attrs.field(factory=set)
 
@@ -217,24 +227,40 @@ class FileHandles:
         if mode not in MODES:
             raise RpcError.invalid_params(f"unknown variant `{mode}`, expected `read` or `replace`")
         path = absolute_path(params.path)
+        # Refused before the file is touched (as the reference): a refused
+        # replace must neither truncate nor create it.
+        handles = self._by_conn.get(conn, {})
+        opening = self._opening.get(conn, set())
+        if handle_id in handles or handle_id in opening:
+            raise RpcError.invalid_request(f"file handle `{handle_id}` already exists")
+        if len(handles) + len(opening) >= MAX_HANDLES:
+            raise RpcError.invalid_request(
+                f"at most {MAX_HANDLES} file handles may be open per connection"
+            )
+        if self._total + self._opening_total >= self.max_total:
+            raise RpcError.invalid_request(
+                f"too many file handles are open on this server (limit {self.max_total});"
+                " close some or retry later",
+                {"kind": "busy"},
+            )
         opener = open_for_reading if mode == "read" else open_for_replacing
         if self.guard.applies(params.sandbox):
-            reads, writes = (
-                (((path, False),), ()) if params.mode == "read" else ((), ((path, True),))
-            )
+            reads, writes = (((path, False),), ()) if mode == "read" else ((), ((path, True),))
             opened = self.run(
                 self.guard.run, params.sandbox, reads, writes, opener, path, owner=conn
             )
         else:
             opened = self.run(opener, path, owner=conn)
-        self._opening[conn] = self._opening.get(conn, 0) + 1
+        self._opening.setdefault(conn, opening).add(handle_id)
+        self._opening_total += 1
 
         def settled(result: int | Failure) -> int | Failure:
-            left = self._opening.pop(conn) - 1
+            self._opening_total -= 1
+            left = self._opening[conn]
+            left.discard(handle_id)
             gone = conn in self._gone
-            if left:
-                self._opening[conn] = left
-            else:
+            if not left:
+                del self._opening[conn]
                 self._gone.discard(conn)
             if gone and not isinstance(result, Failure):
                 # The connection closed while the file was being opened.
@@ -243,24 +269,7 @@ class FileHandles:
             return result
 
         def keep(fd: int) -> FsOpenResponse:
-            handles = self._by_conn.get(conn, {})
-            error = None
-            if handle_id in handles:
-                error = RpcError.invalid_request(f"file handle `{handle_id}` already exists")
-            elif len(handles) >= MAX_HANDLES:
-                error = RpcError.invalid_request(
-                    f"at most {MAX_HANDLES} file handles may be open per connection"
-                )
-            elif self._total >= self.max_total:
-                error = RpcError.invalid_request(
-                    f"too many file handles are open on this server (limit {self.max_total});"
-                    " close some or retry later",
-                    {"kind": "busy"},
-                )
-            if error is not None:
-                os.close(fd)
-                raise error
-            self._by_conn.setdefault(conn, handles)[handle_id] = _Handle(fd)
+            self._by_conn.setdefault(conn, {})[handle_id] = _Handle(fd)
             self._total += 1
             return FsOpenResponse(handle_id)
 
