@@ -124,6 +124,8 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
             "capabilityDiscoveryV2": True,
             "environmentConfigRead": True,
             "httpHeaderEnvVars": True,
+            "sandboxedFileStreaming": True,
+            "fileWriteStreaming": True,
         }
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"

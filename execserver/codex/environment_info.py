@@ -35,6 +35,16 @@ ENVIRONMENT_CONFIG_READ: Final = "environmentConfigRead"
 #: ``http/request`` headers may take their value from the server's
 #: environment (``valueEnvVar``, execserver.http_request).
 HTTP_HEADER_ENV_VARS: Final = "httpHeaderEnvVars"
+#: ``fs/open`` takes ``"mode": "replace"`` and ``fs/writeBlock`` writes its
+#: blocks (execserver.fs.handles). Codex checks it before it opens a file for
+#: writing by blocks ("exec-server does not support writable file streams").
+FILE_WRITE_STREAMING: Final = "fileWriteStreaming"
+#: ``fs/open`` honours its ``sandbox`` as every fs call does: the open is
+#: checked (confined) by that permission profile, the blocks are then read or
+#: written through the descriptor it opened. Codex checks it before it reads
+#: a file by blocks under a sandbox ("selected executor does not support
+#: sandboxed file streaming").
+SANDBOXED_FILE_STREAMING: Final = "sandboxedFileStreaming"
 
 
 def capabilities() -> dict[str, bool]:
@@ -48,6 +58,8 @@ def capabilities() -> dict[str, bool]:
     found[CAPABILITY_DISCOVERY_V2] = True
     found[ENVIRONMENT_CONFIG_READ] = True
     found[HTTP_HEADER_ENV_VARS] = True
+    found[SANDBOXED_FILE_STREAMING] = True
+    found[FILE_WRITE_STREAMING] = True
     return found
 
 
