@@ -219,9 +219,7 @@ class FileHandles:
         path = absolute_path(params.path)
         opener = open_for_reading if mode == "read" else open_for_replacing
         if self.guard.applies(params.sandbox):
-            reads, writes = (
-                (((path, False),), ()) if params.mode == "read" else ((), ((path, True),))
-            )
+            reads, writes = (((path, False),), ()) if mode == "read" else ((), ((path, True),))
             opened = self.run(
                 self.guard.run, params.sandbox, reads, writes, opener, path, owner=conn
             )
