@@ -619,6 +619,88 @@ async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
     assert len(expected["warnings"]) == 3
 
 
+def _discovery_profiles(base: Path) -> dict[str, Any]:
+    """Codex's read-only profile, and ones that hide a skill and a plugin."""
+
+    def restricted(*entries: tuple[Any, str]) -> Any:
+        return {
+            "permissions": {
+                "type": "managed",
+                "file_system": {
+                    "type": "restricted",
+                    "entries": [
+                        {
+                            "path": path
+                            if isinstance(path, dict)
+                            else {"type": "path", "path": path_to_uri(str(path))},
+                            "access": access,
+                        }
+                        for path, access in entries
+                    ],
+                },
+                "network": "restricted",
+            },
+            "cwd": path_to_uri(str(base)),
+            "workspaceRoots": [path_to_uri(str(base))],
+            "windowsSandboxLevel": "disabled",
+            "windowsSandboxProxySettingsMode": "reconcile",
+            "useLegacyLandlock": False,
+        }
+
+    root = {"type": "special", "value": {"kind": "root"}}
+    skills = base / "codex-home" / "skills"
+    return {
+        "read-only": restricted((root, "read")),
+        "deny a skill": restricted((root, "read"), (skills / "deps", "deny")),
+        "deny a plugin": restricted(
+            (root, "read"), (base / "codex-home" / "plugins" / "cache" / "mk", "deny")
+        ),
+    }
+    # Not compared: a profile that cannot read a whole location (reads only
+    # HOME, say): the reference answers no warnings, this server its location
+    # and metadata warnings (docs/protocol.md, capabilityDiscoverySandbox).
+
+
+@pytest_twisted.ensureDeferred
+async def test_sandboxed_discovery_as_the_reference_server(tmp_path: Path) -> None:
+    """The scan sees what the request's profile may read (what it denies is not found)."""
+    codex = fetch()
+    _reference_tree(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path / "home"),
+        "CODEX_HOME": str(tmp_path / "codex-home"),
+        # The reference's sandbox helper refuses a CODEX_HOME under TMPDIR.
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    cwd = path_to_uri(str(tmp_path))
+    profiles = _discovery_profiles(tmp_path)
+    expected: dict[str, Any] = {}
+    reference = _ReferenceServer.start_reference(codex, env)
+    try:
+        await reference.call("initialize", CODEX_INIT)
+        reference.notify("initialized", {})
+        for name, sandbox in profiles.items():
+            params = {"cwd": cwd, "sandbox": sandbox}
+            expected[name] = await reference.request("capabilities/discoverV2", params)
+    finally:
+        await reference.stop()
+    got: dict[str, Any] = {}
+    async with serving(tmp_path) as server:
+        for name, sandbox in profiles.items():
+            params = {"cwd": cwd, "sandbox": sandbox}
+            got[name] = await server.request("capabilities/discoverV2", params)
+    differences = [
+        f"{name}: reference {json.dumps(expected[name])[:2000]}"
+        f" | ours {json.dumps(got[name])[:2000]}"
+        for name in profiles
+        if {k: v for k, v in got[name].items() if k != "id"}
+        != {k: v for k, v in expected[name].items() if k != "id"}
+    ]
+    assert not differences, "\n".join(differences)
+
+
 def test_the_reported_executor_version_is_the_tested_codex_release() -> None:
     assert environment_info.EXECUTOR_VERSION == fetch_codex.VERSION
 

@@ -28,7 +28,7 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import msgspec
@@ -44,6 +44,9 @@ from execserver.codex.environment_config import (
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
+
+if TYPE_CHECKING:
+    from execserver.sandbox.fsguard import Guard
 
 CAPABILITIES_DISCOVER_V2: Final = "capabilities/discoverV2"
 FAMILY: Final = "capability discovery"
@@ -95,8 +98,9 @@ _SEMVER: Final = re.compile(
 
 class DiscoverV2Params(msgspec.Struct, rename="camel"):
     cwd: str
-    #: The reference's filesystem sandbox; this server has none (as for fs/*).
-    sandbox: Any = None
+    #: Codex's permission profile: the scan runs confined to it, as an fs
+    #: call with that ``sandbox`` (``capabilityDiscoverySandbox``).
+    sandbox: p.SandboxConfig | None = None
 
 
 class CapabilityTextFile(msgspec.Struct):
@@ -940,11 +944,19 @@ def discover(
     return _finish(response, budget.truncated)
 
 
-def register(router: Any, run: Runner) -> None:
-    """Add ``capabilities/discoverV2`` to ``router``; its file work runs on ``run`` (fs pool)."""
+def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
+    """Add ``capabilities/discoverV2`` to ``router``; its file work runs on ``run`` (fs pool).
+
+    With ``guard`` (the fs calls'), a request whose ``sandbox`` restricts
+    reads (or any request, under an operator's floor) is scanned on a thread
+    confined to that profile, as an fs call with it: what the profile may not
+    read is not found.
+    """
 
     def handle(conn: Any, params: DiscoverV2Params) -> Any:
         validate(params)
+        if guard is not None and guard.applies(params.sandbox):
+            return run(guard.run, params.sandbox, (), (), discover, owner=conn)
         return run(discover, owner=conn)
 
     router.add_method(CapabilitiesDiscoverV2, handle)
