@@ -620,7 +620,7 @@ async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
 
 
 def _discovery_profiles(base: Path) -> dict[str, Any]:
-    """Codex's read-only profile, and ones that hide a skill and a plugin."""
+    """Codex's read-only profile, ones that hide a skill or a plugin, one that reads only HOME."""
 
     def restricted(*entries: tuple[Any, str]) -> Any:
         return {
@@ -655,10 +655,13 @@ def _discovery_profiles(base: Path) -> dict[str, Any]:
         "deny a plugin": restricted(
             (root, "read"), (base / "codex-home" / "plugins" / "cache" / "mk", "deny")
         ),
+        "read only the user's skills": restricted((base / "home", "read")),
     }
-    # Not compared: a profile that cannot read a whole location (reads only
-    # HOME, say): the reference answers no warnings, this server its location
-    # and metadata warnings (docs/protocol.md, capabilityDiscoverySandbox).
+    # Not compared: a profile that reads only a path below a location (one
+    # plugin's directory): the reference's sandbox lists the directories
+    # above it, showing only the way there, and finds the plugin; Landlock
+    # refuses those listings, so this server finds nothing (docs/protocol.md,
+    # capabilityDiscoverySandbox).
 
 
 @pytest_twisted.ensureDeferred

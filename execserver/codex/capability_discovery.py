@@ -23,10 +23,12 @@ warnings). All file work runs on the fs pool. docs/protocol.md,
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import re
 import stat
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -91,6 +93,18 @@ _SEMVER: Final = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(?:-([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$"
 )
+
+
+#: Set on the thread of a scan confined to a profile that does not read
+#: everything: there a path the profile may not read (the kernel's EACCES)
+#: is treated as missing, as the reference's sandbox, which shows a command
+#: only what it may read, has it.
+_CONFINED = threading.local()
+
+
+def _denied(exc: OSError) -> bool:
+    """Whether ``exc`` is the confinement's refusal (then: as if the path were missing)."""
+    return bool(getattr(_CONFINED, "reads", False)) and exc.errno in (errno.EACCES, errno.EPERM)
 
 
 # --- wire types ---------------------------------------------------------------------
@@ -286,12 +300,15 @@ def plugin_locations(codex_home: str) -> tuple[list[Location], list[str]]:
     except FileNotFoundError:
         return [], []
     except OSError as exc:
+        if _denied(exc):
+            return [], []
         return [], [f"failed to scan plugin cache path {cache}: {exc.strerror}"]
     for marketplace in marketplaces:
         try:
             names = [e.name for e in os.scandir(os.path.join(cache, marketplace)) if e.is_dir()]
         except OSError as exc:
-            warnings.append(f"failed to scan plugin cache path {cache}: {exc.strerror}")
+            if not _denied(exc):
+                warnings.append(f"failed to scan plugin cache path {cache}: {exc.strerror}")
             continue
         for name in names:
             if _SEGMENT.match(name) and _SEGMENT.match(marketplace):
@@ -353,7 +370,8 @@ class _Root:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            self.warnings.append(f"failed to inspect capability file {path}: {exc.strerror}")
+            if not _denied(exc):
+                self.warnings.append(f"failed to inspect capability file {path}: {exc.strerror}")
             return None
         if not stat.S_ISREG(info.st_mode):
             return None
@@ -368,6 +386,8 @@ class _Root:
         try:
             raw = read_regular(path, MAX_FILE_BYTES)
         except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and _denied(exc):
+                return None
             reason = exc.strerror if isinstance(exc, OSError) else exc
             self.warnings.append(f"failed to read capability file {path}: {reason}")
             return None
@@ -402,8 +422,9 @@ def _walk(root: str, warnings: list[str]) -> list[str]:
         try:
             listing = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError as exc:
-            uri = path_to_uri(directory)
-            warnings.append(f"failed to scan capability path {uri}: {exc.strerror}")
+            if not _denied(exc):
+                uri = path_to_uri(directory)
+                warnings.append(f"failed to scan capability path {uri}: {exc.strerror}")
             continue
         for entry in listing:
             if entries == MAX_ENTRIES_PER_ROOT:
@@ -944,6 +965,17 @@ def discover(
     return _finish(response, budget.truncated)
 
 
+def discover_confined(
+    confined_reads: bool, environ: Mapping[str, str] | None = None
+) -> DiscoverV2Response:
+    """:func:`discover` on a thread confined to a profile (``confined_reads``: not all readable)."""
+    _CONFINED.reads = confined_reads
+    try:
+        return discover(environ)
+    finally:
+        _CONFINED.reads = False
+
+
 def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
     """Add ``capabilities/discoverV2`` to ``router``; its file work runs on ``run`` (fs pool).
 
@@ -956,7 +988,8 @@ def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
     def handle(conn: Any, params: DiscoverV2Params) -> Any:
         validate(params)
         if guard is not None and guard.applies(params.sandbox):
-            return run(guard.run, params.sandbox, (), (), discover, owner=conn)
+            reads = not guard.policy(params.sandbox).full_read
+            return run(guard.run, params.sandbox, (), (), discover_confined, reads, owner=conn)
         return run(discover, owner=conn)
 
     router.add_method(CapabilitiesDiscoverV2, handle)
