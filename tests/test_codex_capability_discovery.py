@@ -620,7 +620,7 @@ async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
 
 
 def _discovery_profiles(base: Path) -> dict[str, Any]:
-    """Codex's read-only profile, ones that hide a skill or a plugin, one that reads only HOME."""
+    """Codex's read-only profile, ones that hide a skill or a plugin, ones that read little."""
 
     def restricted(*entries: tuple[Any, str]) -> Any:
         return {
@@ -656,17 +656,17 @@ def _discovery_profiles(base: Path) -> dict[str, Any]:
             (root, "read"), (base / "codex-home" / "plugins" / "cache" / "mk", "deny")
         ),
         "read only the user's skills": restricted((base / "home", "read")),
+        # Below a location: the directories above it show only the way there.
+        "read only a plugin": restricted(
+            (base / "codex-home" / "plugins" / "cache" / "mk" / "p", "read")
+        ),
+        "read only a skill": restricted((skills / "alpha", "read")),
     }
-    # Not compared: a profile that reads only a path below a location (one
-    # plugin's directory): the reference's sandbox lists the directories
-    # above it, showing only the way there, and finds the plugin; Landlock
-    # refuses those listings, so this server finds nothing (docs/protocol.md,
-    # capabilityDiscoverySandbox).
 
 
 @pytest_twisted.ensureDeferred
 async def test_sandboxed_discovery_as_the_reference_server(tmp_path: Path) -> None:
-    """The scan sees what the request's profile may read (what it denies is not found)."""
+    """``capabilityDiscoverySandbox``: the scan sees what the request's profile may read."""
     codex = fetch()
     _reference_tree(tmp_path)
     (tmp_path / "tmp").mkdir()

@@ -1116,7 +1116,6 @@ async def test_block_writes_as_the_reference(tmp_path: Path) -> None:
 #: The capabilities the reference advertises and this server does not, each with
 #: why (docs/protocol.md, "Capabilities the reference advertises").
 NOT_ADVERTISED: dict[str, str] = {
-    "capabilityDiscoverySandbox": "capabilities/discoverV2 scans without the root's sandbox",
     "credentialMasking": "no credential masking of command output",
     "credentialMaskingCustomProviders": "part of credential masking",
     "linuxRootWritePreservesDevices": "not verified against the reference's device handling",
@@ -1143,7 +1142,11 @@ async def test_capabilities_next_to_the_reference(tmp_path: Path) -> None:
     assert reference_on - advertised == NOT_ADVERTISED.keys()
     # Off there (Windows only), absent here: a client reads absent as false.
     assert {n for n, on in theirs["capabilities"].items() if not on} == {"windowsMxc"}
-    assert {"fileWriteStreaming", "sandboxedFileStreaming"} <= advertised
+    assert {
+        "fileWriteStreaming",
+        "sandboxedFileStreaming",
+        "capabilityDiscoverySandbox",
+    } <= advertised
 
 
 async def _sandboxed_block_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:

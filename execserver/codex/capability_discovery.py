@@ -107,6 +107,48 @@ def _denied(exc: OSError) -> bool:
     return bool(getattr(_CONFINED, "reads", False)) and exc.errno in (errno.EACCES, errno.EPERM)
 
 
+class _OnTheWay:
+    """An entry of a directory the confinement may not list, on the way to a readable path.
+
+    The reference's sandbox shows such a directory with only the entries that
+    lead to what the profile may read; Landlock refuses the listing, so it is
+    made from the profile's roots (a stat is not refused).
+    """
+
+    __slots__ = ("name", "path")
+
+    def __init__(self, directory: str, name: str) -> None:
+        self.name = name
+        self.path = os.path.join(directory, name)
+
+    def _mode(self) -> int:
+        try:
+            return os.stat(self.path).st_mode
+        except OSError:
+            return 0
+
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self._mode())
+
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self._mode())
+
+
+def _scandir(directory: str) -> list[os.DirEntry[str] | _OnTheWay]:
+    """``os.scandir``'s entries; under a confinement that refuses it, the way to its roots."""
+    try:
+        return list(os.scandir(directory))
+    except OSError as exc:
+        if not _denied(exc):
+            raise
+        prefix = directory.rstrip("/") + "/"
+        roots: tuple[str, ...] = getattr(_CONFINED, "roots", ())
+        names = sorted({r[len(prefix) :].split("/")[0] for r in roots if r.startswith(prefix)})
+        if not names:
+            raise
+        return [_OnTheWay(directory, name) for name in names]
+
+
 # --- wire types ---------------------------------------------------------------------
 
 
@@ -251,7 +293,7 @@ def _version_order(left: str, right: str) -> int:
 def active_plugin_version(package: str) -> str | None:
     """``local`` if installed, else the highest version directory (semver where both parse)."""
     try:
-        entries = [e for e in os.scandir(package) if e.is_dir()]
+        entries = [e for e in _scandir(package) if e.is_dir()]
     except OSError:
         return None
     versions = [
@@ -296,7 +338,7 @@ def plugin_locations(codex_home: str) -> tuple[list[Location], list[str]]:
     packages: dict[str, str] = {}
     warnings: list[str] = []
     try:
-        marketplaces = sorted(e.name for e in os.scandir(cache) if e.is_dir())
+        marketplaces = sorted(e.name for e in _scandir(cache) if e.is_dir())
     except FileNotFoundError:
         return [], []
     except OSError as exc:
@@ -305,7 +347,7 @@ def plugin_locations(codex_home: str) -> tuple[list[Location], list[str]]:
         return [], [f"failed to scan plugin cache path {cache}: {exc.strerror}"]
     for marketplace in marketplaces:
         try:
-            names = [e.name for e in os.scandir(os.path.join(cache, marketplace)) if e.is_dir()]
+            names = [e.name for e in _scandir(os.path.join(cache, marketplace)) if e.is_dir()]
         except OSError as exc:
             if not _denied(exc):
                 warnings.append(f"failed to scan plugin cache path {cache}: {exc.strerror}")
@@ -420,7 +462,7 @@ def _walk(root: str, warnings: list[str]) -> list[str]:
     while pending:
         directory, depth = pending.popleft()
         try:
-            listing = sorted(os.scandir(directory), key=lambda e: e.name)
+            listing = sorted(_scandir(directory), key=lambda e: e.name)
         except OSError as exc:
             if not _denied(exc):
                 uri = path_to_uri(directory)
@@ -966,14 +1008,14 @@ def discover(
 
 
 def discover_confined(
-    confined_reads: bool, environ: Mapping[str, str] | None = None
+    confined_reads: bool, roots: tuple[str, ...] = (), environ: Mapping[str, str] | None = None
 ) -> DiscoverV2Response:
     """:func:`discover` on a thread confined to a profile (``confined_reads``: not all readable)."""
-    _CONFINED.reads = confined_reads
+    _CONFINED.reads, _CONFINED.roots = confined_reads, roots
     try:
         return discover(environ)
     finally:
-        _CONFINED.reads = False
+        _CONFINED.reads, _CONFINED.roots = False, ()
 
 
 def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
@@ -988,8 +1030,14 @@ def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
     def handle(conn: Any, params: DiscoverV2Params) -> Any:
         validate(params)
         if guard is not None and guard.applies(params.sandbox):
-            reads = not guard.policy(params.sandbox).full_read
-            return run(guard.run, params.sandbox, (), (), discover_confined, reads, owner=conn)
+            policy = guard.policy(params.sandbox)
+            # The paths it may read (or write): the directories above them
+            # are listed as the way there.
+            roots = tuple(r.path for r in policy.rules if r.access != "none")
+            reads = not policy.full_read
+            return run(
+                guard.run, params.sandbox, (), (), discover_confined, reads, roots, owner=conn
+            )
         return run(discover, owner=conn)
 
     router.add_method(CapabilitiesDiscoverV2, handle)

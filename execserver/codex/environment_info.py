@@ -45,6 +45,11 @@ FILE_WRITE_STREAMING: Final = "fileWriteStreaming"
 #: a file by blocks under a sandbox ("selected executor does not support
 #: sandboxed file streaming").
 SANDBOXED_FILE_STREAMING: Final = "sandboxedFileStreaming"
+#: ``capabilities/discoverV2`` scans confined to its ``sandbox`` (what the
+#: profile may not read is not found, execserver.codex.capability_discovery).
+#: Codex checks it before a discovery whose profile restricts reads ("exec-server
+#: does not support sandboxed capability discovery").
+CAPABILITY_DISCOVERY_SANDBOX: Final = "capabilityDiscoverySandbox"
 
 
 def capabilities() -> dict[str, bool]:
@@ -56,6 +61,7 @@ def capabilities() -> dict[str, bool]:
     """
     found = {FS_WATCH_MISSING: True} if watch.available() else {}
     found[CAPABILITY_DISCOVERY_V2] = True
+    found[CAPABILITY_DISCOVERY_SANDBOX] = True
     found[ENVIRONMENT_CONFIG_READ] = True
     found[HTTP_HEADER_ENV_VARS] = True
     found[SANDBOXED_FILE_STREAMING] = True
