@@ -704,6 +704,39 @@ async def test_sandboxed_discovery_as_the_reference_server(tmp_path: Path) -> No
     assert not differences, "\n".join(differences)
 
 
+def _confined_answer(guard: Any, params: cd.DiscoverV2Params) -> Any:
+    """The registered handler's answer with ``guard``, its pool work run inline."""
+    routes: dict[str, Any] = {}
+
+    class Router:
+        def add_method(self, method: Any, handler: Any) -> None:
+            routes[method.name] = handler
+
+    def run(func: Any, *args: Any, owner: Any) -> Any:
+        return func(*args)
+
+    cd.register(Router(), run, guard)
+    return msgspec.to_builtins(routes[cd.CAPABILITIES_DISCOVER_V2](None, params))
+
+
+@pytest.mark.parametrize("name", list(_discovery_profiles(Path("/b"))))
+def test_sandboxed_discovery_under_landlock_as_in_a_mount_namespace(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Landlock (no CAP_SYS_ADMIN) cannot hide a path inside a readable tree,
+    nor list the way to a readable path: the scan answers the same all the same."""
+    from execserver import protocol as p
+    from execserver.sandbox.fsguard import Guard
+
+    _reference_tree(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex-home"))
+    sandbox = msgspec.convert(_discovery_profiles(tmp_path)[name], p.SandboxConfig)
+    params = cd.DiscoverV2Params(path_to_uri(str(tmp_path)), sandbox)
+    answers = [_confined_answer(Guard(how=how), params) for how in ("landlock", "mount-namespace")]
+    assert answers[0] == answers[1]
+
+
 def test_the_reported_executor_version_is_the_tested_codex_release() -> None:
     assert environment_info.EXECUTOR_VERSION == fetch_codex.VERSION
 

@@ -29,7 +29,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -102,6 +102,19 @@ _SEMVER: Final = re.compile(
 _CONFINED = threading.local()
 
 
+def _hidden(path: str) -> bool:
+    """Whether the confining profile hides ``path`` (``deny``): then as if missing.
+
+    Under Landlock, which cannot take reads away inside a readable tree, this
+    check is what hides it (as for the fs calls); in a mount namespace the
+    hidden path is an empty tmpfs already.
+    """
+    check = getattr(_CONFINED, "is_hidden", None)
+    if check is None:
+        return False
+    return bool(check(os.path.abspath(path)) or check(os.path.realpath(path)))
+
+
 def _denied(exc: OSError) -> bool:
     """Whether ``exc`` is the confinement's refusal (then: as if the path were missing)."""
     return bool(getattr(_CONFINED, "reads", False)) and exc.errno in (errno.EACCES, errno.EPERM)
@@ -137,7 +150,7 @@ class _OnTheWay:
 def _scandir(directory: str) -> list[os.DirEntry[str] | _OnTheWay]:
     """``os.scandir``'s entries; under a confinement that refuses it, the way to its roots."""
     try:
-        return list(os.scandir(directory))
+        return [e for e in os.scandir(directory) if not _hidden(e.path)]
     except OSError as exc:
         if not _denied(exc):
             raise
@@ -146,7 +159,7 @@ def _scandir(directory: str) -> list[os.DirEntry[str] | _OnTheWay]:
         names = sorted({r[len(prefix) :].split("/")[0] for r in roots if r.startswith(prefix)})
         if not names:
             raise
-        return [_OnTheWay(directory, name) for name in names]
+        return [_OnTheWay(directory, n) for n in names if not _hidden(os.path.join(directory, n))]
 
 
 # --- wire types ---------------------------------------------------------------------
@@ -407,6 +420,8 @@ class _Root:
 
     def read(self, path: str) -> str | None:
         """A bounded UTF-8 file's text; None if missing or unusable (with a warning)."""
+        if _hidden(path):
+            return None
         try:
             info = os.stat(path)
         except FileNotFoundError:
@@ -832,6 +847,8 @@ class _Discovery:
 
 
 def _load(location: Location) -> _Discovery:
+    if _hidden(location.root):
+        return _Discovery()
     try:
         info = os.stat(location.root)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
@@ -1008,14 +1025,17 @@ def discover(
 
 
 def discover_confined(
-    confined_reads: bool, roots: tuple[str, ...] = (), environ: Mapping[str, str] | None = None
+    confined_reads: bool,
+    roots: tuple[str, ...] = (),
+    is_hidden: Callable[[str], bool] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> DiscoverV2Response:
     """:func:`discover` on a thread confined to a profile (``confined_reads``: not all readable)."""
-    _CONFINED.reads, _CONFINED.roots = confined_reads, roots
+    _CONFINED.reads, _CONFINED.roots, _CONFINED.is_hidden = confined_reads, roots, is_hidden
     try:
         return discover(environ)
     finally:
-        _CONFINED.reads, _CONFINED.roots = False, ()
+        _CONFINED.reads, _CONFINED.roots, _CONFINED.is_hidden = False, (), None
 
 
 def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
@@ -1036,7 +1056,15 @@ def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
             roots = tuple(r.path for r in policy.rules if r.access != "none")
             reads = not policy.full_read
             return run(
-                guard.run, params.sandbox, (), (), discover_confined, reads, roots, owner=conn
+                guard.run,
+                params.sandbox,
+                (),
+                (),
+                discover_confined,
+                reads,
+                roots,
+                policy.is_hidden if policy.hidden() else None,
+                owner=conn,
             )
         return run(discover, owner=conn)
 
