@@ -1118,8 +1118,9 @@ async def test_block_writes_as_the_reference(tmp_path: Path) -> None:
 NOT_ADVERTISED: dict[str, str] = {
     "credentialMasking": "no credential masking of command output",
     "credentialMaskingCustomProviders": "part of credential masking",
-    "linuxRootWritePreservesDevices": "not verified against the reference's device handling",
-    "linuxApprovedRootWritePreservesRestrictions": "not verified either",
+    "linuxRootWritePreservesDevices": "under a root-write profile the reference keeps the"
+    " host's /dev, this server gives a fresh minimal one",
+    "linuxApprovedRootWritePreservesRestrictions": "builds on the devices, which differ",
     "networkProxyLaunch": "no managed network proxy",
     "networkProxyReviewDomains": "part of the managed network proxy",
     "networkProxyTransparentTcp": "part of the managed network proxy",
