@@ -28,6 +28,8 @@ _BASE: dict[str, dict[str, Any]] = {
     p.PROCESS_WRITE: {"processId": "proc-1", "chunk": ""},
     p.PROCESS_SIGNAL: {"processId": "proc-1", "signal": 15},
     p.PROCESS_RESIZE: {"processId": "proc-1", "rows": 24, "cols": 80},
+    # Its sandbox is decoded (and confines the scan) since capabilityDiscoverySandbox.
+    "capabilities/discoverV2": {"cwd": "/"},
 }
 
 
