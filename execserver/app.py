@@ -139,7 +139,7 @@ def build_dispatcher(
     dispatcher.closed_hooks.append(fs.connection_closed)
     dispatcher.readiness_checks.append(fs.stall_reason)
     environment_config.register(dispatcher, fs.run)
-    capability_discovery.register(dispatcher, fs.run)
+    capability_discovery.register(dispatcher, fs.run, fs.guard)
     fs_walk.register(dispatcher, fs.run)
     fs_handles.register(dispatcher, fs.run, fs.guard)
     http_request.register(

@@ -619,6 +619,124 @@ async def test_the_same_answer_as_the_reference_server(tmp_path: Path) -> None:
     assert len(expected["warnings"]) == 3
 
 
+def _discovery_profiles(base: Path) -> dict[str, Any]:
+    """Codex's read-only profile, ones that hide a skill or a plugin, ones that read little."""
+
+    def restricted(*entries: tuple[Any, str]) -> Any:
+        return {
+            "permissions": {
+                "type": "managed",
+                "file_system": {
+                    "type": "restricted",
+                    "entries": [
+                        {
+                            "path": path
+                            if isinstance(path, dict)
+                            else {"type": "path", "path": path_to_uri(str(path))},
+                            "access": access,
+                        }
+                        for path, access in entries
+                    ],
+                },
+                "network": "restricted",
+            },
+            "cwd": path_to_uri(str(base)),
+            "workspaceRoots": [path_to_uri(str(base))],
+            "windowsSandboxLevel": "disabled",
+            "windowsSandboxProxySettingsMode": "reconcile",
+            "useLegacyLandlock": False,
+        }
+
+    root = {"type": "special", "value": {"kind": "root"}}
+    skills = base / "codex-home" / "skills"
+    return {
+        "read-only": restricted((root, "read")),
+        "deny a skill": restricted((root, "read"), (skills / "deps", "deny")),
+        "deny a plugin": restricted(
+            (root, "read"), (base / "codex-home" / "plugins" / "cache" / "mk", "deny")
+        ),
+        "read only the user's skills": restricted((base / "home", "read")),
+        # Below a location: the directories above it show only the way there.
+        "read only a plugin": restricted(
+            (base / "codex-home" / "plugins" / "cache" / "mk" / "p", "read")
+        ),
+        "read only a skill": restricted((skills / "alpha", "read")),
+    }
+
+
+@pytest_twisted.ensureDeferred
+async def test_sandboxed_discovery_as_the_reference_server(tmp_path: Path) -> None:
+    """``capabilityDiscoverySandbox``: the scan sees what the request's profile may read."""
+    codex = fetch()
+    _reference_tree(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path / "home"),
+        "CODEX_HOME": str(tmp_path / "codex-home"),
+        # The reference's sandbox helper refuses a CODEX_HOME under TMPDIR.
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    cwd = path_to_uri(str(tmp_path))
+    profiles = _discovery_profiles(tmp_path)
+    expected: dict[str, Any] = {}
+    reference = _ReferenceServer.start_reference(codex, env)
+    try:
+        await reference.call("initialize", CODEX_INIT)
+        reference.notify("initialized", {})
+        for name, sandbox in profiles.items():
+            params = {"cwd": cwd, "sandbox": sandbox}
+            expected[name] = await reference.request("capabilities/discoverV2", params)
+    finally:
+        await reference.stop()
+    got: dict[str, Any] = {}
+    async with serving(tmp_path) as server:
+        for name, sandbox in profiles.items():
+            params = {"cwd": cwd, "sandbox": sandbox}
+            got[name] = await server.request("capabilities/discoverV2", params)
+    differences = [
+        f"{name}: reference {json.dumps(expected[name])[:2000]}"
+        f" | ours {json.dumps(got[name])[:2000]}"
+        for name in profiles
+        if {k: v for k, v in got[name].items() if k != "id"}
+        != {k: v for k, v in expected[name].items() if k != "id"}
+    ]
+    assert not differences, "\n".join(differences)
+
+
+def _confined_answer(guard: Any, params: cd.DiscoverV2Params) -> Any:
+    """The registered handler's answer with ``guard``, its pool work run inline."""
+    routes: dict[str, Any] = {}
+
+    class Router:
+        def add_method(self, method: Any, handler: Any) -> None:
+            routes[method.name] = handler
+
+    def run(func: Any, *args: Any, owner: Any) -> Any:
+        return func(*args)
+
+    cd.register(Router(), run, guard)
+    return msgspec.to_builtins(routes[cd.CAPABILITIES_DISCOVER_V2](None, params))
+
+
+@pytest.mark.parametrize("name", list(_discovery_profiles(Path("/b"))))
+def test_sandboxed_discovery_under_landlock_as_in_a_mount_namespace(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Landlock (no CAP_SYS_ADMIN) cannot hide a path inside a readable tree,
+    nor list the way to a readable path: the scan answers the same all the same."""
+    from execserver import protocol as p
+    from execserver.sandbox.fsguard import Guard
+
+    _reference_tree(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex-home"))
+    sandbox = msgspec.convert(_discovery_profiles(tmp_path)[name], p.SandboxConfig)
+    params = cd.DiscoverV2Params(path_to_uri(str(tmp_path)), sandbox)
+    answers = [_confined_answer(Guard(how=how), params) for how in ("landlock", "mount-namespace")]
+    assert answers[0] == answers[1]
+
+
 def test_the_reported_executor_version_is_the_tested_codex_release() -> None:
     assert environment_info.EXECUTOR_VERSION == fetch_codex.VERSION
 

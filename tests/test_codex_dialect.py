@@ -122,8 +122,11 @@ async def test_codex_initialize_start_exit_write(tmp_path: Path) -> None:
         assert info["capabilities"] == {
             "fsWatchMissing": True,
             "capabilityDiscoveryV2": True,
+            "capabilityDiscoverySandbox": True,
             "environmentConfigRead": True,
             "httpHeaderEnvVars": True,
+            "sandboxedFileStreaming": True,
+            "fileWriteStreaming": True,
         }
         assert info["tempDir"].startswith("file:///")
         assert info["platformOs"] == "linux"

@@ -59,6 +59,7 @@ DELIBERATE_DIFFERENCES: dict[str, str] = {
     "error.data.kind": "fs errors carry a machine-readable kind (the reference sends no data)",
     "error.data.field": "the param a relative path came in (additive)",
     "error.data.path": "the relative path that was refused (additive)",
+    "error.data.sandbox": "an fs call the sandbox refused says so (additive)",
 }
 
 
@@ -1111,6 +1112,108 @@ async def test_block_writes_as_the_reference(tmp_path: Path) -> None:
     answers = dict(expected)
     assert answers["new"] == b"hello world"
     assert answers["old"] == (b"new", "0o100640")
+
+
+#: The capabilities the reference advertises and this server does not, each with
+#: why (docs/protocol.md, "Capabilities the reference advertises").
+NOT_ADVERTISED: dict[str, str] = {
+    "credentialMasking": "no credential masking of command output",
+    "credentialMaskingCustomProviders": "part of credential masking",
+    "linuxRootWritePreservesDevices": "under a root-write profile the reference keeps the"
+    " host's /dev, this server gives a fresh minimal one",
+    "linuxApprovedRootWritePreservesRestrictions": "builds on the devices, which differ",
+    "networkProxyLaunch": "no managed network proxy",
+    "networkProxyReviewDomains": "part of the managed network proxy",
+    "networkProxyTransparentTcp": "part of the managed network proxy",
+    "shellSnapshotV2": "no executor-side shell snapshots (process/start's shellSnapshot)",
+}
+
+
+@pytest_twisted.ensureDeferred
+async def test_capabilities_next_to_the_reference(tmp_path: Path) -> None:
+    """Each capability we advertise, the reference advertises; the rest are named above."""
+    env = _server_env(tmp_path)
+    async with serving(None, env, reference=True) as reference:
+        theirs = (await reference.call("initialize", CODEX_INIT))["environmentInfo"]
+    async with serving(None, env) as server:
+        ours = (await server.call("initialize", CODEX_INIT))["environmentInfo"]
+    advertised = {name for name, on in ours["capabilities"].items() if on}
+    assert all(on is True for on in ours["capabilities"].values())
+    reference_on = {name for name, on in theirs["capabilities"].items() if on}
+    assert advertised <= reference_on
+    assert reference_on - advertised == NOT_ADVERTISED.keys()
+    # Off there (Windows only), absent here: a client reads absent as false.
+    assert {n for n, on in theirs["capabilities"].items() if not on} == {"windowsMxc"}
+    assert {
+        "fileWriteStreaming",
+        "sandboxedFileStreaming",
+        "capabilityDiscoverySandbox",
+    } <= advertised
+
+
+async def _sandboxed_block_script(server: ServerProcess, tmp_path: Path) -> list[tuple[str, Any]]:
+    """fs/open under Codex's read-only and workspace-write profiles (sandboxedFileStreaming)."""
+    from tests.support.sandbox import codex_profile
+
+    work = tmp_path / "work"
+    outside = tmp_path / "outside"
+    work.mkdir(parents=True)
+    outside.mkdir()
+    (work / "f").write_bytes(b"inside")
+    (outside / "g").write_bytes(b"outside")
+    uri, out = path_to_uri(str(work)), path_to_uri(str(outside))
+    read_only = codex_profile(work, write=False)
+    workspace = codex_profile(work, slash_tmp=False)
+    answers: list[tuple[str, Any]] = []
+
+    async def ask(name: str, method: str, params: Any) -> None:
+        answers.append((name, _answer(await server.request(method, params))))
+
+    block = {"offset": 0, "len": 64}
+    # A read open without "mode" (what Codex sends) under a read-only profile.
+    await ask(
+        "read, no mode", "fs/open", {"handleId": "r", "path": f"{uri}/f", "sandbox": read_only}
+    )
+    await ask("read block", "fs/readBlock", {"handleId": "r", **block})
+    await ask(
+        "read outside", "fs/open", {"handleId": "o", "path": f"{out}/g", "sandbox": read_only}
+    )
+    await ask("read outside block", "fs/readBlock", {"handleId": "o", **block})
+    for name, path, profile in (
+        ("replace, read-only", f"{uri}/f", read_only),
+        ("replace outside the workspace", f"{out}/g", workspace),
+        ("replace inside the workspace", f"{uri}/new", workspace),
+    ):
+        params = {"handleId": "w", "path": path, "mode": "replace", "sandbox": profile}
+        await ask(name, "fs/open", params)
+    await ask("write", "fs/writeBlock", {"handleId": "w", "offset": 0, "chunk": b64(b"written")})
+    await ask("close", "fs/close", {"handleId": "w"})
+    answers.append(("files", [(p.name, p.read_bytes()) for p in (work / "f", outside / "g")]))
+    answers.append(("new", (work / "new").read_bytes() if (work / "new").exists() else None))
+    return answers
+
+
+@pytest_twisted.ensureDeferred
+async def test_sandboxed_block_streams_as_the_reference(tmp_path: Path) -> None:
+    env = _server_env(tmp_path)
+    # The reference's sandbox helper refuses a CODEX_HOME under TMPDIR.
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    async with serving(CODEX_INIT, env, reference=True) as reference:
+        expected = await _sandboxed_block_script(reference, tmp_path / "ref")
+    async with serving(CODEX_INIT, env) as server:
+        got = await _sandboxed_block_script(server, tmp_path / "ours")
+    used: set[str] = set()
+    differences = []
+    for (name, ref), (_, ours) in zip(expected, got, strict=True):
+        shown = _strip_allowed(ours, ref, "", used)
+        ref_text = json.dumps(ref, default=repr).replace(str(tmp_path / "ref"), "TMP")
+        if json.dumps(shown, default=repr).replace(str(tmp_path / "ours"), "TMP") != ref_text:
+            differences.append(f"{name}: reference {ref} | ours {shown}")
+    assert not differences, "\n".join(differences)
+    answers = dict(expected)
+    assert answers["read block"] == {"result": {"chunk": b64(b"inside"), "eof": True}}
+    assert answers["new"] == b"written"
 
 
 #: Runs the server with soft and hard RLIMIT_NOFILE 256 (64 descriptors reserved).

@@ -29,6 +29,8 @@ _BASE: dict[str, dict[str, Any]] = {
     p.PROCESS_SIGNAL: {"processId": "proc-1", "signal": 15},
     p.PROCESS_RESIZE: {"processId": "proc-1", "rows": 24, "cols": 80},
     p.HTTP_REQUEST: {"method": "GET", "url": "http://127.0.0.1:9/", "requestId": "r"},
+    # Its sandbox is decoded (and confines the scan) since capabilityDiscoverySandbox.
+    "capabilities/discoverV2": {"cwd": "/"},
 }
 
 

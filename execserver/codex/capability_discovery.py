@@ -23,12 +23,14 @@ warnings). All file work runs on the fs pool. docs/protocol.md,
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import re
 import stat
-from collections.abc import Mapping
-from typing import Any, Final
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import msgspec
@@ -44,6 +46,9 @@ from execserver.codex.environment_config import (
 from execserver.errors import RpcError
 from execserver.fs.paths import FILE_URI_PREFIX, absolute_path, path_to_uri
 from execserver.fs.pool import Runner
+
+if TYPE_CHECKING:
+    from execserver.sandbox.fsguard import Guard
 
 CAPABILITIES_DISCOVER_V2: Final = "capabilities/discoverV2"
 FAMILY: Final = "capability discovery"
@@ -90,13 +95,81 @@ _SEMVER: Final = re.compile(
 )
 
 
+#: Set on the thread of a scan confined to a profile that does not read
+#: everything: there a path the profile may not read (the kernel's EACCES)
+#: is treated as missing, as the reference's sandbox, which shows a command
+#: only what it may read, has it.
+_CONFINED = threading.local()
+
+
+def _hidden(path: str) -> bool:
+    """Whether the confining profile hides ``path`` (``deny``): then as if missing.
+
+    Under Landlock, which cannot take reads away inside a readable tree, this
+    check is what hides it (as for the fs calls); in a mount namespace the
+    hidden path is an empty tmpfs already.
+    """
+    check = getattr(_CONFINED, "is_hidden", None)
+    if check is None:
+        return False
+    return bool(check(os.path.abspath(path)) or check(os.path.realpath(path)))
+
+
+def _denied(exc: OSError) -> bool:
+    """Whether ``exc`` is the confinement's refusal (then: as if the path were missing)."""
+    return bool(getattr(_CONFINED, "reads", False)) and exc.errno in (errno.EACCES, errno.EPERM)
+
+
+class _OnTheWay:
+    """An entry of a directory the confinement may not list, on the way to a readable path.
+
+    The reference's sandbox shows such a directory with only the entries that
+    lead to what the profile may read; Landlock refuses the listing, so it is
+    made from the profile's roots (a stat is not refused).
+    """
+
+    __slots__ = ("name", "path")
+
+    def __init__(self, directory: str, name: str) -> None:
+        self.name = name
+        self.path = os.path.join(directory, name)
+
+    def _mode(self) -> int:
+        try:
+            return os.stat(self.path).st_mode
+        except OSError:
+            return 0
+
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self._mode())
+
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self._mode())
+
+
+def _scandir(directory: str) -> list[os.DirEntry[str] | _OnTheWay]:
+    """``os.scandir``'s entries; under a confinement that refuses it, the way to its roots."""
+    try:
+        return [e for e in os.scandir(directory) if not _hidden(e.path)]
+    except OSError as exc:
+        if not _denied(exc):
+            raise
+        prefix = directory.rstrip("/") + "/"
+        roots: tuple[str, ...] = getattr(_CONFINED, "roots", ())
+        names = sorted({r[len(prefix) :].split("/")[0] for r in roots if r.startswith(prefix)})
+        if not names:
+            raise
+        return [_OnTheWay(directory, n) for n in names if not _hidden(os.path.join(directory, n))]
+
+
 # --- wire types ---------------------------------------------------------------------
 
 
 class DiscoverV2Params(msgspec.Struct, rename="camel"):
     cwd: str
-    #: The reference's filesystem sandbox; this server has none (as for fs/*).
-    sandbox: Any = None
+    #: Codex's permission profile: the scan runs confined to it, as an fs
+    #: call with that ``sandbox`` (``capabilityDiscoverySandbox``).
+    sandbox: p.SandboxConfig | None = None
 
 
 class CapabilityTextFile(msgspec.Struct):
@@ -233,7 +306,7 @@ def _version_order(left: str, right: str) -> int:
 def active_plugin_version(package: str) -> str | None:
     """``local`` if installed, else the highest version directory (semver where both parse)."""
     try:
-        entries = [e for e in os.scandir(package) if e.is_dir()]
+        entries = [e for e in _scandir(package) if e.is_dir()]
     except OSError:
         return None
     versions = [
@@ -278,16 +351,19 @@ def plugin_locations(codex_home: str) -> tuple[list[Location], list[str]]:
     packages: dict[str, str] = {}
     warnings: list[str] = []
     try:
-        marketplaces = sorted(e.name for e in os.scandir(cache) if e.is_dir())
+        marketplaces = sorted(e.name for e in _scandir(cache) if e.is_dir())
     except FileNotFoundError:
         return [], []
     except OSError as exc:
+        if _denied(exc):
+            return [], []
         return [], [f"failed to scan plugin cache path {cache}: {exc.strerror}"]
     for marketplace in marketplaces:
         try:
-            names = [e.name for e in os.scandir(os.path.join(cache, marketplace)) if e.is_dir()]
+            names = [e.name for e in _scandir(os.path.join(cache, marketplace)) if e.is_dir()]
         except OSError as exc:
-            warnings.append(f"failed to scan plugin cache path {cache}: {exc.strerror}")
+            if not _denied(exc):
+                warnings.append(f"failed to scan plugin cache path {cache}: {exc.strerror}")
             continue
         for name in names:
             if _SEGMENT.match(name) and _SEGMENT.match(marketplace):
@@ -344,12 +420,15 @@ class _Root:
 
     def read(self, path: str) -> str | None:
         """A bounded UTF-8 file's text; None if missing or unusable (with a warning)."""
+        if _hidden(path):
+            return None
         try:
             info = os.stat(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            self.warnings.append(f"failed to inspect capability file {path}: {exc.strerror}")
+            if not _denied(exc):
+                self.warnings.append(f"failed to inspect capability file {path}: {exc.strerror}")
             return None
         if not stat.S_ISREG(info.st_mode):
             return None
@@ -364,6 +443,8 @@ class _Root:
         try:
             raw = read_regular(path, MAX_FILE_BYTES)
         except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and _denied(exc):
+                return None
             reason = exc.strerror if isinstance(exc, OSError) else exc
             self.warnings.append(f"failed to read capability file {path}: {reason}")
             return None
@@ -396,10 +477,11 @@ def _walk(root: str, warnings: list[str]) -> list[str]:
     while pending:
         directory, depth = pending.popleft()
         try:
-            listing = sorted(os.scandir(directory), key=lambda e: e.name)
+            listing = sorted(_scandir(directory), key=lambda e: e.name)
         except OSError as exc:
-            uri = path_to_uri(directory)
-            warnings.append(f"failed to scan capability path {uri}: {exc.strerror}")
+            if not _denied(exc):
+                uri = path_to_uri(directory)
+                warnings.append(f"failed to scan capability path {uri}: {exc.strerror}")
             continue
         for entry in listing:
             if entries == MAX_ENTRIES_PER_ROOT:
@@ -765,6 +847,8 @@ class _Discovery:
 
 
 def _load(location: Location) -> _Discovery:
+    if _hidden(location.root):
+        return _Discovery()
     try:
         info = os.stat(location.root)
     except (FileNotFoundError, NotADirectoryError, PermissionError):
@@ -940,11 +1024,48 @@ def discover(
     return _finish(response, budget.truncated)
 
 
-def register(router: Any, run: Runner) -> None:
-    """Add ``capabilities/discoverV2`` to ``router``; its file work runs on ``run`` (fs pool)."""
+def discover_confined(
+    confined_reads: bool,
+    roots: tuple[str, ...] = (),
+    is_hidden: Callable[[str], bool] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DiscoverV2Response:
+    """:func:`discover` on a thread confined to a profile (``confined_reads``: not all readable)."""
+    _CONFINED.reads, _CONFINED.roots, _CONFINED.is_hidden = confined_reads, roots, is_hidden
+    try:
+        return discover(environ)
+    finally:
+        _CONFINED.reads, _CONFINED.roots, _CONFINED.is_hidden = False, (), None
+
+
+def register(router: Any, run: Runner, guard: Guard | None = None) -> None:
+    """Add ``capabilities/discoverV2`` to ``router``; its file work runs on ``run`` (fs pool).
+
+    With ``guard`` (the fs calls'), a request whose ``sandbox`` restricts
+    reads (or any request, under an operator's floor) is scanned on a thread
+    confined to that profile, as an fs call with it: what the profile may not
+    read is not found.
+    """
 
     def handle(conn: Any, params: DiscoverV2Params) -> Any:
         validate(params)
+        if guard is not None and guard.applies(params.sandbox):
+            policy = guard.policy(params.sandbox)
+            # The paths it may read (or write): the directories above them
+            # are listed as the way there.
+            roots = tuple(r.path for r in policy.rules if r.access != "none")
+            reads = not policy.full_read
+            return run(
+                guard.run,
+                params.sandbox,
+                (),
+                (),
+                discover_confined,
+                reads,
+                roots,
+                policy.is_hidden if policy.hidden() else None,
+                owner=conn,
+            )
         return run(discover, owner=conn)
 
     router.add_method(CapabilitiesDiscoverV2, handle)

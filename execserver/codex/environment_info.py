@@ -35,6 +35,21 @@ ENVIRONMENT_CONFIG_READ: Final = "environmentConfigRead"
 #: ``http/request`` headers may take their value from the server's
 #: environment (``valueEnvVar``, execserver.http_request).
 HTTP_HEADER_ENV_VARS: Final = "httpHeaderEnvVars"
+#: ``fs/open`` takes ``"mode": "replace"`` and ``fs/writeBlock`` writes its
+#: blocks (execserver.fs.handles). Codex checks it before it opens a file for
+#: writing by blocks ("exec-server does not support writable file streams").
+FILE_WRITE_STREAMING: Final = "fileWriteStreaming"
+#: ``fs/open`` honours its ``sandbox`` as every fs call does: the open is
+#: checked (confined) by that permission profile, the blocks are then read or
+#: written through the descriptor it opened. Codex checks it before it reads
+#: a file by blocks under a sandbox ("selected executor does not support
+#: sandboxed file streaming").
+SANDBOXED_FILE_STREAMING: Final = "sandboxedFileStreaming"
+#: ``capabilities/discoverV2`` scans confined to its ``sandbox`` (what the
+#: profile may not read is not found, execserver.codex.capability_discovery).
+#: Codex checks it before a discovery whose profile restricts reads ("exec-server
+#: does not support sandboxed capability discovery").
+CAPABILITY_DISCOVERY_SANDBOX: Final = "capabilityDiscoverySandbox"
 
 
 def capabilities() -> dict[str, bool]:
@@ -46,8 +61,11 @@ def capabilities() -> dict[str, bool]:
     """
     found = {FS_WATCH_MISSING: True} if watch.available() else {}
     found[CAPABILITY_DISCOVERY_V2] = True
+    found[CAPABILITY_DISCOVERY_SANDBOX] = True
     found[ENVIRONMENT_CONFIG_READ] = True
     found[HTTP_HEADER_ENV_VARS] = True
+    found[SANDBOXED_FILE_STREAMING] = True
+    found[FILE_WRITE_STREAMING] = True
     return found
 
 
