@@ -106,7 +106,21 @@ async def test_a_withdrawn_token_ends_the_session_at_the_next_resume(tmp_path: P
             await on_reactor(server._signal, "HUP")
             await on_reactor(wait_stderr, server, b"SIGHUP: 1 token(s) loaded")
             await on_reactor(proxy.cut)
-            assert await proc.wait(timeout=20) is None
+            try:
+                code = await proc.wait(timeout=20)
+            except TimeoutError:
+                task = client._resume_task
+                state = (
+                    "never started"
+                    if task is None
+                    else ("running" if not task.done() else repr(task.exception()))
+                )
+                raise AssertionError(
+                    f"not ended within 20 s: resume task {state}; connected "
+                    f"{client.is_connected}; lost {client.lost!r}; server stderr: "
+                    f"{server.stderr[-3000:]!r}"
+                ) from None
+            assert code is None
             assert isinstance(proc.lost_reason, aio.SessionLost)
             # Given up at the refusal, not taken for a server that is gone.
             assert proc.lost_reason.cause.startswith("authentication refused (HTTP 401")

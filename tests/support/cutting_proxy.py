@@ -12,6 +12,9 @@ loses what is in flight, so on a loaded machine a cut "after N bytes" may
 leave the client with far fewer -- even before a reply written ahead of
 them (a ``process/start`` answer: the start is then sent again on the
 resumed session, and its catch-up may be cut by the next cut).
+A side that closes cleanly (a FIN: a server's ``Connection: close`` after
+its reply) closes the other once what was forwarded is written, as a real
+network does: only a cut (or a reset side) discards bytes in flight.
 :meth:`stall` stops forwarding without closing (a dead peer) until
 :meth:`unstall`; :meth:`stall_replies` stops only the server-to-client
 direction (requests arrive, answers are lost with the next cut).
@@ -31,6 +34,7 @@ from twisted.internet.endpoints import (
     UNIXClientEndpoint,
     UNIXServerEndpoint,
 )
+from twisted.internet.error import ConnectionDone
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.python.failure import Failure
 
@@ -50,7 +54,7 @@ class _Upstream(Protocol):
         self.pair.from_server(data)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.pair.lost()
+        self.pair.lost(reason)
 
 
 class _Pair(Protocol):
@@ -129,12 +133,29 @@ class _Pair(Protocol):
                 side.abortConnection()  # type: ignore[attr-defined]
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self.lost()
+        self.lost(reason)
 
-    def lost(self) -> None:
+    def close(self) -> None:
+        """Close both sides once what was forwarded to them is written (a FIN)."""
+        self.closed = True
+        for side in (self.transport, self.upstream.transport if self.upstream else None):
+            if side is not None:
+                side.loseConnection()
+
+    def lost(self, reason: Failure) -> None:
         if self in self.proxy.pairs:
             self.proxy.pairs.discard(self)
-            self.abort()
+            # One side closed cleanly (the server's FIN after its 401 and
+            # ``Connection: close``): the other side gets what was forwarded
+            # first, as through a real network. An abort here would discard
+            # the reply still in the write buffer (Twisted writes it on a
+            # later turn): a client would see a connection closed without an
+            # answer instead of the refusal. A side that was reset or aborted
+            # is aborted on the other side too.
+            if reason.check(ConnectionDone):
+                self.close()
+            else:
+                self.abort()
             self.proxy.cuts_done.fire(None)
 
 
