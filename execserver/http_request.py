@@ -720,15 +720,17 @@ class HttpRequests:
             if not held:
                 del self.in_flight[exchange.conn]
 
+    def _cancel_all(self, conn: Any, reason: str) -> None:
+        for exchange in list(self.in_flight.get(conn, ())):
+            exchange.cancel(reason)
+
     def connection_closed(self, conn: Any) -> None:
         """Cancel every request of ``conn`` still running (its sockets closed)."""
-        for exchange in list(self.in_flight.get(conn, ())):
-            exchange.cancel(CANCELLED)
+        self._cancel_all(conn, CANCELLED)
 
     def connection_shutting_down(self, conn: Any) -> None:
         """End ``conn``'s requests, answered with an error, so its shutdown does not wait."""
-        for exchange in list(self.in_flight.get(conn, ())):
-            exchange.cancel(SHUTTING_DOWN)
+        self._cancel_all(conn, SHUTTING_DOWN)
 
 
 #: The answer to every ``http/request`` under a floor without network.
