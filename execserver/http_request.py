@@ -414,14 +414,10 @@ class _Exchange:
         self.sending = None
         if self.finished:
             return
-        if self.timed_out:
-            self.fail(self._send_error(TIMED_OUT))
-        elif self.cancelled is not None:
-            self.fail(self._send_error(self.cancelled))
-        elif failure.check(CancelledError):
-            self.fail(self._send_error(CANCELLED))
-        else:
-            self.fail(self._send_error(_reason(failure)))
+        cause = self.stopped_by()
+        if cause is None:
+            cause = CANCELLED if failure.check(CancelledError) else _reason(failure)
+        self.fail(self._send_error(cause))
 
     def _time_out(self) -> None:
         self.timer = None
@@ -441,12 +437,13 @@ class _Exchange:
         elif self.body is not None:
             self.body.stop()
 
-    def body_error(self, failure: Failure) -> str:
-        if self.timed_out:
-            return f"{BODY_ERROR}: {TIMED_OUT}"
-        if self.cancelled is not None:
-            return f"{BODY_ERROR}: {self.cancelled}"
-        return f"{BODY_ERROR}: {BODY_CUT}"
+    def stopped_by(self) -> str | None:
+        """Why the request was stopped (its timeout, or a cancel), None if it was not."""
+        return TIMED_OUT if self.timed_out else self.cancelled
+
+    def body_error(self) -> str:
+        cause = self.stopped_by()
+        return f"{BODY_ERROR}: {BODY_CUT if cause is None else cause}"
 
     def succeed(self, result: object, held: bool = False) -> None:
         """Answer ``result``; ``held``: the request stays in flight until
@@ -526,8 +523,7 @@ class _BufferedBody(_Body):
             and self.server_full is None
             and not self.too_large
             and _clean_end(reason)
-            and not exchange.timed_out
-            and exchange.cancelled is None
+            and exchange.stopped_by() is None
         ):
             # (A body without a length ends at its connection's close: the
             # close a cancel makes is not its end.)
@@ -564,7 +560,7 @@ class _BufferedBody(_Body):
         else:
             exchange.fail(
                 RpcError.internal(
-                    f"failed to read http/request response body: {exchange.body_error(reason)}"
+                    f"failed to read http/request response body: {exchange.body_error()}"
                 )
             )
 
@@ -630,10 +626,10 @@ class _StreamedBody(_Body):
         if exchange.finished:
             return
         # (Sent only while the connection is open: not after it closed.)
-        if _clean_end(reason) and not exchange.timed_out and exchange.cancelled is None:
+        if _clean_end(reason) and exchange.stopped_by() is None:
             self._notify(b"", done=True)
         else:
-            self._notify(b"", done=True, error=exchange.body_error(reason))
+            self._notify(b"", done=True, error=exchange.body_error())
         exchange.succeed(None)
 
 
@@ -724,15 +720,17 @@ class HttpRequests:
             if not held:
                 del self.in_flight[exchange.conn]
 
+    def _cancel_all(self, conn: Any, reason: str) -> None:
+        for exchange in list(self.in_flight.get(conn, ())):
+            exchange.cancel(reason)
+
     def connection_closed(self, conn: Any) -> None:
         """Cancel every request of ``conn`` still running (its sockets closed)."""
-        for exchange in list(self.in_flight.get(conn, ())):
-            exchange.cancel(CANCELLED)
+        self._cancel_all(conn, CANCELLED)
 
     def connection_shutting_down(self, conn: Any) -> None:
         """End ``conn``'s requests, answered with an error, so its shutdown does not wait."""
-        for exchange in list(self.in_flight.get(conn, ())):
-            exchange.cancel(SHUTTING_DOWN)
+        self._cancel_all(conn, SHUTTING_DOWN)
 
 
 #: The answer to every ``http/request`` under a floor without network.

@@ -281,9 +281,7 @@ class FileHandles:
             raise RpcError.invalid_request(
                 f"file read block length must be between 1 and {MAX_BLOCK_BYTES}"
             )
-        handle = self._by_conn.get(conn, {}).get(handle_id)
-        if handle is None:
-            raise RpcError(NOT_FOUND, f"unknown file handle `{handle_id}`")
+        handle = self._open_handle(conn, handle_id)
         return self._use(
             conn, handle_id, handle, read_block, params.offset, params.len
         ).addCallback(lambda block: FsReadBlockResponse(*block))
@@ -302,12 +300,17 @@ class FileHandles:
             raise RpcError.invalid_request(
                 "file write range exceeds the signed 64-bit file offset limit"
             )
-        handle = self._by_conn.get(conn, {}).get(handle_id)
-        if handle is None:
-            raise RpcError(NOT_FOUND, f"unknown file handle `{handle_id}`")
+        handle = self._open_handle(conn, handle_id)
         return self._use(conn, handle_id, handle, write_block, params.offset, data).addCallback(
             lambda _: p.Empty()
         )
+
+    def _open_handle(self, conn: object, handle_id: str) -> _Handle:
+        """``conn``'s open handle ``handle_id`` (the reference's -32004 if there is none)."""
+        handle = self._by_conn.get(conn, {}).get(handle_id)
+        if handle is None:
+            raise RpcError(NOT_FOUND, f"unknown file handle `{handle_id}`")
+        return handle
 
     def _use(
         self, conn: object, handle_id: str, handle: _Handle, func: Any, *args: Any
