@@ -816,16 +816,25 @@ def decode_long_params(
     if not isinstance(cut, tuple):
         return decode_params(raw, params_type)
     cut_raw, (opening, closing) = cut
+    params = _restored(cut_raw, params_type, attribute, memoryview(line)[opening : closing + 1])
+    return decode_params(raw, params_type) if params is None else params
+
+
+def _restored(
+    cut_raw: msgspec.Raw | None, params_type: type[T], attribute: str, string: memoryview
+) -> T | None:
+    """``cut_raw`` (params with the stand-in) decoded, its field ``attribute`` set to
+    ``string`` (a view: no copy); None if it does not decode or the stand-in is
+    not that field's value (the full decode gives the exact answer)."""
     try:
         params = decode_as(cut_raw, params_type)
-    except Exception:  # the full decode gives the exact answer
-        return decode_params(raw, params_type)
+    except Exception:
+        return None
     value = getattr(params, attribute, None)
     if not isinstance(value, msgspec.Raw) or bytes(value) != _STAND_IN:
-        return decode_params(raw, params_type)
-    data = msgspec.Raw(memoryview(line)[opening : closing + 1])  # a view: no copy
+        return None
     # (params is a Struct: params_type declares a long string only then.)
-    return msgspec.structs.replace(params, **{attribute: data})  # type: ignore[type-var]
+    return msgspec.structs.replace(params, **{attribute: msgspec.Raw(string)})  # type: ignore[type-var]
 
 
 def _cut(line: memoryview, span: tuple[int, int]) -> bytes:
@@ -868,23 +877,18 @@ def _streamed_params(
     """:func:`decode_long_params` for a request from :func:`decode_streamed` (``raw``: the
     params of the copy). The result carries the sink as ``streamed``."""
     span = line.sink.span()
-    try:
-        assert span is not None
-        params = decode_as(raw, params_type)
-        value = getattr(params, attribute, None)
-        if not isinstance(value, msgspec.Raw) or bytes(value) != _STAND_IN:
-            raise ValueError("the consumed string is not the field")
+    params = None
+    if span is not None:
         opening, closing = span
-        data = msgspec.Raw(line.line[opening : closing + 1])
-        params = msgspec.structs.replace(params, **{attribute: data})  # type: ignore[type-var]
-        params.streamed = line.sink  # type: ignore[attr-defined]
-    except Exception:
+        params = _restored(raw, params_type, attribute, line.line[opening : closing + 1])
+    if params is None:
         # Not the field, or the params do not decode: the line's own
         # params give the exact answer (the sink is not used).
         line.sink.abort()
         full = _envelope_decoder.decode(line.line)
         whole = full.params if isinstance(full.params, msgspec.Raw) else None
         return decode_long_params(line.line, whole, params_type, key, attribute)
+    params.streamed = line.sink  # type: ignore[attr-defined]
     return params
 
 

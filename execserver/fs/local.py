@@ -40,6 +40,7 @@ from execserver import protocol as p
 from execserver.codec import RenderedParts
 from execserver.fs import b64
 from execserver.fs.paths import lossy, lstatx, os_error, unix_ms
+from execserver.sandbox.policy import is_within
 
 #: File system types whose calls never wait on another machine or process.
 LOCAL_TYPES: Final = frozenset(
@@ -135,7 +136,7 @@ class Locality:
                 self._remote = frozenset({"/"})
             self._remote_read_at = now
         remote = self._remote
-        if any(point in ("/", directory) or directory.startswith(point + "/") for point in remote):
+        if any(is_within(directory, point) for point in remote):
             return
         try:
             if os.path.realpath(directory, strict=True) != directory:

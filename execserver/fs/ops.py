@@ -42,6 +42,7 @@ from execserver.fs.paths import (
     unix_ms,
 )
 from execserver.fs.pool import check_cancelled
+from execserver.sandbox.policy import is_within
 
 #: fs/readFile of a file up to this size takes one pool trip: its reply's
 #: budget for this size is reserved up front, and the file read at once.
@@ -866,7 +867,7 @@ def _is_same_or_descendant(source: str, destination: str) -> bool:
         existing, name = os.path.split(existing)
         suffix.append(name)
     resolved = os.path.join(os.path.realpath(existing, strict=True), *reversed(suffix))
-    return src in ("/", resolved) or resolved.startswith(src + "/")
+    return is_within(resolved, src)
 
 
 def _copy_tree(source: str, target: str, mode: int) -> None:

@@ -638,7 +638,7 @@ class SandboxEngine:
             elif (
                 not full_read
                 or seen.access(os.path.dirname(path) or "/") != "read"
-                or path.startswith("/dev")
+                or is_within(path, "/dev")
             ):
                 args += ["--ro-bind-try", path, path]
         for real, link in links:
