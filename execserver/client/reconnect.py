@@ -61,7 +61,7 @@ from execserver.client.errors import (
 )
 from execserver.client.process import RemoteProcess
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import resume_session, through_drops
+from execserver.clientcore.session import Dialing, resume_session, through_drops
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -563,24 +563,27 @@ class ResumingClient(_FollowsSession):
             await new.adopt(waiting, self)
 
         try:
-            await resume_session(
+            dialing = Dialing(
                 lambda: self._dial(session_id),
-                session_id,
-                attempts,
                 session_of=lambda client: client.session_id,
                 discard=discard,
                 now=self._reactor.seconds,
                 sleep=sleep,
                 refused=lambda exc: isinstance(exc.__cause__, Refused),
                 stopped=lambda: self._stopped,
+                on_retry=lambda cause: log.info(
+                    "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
+                ),
+            )
+            await resume_session(
+                dialing,
+                session_id,
+                attempts,
                 adopt=adopt,
                 is_up=lambda client: client.is_connected,
                 dropped_because=lambda client: client.rpc.closed_reason,
                 resumed=self._waiters.fire,
                 give_up=lambda cause: self._give_up(self.client, cause),
-                on_retry=lambda cause: log.info(
-                    "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
-                ),
             )
         finally:
             self._resuming = False
