@@ -225,14 +225,13 @@ class _FollowsSession(ClientApi):
         async def run() -> RemoteProcess:
             client = await self._next_client()
             params = client._start_params(argv, **kwargs)
-            handle = RemoteProcess(client, params.process_id, client._backlog_bytes)
-            handle.detach = detach
+            handle = client._new_handle(params, detach)
 
             async def send(client: ExecServerClient, again: bool) -> RemoteProcess:
                 # Sent again (same processId) once the session is resumed
                 # when it was in flight at a drop; "already exists" then
                 # says the first one was carried out.
-                return await client._start(params, detach, handle, again=again)
+                return await client._start(params, handle, again=again)
 
             await self._through_drops(send, p.PROCESS_START, params, first=client)
             # Requests of the handle follow the session across connections.
