@@ -21,6 +21,7 @@ from execserver.clientcore.errors import (
 )
 from execserver.clientcore.resume import ResumeAttempts
 from execserver.clientcore.session import (
+    Dialing,
     GaveUp,
     first_dial,
     redial,
@@ -112,6 +113,26 @@ class Clock:
         self.now += seconds
 
 
+def dialing(
+    dial: Callable[[], Awaitable[Any]],
+    clock: Clock,
+    discard: Callable[[Any], Awaitable[None]],
+    *,
+    refused: bool,
+    stopped: Callable[[], bool],
+) -> Dialing[Any]:
+    """The dial hooks of a client of ``Conn``/``Resumed`` sessions on ``clock``."""
+    return Dialing(
+        dial,
+        session_of=lambda conn: conn.session,
+        discard=discard,
+        now=lambda: clock.now,
+        sleep=clock.sleep,
+        refused=lambda exc: refused,
+        stopped=stopped,
+    )
+
+
 def redialling(dial: Callable[[], Awaitable[Conn]], clock: Clock, **kwargs: Any) -> Any:
     discarded: list[Conn] = kwargs.pop("discarded", [])
 
@@ -119,15 +140,9 @@ def redialling(dial: Callable[[], Awaitable[Conn]], clock: Clock, **kwargs: Any)
         discarded.append(conn)
 
     return redial(
-        dial,
+        dialing(dial, clock, discard, refused=True, stopped=kwargs.pop("stopped", lambda: False)),
         "s1",
         ResumeAttempts(60.0, clock.now, "dropped"),
-        session_of=lambda conn: conn.session,
-        discard=discard,
-        now=lambda: clock.now,
-        sleep=clock.sleep,
-        refused=lambda exc: True,
-        stopped=kwargs.pop("stopped", lambda: False),
     )
 
 
@@ -194,15 +209,9 @@ def resuming(dials: list[Resumed | Exception], clock: Clock, trail: list[object]
         trail.append(("adopt", conn.session, conn.up))
 
     return resume_session(
-        dial,
+        dialing(dial, clock, discard, refused=False, stopped=lambda: False),
         "s1",
         ResumeAttempts(60.0, clock.now, "dropped"),
-        session_of=lambda conn: conn.session,
-        discard=discard,
-        now=lambda: clock.now,
-        sleep=clock.sleep,
-        refused=lambda exc: False,
-        stopped=lambda: False,
         adopt=adopt,
         is_up=lambda conn: conn.up,
         dropped_because=lambda conn: "dropped again",

@@ -69,7 +69,7 @@ from execserver.clientcore.follow import ProcessTable, decode_output, end_proces
 from execserver.clientcore.initialize import initialize_params
 from execserver.clientcore.process import DEFAULT_BACKLOG_BYTES
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import first_dial, resume_session, through_drops
+from execserver.clientcore.session import Dialing, first_dial, resume_session, through_drops
 from execserver.clientcore.start import exec_params
 from execserver.clientcore.transfer import TRANSFER_CHUNK_BYTES, Progress
 from execserver.clientcore.types import (
@@ -375,16 +375,21 @@ class Client:
                 if not waiter.done():
                     waiter.set_result(dialled[0])
 
-        await resume_session(
+        dialing = Dialing(
             lambda: self._dialer.open(session_id),
-            session_id,
-            ResumeAttempts(ttl, loop.time(), reason),
             session_of=lambda dialled: dialled[2].session_id,
             discard=discard,
             now=loop.time,
             sleep=asyncio.sleep,
             refused=lambda exc: isinstance(exc.__cause__, ConnectionRefusedError),
             stopped=lambda: self._closing,
+            retry_on=ExecServerError,
+            on_retry=lambda cause: log.info("resuming session %s failed: %s", session_id, cause),
+        )
+        await resume_session(
+            dialing,
+            session_id,
+            ResumeAttempts(ttl, loop.time(), reason),
             adopt=adopt,
             # Dropped again meanwhile (this task still running, no other was
             # started): resume again; the handles wait.
@@ -392,8 +397,6 @@ class Client:
             dropped_because=lambda dialled: dialled[0].closed_reason,
             resumed=resumed,
             give_up=self._give_up,
-            retry_on=ExecServerError,
-            on_retry=lambda cause: log.info("resuming session %s failed: %s", session_id, cause),
         )
 
     async def _catch_up_all(self, rpc: AsyncRpc) -> None:

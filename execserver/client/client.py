@@ -382,27 +382,25 @@ class ExecServerClient(ClientApi, FileTransfers):
             idle_timeout_ms=idle_timeout_ms,
             sandbox=sandbox,
         )
-        return Deferred.fromCoroutine(self._start(params, detach))
+        return Deferred.fromCoroutine(self._start(params, self._new_handle(params, detach)))
 
     def _start_params(self, argv: Sequence[str] | p.ExecParams, **kwargs: Any) -> p.ExecParams:
         """``start_process``'s params (its keyword arguments but ``detach``)."""
         return exec_params(argv, self._table.new_process_id, **kwargs)
 
+    def _new_handle(self, params: p.ExecParams, detach: bool) -> RemoteProcess:
+        """The handle a start of ``params`` follows (not registered yet)."""
+        handle = RemoteProcess(self, params.process_id, self._backlog_bytes)
+        handle.detach = detach
+        return handle
+
     async def _start(
-        self,
-        params: p.ExecParams,
-        detach: bool = False,
-        handle: RemoteProcess | None = None,
-        *,
-        again: bool = False,
+        self, params: p.ExecParams, handle: RemoteProcess, *, again: bool = False
     ) -> RemoteProcess:
         """The start sequence of :meth:`ProcessTable.start` on this connection
         (``again``: sent again after a drop, same ``processId``; a drop during
         it raises :class:`ConnectionClosed` again, for the caller to send it
         once more on the next connection)."""
-        if handle is None:
-            handle = RemoteProcess(self, params.process_id, self._backlog_bytes)
-            handle.detach = detach
         await self._table.start(self._call, handle, params, again, self._catch_up)
         # A resumable session's drop keeps the handle for the resume to adopt.
         self._table.after_start(

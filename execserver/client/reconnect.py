@@ -61,7 +61,7 @@ from execserver.client.errors import (
 )
 from execserver.client.process import RemoteProcess
 from execserver.clientcore.resume import ResumeAttempts
-from execserver.clientcore.session import resume_session, through_drops
+from execserver.clientcore.session import Dialing, resume_session, through_drops
 from execserver.waiters import Waiters
 
 T = TypeVar("T")
@@ -225,14 +225,13 @@ class _FollowsSession(ClientApi):
         async def run() -> RemoteProcess:
             client = await self._next_client()
             params = client._start_params(argv, **kwargs)
-            handle = RemoteProcess(client, params.process_id, client._backlog_bytes)
-            handle.detach = detach
+            handle = client._new_handle(params, detach)
 
             async def send(client: ExecServerClient, again: bool) -> RemoteProcess:
                 # Sent again (same processId) once the session is resumed
                 # when it was in flight at a drop; "already exists" then
                 # says the first one was carried out.
-                return await client._start(params, detach, handle, again=again)
+                return await client._start(params, handle, again=again)
 
             await self._through_drops(send, p.PROCESS_START, params, first=client)
             # Requests of the handle follow the session across connections.
@@ -563,24 +562,27 @@ class ResumingClient(_FollowsSession):
             await new.adopt(waiting, self)
 
         try:
-            await resume_session(
+            dialing = Dialing(
                 lambda: self._dial(session_id),
-                session_id,
-                attempts,
                 session_of=lambda client: client.session_id,
                 discard=discard,
                 now=self._reactor.seconds,
                 sleep=sleep,
                 refused=lambda exc: isinstance(exc.__cause__, Refused),
                 stopped=lambda: self._stopped,
+                on_retry=lambda cause: log.info(
+                    "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
+                ),
+            )
+            await resume_session(
+                dialing,
+                session_id,
+                attempts,
                 adopt=adopt,
                 is_up=lambda client: client.is_connected,
                 dropped_because=lambda client: client.rpc.closed_reason,
                 resumed=self._waiters.fire,
                 give_up=lambda cause: self._give_up(self.client, cause),
-                on_retry=lambda cause: log.info(
-                    "resuming session {sid} failed: {cause}", sid=session_id, cause=cause
-                ),
             )
         finally:
             self._resuming = False

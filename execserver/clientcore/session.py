@@ -16,8 +16,9 @@ returning its connection type ``C``, a ``now`` and a ``sleep``) and to dial:
   ``processId`` once the session is resumed (``again=True``), where
   "process ID already exists" says the first one was carried out
   (:func:`execserver.clientcore.follow.send_start`);
-- **re-dialling** (:func:`redial`): dial with the backoff and give-up rules
-  of :class:`~execserver.clientcore.resume.ResumeAttempts` until a
+- **re-dialling** (:func:`redial`, with the client's :class:`Dialing`
+  hooks): dial with the backoff and give-up rules of
+  :class:`~execserver.clientcore.resume.ResumeAttempts` until a
   connection of the same session comes, or the cause to give up;
 - **resuming** (:func:`resume_session`): after a drop, re-dial
   (:func:`redial`), then adopt the handles on the resumed connection and
@@ -108,19 +109,31 @@ class GaveUp(Generic[C]):
     stray: C | None = None
 
 
+@attrs.frozen
+class Dialing(Generic[C]):
+    """How a client dials its session again: the hooks :func:`redial` (and
+    :func:`resume_session` through it) follow a session with.
+
+    ``dial()`` makes a connection; ``session_of`` names its session;
+    ``discard`` closes one not wanted; ``now``/``sleep`` are the client's
+    clock; ``refused`` tells a refused connection by the client's own typed
+    cause; ``stopped()`` says the client stopped; a dial failing with
+    ``retry_on`` is retried (``on_retry(cause)`` told before the backoff).
+    """
+
+    dial: Callable[[], Awaitable[C]]
+    session_of: Callable[[C], str | None]
+    discard: Callable[[C], Awaitable[None]]
+    now: Callable[[], float]
+    sleep: Callable[[float], Awaitable[None]]
+    refused: Callable[[Exception], bool]
+    stopped: Callable[[], bool]
+    retry_on: type[Exception] = Exception
+    on_retry: Callable[[str], None] = lambda cause: None
+
+
 async def redial(
-    dial: Callable[[], Awaitable[C]],
-    session_id: str | None,
-    attempts: ResumeAttempts,
-    *,
-    session_of: Callable[[C], str | None],
-    discard: Callable[[C], Awaitable[None]],
-    now: Callable[[], float],
-    sleep: Callable[[float], Awaitable[None]],
-    refused: Callable[[Exception], bool],
-    stopped: Callable[[], bool],
-    retry_on: type[Exception] = Exception,
-    on_retry: Callable[[str], None] = lambda cause: None,
+    dialing: Dialing[C], session_id: str | None, attempts: ResumeAttempts
 ) -> C | GaveUp[C] | None:
     """Dial until a connection of ``session_id`` comes (returned), or until
     ``attempts`` gives up (:class:`GaveUp`); None once ``stopped()`` (a
@@ -131,46 +144,38 @@ async def redial(
     connection of another session (the server started a new one: the old one
     is gone) ends the attempts, handed back as the ``stray`` to close.
     """
-    while not stopped():
+    while not dialing.stopped():
         try:
-            connection = await dial()
-        except retry_on as exc:
-            cause = attempts.failed(exc, now(), refused=refused(exc))
+            connection = await dialing.dial()
+        except dialing.retry_on as exc:
+            cause = attempts.failed(exc, dialing.now(), refused=dialing.refused(exc))
             if cause is not None:
                 return GaveUp(cause)
         else:
-            if stopped():
-                await discard(connection)
+            if dialing.stopped():
+                await dialing.discard(connection)
                 return None
-            if session_of(connection) != session_id:
+            if dialing.session_of(connection) != session_id:
                 return GaveUp("the server started a new session", connection)
             return connection
-        expired = attempts.expired(now())
+        expired = attempts.expired(dialing.now())
         if expired is not None:
             return GaveUp(expired)
-        on_retry(attempts.cause)
-        await sleep(attempts.next_delay())
+        dialing.on_retry(attempts.cause)
+        await dialing.sleep(attempts.next_delay())
     return None
 
 
 async def resume_session(
-    dial: Callable[[], Awaitable[C]],
+    dialing: Dialing[C],
     session_id: str | None,
     attempts: ResumeAttempts,
     *,
-    session_of: Callable[[C], str | None],
-    discard: Callable[[C], Awaitable[None]],
-    now: Callable[[], float],
-    sleep: Callable[[float], Awaitable[None]],
-    refused: Callable[[Exception], bool],
-    stopped: Callable[[], bool],
     adopt: Callable[[C], Awaitable[None]],
     is_up: Callable[[C], bool],
     dropped_because: Callable[[C], str | None],
     resumed: Callable[[C], None],
     give_up: Callable[[str], None],
-    retry_on: type[Exception] = Exception,
-    on_retry: Callable[[str], None] = lambda cause: None,
 ) -> None:
     """Follow session ``session_id`` after a drop, until it is resumed, lost
     or the client stops: what the asyncio client and ``ResumingClient`` do
@@ -186,29 +191,17 @@ async def resume_session(
     a stray connection of another session is ``discard``-ed.
     """
     while True:
-        outcome = await redial(
-            dial,
-            session_id,
-            attempts,
-            session_of=session_of,
-            discard=discard,
-            now=now,
-            sleep=sleep,
-            refused=refused,
-            stopped=stopped,
-            retry_on=retry_on,
-            on_retry=on_retry,
-        )
+        outcome = await redial(dialing, session_id, attempts)
         if outcome is None:
             return
         if isinstance(outcome, GaveUp):
             give_up(outcome.cause)
             if outcome.stray is not None:
-                await discard(outcome.stray)
+                await dialing.discard(outcome.stray)
             return
         await adopt(outcome)
         if not is_up(outcome):
-            attempts.restart(now(), dropped_because(outcome) or attempts.cause)
+            attempts.restart(dialing.now(), dropped_because(outcome) or attempts.cause)
             continue
         resumed(outcome)
         return
