@@ -472,12 +472,10 @@ class Containment(LimitControllers, Attribution):
 
     def _add(self, tree: Tree) -> None:
         self._trees.add(tree)
-        if isinstance(tree, CgroupTree):
-            self._schedule()
         if isinstance(tree, ScanTree):
             # A scan from before this tree existed knows none of its members.
             self._scanned_at = -1.0
-            self._schedule()
+        self._schedule()
 
     def _linger(self, tree: Tree) -> None:
         self._lingering.add(tree)
