@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -146,14 +147,12 @@ class CgroupTree(_Owned):
         if self.released:
             return
         _signal_group(self.leader, signal.SIGKILL)
-        try:
+        # Before Linux 5.14 there is no cgroup.kill: the members are
+        # signalled one by one below (a fork racing this is caught by the
+        # next check, which repeats the kill).
+        with contextlib.suppress(OSError):
             _write(os.path.join(self.path, "cgroup.kill"), "1")
-        except OSError:
-            # Before Linux 5.14: signal each member (a fork racing this is
-            # caught by the next check, which repeats the kill).
-            self.signal(signal.SIGKILL)
-        else:
-            self.signal(signal.SIGKILL)
+        self.signal(signal.SIGKILL)
 
     def _empty(self) -> bool:
         """No member is in the tree's cgroups (escapees aside)."""
