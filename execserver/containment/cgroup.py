@@ -52,13 +52,15 @@ class CgroupTree(_Owned):
         path: str,
         leader: int,
         placement: LimitPlacement | None = None,
+        born: int | None = None,
     ) -> None:
         self.path = path
         self._events = os.path.join(path, "cgroup.events")
         self.leader = leader
         self.placement = placement
-        #: Boot ticks just before the spawn: no member can be older.
-        self.born = boot_ticks()
+        #: Boot ticks just before the spawn: no member can be older
+        #: (``born``: read by the spawn; None: now).
+        self.born = boot_ticks() if born is None else born
         #: Descendants found outside the cgroup(s) (root can move itself),
         #: pid -> start time: attributed by lineage while their parent
         #: lives, by elimination once they are orphans adopted by the server.

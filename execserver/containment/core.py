@@ -453,10 +453,9 @@ class Containment(LimitControllers, Attribution):
                     pid=pid,
                     error=exc,
                 )
-        tree = CgroupTree(self, path, pid, placement)
-        # Read before the spawn: the leader's start time (taken at its fork)
-        # is never before it, which the lineage checks rely on.
-        tree.born = born
+        # ``born`` was read before the spawn: the leader's start time (taken
+        # at its fork) is never before it, which the lineage checks rely on.
+        tree = CgroupTree(self, path, pid, placement, born)
         self._add(tree)
         if not exact:
             tree.kill()
