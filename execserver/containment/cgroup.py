@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -51,13 +52,15 @@ class CgroupTree(_Owned):
         path: str,
         leader: int,
         placement: LimitPlacement | None = None,
+        born: int | None = None,
     ) -> None:
         self.path = path
         self._events = os.path.join(path, "cgroup.events")
         self.leader = leader
         self.placement = placement
-        #: Boot ticks just before the spawn: no member can be older.
-        self.born = boot_ticks()
+        #: Boot ticks just before the spawn: no member can be older
+        #: (``born``: read by the spawn; None: now).
+        self.born = boot_ticks() if born is None else born
         #: Descendants found outside the cgroup(s) (root can move itself),
         #: pid -> start time: attributed by lineage while their parent
         #: lives, by elimination once they are orphans adopted by the server.
@@ -146,14 +149,12 @@ class CgroupTree(_Owned):
         if self.released:
             return
         _signal_group(self.leader, signal.SIGKILL)
-        try:
+        # Before Linux 5.14 there is no cgroup.kill: the members are
+        # signalled one by one below (a fork racing this is caught by the
+        # next check, which repeats the kill).
+        with contextlib.suppress(OSError):
             _write(os.path.join(self.path, "cgroup.kill"), "1")
-        except OSError:
-            # Before Linux 5.14: signal each member (a fork racing this is
-            # caught by the next check, which repeats the kill).
-            self.signal(signal.SIGKILL)
-        else:
-            self.signal(signal.SIGKILL)
+        self.signal(signal.SIGKILL)
 
     def _empty(self) -> bool:
         """No member is in the tree's cgroups (escapees aside)."""

@@ -453,10 +453,9 @@ class Containment(LimitControllers, Attribution):
                     pid=pid,
                     error=exc,
                 )
-        tree = CgroupTree(self, path, pid, placement)
-        # Read before the spawn: the leader's start time (taken at its fork)
-        # is never before it, which the lineage checks rely on.
-        tree.born = born
+        # ``born`` was read before the spawn: the leader's start time (taken
+        # at its fork) is never before it, which the lineage checks rely on.
+        tree = CgroupTree(self, path, pid, placement, born)
         self._add(tree)
         if not exact:
             tree.kill()
@@ -472,12 +471,10 @@ class Containment(LimitControllers, Attribution):
 
     def _add(self, tree: Tree) -> None:
         self._trees.add(tree)
-        if isinstance(tree, CgroupTree):
-            self._schedule()
         if isinstance(tree, ScanTree):
             # A scan from before this tree existed knows none of its members.
             self._scanned_at = -1.0
-            self._schedule()
+        self._schedule()
 
     def _linger(self, tree: Tree) -> None:
         self._lingering.add(tree)

@@ -266,14 +266,8 @@ def _key_value(text: str | None, key: str) -> int:
     """``key``'s value in a flat-keyed control file's text (0 if absent)."""
     if not text:
         return 0
-    at = ("\n" + text).find("\n" + key + " ")
-    if at < 0:
-        return 0
-    end = text.find("\n", at)
-    try:
-        return int(text[at + len(key) : end if end >= 0 else None])
-    except ValueError:
-        return 0
+    head = key.encode() + b" "
+    return _counter_value(text.encode(), head, b"\n" + head)
 
 
 class V1Set:
